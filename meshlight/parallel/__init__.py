@@ -1,0 +1,28 @@
+"""The parallel mechanisms, one per file, as plain functions on (module, mesh); no Lightning imports."""
+
+from meshlight.parallel.checkpoint import checkpoint_keys, load_checkpoint, load_model_weights, save_checkpoint
+from meshlight.parallel.clip import clip_grad_norm_, total_grad_norm
+from meshlight.parallel.data_parallel import apply_data_parallel, gradient_accumulation, repeated_blocks
+from meshlight.parallel.layout import MESH_AXES, ParallelLayout, build_device_mesh
+from meshlight.parallel.optimizers import adapt_optimizer
+from meshlight.parallel.parallelize import parallelize
+from meshlight.parallel.traffic import CollectiveTraffic, bytes_sent_per_rank
+
+__all__ = [
+    "MESH_AXES",
+    "CollectiveTraffic",
+    "ParallelLayout",
+    "adapt_optimizer",
+    "apply_data_parallel",
+    "build_device_mesh",
+    "bytes_sent_per_rank",
+    "checkpoint_keys",
+    "clip_grad_norm_",
+    "gradient_accumulation",
+    "load_checkpoint",
+    "load_model_weights",
+    "parallelize",
+    "repeated_blocks",
+    "save_checkpoint",
+    "total_grad_norm",
+]

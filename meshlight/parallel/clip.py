@@ -1,0 +1,75 @@
+"""Gradient-norm clipping by the true global norm of a model split across ranks.
+
+``torch.nn.utils.clip_grad_norm_`` is right for replicated gradients (DDP) and for DTensors that all live
+on one mesh, but it fails or silently under-counts when a model mixes plain tensors with DTensors on
+different meshes (FSDP-sharded dense weights next to expert-sharded weights) or is split into pipeline
+stages. Here the norm is computed per group of gradients sharing a mesh and placements — DTensor
+reductions count every sharded element once and replicated copies once — and stage norms are then summed
+over the pipeline group.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+__all__ = ["clip_grad_norm_", "total_grad_norm"]
+
+
+def total_grad_norm(
+    parameters: Iterable[Tensor],
+    norm_type: float = 2.0,
+    pipeline_group: Optional[dist.ProcessGroup] = None,
+) -> Tensor:
+    """The ``norm_type``-norm of all gradients of the whole model, identical on every rank.
+
+    ``pipeline_group``: the ranks holding the other stages of this rank's model replica (None: not pipelined).
+    """
+    norm_type = float(norm_type)
+    norms = []
+    for grads in _grads_by_layout(parameters):
+        norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.nn.utils.get_total_norm(norms, norm_type)
+    if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
+        if norm_type == float("inf"):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pipeline_group)
+        else:
+            total = total**norm_type
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pipeline_group)
+            total = total ** (1.0 / norm_type)
+    return total
+
+
+def clip_grad_norm_(
+    parameters: Union[Tensor, Iterable[Tensor]],
+    max_norm: float,
+    norm_type: float = 2.0,
+    pipeline_group: Optional[dist.ProcessGroup] = None,
+    error_if_nonfinite: bool = False,
+) -> Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; returns the norm before clipping."""
+    parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    total = total_grad_norm(parameters, norm_type, pipeline_group)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}).")
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grads in _grads_by_layout(parameters):
+        torch._foreach_mul_(grads, scale.to(grads[0].device))
+    return total
+
+
+def _grads_by_layout(parameters: Iterable[Tensor]) -> list[list[Tensor]]:
+    """Gradients grouped so that each group is plain tensors or DTensors of one mesh and placement."""
+    groups: dict[object, list[Tensor]] = defaultdict(list)
+    for param in parameters:
+        grad = param.grad
+        if grad is not None:
+            groups[(grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None].append(grad)
+    return list(groups.values())

@@ -1,0 +1,151 @@
+"""Data parallelism over the mesh's data axes: DDP (ZeRO-0) or ZeRO stages 1–3, all on PyTorch's engines.
+
+Stage mapping onto FSDP2 (``fully_shard``, parameters as DTensors sharded on dim 0):
+
+====== ========================= ================================================ =========================
+stage  reshard_after_forward     while accumulating gradients (no optimizer step)  bytes per step (no accum.)
+====== ========================= ================================================ =========================
+0      — (DDP, ``replicate``)    gradients kept locally, no all-reduce              all-reduce P
+1      False                     full gradients kept locally, no reduce-scatter     gather P + reduce-scatter P
+2      False                     gradients reduce-scattered every micro-batch       gather P + reduce-scatter P
+3      True                      (as 2) and parameters re-gathered in backward      gather 2P + reduce-scatter P
+====== ========================= ================================================ =========================
+
+Every stage shards optimizer state; the optimizer steps each rank's shard and the next forward gathers
+the updated parameters, so stages 1 and 2 move exactly DDP's 2·P·(N−1)/N bytes. Unlike a flat-buffer
+ZeRO, shards are whole rows of each tensor, so non-elementwise optimizers (Adafactor's factored moments)
+stay exact. Between steps FSDP2 frees the gathered parameters in every stage, so per-rank memory after a
+step is at most the classic ZeRO formula for the stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from itertools import chain
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate import DDP as ReplicatedModule
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.utils import _sync_params_and_buffers
+
+__all__ = [
+    "apply_data_parallel",
+    "broadcast_module_states",
+    "data_parallel_mesh",
+    "gradient_accumulation",
+    "is_data_parallel",
+    "repeated_blocks",
+]
+
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+
+
+def repeated_blocks(module: nn.Module) -> list[nn.Module]:
+    """The entries of the outermost ``ModuleList``/``ModuleDict`` containers that hold parameters.
+
+    These are a transformer's blocks: the units that FSDP gathers one at a time and that pipeline
+    stages and activation checkpointing work on.
+    """
+    blocks: list[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            entries = child.values() if isinstance(child, nn.ModuleDict) else child
+            blocks.extend(entry for entry in entries if next(entry.parameters(), None) is not None)
+        else:
+            blocks.extend(repeated_blocks(child))
+    return blocks
+
+
+def data_parallel_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:
+    """The mesh data parallelism runs on: flattened ``dp`` for DDP; ``dp_shard`` (or the 2-D hybrid
+    ``dp_replicate × dp_shard`` when replicating too) for ZeRO."""
+    if zero == 0:
+        return mesh["dp"]
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def apply_data_parallel(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    zero: int,
+    *,
+    blocks: Optional[Sequence[nn.Module]] = None,
+    ddp_kwargs: Optional[dict[str, Any]] = None,
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
+    offload_policy: Optional[OffloadPolicy] = None,
+) -> nn.Module:
+    """Make ``module`` data parallel in place over ``mesh``'s data axes with ZeRO stage ``zero``.
+
+    ``module`` becomes the root whose forward triggers the collectives. ``blocks`` (default:
+    :func:`repeated_blocks`) are sharded as separate FSDP units so only one is gathered at a time.
+    """
+    dp_mesh = data_parallel_mesh(mesh, zero)
+    if zero == 0:
+        # Composable DDP: the real DDP reducer (bucketed all-reduce overlapped with backward) installed as
+        # hooks on `module`, which keeps its class and parameter names.
+        return replicate(module, process_group=dp_mesh.get_group(), **(ddp_kwargs or {}))
+    # DDP broadcasts rank 0's weights at construction; FSDP2 does not, so do it here. Without it, a model
+    # initialized from an unseeded RNG would be assembled from a different initialization on every rank.
+    broadcast_module_states(module, mesh["dp"])
+    options: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": zero == 3}
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        options["offload_policy"] = offload_policy
+    for block in repeated_blocks(module) if blocks is None else blocks:
+        fully_shard(block, **options)
+    # The root keeps its gathered parameters after forward in every stage: backward needs them first.
+    fully_shard(module, **options)
+    return module
+
+
+def is_data_parallel(module: nn.Module) -> bool:
+    """Whether DDP or FSDP was already applied to ``module`` or inside it (e.g. in ``configure_model``)."""
+    return any(isinstance(m, (FSDPModule, ReplicatedModule)) for m in module.modules())
+
+
+@contextmanager
+def gradient_accumulation(module: nn.Module, zero: int) -> Iterator[None]:
+    """Within this context, backward passes accumulate gradients without the optimizer step's traffic.
+
+    DDP and ZeRO-1 skip gradient reduction entirely until the last micro-batch; ZeRO-2 still
+    reduce-scatters each micro-batch (its gradients are sharded) but, like ZeRO-1, keeps the gathered
+    parameters instead of re-gathering them for every micro-batch. ZeRO-3 changes nothing.
+    """
+    fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    ddp_modules = [m for m in module.modules() if isinstance(m, ReplicatedModule)]
+    keep_gradients_local = zero in (0, 1)
+    keep_parameters = zero in (1, 2)
+    try:
+        for m in ddp_modules:
+            m.set_requires_gradient_sync(not keep_gradients_local)
+        for m in fsdp_modules:
+            m.set_requires_gradient_sync(not keep_gradients_local, recurse=False)
+            m.set_reshard_after_backward(not keep_parameters, recurse=False)
+        yield
+    finally:
+        for m in ddp_modules:
+            m.set_requires_gradient_sync(True)
+        for m in fsdp_modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+            m.set_reshard_after_backward(True, recurse=False)
+
+
+def broadcast_module_states(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Copy the parameters and buffers of the mesh's first rank to all its ranks (local shards of DTensors)."""
+    group = mesh.get_group()
+    if group.size() == 1:
+        return
+    states = [t.to_local() if isinstance(t, DTensor) else t for t in chain(module.parameters(), module.buffers())]
+    states = [t.detach() for t in states if not t.is_meta]
+    with torch.no_grad():
+        _sync_params_and_buffers(group, states, _BROADCAST_BUCKET_BYTES, src=0)
+

@@ -1,0 +1,168 @@
+"""How the world's ranks are divided among the parallelisms, and the one device mesh built from that.
+
+A :class:`ParallelLayout` is validated against the world size before any process group exists, so a
+bad layout fails in every process at once with one sentence that names the fix, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Literal, Union
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["MESH_AXES", "ParallelLayout", "build_device_mesh"]
+
+#: Axes of the device mesh, outermost first: pipeline stages span the slowest links, tensor
+#: parallelism the fastest. The flattened ``"dp"`` axis (replicate × shard) is added by
+#: :func:`build_device_mesh`.
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+_SIZE_FIELDS = ("dp_replicate", "dp_shard", "pp", "tp", "ep")
+_ZERO_STAGES = (0, 1, 2, 3)
+
+Size = Union[int, Literal["auto"]]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of each parallel dimension; their product ``dp_replicate·dp_shard·pp·tp`` is the world size.
+
+    ``zero`` is the ZeRO stage of the data-parallel dimension: 0 replicates everything (DDP), 1 shards
+    optimizer state, 2 also gradients, 3 also parameters. Sharding happens over ``dp_shard``;
+    ``dp_replicate`` keeps full copies (plain DDP, or the replicate half of hybrid sharding).
+    Expert parallelism borrows ranks from data parallelism, so ``ep`` divides ``dp_replicate·dp_shard``.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    pp: int = 1
+    tp: int = 1
+    ep: int = 1
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        for name in _SIZE_FIELDS:
+            _check_size(name, getattr(self, name))
+        if self.zero not in _ZERO_STAGES:
+            raise ValueError(
+                f"zero={self.zero!r} is not a ZeRO stage: choose 0 (plain data parallel), 1 (shard optimizer state),"
+                " 2 (also gradients) or 3 (also parameters)."
+            )
+        if self.zero == 0 and self.dp_shard > 1:
+            raise ValueError(
+                f"dp_shard={self.dp_shard} shards nothing with zero=0: set zero to 1, 2 or 3, or move those ranks to"
+                f" dp_replicate={self.dp_replicate * self.dp_shard}."
+            )
+        if self.dp % self.ep:
+            raise ValueError(
+                f"ep={self.ep} does not divide the data-parallel size {self.dp}: expert parallelism borrows its ranks"
+                f" from data parallelism; choose ep in {_divisors(self.dp)}."
+            )
+
+    @property
+    def dp(self) -> int:
+        """Number of data-parallel replicas of the model (each reads different data)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @classmethod
+    def for_world(
+        cls,
+        world_size: int,
+        *,
+        dp_replicate: Size = 1,
+        dp_shard: Size = 1,
+        pp: int = 1,
+        tp: int = 1,
+        ep: int = 1,
+        zero: int = 0,
+    ) -> ParallelLayout:
+        """Resolve one ``"auto"`` data-parallel size from ``world_size`` and check the product.
+
+        Raises ``ValueError`` naming the nearest valid layout when the sizes cannot fill the world.
+        """
+        dp_sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard}
+        auto = [name for name, value in dp_sizes.items() if value == "auto"]
+        if len(auto) > 1:
+            raise ValueError("Only one of dp_replicate and dp_shard can be 'auto'.")
+        # Check each fixed size first, so that e.g. tp=0 is reported as such and not as a world mismatch.
+        for name, value in {**dp_sizes, "pp": pp, "tp": tp, "ep": ep}.items():
+            if value != "auto":
+                _check_size(name, value)
+        if auto:
+            fixed = {name: value for name, value in dp_sizes.items() if value != "auto"}
+            used = math.prod(fixed.values()) * pp * tp
+            if world_size % used:
+                raise ValueError(
+                    f"The world has {world_size} processes, which {_product_text(fixed, pp, tp)} = {used} does not"
+                    f" divide. {_fix_hint(world_size, pp, tp)}"
+                )
+            dp_sizes[auto[0]] = world_size // used
+        layout = cls(**dp_sizes, pp=pp, tp=tp, ep=ep, zero=zero)
+        layout.check_world(world_size)
+        return layout
+
+    def check_world(self, world_size: int) -> None:
+        if self.world_size != world_size:
+            raise ValueError(
+                f"{self} uses {self.world_size} processes but the world has {world_size}:"
+                f" dp_replicate·dp_shard·pp·tp must equal {world_size}. {_fix_hint(world_size, self.pp, self.tp)}"
+            )
+
+    def describe(self) -> str:
+        """One line for logs: ``dp=4 (shard 4, ZeRO-3) · pp=1 · tp=1 · ep=1``."""
+        dp = f"dp={self.dp}"
+        if self.dp > 1:
+            parts = [f"replicate {self.dp_replicate}"] if self.dp_replicate > 1 else []
+            parts += [f"shard {self.dp_shard}"] if self.dp_shard > 1 else []
+            dp += f" ({' × '.join(parts)}, {'ZeRO-' + str(self.zero) if self.zero else 'DDP'})"
+        return f"{dp} · pp={self.pp} · tp={self.tp} · ep={self.ep}"
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
+    """The one mesh every process group comes from: axes ``MESH_AXES`` plus the flattened ``"dp"``.
+
+    Must be called by every rank after the default process group is initialized.
+    """
+    layout.check_world(dist.get_world_size())
+    mesh = init_device_mesh(
+        device_type,
+        (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
+        mesh_dim_names=MESH_AXES,
+    )
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh
+
+
+def _check_size(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is not a valid size: every parallel size must be an integer >= 1.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _product_text(sizes: dict[str, int], pp: int, tp: int) -> str:
+    named = {**sizes, "pp": pp, "tp": tp}
+    return "·".join(f"{name}={value}" for name, value in named.items() if value != 1) or "the fixed sizes"
+
+
+def _fix_hint(world_size: int, pp: int, tp: int) -> str:
+    model = pp * tp
+    if world_size % model == 0:
+        return (
+            f"For example keep pp={pp}, tp={tp} and use data-parallel size {world_size // model}"
+            " (leave it 'auto' to have it computed)."
+        )
+    valid = [d for d in _divisors(world_size) if d > 1]
+    return f"pp·tp={model} must divide {world_size}; choose pp·tp in {[1, *valid]}."

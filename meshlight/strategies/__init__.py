@@ -1,0 +1,7 @@
+"""Lightning strategies: thin presets of :class:`MeshStrategy` over the mechanisms in :mod:`meshlight.parallel`."""
+
+from meshlight.strategies.data_parallel import DDPStrategy, ZeroStrategy
+from meshlight.strategies.mesh import MeshStrategy
+from meshlight.strategies.registry import STRATEGY_NAMES, register_with_lightning, resolve_strategy
+
+__all__ = ["DDPStrategy", "MeshStrategy", "STRATEGY_NAMES", "ZeroStrategy", "register_with_lightning", "resolve_strategy"]

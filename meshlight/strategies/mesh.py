@@ -1,0 +1,326 @@
+"""MeshStrategy: the Lightning strategy every meshlight strategy is a preset of.
+
+It owns one :class:`~meshlight.parallel.ParallelLayout` and the device mesh built from it, starts the
+process group under Lightning's launcher, ``torchrun`` or SLURM, applies the parallel transforms, shards
+the data by data-parallel rank, clips gradients by the global norm and saves reshardable checkpoints.
+The mechanics live in :mod:`meshlight.parallel`; this file wires them into Lightning's hooks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from meshlight.parallel.checkpoint import load_checkpoint, save_checkpoint
+from meshlight.parallel.clip import clip_grad_norm_
+from meshlight.parallel.data_parallel import gradient_accumulation, is_data_parallel
+from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh
+from meshlight.parallel.optimizers import adapt_optimizer
+from meshlight.parallel.parallelize import parallelize
+
+__all__ = ["MeshStrategy"]
+
+
+class MeshStrategy(ParallelStrategy):
+    """Train on a mesh of ``dp_replicate × dp_shard × pp × tp`` processes (one ``"auto"`` size fills the world).
+
+    Args:
+        dp_replicate, dp_shard, pp, tp, ep, zero: the :class:`~meshlight.parallel.ParallelLayout`.
+        ddp_kwargs: extra arguments for PyTorch DDP when ``zero=0`` (e.g. ``find_unused_parameters=True``).
+        process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
+        timeout: collective timeout.
+
+    The LightningModule can read the mesh as ``self.device_mesh`` (axes ``pp``, ``dp_replicate``,
+    ``dp_shard``, ``tp`` and the flattened ``dp``) in ``configure_model``; if it applies data parallelism
+    itself there, the strategy applies none.
+    """
+
+    strategy_name = "mesh"
+
+    def __init__(
+        self,
+        *,
+        dp_replicate: Size = "auto",
+        dp_shard: Size = 1,
+        pp: int = 1,
+        tp: int = 1,
+        ep: int = 1,
+        zero: int = 0,
+        ddp_kwargs: Optional[dict[str, Any]] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._sizes: dict[str, Any] = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, tp=tp, ep=ep, zero=zero)
+        self._ddp_kwargs = ddp_kwargs or {}
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._layout: Optional[ParallelLayout] = None
+        self._device_mesh: Optional[DeviceMesh] = None
+        self.num_nodes = 1
+
+    # ---------------------------------------------------------------- layout, mesh, ranks
+
+    @property
+    def layout(self) -> ParallelLayout:
+        if self._layout is None:
+            raise RuntimeError("The layout is resolved when the Trainer knows the world size; create the Trainer first.")
+        return self._layout
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists once processes have started (from `setup_environment` on).")
+        return self._device_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Read by Lightning's connector: makes Lightning insert a DistributedSampler.
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Data is split by data-parallel rank: all ranks of one tensor/pipeline group read the same batch.
+        dp_mesh = self.device_mesh["dp"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # sharded states load into the parallelized model
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # optimizer states are restored with the model, resharded, in `load_checkpoint`
+
+    def set_world_ranks(self) -> None:
+        """Called by the Trainer at construction, before any process is launched: resolves the layout."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._layout = ParallelLayout.for_world(self.world_size, **self._sizes)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        self._device_mesh = build_device_mesh(self.layout, self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+        rank_zero_info(f"meshlight {type(self).__name__}: {self.layout.describe()} on {self.world_size} processes")
+
+    # ---------------------------------------------------------------- model and optimizers
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.model = self._setup_model(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        # Lightning clips through the precision plugin; route clipping by norm to the mesh-aware version.
+        self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        """Wrap the LightningModule in the root that carries the parallel hooks, parallelizing it once."""
+        lightning_module = self.lightning_module
+        assert lightning_module is not None
+        runner = _RUNNERS.get(lightning_module)
+        if runner is None:
+            runner = _StepRunner(lightning_module)
+            if not is_data_parallel(lightning_module):
+                parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs)
+            _RUNNERS[lightning_module] = runner
+        return runner
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        # Optimizers made for a previous setup (fit, then test) hold the parameters of that setup.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+        self.optimizers = [adapt_optimizer(optimizer) for optimizer in self.optimizers]
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this for micro-batches that only accumulate gradients."""
+        assert self.model is not None
+        with gradient_accumulation(self.model, self.layout.zero):
+            yield
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> Tensor:
+        """Clip the optimizer's gradients by their norm over the whole model, however it is sharded."""
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        return clip_grad_norm_(parameters, clip_val, pipeline_group=self._pipeline_group())
+
+    def _pipeline_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        return self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
+
+    # ---------------------------------------------------------------- collectives
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+    ) -> Union[Tensor, Any]:
+        """Reduce over the whole world by default: ranks of one tensor/pipeline group hold equal values."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---------------------------------------------------------------- checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The sharded model state (DTensors stay sharded; nothing is gathered)."""
+        assert self.lightning_module is not None
+        return get_model_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The sharded optimizer state, keyed by parameter name so it reshards on load."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.lightning_module is not None
+        return get_optimizer_state_dict(self.lightning_module, optimizer)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} writes sharded checkpoints itself; `storage_options` is unsupported.")
+        path = self.broadcast(filepath)
+        save_checkpoint(path, checkpoint, write_metadata=self.is_global_zero)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = self.broadcast(checkpoint_path)
+        module = self.lightning_module
+        assert module is not None
+        return load_checkpoint(path, module, self.optimizers, strict=module.strict_loading, weights_only=weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded, resharded, in `load_checkpoint`
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded, resharded, in `load_checkpoint`
+
+
+class _StepRunner(nn.Module):
+    """The root module that carries the parallel hooks around a LightningModule.
+
+    Lightning runs ``training_step`` (and the other steps) through the strategy's model's forward, so the
+    hooks fire once per step; a ``self(x)`` call inside the step reaches the LightningModule directly and
+    does not re-enter them. Its parameters are the LightningModule's, under the ``module.`` prefix.
+    """
+
+    def __init__(self, module: LightningModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+# One parallelized root per LightningModule, so `fit` then `test` (or a second Trainer) reuses it.
+_RUNNERS: "weakref.WeakKeyDictionary[LightningModule, _StepRunner]" = weakref.WeakKeyDictionary()

@@ -1,0 +1,47 @@
+"""Strategy names: ``meshlight.Trainer`` resolves all of them; Lightning's registry gets the ones it lacks.
+
+``meshlight.Trainer(strategy="ddp")`` is meshlight's DDP; ``lightning.Trainer(strategy="ddp")`` stays
+Lightning's, while ``lightning.Trainer(strategy="zero3")`` finds meshlight's once meshlight is imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Union
+
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+from meshlight.strategies.data_parallel import DDPStrategy, ZeroStrategy
+
+__all__ = ["STRATEGY_NAMES", "register_with_lightning", "resolve_strategy"]
+
+
+class _Entry(NamedTuple):
+    cls: type[Strategy]
+    init: dict[str, Any]
+    description: str
+
+
+_ENTRIES: dict[str, _Entry] = {
+    "ddp": _Entry(DDPStrategy, {}, "meshlight DDP: replicated model, bucketed gradient all-reduce"),
+    "zero1": _Entry(ZeroStrategy, {"stage": 1}, "meshlight ZeRO-1: optimizer state sharded (FSDP2)"),
+    "zero2": _Entry(ZeroStrategy, {"stage": 2}, "meshlight ZeRO-2: optimizer state and gradients sharded (FSDP2)"),
+    "zero3": _Entry(ZeroStrategy, {"stage": 3}, "meshlight ZeRO-3: parameters, gradients, optimizer state sharded"),
+    "fsdp": _Entry(ZeroStrategy, {"stage": 3}, "meshlight ZeRO-3 (FSDP2)"),
+}
+
+STRATEGY_NAMES: tuple[str, ...] = tuple(_ENTRIES)
+
+
+def resolve_strategy(strategy: Union[str, Strategy]) -> Union[str, Strategy]:
+    """A meshlight strategy instance for a meshlight name; anything else is returned for Lightning to resolve."""
+    if isinstance(strategy, str) and strategy.lower() in _ENTRIES:
+        entry = _ENTRIES[strategy.lower()]
+        return entry.cls(**entry.init)
+    return strategy
+
+
+def register_with_lightning() -> None:
+    """Add the names Lightning does not define to its ``StrategyRegistry`` (idempotent)."""
+    for name, entry in _ENTRIES.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, entry.cls, description=entry.description, **entry.init)

@@ -1,0 +1,102 @@
+"""The parity experiment, shared by the distributed worker and the single-process control in the test.
+
+Control: one process trains GPT-tiny on a global batch of ``GLOBAL_BATCH`` sequences per step for
+``STEPS`` optimizer steps (fp32, dropout 0). Each strategy trains the same model on the same data with
+``GLOBAL_BATCH / world`` sequences per rank. Lightning's DistributedSampler shuffles training data with a
+seeded permutation that does not depend on the number of replicas; the control reads the same permutation
+through a one-replica DistributedSampler, so every step sees the same set of samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.data import DataLoader, DistributedSampler
+
+import meshlight as ml
+from meshlight.demos import AdditionDataModule, LitGPT
+from meshlight.models import GPTConfig
+
+GLOBAL_BATCH = 16
+STEPS = 20
+SEED = 0
+
+# name -> (LitGPT arguments, Trainer arguments)
+VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "adamw": ({}, {}),
+    "accumulate": ({}, {"accumulate_grad_batches": 2}),
+    "clip": ({}, {"gradient_clip_val": 1.0}),
+    "sgd": ({"optimizer": "sgd", "lr": 0.3}, {}),
+    "adafactor": ({"optimizer": "adafactor", "lr": 3e-2}, {}),
+}
+
+
+class Recorder(Callback):
+    """Logged (globally reduced) training loss of every batch, and the gradient norm before each step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
+        # Only meaningful in the single-process control, where gradients are plain full tensors.
+        grads = [p.grad for p in module.parameters() if p.grad is not None and not hasattr(p.grad, "placements")]
+        if grads:
+            self.grad_norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+
+def make_model(variant: str) -> LitGPT:
+    # No biases: a key bias has an exactly-zero gradient (softmax ignores a per-query constant), which Adam
+    # would turn from float noise into full-size, irreproducible steps.
+    config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=2, bias=False)
+    return LitGPT(config, **{"lr": 1e-2, "warmup_steps": 2, **VARIANTS[variant][0]})
+
+
+def make_data(batch_size: int) -> AdditionDataModule:
+    return AdditionDataModule(3, batch_size=batch_size, train_size=GLOBAL_BATCH * STEPS * 2, val_size=32, seed=SEED)
+
+
+def train(variant: str, strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
+    """Train one variant; return the logged losses, gradient norms and (on global rank 0) the full weights."""
+    pl.seed_everything(SEED, verbose=False)
+    world = devices
+    model = make_model(variant)
+    data = make_data(GLOBAL_BATCH // world)
+    recorder = Recorder()
+    trainer = ml.Trainer(
+        strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, callbacks=[recorder], **VARIANTS[variant][1],
+    )
+    if strategy == "auto":  # the single-process control reads the distributed permutation
+        data.setup()
+        sampler = DistributedSampler(data.train_set, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+        loader = DataLoader(data.train_set, batch_size=GLOBAL_BATCH, sampler=sampler, drop_last=True)
+        trainer.fit(model, train_dataloaders=loader)
+    else:
+        trainer.fit(model, data)
+    weights = full_weights(model) if world > 1 else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "weights": weights}
+
+
+def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded weights on global rank 0 (empty elsewhere); a collective."""
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def assert_parity(result: dict[str, Any], control: dict[str, Any], rtol: float = 1e-4) -> None:
+    """Every logged loss within ``rtol`` relative, every final weight tensor within ``rtol`` (relative norm)."""
+    losses, expected = torch.tensor(result["losses"]), torch.tensor(control["losses"])
+    assert losses.shape == expected.shape, (losses.shape, expected.shape)
+    torch.testing.assert_close(losses, expected, rtol=rtol, atol=0.0)
+    assert result["weights"].keys() == control["weights"].keys()
+    for name, weight in control["weights"].items():
+        error = (result["weights"][name] - weight).norm() / weight.norm().clamp_min(1e-12)
+        assert error <= rtol, f"{name}: relative error {error:.2e} > {rtol:.0e}"
