@@ -21,21 +21,20 @@ import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 
-MODELS = {"tiny": GPTConfig.tiny, "small": GPTConfig.small}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", default="zero1", help="ddp, zero1, zero2, zero3/fsdp (default: zero1)")
     parser.add_argument("--devices", type=int, default=2, help="processes (CPU) or GPUs per node (default: 2)")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--accelerator", default="auto", help="cpu, gpu or auto (default)")
-    parser.add_argument("--model", choices=sorted(MODELS), default="small", help="model size (default: small)")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default: 2)")
+    parser.add_argument("--dim", type=int, default=128, help="hidden size (default: 128)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
     parser.add_argument("--digits", type=int, default=3, help="digits per operand (default: 3)")
-    parser.add_argument("--max-steps", type=int, default=600)
+    parser.add_argument("--max-steps", type=int, default=1500)
     parser.add_argument("--batch-size", type=int, default=32, help="per data-parallel rank (default: 32)")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--val-every", type=int, default=100, help="validate every N training steps")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--val-every", type=int, default=250, help="validate every N training steps")
     parser.add_argument("--out", type=Path, default=Path("runs/train_gpt"), help="logs and checkpoints")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -44,8 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     pl.seed_everything(args.seed, verbose=False)
-    data = AdditionDataModule(args.digits, batch_size=args.batch_size, train_size=args.max_steps * args.batch_size * 8)
-    config = MODELS[args.model](vocab_size=data.vocab_size, max_seq_len=data.seq_len)
+    data = AdditionDataModule(args.digits, batch_size=args.batch_size, train_size=args.max_steps * args.batch_size * args.devices)
+    config = GPTConfig(vocab_size=data.vocab_size, max_seq_len=data.seq_len, n_layers=args.layers, dim=args.dim,
+                       n_heads=args.heads)
     model = LitGPT(config, lr=args.lr, weight_decay=0.0, warmup_steps=args.max_steps // 20)
     checkpoint = ModelCheckpoint(
         dirpath=args.out / "checkpoints", monitor="val/answer_accuracy", mode="max", save_last=True,

@@ -33,11 +33,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.utils import _sync_params_and_buffers
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "apply_data_parallel",
     "broadcast_module_states",
     "data_parallel_mesh",
+    "ddp_engine",
     "gradient_accumulation",
     "is_data_parallel",
     "repeated_blocks",
@@ -137,6 +139,14 @@ def gradient_accumulation(module: nn.Module, zero: int) -> Iterator[None]:
         for m in fsdp_modules:
             m.set_requires_gradient_sync(True, recurse=False)
             m.set_reshard_after_backward(True, recurse=False)
+
+
+def ddp_engine(module: nn.Module) -> Optional[DistributedDataParallel]:
+    """The ``DistributedDataParallel`` object behind a module made data parallel with ``zero=0`` (None before
+    its first forward, or if ``module`` is not DDP)."""
+    if not isinstance(module, ReplicatedModule):
+        return None
+    return getattr(replicate.state(module), "_ddp", None)
 
 
 def broadcast_module_states(module: nn.Module, mesh: DeviceMesh) -> None:

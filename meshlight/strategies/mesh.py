@@ -33,7 +33,8 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.overrides.distributed import prepare_for_backward
+from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -45,7 +46,7 @@ from typing_extensions import override
 
 from meshlight.parallel.checkpoint import load_checkpoint, save_checkpoint
 from meshlight.parallel.clip import clip_grad_norm_
-from meshlight.parallel.data_parallel import gradient_accumulation, is_data_parallel
+from meshlight.parallel.data_parallel import ddp_engine, gradient_accumulation, is_data_parallel
 from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
@@ -100,6 +101,7 @@ class MeshStrategy(ParallelStrategy):
         self._timeout = timeout
         self._layout: Optional[ParallelLayout] = None
         self._device_mesh: Optional[DeviceMesh] = None
+        self._forward_redirection = _MeshForwardRedirection()
         self.num_nodes = 1
 
     # ---------------------------------------------------------------- layout, mesh, ranks
@@ -226,6 +228,14 @@ class MeshStrategy(ParallelStrategy):
         with gradient_accumulation(self.model, self.layout.zero):
             yield
 
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # Manual optimization runs backward inside the step, i.e. inside DDP's forward: prepare its reducer
+        # here, as Lightning's own DDPStrategy does.
+        ddp = ddp_engine(self.model) if self.model is not None else None
+        if ddp is not None and not self.lightning_module.automatic_optimization:
+            prepare_for_backward(ddp, closure_loss)
+
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> Tensor:
         """Clip the optimizer's gradients by their norm over the whole model, however it is sharded."""
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
@@ -304,6 +314,23 @@ class MeshStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # loaded, resharded, in `load_checkpoint`
+
+
+class _MeshForwardRedirection(_ForwardRedirection):
+    """Under manual optimization the step has already run backward when the root's forward returns, so DDP
+    must not prepare its reducer for another backward (mirrors Lightning's DDPStrategy)."""
+
+    @override
+    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: LightningModule) -> None:
+        ddp = ddp_engine(wrapper_module)
+        if ddp is not None and not original_module.automatic_optimization:
+            ddp.require_backward_grad_sync = False
+
+    @override
+    def on_after_outer_forward(self, wrapper_module: nn.Module, original_module: LightningModule) -> None:
+        ddp = ddp_engine(wrapper_module)
+        if ddp is not None and not original_module.automatic_optimization:
+            ddp.require_backward_grad_sync = True
 
 
 class _StepRunner(nn.Module):

@@ -1,0 +1,48 @@
+"""ParallelLayout: sizes are validated, one 'auto' size fills the world, and every rejection names the fix."""
+
+import pytest
+
+from meshlight.parallel import ParallelLayout
+
+
+def test_auto_fills_the_data_parallel_size_from_the_world():
+    layout = ParallelLayout.for_world(8, dp_shard="auto", pp=2, tp=2, zero=3)
+    assert (layout.dp_replicate, layout.dp_shard, layout.pp, layout.tp) == (1, 2, 2, 2)
+    assert layout.dp == 2 and layout.world_size == 8
+
+
+def test_hybrid_sharding_splits_data_parallel_ranks():
+    layout = ParallelLayout.for_world(8, dp_replicate=2, dp_shard="auto", zero=2)
+    assert (layout.dp_replicate, layout.dp_shard, layout.dp) == (2, 4, 8)
+    assert layout.describe() == "dp=8 (replicate 2 × shard 4, ZeRO-2) · pp=1 · tp=1 · ep=1"
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ({"dp_replicate": 2, "tp": 3}, "uses 6 processes but the world has 8"),
+        ({"dp_replicate": "auto", "tp": 3}, "tp=3 = 3 does not divide"),
+        ({"dp_replicate": "auto", "zero": 4}, "zero=4 is not a ZeRO stage"),
+        ({"dp_replicate": "auto", "tp": 0}, "tp=0 is not a valid size"),
+        ({"dp_replicate": "auto", "pp": -1}, "pp=-1 is not a valid size"),
+        ({"dp_replicate": 1, "dp_shard": 8, "zero": 0}, "dp_shard=8 shards nothing with zero=0"),
+        ({"dp_replicate": "auto", "ep": 3}, "ep=3 does not divide the data-parallel size 8"),
+        ({"dp_replicate": "auto", "dp_shard": "auto", "zero": 1}, "Only one of dp_replicate and dp_shard"),
+    ],
+)
+def test_invalid_layouts_fail_with_one_sentence_naming_the_fix(sizes, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelLayout.for_world(8, **sizes)
+
+
+def test_world_mismatch_suggests_a_layout_that_fits():
+    with pytest.raises(ValueError, match="use data-parallel size 4"):
+        ParallelLayout.for_world(8, dp_replicate=3, tp=2)
+    with pytest.raises(ValueError, match=r"choose pp·tp in \[1, 2, 4, 8\]"):
+        ParallelLayout.for_world(8, dp_replicate=1, tp=3)
+
+
+def test_layout_is_frozen():
+    layout = ParallelLayout(dp_replicate=2)
+    with pytest.raises(AttributeError):
+        layout.tp = 2
