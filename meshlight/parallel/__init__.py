@@ -1,6 +1,12 @@
 """The parallel mechanisms, one per file, as plain functions on (module, mesh); no Lightning imports."""
 
-from meshlight.parallel.checkpoint import checkpoint_keys, load_checkpoint, load_model_weights, save_checkpoint
+from meshlight.parallel.checkpoint import (
+    CheckpointMismatchError,
+    checkpoint_keys,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+)
 from meshlight.parallel.clip import clip_grad_norm_, total_grad_norm
 from meshlight.parallel.data_parallel import apply_data_parallel, gradient_accumulation, repeated_blocks
 from meshlight.parallel.layout import MESH_AXES, ParallelLayout, build_device_mesh
@@ -10,6 +16,7 @@ from meshlight.parallel.traffic import CollectiveTraffic, bytes_sent_per_rank
 
 __all__ = [
     "MESH_AXES",
+    "CheckpointMismatchError",
     "CollectiveTraffic",
     "ParallelLayout",
     "adapt_optimizer",

@@ -27,12 +27,26 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-__all__ = ["META_FILENAME", "checkpoint_keys", "load_checkpoint", "load_model_weights", "save_checkpoint"]
+__all__ = [
+    "META_FILENAME",
+    "CheckpointMismatchError",
+    "checkpoint_keys",
+    "load_checkpoint",
+    "load_model_weights",
+    "save_checkpoint",
+]
 
 META_FILENAME = "meta.pt"
 MODEL_KEY = "state_dict"
 
 PathLike = Union[str, Path]
+
+
+class CheckpointMismatchError(KeyError):
+    """The checkpoint's names and the model's differ; the message lists both sides."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted, with literal "\n"
+        return str(self.args[0])
 
 
 def save_checkpoint(path: PathLike, checkpoint: dict[str, Any], *, write_metadata: bool) -> None:
@@ -57,8 +71,8 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load model and optimizer states in place, resharding to the current layout; return the metadata.
 
-    Raises ``KeyError`` listing missing and unexpected parameter names before any tensor is read, so every
-    rank fails the same way and none waits in a collective.
+    Raises :class:`CheckpointMismatchError` listing missing and unexpected parameter names before any tensor
+    is read, so every rank fails the same way and none waits in a collective.
     """
     keys = checkpoint_keys(path)
     model_state = get_model_state_dict(module)
@@ -68,7 +82,7 @@ def load_checkpoint(
     for i, optimizer in enumerate(optimizers):
         name = f"optimizer_{i}"
         if name not in keys:
-            raise KeyError(
+            raise CheckpointMismatchError(
                 f"The checkpoint {str(path)!r} holds no state for optimizer {i}: it was saved with fewer optimizers"
                 " or weights only. Load it with `trainer.validate/test` or a fresh `fit` instead of resuming."
             )
@@ -109,7 +123,7 @@ def _check_names(state: Mapping[str, Any], stored: set[str], strict: bool, path:
     expected = set(state)
     missing, unexpected = sorted(expected - stored), sorted(stored - expected)
     if strict and (missing or unexpected):
-        raise KeyError(
+        raise CheckpointMismatchError(
             f"The checkpoint {str(path)!r} does not match the model's parameter names."
             f"\n  missing from the checkpoint ({len(missing)}): {_shorten(missing)}"
             f"\n  unexpected in the checkpoint ({len(unexpected)}): {_shorten(unexpected)}"
