@@ -104,7 +104,6 @@ def apply_data_parallel(
         options["offload_policy"] = offload_policy
     for block in repeated_blocks(module) if blocks is None else blocks:
         fully_shard(block, **options)
-    # The root keeps its gathered parameters after forward in every stage: backward needs them first.
     fully_shard(module, **options)
     return module
 

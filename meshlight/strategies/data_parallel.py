@@ -14,7 +14,9 @@ class DDPStrategy(MeshStrategy):
 
     Args:
         find_unused_parameters, static_graph, bucket_cap_mb, gradient_as_bucket_view: as in
-            ``torch.nn.parallel.DistributedDataParallel``.
+            ``torch.nn.parallel.DistributedDataParallel``, except that gradients are views into DDP's
+            communication buckets by default: otherwise DDP keeps a second copy of every gradient (20 bytes of
+            model state per fp32 Adam parameter instead of 16).
         **kwargs: passed to :class:`MeshStrategy` (process group backend, timeout, devices …).
     """
 
@@ -26,7 +28,7 @@ class DDPStrategy(MeshStrategy):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         bucket_cap_mb: Optional[float] = None,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool = True,
         **kwargs: Any,
     ) -> None:
         ddp_kwargs: dict[str, Any] = dict(

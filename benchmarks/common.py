@@ -1,0 +1,45 @@
+"""Shared by the benchmarks: launching a benchmark on N CPU processes and the model they measure.
+
+A benchmark script run directly re-launches itself under ``torchrun`` for each process count, collects
+the JSON line its rank 0 prints, and prints the combined JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULT_PREFIX = "BENCHMARK-RESULT "
+
+
+def is_worker() -> bool:
+    return "LOCAL_RANK" in os.environ
+
+
+def launch(script: str, nprocs: int, *args: str, timeout: float = 900) -> Any:
+    """Run ``script`` on ``nprocs`` gloo processes and return what its rank 0 passed to :func:`report`."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", script, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in result.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"{script} on {nprocs} processes failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+def report(value: Any) -> None:
+    """Hand a JSON-serializable result from a worker's rank 0 to :func:`launch`."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(RESULT_PREFIX + json.dumps(value), flush=True)
+
+
+def bench_config():  # noqa: ANN201 - a GPTConfig; imported lazily so the launcher stays light
+    """The model the communication and memory benchmarks measure: 4 blocks, ~0.87M parameters."""
+    from meshlight.models import GPTConfig
+
+    return GPTConfig(vocab_size=256, max_seq_len=64, n_layers=4, n_heads=4, dim=128)

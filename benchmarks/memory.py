@@ -1,0 +1,107 @@
+"""Per-rank bytes of model state, divided by the ZeRO formula for the stage, at two moments.
+
+``after_step``: right after an optimizer step (the classic ZeRO accounting). ``mid_accumulation``: after
+the first micro-batch of an ``accumulate_grad_batches=2`` window, when ZeRO-1/2 hold gathered parameters
+(and ZeRO-1 full gradients) — their peak. Measured by summing the storages that hold this rank's
+parameters (gathered and sharded copies), gradients and optimizer state, each storage once, FSDP's padding
+included. Formulas for fp32 AdamW (4 + 4 + 8 bytes per parameter, Ψ parameters, N ranks): DDP 16Ψ,
+ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N.
+
+    python benchmarks/memory.py [--nprocs 2 4]      # prints JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from common import is_worker, launch, report
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+MOMENTS = {"after_step": 1, "mid_accumulation": 2}  # moment -> accumulate_grad_batches
+
+
+def formula_bytes(strategy: str, numel: int, world: int) -> float:
+    per_stage = {"ddp": 16 * numel, "zero1": 8 * numel + 8 * numel / world, "zero2": 4 * numel + 12 * numel / world,
+                 "zero3": 16 * numel / world}
+    return per_stage[strategy]
+
+
+def worker() -> None:
+    import os
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    import meshlight as ml
+    from common import bench_config
+    from meshlight.demos import LitGPT, RandomTokensDataModule
+
+    class StateProbe(Callback):
+        def __init__(self, moment: str) -> None:
+            self.moment = moment
+            self.bytes: dict[str, int] = {}
+
+        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: object,
+                               batch: object, batch_idx: int) -> None:
+            after_step = self.moment == "after_step" and trainer.global_step == 2
+            mid_accumulation = self.moment == "mid_accumulation" and trainer.global_step == 1 and batch_idx % 2 == 0
+            if not (after_step or mid_accumulation):
+                return
+            seen: set[int] = set()
+
+            def storage_bytes(tensor: torch.Tensor) -> int:
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                storage = local.untyped_storage()
+                if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                    return 0
+                seen.add(storage.data_ptr())
+                return storage.nbytes()
+
+            optimizer = trainer.optimizers[0]
+            fsdp_params = [p for m in trainer.strategy.model.modules() if isinstance(m, FSDPModule)
+                           for group in [m._get_fsdp_state()._fsdp_param_group] if group is not None
+                           for p in group.fsdp_params]
+            # While gathered, the module holds the unsharded parameters; FSDP keeps the shards aside.
+            params = [*module.parameters(), *(p.sharded_param for p in fsdp_params)]
+            self.bytes = {
+                "parameters": sum(storage_bytes(p) for p in params),
+                "gradients": sum(storage_bytes(p.grad) for p in params if p.grad is not None),
+                "optimizer": sum(storage_bytes(t) for state in optimizer.state.values() for t in state.values()
+                                 if isinstance(t, torch.Tensor)),
+                "gathered_buffers": sum(storage_bytes(t) for p in fsdp_params for t in p.all_gather_outputs),
+            }
+
+    world = int(os.environ["WORLD_SIZE"])
+    results = []
+    for name in STRATEGIES:
+        for moment, accumulate in MOMENTS.items():
+            pl.seed_everything(0, verbose=False)
+            module, probe = LitGPT(bench_config()), StateProbe(moment)
+            trainer = ml.Trainer(
+                strategy=name, devices=world, accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[probe],
+                accumulate_grad_batches=accumulate,
+            )
+            trainer.fit(module, RandomTokensDataModule(vocab_size=256, seq_len=64, batch_size=4, train_size=64))
+            numel = sum(p.numel() for p in module.parameters())
+            measured = sum(probe.bytes.values())
+            formula = formula_bytes(name, numel, world)
+            results.append({"strategy": name, "world": world, "moment": moment, "parameters": numel,
+                            "measured_bytes": measured,
+                            "formula_bytes": formula, "ratio": measured / formula, "breakdown": probe.bytes})
+    report(results)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    print(json.dumps([row for n in args.nprocs for row in launch(__file__, n)], indent=1))
+
+
+if __name__ == "__main__":
+    worker() if is_worker() else main()
