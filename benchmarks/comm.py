@@ -12,10 +12,7 @@ measured against the same 2·P·(N−1)/N.
 
 from __future__ import annotations
 
-import argparse
-import json
-
-from common import is_worker, launch, report
+from common import is_worker, main_over_world_sizes, report
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "lightning-ddp+ZeroRedundancyOptimizer")
 MEASURED_STEP = 2  # after DDP's bucket rebuild and FSDP's lazy initialization
@@ -30,7 +27,7 @@ def worker() -> None:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     import meshlight as ml
-    from common import bench_config
+    from common import bench_config, measuring_trainer_options
     from meshlight.demos import LitGPT, RandomTokensDataModule
     from meshlight.parallel import CollectiveTraffic
 
@@ -58,11 +55,8 @@ def worker() -> None:
         module = (ZeroRedundancyGPT if lightning_zero else LitGPT)(bench_config())
         probe = TrafficProbe()
         trainer_cls = pl.Trainer if lightning_zero else ml.Trainer
-        trainer = trainer_cls(
-            strategy="ddp" if lightning_zero else name, devices=world, accelerator="cpu",
-            max_steps=MEASURED_STEP + 1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, limit_val_batches=0, callbacks=[probe],
-        )
+        trainer = trainer_cls(strategy="ddp" if lightning_zero else name,
+                              **measuring_trainer_options(world, MEASURED_STEP + 1, [probe]))
         trainer.fit(module, RandomTokensDataModule(vocab_size=256, seq_len=64, batch_size=4, train_size=64))
         param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         theory = (3 if name == "zero3" else 2) * param_bytes * (world - 1) / world
@@ -74,12 +68,5 @@ def worker() -> None:
     report(results)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
-    args = parser.parse_args()
-    print(json.dumps([row for n in args.nprocs for row in launch(__file__, n)], indent=1))
-
-
 if __name__ == "__main__":
-    worker() if is_worker() else main()
+    worker() if is_worker() else main_over_world_sizes(__file__, __doc__)

@@ -6,6 +6,7 @@ the JSON line its rank 0 prints, and prints the combined JSON.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -43,3 +44,18 @@ def bench_config():  # noqa: ANN201 - a GPTConfig; imported lazily so the launch
     from meshlight.models import GPTConfig
 
     return GPTConfig(vocab_size=256, max_seq_len=64, n_layers=4, n_heads=4, dim=128)
+
+
+def measuring_trainer_options(world: int, max_steps: int, callbacks: list, **extra: Any) -> dict[str, Any]:
+    """Trainer arguments for a measurement: CPU processes, no logger, checkpoints, progress bar or validation."""
+    return dict(devices=world, accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=callbacks,
+                **extra)
+
+
+def main_over_world_sizes(script: str, description: str) -> None:
+    """Command line of a benchmark measured per world size: ``--nprocs 2 4`` → one JSON list of all rows."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    print(json.dumps([row for n in args.nprocs for row in launch(script, n)], indent=1))

@@ -12,10 +12,7 @@ ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N.
 
 from __future__ import annotations
 
-import argparse
-import json
-
-from common import is_worker, launch, report
+from common import is_worker, main_over_world_sizes, report
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 MOMENTS = {"after_step": 1, "mid_accumulation": 2}  # moment -> accumulate_grad_batches
@@ -37,7 +34,7 @@ def worker() -> None:
     from torch.distributed.tensor import DTensor
 
     import meshlight as ml
-    from common import bench_config
+    from common import bench_config, measuring_trainer_options
     from meshlight.demos import LitGPT, RandomTokensDataModule
 
     class StateProbe(Callback):
@@ -81,11 +78,8 @@ def worker() -> None:
         for moment, accumulate in MOMENTS.items():
             pl.seed_everything(0, verbose=False)
             module, probe = LitGPT(bench_config()), StateProbe(moment)
-            trainer = ml.Trainer(
-                strategy=name, devices=world, accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[probe],
-                accumulate_grad_batches=accumulate,
-            )
+            trainer = ml.Trainer(strategy=name, **measuring_trainer_options(world, 2, [probe],
+                                                                            accumulate_grad_batches=accumulate))
             trainer.fit(module, RandomTokensDataModule(vocab_size=256, seq_len=64, batch_size=4, train_size=64))
             numel = sum(p.numel() for p in module.parameters())
             measured = sum(probe.bytes.values())
@@ -96,12 +90,5 @@ def worker() -> None:
     report(results)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
-    args = parser.parse_args()
-    print(json.dumps([row for n in args.nprocs for row in launch(__file__, n)], indent=1))
-
-
 if __name__ == "__main__":
-    worker() if is_worker() else main()
+    worker() if is_worker() else main_over_world_sizes(__file__, __doc__)

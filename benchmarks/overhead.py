@@ -33,6 +33,7 @@ def worker(rounds: int, steps: int) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
     import meshlight as ml
+    from common import measuring_trainer_options
     from meshlight.demos import LitGPT, RandomTokensDataModule
     from meshlight.models import GPTConfig
 
@@ -57,16 +58,13 @@ def worker(rounds: int, steps: int) -> None:
     def run_lightning(variant: str) -> list[float]:
         pl.seed_everything(0, verbose=False)
         timer = StepTimer()
+        options = measuring_trainer_options(world, total_steps, [timer])
         if variant == "lightning":
-            trainer = pl.Trainer(strategy=LightningDDP(gradient_as_bucket_view=True), **options(timer))
+            trainer = pl.Trainer(strategy=LightningDDP(gradient_as_bucket_view=True), **options)
         else:
-            trainer = ml.Trainer(strategy="ddp", **options(timer))
+            trainer = ml.Trainer(strategy="ddp", **options)
         trainer.fit(LitGPT(config), data())
         return timer.starts
-
-    def options(timer: Callback) -> dict:
-        return dict(devices=world, accelerator="cpu", max_steps=total_steps, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[timer])
 
     def run_pytorch() -> list[float]:
         """The same training, written by hand: DDP, DistributedSampler, AdamW groups, schedule, loss logging."""
