@@ -23,11 +23,11 @@ def worker() -> None:
 
     import lightning.pytorch as pl
     import torch
+    from common import bench_config, measuring_trainer_options
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     import meshlight as ml
-    from common import bench_config, measuring_trainer_options
     from meshlight.demos import LitGPT, RandomTokensDataModule
     from meshlight.parallel import CollectiveTraffic
 

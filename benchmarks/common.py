@@ -24,7 +24,8 @@ def is_worker() -> bool:
 
 def launch(script: str, nprocs: int, *args: str, timeout: float = 900) -> Any:
     """Run ``script`` on ``nprocs`` gloo processes and return what its rank 0 passed to :func:`report`."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", script, *args]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+               script, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in result.stdout.splitlines() if line.startswith(RESULT_PREFIX)]

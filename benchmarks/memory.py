@@ -29,12 +29,12 @@ def worker() -> None:
 
     import lightning.pytorch as pl
     import torch
+    from common import bench_config, measuring_trainer_options
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     import meshlight as ml
-    from common import bench_config, measuring_trainer_options
     from meshlight.demos import LitGPT, RandomTokensDataModule
 
     class StateProbe(Callback):

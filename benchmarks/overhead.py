@@ -22,18 +22,17 @@ WARMUP = 3
 
 
 def worker(rounds: int, steps: int) -> None:
-    import os
     import time
 
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
+    from common import measuring_trainer_options
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy as LightningDDP
     from torch.utils.data import DataLoader, DistributedSampler
 
     import meshlight as ml
-    from common import measuring_trainer_options
     from meshlight.demos import LitGPT, RandomTokensDataModule
     from meshlight.models import GPTConfig
 
@@ -73,8 +72,8 @@ def worker(rounds: int, steps: int) -> None:
         ddp = torch.nn.parallel.DistributedDataParallel(module.model, gradient_as_bucket_view=True)
         matrices = [p for p in ddp.parameters() if p.dim() >= 2]
         vectors = [p for p in ddp.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-                                      lr=3e-3, betas=(0.9, 0.95))
+        groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
         from meshlight.demos.lit_gpt import _warmup_cosine
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(10, total_steps, 0.1))

@@ -84,13 +84,15 @@ def memory_section(rows: list[dict]) -> str:
         "`after_step` is the issue's metric (target ≤ 1.05); `mid_accumulation` is after the first micro-batch of",
         "`accumulate_grad_batches=2`, when ZeRO-1/2 hold their gathered parameters (and ZeRO-1 its full gradients).",
         "",
-        "| strategy | N | moment | Ψ | measured (bytes) | formula (bytes) | ratio | target | params / grads / optimizer (bytes) |",
+        "| strategy | N | moment | Ψ | measured (bytes) | formula (bytes) | ratio | target |"
+        " params / grads / optimizer (bytes) |",
         "|---|---:|---|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         b = r["breakdown"]
         target = verdict(r["ratio"], 1.05) if r["moment"] == "after_step" else "—"
-        lines.append(f"| {r['strategy']} | {r['world']} | {r['moment']} | {r['parameters']:,} | {r['measured_bytes']:,} | "
+        lines.append(f"| {r['strategy']} | {r['world']} | {r['moment']} | {r['parameters']:,} | "
+                     f"{r['measured_bytes']:,} | "
                      f"{r['formula_bytes']:,.0f} | {r['ratio']:.4f} | {target} | "
                      f"{b['parameters']:,} / {b['gradients']:,} / {b['optimizer']:,} |")
     lines += [
@@ -119,7 +121,8 @@ def overhead_section(result: dict) -> str:
         "| variant | median step (ms) | ratio | target |",
         "|---|---:|---:|---|",
         f"| plain PyTorch DDP loop | {1000 * median['pytorch']:.1f} | 1.000 | — |",
-        f"| Lightning `ddp` | {1000 * median['lightning']:.1f} | {result['lightning_over_pytorch']:.3f} × PyTorch | — |",
+        f"| Lightning `ddp` | {1000 * median['lightning']:.1f} | "
+        f"{result['lightning_over_pytorch']:.3f} × PyTorch | — |",
         f"| meshlight `ddp` | {1000 * median['meshlight']:.1f} | {result['meshlight_over_pytorch']:.3f} × PyTorch, "
         f"{result['meshlight_over_lightning']:.3f} × Lightning | ≤ 1.05 × PyTorch: "
         f"{verdict(result['meshlight_over_pytorch'], 1.05)}; ≤ 1.02 × Lightning: "

@@ -21,6 +21,7 @@ import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", default="zero1", help="ddp, zero1, zero2, zero3/fsdp (default: zero1)")
@@ -43,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     pl.seed_everything(args.seed, verbose=False)
-    data = AdditionDataModule(args.digits, batch_size=args.batch_size, train_size=args.max_steps * args.batch_size * args.devices)
+    # One epoch of exactly --max-steps steps (global batch = batch_size × devices).
+    train_size = args.max_steps * args.batch_size * args.devices * args.num_nodes
+    data = AdditionDataModule(args.digits, batch_size=args.batch_size, train_size=train_size)
     config = GPTConfig(vocab_size=data.vocab_size, max_seq_len=data.seq_len, n_layers=args.layers, dim=args.dim,
                        n_heads=args.heads)
     model = LitGPT(config, lr=args.lr, weight_decay=0.0, warmup_steps=args.max_steps // 20)

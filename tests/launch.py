@@ -13,7 +13,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def torchrun(script: Path, nprocs: int, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+def torchrun(
+    script: Path, nprocs: int, *args: str, timeout: float = 600, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nprocs`` gloo processes; on failure (when ``check``) fail with the tail of its output."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",

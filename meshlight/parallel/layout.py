@@ -116,13 +116,11 @@ class ParallelLayout:
             )
 
     def describe(self) -> str:
-        """One line for logs: ``dp=4 (shard 4, ZeRO-3) · pp=1 · tp=1 · ep=1``."""
-        dp = f"dp={self.dp}"
-        if self.dp > 1:
-            parts = [f"replicate {self.dp_replicate}"] if self.dp_replicate > 1 else []
-            parts += [f"shard {self.dp_shard}"] if self.dp_shard > 1 else []
-            dp += f" ({' × '.join(parts)}, {'ZeRO-' + str(self.zero) if self.zero else 'DDP'})"
-        return f"{dp} · pp={self.pp} · tp={self.tp} · ep={self.ep}"
+        """One line for logs: ``dp=8 (replicate 2 × shard 4, ZeRO-3) · pp=1 · tp=1 · ep=1``."""
+        hybrid = min(self.dp_replicate, self.dp_shard) > 1
+        parts = [f"replicate {self.dp_replicate} × shard {self.dp_shard}"] if hybrid else []
+        parts.append(f"ZeRO-{self.zero}" if self.zero else "DDP")
+        return f"dp={self.dp} ({', '.join(parts)}) · pp={self.pp} · tp={self.tp} · ep={self.ep}"
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -26,7 +26,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -4,4 +4,11 @@ from meshlight.strategies.data_parallel import DDPStrategy, ZeroStrategy
 from meshlight.strategies.mesh import MeshStrategy
 from meshlight.strategies.registry import STRATEGY_NAMES, register_with_lightning, resolve_strategy
 
-__all__ = ["DDPStrategy", "MeshStrategy", "STRATEGY_NAMES", "ZeroStrategy", "register_with_lightning", "resolve_strategy"]
+__all__ = [
+    "STRATEGY_NAMES",
+    "DDPStrategy",
+    "MeshStrategy",
+    "ZeroStrategy",
+    "register_with_lightning",
+    "resolve_strategy",
+]

@@ -30,10 +30,10 @@ from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -109,7 +109,7 @@ class MeshStrategy(ParallelStrategy):
     @property
     def layout(self) -> ParallelLayout:
         if self._layout is None:
-            raise RuntimeError("The layout is resolved when the Trainer knows the world size; create the Trainer first.")
+            raise RuntimeError("The layout is known once the Trainer knows the world size: create the Trainer first.")
         return self._layout
 
     @property
@@ -173,7 +173,8 @@ class MeshStrategy(ParallelStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
-        self._device_mesh = build_device_mesh(self.layout, self.root_device.type)
+        if self._device_mesh is None:  # once: `fit` then `test` reuse the mesh the model was parallelized on
+            self._device_mesh = build_device_mesh(self.layout, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         rank_zero_info(f"meshlight {type(self).__name__}: {self.layout.describe()} on {self.world_size} processes")
@@ -202,10 +203,16 @@ class MeshStrategy(ParallelStrategy):
         assert lightning_module is not None
         runner = _RUNNERS.get(lightning_module)
         if runner is None:
-            runner = _StepRunner(lightning_module)
+            runner = _StepRunner(lightning_module, self.layout)
             if not is_data_parallel(lightning_module):
                 parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs)
             _RUNNERS[lightning_module] = runner
+        elif runner.layout != self.layout:
+            raise RuntimeError(
+                f"This {type(lightning_module).__name__} is already parallelized as {runner.layout.describe()}; it"
+                f" cannot also run as {self.layout.describe()}. Create a new instance for this Trainer (to continue"
+                " from its weights, save a checkpoint and pass it as `ckpt_path`)."
+            )
         return runner
 
     @override
@@ -243,6 +250,17 @@ class MeshStrategy(ParallelStrategy):
 
     def _pipeline_group(self) -> Optional[torch.distributed.ProcessGroup]:
         return self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
+
+    @override
+    def teardown(self) -> None:
+        # Unlike Strategy.teardown, leave the parallelized module where it is (as Lightning's
+        # ModelParallelStrategy does): its parameters are managed by DDP / FSDP2, and a later
+        # `trainer.test` reuses them.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     # ---------------------------------------------------------------- collectives
 
@@ -296,7 +314,7 @@ class MeshStrategy(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} writes sharded checkpoints itself; `storage_options` is unsupported.")
+            raise TypeError(f"{type(self).__name__} writes sharded checkpoints itself: drop `storage_options`.")
         path = self.broadcast(filepath)
         save_checkpoint(path, checkpoint, write_metadata=self.is_global_zero)
 
@@ -341,13 +359,14 @@ class _StepRunner(nn.Module):
     does not re-enter them. Its parameters are the LightningModule's, under the ``module.`` prefix.
     """
 
-    def __init__(self, module: LightningModule) -> None:
+    def __init__(self, module: LightningModule, layout: ParallelLayout) -> None:
         super().__init__()
         self.module = module
+        self.layout = layout
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
 
 # One parallelized root per LightningModule, so `fit` then `test` (or a second Trainer) reuses it.
-_RUNNERS: "weakref.WeakKeyDictionary[LightningModule, _StepRunner]" = weakref.WeakKeyDictionary()
+_RUNNERS: weakref.WeakKeyDictionary[LightningModule, _StepRunner] = weakref.WeakKeyDictionary()

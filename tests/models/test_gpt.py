@@ -42,7 +42,8 @@ def test_initialization_scales_residual_projections():
 
 @pytest.mark.parametrize(
     ("preset", "millions"),
-    [(GPTConfig.gpt2, 124.4), (GPTConfig.gpt2_medium, 354.9), (GPTConfig.gpt2_large, 774.0), (GPTConfig.gpt2_xl, 1557.6)],
+    [(GPTConfig.gpt2, 124.4), (GPTConfig.gpt2_medium, 354.9), (GPTConfig.gpt2_large, 774.0),
+     (GPTConfig.gpt2_xl, 1557.6)],
 )
 def test_gpt2_presets_have_the_published_sizes(preset, millions):
     with torch.device("meta"):

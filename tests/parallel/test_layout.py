@@ -15,6 +15,7 @@ def test_hybrid_sharding_splits_data_parallel_ranks():
     layout = ParallelLayout.for_world(8, dp_replicate=2, dp_shard="auto", zero=2)
     assert (layout.dp_replicate, layout.dp_shard, layout.dp) == (2, 4, 8)
     assert layout.describe() == "dp=8 (replicate 2 × shard 4, ZeRO-2) · pp=1 · tp=1 · ep=1"
+    assert ParallelLayout(dp_replicate=2).describe() == "dp=2 (DDP) · pp=1 · tp=1 · ep=1"
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,8 @@ def test_model_checkpoint_monitors_the_synced_validation_loss(ranks, control, st
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_final_weights_equal_single_process(ranks, control, strategy):
-    assert_parity({"losses": [], "weights": ranks[0][strategy]["weights"]}, {"losses": [], "weights": control["weights"]})
+    result = {"losses": [], "weights": ranks[0][strategy]["weights"]}
+    assert_parity(result, {"losses": [], "weights": control["weights"]})
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -24,12 +24,14 @@ STEPS_PER_EPOCH = 5
 
 
 def model(n_layers: int = 2) -> LitGPT:
-    config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=n_layers, bias=False)
+    config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=n_layers,
+                            bias=False)
     return LitGPT(config, lr=1e-2, warmup_steps=2)
 
 
 def data(world: int) -> AdditionDataModule:
-    return AdditionDataModule(3, batch_size=GLOBAL_BATCH // world, train_size=GLOBAL_BATCH * STEPS_PER_EPOCH, val_size=32)
+    return AdditionDataModule(3, batch_size=GLOBAL_BATCH // world, train_size=GLOBAL_BATCH * STEPS_PER_EPOCH,
+                              val_size=32)
 
 
 class Record(Callback):
