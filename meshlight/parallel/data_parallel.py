@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed._composable.replicate import DDP as ReplicatedModule
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.utils import _sync_params_and_buffers
 from torch.nn.parallel import DistributedDataParallel
@@ -81,8 +81,6 @@ def apply_data_parallel(
     *,
     blocks: Optional[Sequence[nn.Module]] = None,
     ddp_kwargs: Optional[dict[str, Any]] = None,
-    mp_policy: Optional[MixedPrecisionPolicy] = None,
-    offload_policy: Optional[OffloadPolicy] = None,
 ) -> nn.Module:
     """Make ``module`` data parallel in place over ``mesh``'s data axes with ZeRO stage ``zero``.
 
@@ -97,14 +95,9 @@ def apply_data_parallel(
     # DDP broadcasts rank 0's weights at construction; FSDP2 does not, so do it here. Without it, a model
     # initialized from an unseeded RNG would be assembled from a different initialization on every rank.
     broadcast_module_states(module, mesh["dp"])
-    options: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": zero == 3}
-    if mp_policy is not None:
-        options["mp_policy"] = mp_policy
-    if offload_policy is not None:
-        options["offload_policy"] = offload_policy
     for block in repeated_blocks(module) if blocks is None else blocks:
-        fully_shard(block, **options)
-    fully_shard(module, **options)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3)
     return module
 
 
