@@ -2,7 +2,13 @@
 
 from meshlight import demos, models, parallel, strategies
 from meshlight.parallel import ParallelLayout
-from meshlight.strategies import DDPStrategy, MeshStrategy, ZeroStrategy, register_with_lightning
+from meshlight.strategies import (
+    DDPStrategy,
+    MeshStrategy,
+    TensorParallelStrategy,
+    ZeroStrategy,
+    register_with_lightning,
+)
 from meshlight.trainer import Trainer
 
 register_with_lightning()
@@ -12,6 +18,7 @@ __all__ = [
     "DDPStrategy",
     "MeshStrategy",
     "ParallelLayout",
+    "TensorParallelStrategy",
     "Trainer",
     "ZeroStrategy",
     "demos",

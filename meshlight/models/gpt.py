@@ -24,6 +24,7 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -262,8 +263,13 @@ class GPT(nn.Module):
 
     @staticmethod
     def loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
-        """Mean next-token cross-entropy in fp32 over targets that are not ``ignore_index``."""
-        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index)
+        """Mean next-token cross-entropy in fp32 over targets that are not ``ignore_index``.
+
+        Logits sharded over the vocabulary (a DTensor, under tensor parallelism with loss parallelism) are
+        never gathered; the loss comes back as an ordinary tensor.
+        """
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     @torch.no_grad()
     def init_weights(self) -> None:

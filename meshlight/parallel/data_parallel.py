@@ -12,7 +12,10 @@ stage  reshard_after_forward     while accumulating gradients (no optimizer step
 ====== ========================= ================================================ =========================
 
 Every stage shards optimizer state; the optimizer steps each rank's shard and the next forward gathers
-the updated parameters, so stages 1 and 2 move exactly DDP's 2·P·(N−1)/N bytes. Unlike a flat-buffer
+the updated parameters, so stages 1 and 2 move exactly DDP's 2·P·(N−1)/N bytes. DDP over a model that
+already has DTensor parameters (tensor parallel) runs as FSDP2 hybrid sharding with shard groups of one
+rank — the same all-reduce — because PyTorch's composable DDP would turn those parameters into plain
+tensors. Unlike a flat-buffer
 ZeRO, shards are whole rows of each tensor, so non-elementwise optimizers (Adafactor's factored moments)
 stay exact. Between steps FSDP2 frees the gathered parameters in every stage, so per-rank memory after a
 step is at most the classic ZeRO formula for the stage.
@@ -26,6 +29,7 @@ from itertools import chain
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate import DDP as ReplicatedModule
 from torch.distributed._composable.replicate import replicate
@@ -85,16 +89,15 @@ def apply_data_parallel(
     """Make ``module`` data parallel in place over ``mesh``'s data axes with ZeRO stage ``zero``.
 
     ``module`` becomes the root whose forward triggers the collectives. ``blocks`` (default:
-    :func:`repeated_blocks`) are sharded as separate FSDP units so only one is gathered at a time.
+    :func:`repeated_blocks`) are sharded as separate FSDP units so only one is gathered at a time. The module
+    must hold the same weights on every rank (:func:`broadcast_module_states`; ``parallelize`` does it).
     """
-    dp_mesh = data_parallel_mesh(mesh, zero)
-    if zero == 0:
+    has_dtensors = any(isinstance(p, DTensor) for p in module.parameters())
+    if zero == 0 and not has_dtensors:
         # Composable DDP: the real DDP reducer (bucketed all-reduce overlapped with backward) installed as
         # hooks on `module`, which keeps its class and parameter names.
-        return replicate(module, process_group=dp_mesh.get_group(), **(ddp_kwargs or {}))
-    # DDP broadcasts rank 0's weights at construction; FSDP2 does not, so do it here. Without it, a model
-    # initialized from an unseeded RNG would be assembled from a different initialization on every rank.
-    broadcast_module_states(module, mesh["dp"])
+        return replicate(module, process_group=data_parallel_mesh(mesh, zero).get_group(), **(ddp_kwargs or {}))
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if zero == 0 else data_parallel_mesh(mesh, zero)
     for block in repeated_blocks(module) if blocks is None else blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3)
@@ -141,13 +144,13 @@ def ddp_engine(module: nn.Module) -> Optional[DistributedDataParallel]:
     return getattr(replicate.state(module), "_ddp", None)
 
 
-def broadcast_module_states(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Copy the parameters and buffers of the mesh's first rank to all its ranks (local shards of DTensors)."""
-    group = mesh.get_group()
-    if group.size() == 1:
+def broadcast_module_states(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Copy global rank 0's parameters and buffers (local shards of DTensors) to every rank of ``group``
+    (default: the world), so that a model initialized from an unseeded RNG starts identical everywhere."""
+    group = group or dist.group.WORLD
+    if dist.get_world_size(group) == 1:
         return
     states = [t.to_local() if isinstance(t, DTensor) else t for t in chain(module.parameters(), module.buffers())]
     states = [t.detach() for t in states if not t.is_meta]
     with torch.no_grad():
         _sync_params_and_buffers(group, states, _BROADCAST_BUCKET_BYTES, src=0)
-

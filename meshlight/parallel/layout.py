@@ -10,10 +10,11 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Literal, Union
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MESH_AXES", "ParallelLayout", "build_device_mesh"]
+__all__ = ["MESH_AXES", "ParallelLayout", "build_device_mesh", "seed_by_mesh_position"]
 
 #: Axes of the device mesh, outermost first: pipeline stages span the slowest links, tensor
 #: parallelism the fastest. The flattened ``"dp"`` axis (replicate × shard) is added by
@@ -139,6 +140,17 @@ def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     )
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return mesh
+
+
+def seed_by_mesh_position(mesh: DeviceMesh, seed: int, *, separate_tensor_ranks: bool) -> None:
+    """Seed this rank's RNG so that data-parallel replicas and pipeline stages draw different random numbers
+    (dropout masks) while the tensor-parallel ranks of one replica draw the same ones — required where they
+    hold replicated activations. With sequence parallelism those ranks hold different tokens instead, so
+    ``separate_tensor_ranks`` gives them separate streams too."""
+    stream = mesh["dp"].get_local_rank() * mesh["pp"].size() + mesh["pp"].get_local_rank()
+    if separate_tensor_ranks:
+        stream = stream * mesh["tp"].size() + mesh["tp"].get_local_rank()
+    torch.manual_seed(seed + stream)
 
 
 def _check_size(name: str, value: object) -> None:

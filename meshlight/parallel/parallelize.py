@@ -3,18 +3,21 @@
 Order on each pipeline stage's module (DESIGN.md): pipeline split → tensor (+ sequence) parallel → expert
 parallel → activation checkpointing → compile → data parallel (DDP / ZeRO). Data parallelism comes last
 because FSDP must see the final parameters (DTensors from tensor parallelism, expert shards) to shard them.
-Only data parallelism is implemented so far; each further transform slots in here at its place.
+Tensor and data parallelism are implemented; pipeline and expert parallelism will slot in at their places.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import Any, Optional, Union
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
-from meshlight.parallel.data_parallel import apply_data_parallel
+from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_module_states
 from meshlight.parallel.layout import ParallelLayout
+from meshlight.parallel.tensor import apply_tensor_parallel, derive_plan, resolve_plan, validate_plan
 
 __all__ = ["parallelize"]
 
@@ -25,12 +28,22 @@ def parallelize(
     mesh: DeviceMesh,
     *,
     ddp_kwargs: Optional[dict[str, Any]] = None,
+    tp_plan: Optional[Mapping[str, Union[str, ParallelStyle]]] = None,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
 ) -> nn.Module:
     """Apply every transform ``layout`` asks for to ``module`` in place; ``module`` becomes the root whose
-    forward runs the collectives."""
-    if layout.pp > 1 or layout.tp > 1 or layout.ep > 1:
+    forward runs the collectives. ``tp_plan`` (module-name patterns → roles) replaces the automatic
+    tensor-parallel plan; see :mod:`meshlight.parallel.tensor`."""
+    if layout.pp > 1 or layout.ep > 1:
         raise NotImplementedError(
-            f"{layout.describe()}: pipeline, tensor and expert parallelism are not available yet;"
-            " use pp=1, tp=1 and ep=1."
+            f"{layout.describe()}: pipeline and expert parallelism are not available yet; use pp=1 and ep=1."
         )
+    # Every transform starts from the same weights on every rank (DDP would broadcast; FSDP and TP do not).
+    broadcast_module_states(module)
+    if layout.tp > 1:
+        plan = resolve_plan(module, tp_plan) if tp_plan else derive_plan(module)
+        validate_plan(module, plan, layout.tp, layout.world_size)
+        apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=sequence_parallel,
+                              loss_parallel=loss_parallel)
     return apply_data_parallel(module, mesh, layout.zero, ddp_kwargs=ddp_kwargs)

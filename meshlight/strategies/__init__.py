@@ -3,11 +3,13 @@
 from meshlight.strategies.data_parallel import DDPStrategy, ZeroStrategy
 from meshlight.strategies.mesh import MeshStrategy
 from meshlight.strategies.registry import STRATEGY_NAMES, register_with_lightning, resolve_strategy
+from meshlight.strategies.tensor_parallel import TensorParallelStrategy
 
 __all__ = [
     "STRATEGY_NAMES",
     "DDPStrategy",
     "MeshStrategy",
+    "TensorParallelStrategy",
     "ZeroStrategy",
     "register_with_lightning",
     "resolve_strategy",

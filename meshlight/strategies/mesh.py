@@ -9,8 +9,8 @@ The mechanics live in :mod:`meshlight.parallel`; this file wires them into Light
 from __future__ import annotations
 
 import weakref
-from collections.abc import Generator
-from contextlib import contextmanager
+from collections.abc import Generator, Mapping
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -41,13 +41,15 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from meshlight.parallel.checkpoint import load_checkpoint, save_checkpoint
 from meshlight.parallel.clip import clip_grad_norm_
 from meshlight.parallel.data_parallel import ddp_engine, gradient_accumulation, is_data_parallel
-from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh
+from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh, seed_by_mesh_position
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
 
@@ -59,6 +61,9 @@ class MeshStrategy(ParallelStrategy):
 
     Args:
         dp_replicate, dp_shard, pp, tp, ep, zero: the :class:`~meshlight.parallel.ParallelLayout`.
+        tp_plan, sequence_parallel, loss_parallel: tensor parallelism (see :mod:`meshlight.parallel.tensor`):
+            a dict of module-name patterns to roles replacing the automatic plan; sequence parallelism of
+            norms and dropout between blocks; vocabulary-sharded logits for the loss while training.
         ddp_kwargs: extra arguments for PyTorch DDP when ``zero=0`` (e.g. ``find_unused_parameters=True``).
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
         timeout: collective timeout.
@@ -79,6 +84,9 @@ class MeshStrategy(ParallelStrategy):
         tp: int = 1,
         ep: int = 1,
         zero: int = 0,
+        tp_plan: Optional[Mapping[str, Union[str, ParallelStyle]]] = None,
+        sequence_parallel: bool = True,
+        loss_parallel: bool = True,
         ddp_kwargs: Optional[dict[str, Any]] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -97,6 +105,9 @@ class MeshStrategy(ParallelStrategy):
         )
         self._sizes: dict[str, Any] = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, tp=tp, ep=ep, zero=zero)
         self._ddp_kwargs = ddp_kwargs or {}
+        self._tensor_parallel = dict(tp_plan=tp_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        self._contexts = ExitStack()  # held from setup to teardown (loss parallelism)
+        self._base_seed: Optional[int] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._layout: Optional[ParallelLayout] = None
@@ -195,6 +206,13 @@ class MeshStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         # Lightning clips through the precision plugin; route clipping by norm to the mesh-aware version.
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
+        if self.layout.tp > 1 and self._tensor_parallel["loss_parallel"]:
+            # Cross-entropy on vocabulary-sharded logits, forward and backward (torch requires both inside).
+            self._contexts.enter_context(loss_parallel())
+        if self._base_seed is None:
+            self._base_seed = torch.initial_seed()
+        separate = self.layout.tp > 1 and self._tensor_parallel["sequence_parallel"]
+        seed_by_mesh_position(self.device_mesh, self._base_seed, separate_tensor_ranks=separate)
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -205,7 +223,7 @@ class MeshStrategy(ParallelStrategy):
         if runner is None:
             runner = _StepRunner(lightning_module, self.layout)
             if not is_data_parallel(lightning_module):
-                parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs)
+                parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs, **self._tensor_parallel)
             _RUNNERS[lightning_module] = runner
         elif runner.layout != self.layout:
             raise RuntimeError(
@@ -257,6 +275,7 @@ class MeshStrategy(ParallelStrategy):
         # ModelParallelStrategy does): its parameters are managed by DDP / FSDP2, and a later
         # `trainer.test` reuses them.
         assert self.cluster_environment is not None and self.accelerator is not None
+        self._contexts.close()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -289,6 +308,8 @@ class MeshStrategy(ParallelStrategy):
         reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
         """Reduce over the whole world by default: ranks of one tensor/pipeline group hold equal values."""
+        if isinstance(tensor, DTensor):  # e.g. a loss computed on vocabulary-sharded logits
+            tensor = tensor.full_tensor()
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

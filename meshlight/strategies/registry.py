@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, Union
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from meshlight.strategies.data_parallel import DDPStrategy, ZeroStrategy
+from meshlight.strategies.tensor_parallel import TensorParallelStrategy
 
 __all__ = ["STRATEGY_NAMES", "register_with_lightning", "resolve_strategy"]
 
@@ -27,6 +28,7 @@ _ENTRIES: dict[str, _Entry] = {
     "zero2": _Entry(ZeroStrategy, {"stage": 2}, "meshlight ZeRO-2: optimizer state and gradients sharded (FSDP2)"),
     "zero3": _Entry(ZeroStrategy, {"stage": 3}, "meshlight ZeRO-3: parameters, gradients, optimizer state sharded"),
     "fsdp": _Entry(ZeroStrategy, {"stage": 3}, "meshlight ZeRO-3 (FSDP2)"),
+    "tp": _Entry(TensorParallelStrategy, {}, "meshlight tensor + sequence parallel within a node, ZeRO-1 across"),
 }
 
 STRATEGY_NAMES: tuple[str, ...] = tuple(_ENTRIES)

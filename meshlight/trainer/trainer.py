@@ -15,8 +15,8 @@ __all__ = ["Trainer"]
 
 
 class Trainer(pl.Trainer):
-    """``lightning.Trainer`` whose ``strategy`` also accepts ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``
-    and ``"fsdp"`` (= ``"zero3"``) as meshlight strategies, or any strategy instance.
+    """``lightning.Trainer`` whose ``strategy`` also accepts ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``,
+    ``"fsdp"`` (= ``"zero3"``) and ``"tp"`` as meshlight strategies, or any strategy instance.
 
     ``logger=True`` (the default) logs to TensorBoard under ``default_root_dir/lightning_logs``.
     Every other argument is Lightning's.

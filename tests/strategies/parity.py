@@ -63,12 +63,16 @@ def make_data(batch_size: int) -> AdditionDataModule:
     return AdditionDataModule(3, batch_size=batch_size, train_size=GLOBAL_BATCH * STEPS * 2, val_size=32, seed=SEED)
 
 
-def train(variant: str, strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
-    """Train one variant; return the logged losses, gradient norms and (on global rank 0) the full weights."""
+def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel: int = 0,
+          model: Any = None) -> dict[str, Any]:
+    """Train one variant; return the logged losses, gradient norms and (on global rank 0) the full weights.
+
+    ``data_parallel``: ranks reading different data (default: all); ``model``: a factory replacing GPT-tiny.
+    """
     pl.seed_everything(SEED, verbose=False)
     world = devices
-    model = make_model(variant)
-    data = make_data(GLOBAL_BATCH // world)
+    model = model() if model is not None else make_model(variant)
+    data = make_data(GLOBAL_BATCH // (data_parallel or world))
     recorder = Recorder()
     trainer = ml.Trainer(
         strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS, logger=False,

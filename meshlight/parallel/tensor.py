@@ -1,0 +1,378 @@
+"""Tensor parallelism (+ sequence parallelism) with DTensor on the mesh's ``tp`` axis.
+
+A plan gives each module a role; :func:`apply_tensor_parallel` turns roles into PyTorch parallel styles:
+
+=============== =========================================================================================
+role            what it does
+=============== =========================================================================================
+``colwise``     Linear sharded by output features (a block's q, k, v, up, gate projections)
+``rowwise``     Linear sharded by input features, output summed over tp (a block's output projections)
+``embedding``   token embedding sharded by vocabulary (masked lookup, outputs summed over tp)
+``head``        LM head sharded by vocabulary; in training its logits stay sharded for loss parallelism
+``norm``        with sequence parallelism: runs on this rank's share of the sequence
+``replicate``   left whole on every rank (an Embedding's output is cut to this rank's share of the sequence
+                under sequence parallelism, e.g. learned positions)
+=============== =========================================================================================
+
+Per block the traffic is the minimum (Megatron-LM): the input of each colwise group is gathered once — an
+all-gather of the sequence with sequence parallelism, nothing otherwise — and its gradient reduced once;
+each rowwise output is reduce-scattered over the sequence (or all-reduced without sequence parallelism).
+
+Plans come from :func:`derive_plan` (structure: inside each repeated block, the Linears that read the
+hidden state are colwise and the one that writes back to it is rowwise) or from a user dict of
+module-name patterns, resolved by :func:`resolve_plan`. A model must reshape heads with ``-1``, or keep its
+head counts in attributes the strategy can scale (``n_heads``, ``num_key_value_heads`` …).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from fnmatch import fnmatch
+from typing import Any, Optional, Union
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from meshlight.parallel.data_parallel import repeated_blocks
+
+__all__ = ["ROLES", "TensorParallelError", "apply_tensor_parallel", "derive_plan", "resolve_plan", "validate_plan"]
+
+ROLES = ("colwise", "rowwise", "embedding", "head", "norm", "replicate")
+Plan = dict[str, str]
+UserPlan = Mapping[str, Union[str, ParallelStyle]]
+
+# Attribute names under which attention modules keep their head counts (scaled to the local count).
+HEAD_COUNT_ATTRIBUTES = (
+    "n_heads", "num_heads", "n_head", "num_attention_heads",
+    "n_kv_heads", "num_kv_heads", "n_kv_head", "num_key_value_heads",
+)
+HEAD_DIM_ATTRIBUTES = ("head_dim", "head_size")
+
+
+class TensorParallelError(ValueError):
+    """A model or plan that tensor parallelism cannot split as asked; the message names the fix."""
+
+
+# ------------------------------------------------------------------------------------------- plans
+
+
+def derive_plan(model: nn.Module) -> Plan:
+    """Roles derived from the model's structure (no class names).
+
+    Inside each repeated block, Linears are grouped by the module that owns them. In each group the last
+    Linear that writes the hidden size ``D`` back is rowwise and the Linears that read ``D`` are colwise;
+    groups without such a writer (a router, a gate) stay whole. Outside the blocks: the Embedding whose
+    vocabulary the LM head produces is the token embedding, other ``D``-wide Embeddings are position tables,
+    and parameter-only modules of width ``D`` (norms) run sequence parallel.
+    """
+    blocks = _named_blocks(model)
+    if not blocks:
+        raise TensorParallelError(
+            f"{type(model).__name__} has no repeated blocks (an nn.ModuleList/ModuleDict of layers), which the"
+            " automatic tensor-parallel plan works on; pass a plan, e.g. TensorParallelStrategy(plan={"
+            '"layers.*.attn.q": "colwise", …}).'
+        )
+    hidden = _hidden_size(blocks)
+    plan: Plan = {}
+    for block_name, block in blocks:
+        for group_name, group in block.named_modules():
+            linears = [(n, m) for n, m in group.named_children() if isinstance(m, nn.Linear)]
+            writers = [n for n, m in linears if m.out_features == hidden]
+            readers = [n for n, m in linears if m.in_features == hidden and (not writers or n != writers[-1])]
+            if writers and readers:
+                prefix = _join(block_name, group_name)
+                _reject_fused(prefix, [m for n, m in linears if n in readers], dict(linears)[writers[-1]])
+                plan[_join(prefix, writers[-1])] = "rowwise"
+                plan.update({_join(prefix, n): "colwise" for n in readers})
+    return {**plan, **_structural_roles(model, blocks, hidden)}
+
+
+def _structural_roles(model: nn.Module, blocks: list[tuple[str, nn.Module]], hidden: int) -> Plan:
+    """Every role but the blocks' Linears: norms (in and outside the blocks), the LM head, the token
+    embedding whose vocabulary it produces, and other ``D``-wide embeddings (positions) replicated."""
+    roles: Plan = {}
+    for block_name, block in blocks:
+        roles.update({_join(block_name, n): "norm" for n, m in block.named_modules() if _is_norm(m, hidden)})
+    in_blocks = {id(m) for _, block in blocks for m in block.modules()}
+    outside = [(n, m) for n, m in model.named_modules() if id(m) not in in_blocks]
+    embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding) and m.embedding_dim == hidden]
+    vocabularies = {m.num_embeddings for _, m in embeddings}
+    heads = [(n, m) for n, m in outside if isinstance(m, nn.Linear) and m.in_features == hidden
+             and m.out_features in vocabularies]
+    roles.update({n: "norm" for n, m in outside if _is_norm(m, hidden)})
+    if heads:
+        head_name, head = heads[-1]
+        roles[head_name] = "head"
+        roles.update({n: "embedding" if m.num_embeddings == head.out_features else "replicate"
+                      for n, m in embeddings})
+    else:
+        roles.update({n: "replicate" for n, _ in embeddings})
+    return roles
+
+
+def resolve_plan(model: nn.Module, patterns: UserPlan) -> dict[str, Union[str, ParallelStyle]]:
+    """Match each pattern (``fnmatch`` per dotted component, e.g. ``"layers.*.attention.wq"``) against the
+    model's module names — as a full name or as a suffix at a component boundary, so a plan written for an
+    inner model also applies inside the LightningModule that holds it.
+
+    Modules the patterns do not mention keep the structural roles :func:`derive_plan` gives them (norms —
+    with sequence parallelism a norm left out would see part of the sequence and its replicated weight
+    would get different gradients on each rank —, token embedding, LM head): the patterns decide how the
+    blocks' Linears are split. Raises listing close names for a pattern that matches nothing, and for
+    unknown style names.
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, Union[str, ParallelStyle]] = {}
+    for pattern, style in patterns.items():
+        if isinstance(style, str) and style not in ROLES:
+            raise TensorParallelError(
+                f"Unknown tensor-parallel style {style!r} for {pattern!r}; choose one of {ROLES}."
+            )
+        matches = [name for name in names if _matches(name, pattern)]
+        if not matches:
+            close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
+            close = close or _close_by_last_component(pattern, names)
+            raise TensorParallelError(
+                f"The tensor-parallel plan pattern {pattern!r} matches no module. Close module names: "
+                f"{', '.join(close) if close else '(none)'}."
+            )
+        resolved.update(dict.fromkeys(matches, style))
+    blocks = _named_blocks(model)
+    structural = _structural_roles(model, blocks, _hidden_size(blocks)) if blocks else {}
+    return {**structural, **resolved}
+
+
+def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]], tp: int, world_size: int) -> None:
+    """Raise, naming the valid tp values, when ``tp`` does not divide every dimension the plan shards, the
+    attention head counts, or the hidden size."""
+    modules = dict(model.named_modules())
+    constraints: list[tuple[str, int]] = []
+    hidden: Optional[int] = None
+    for name, role in plan.items():
+        module = modules[name]
+        if role == "colwise" and isinstance(module, nn.Linear):
+            constraints.append((f"{name}.out_features", module.out_features))
+            hidden = hidden or module.in_features
+        elif role == "rowwise" and isinstance(module, nn.Linear):
+            constraints.append((f"{name}.in_features", module.in_features))
+        elif role == "embedding" and isinstance(module, nn.Embedding):
+            constraints.append((f"{name} vocabulary", module.num_embeddings))
+        elif role == "head" and isinstance(module, nn.Linear):
+            constraints.append((f"{name} vocabulary", module.out_features))
+    if hidden is not None:
+        constraints.append(("hidden size", hidden))
+    for parent, attribute, count in _head_counts(model, plan):
+        constraints.append((_join(parent, attribute), count))
+    for _, name, heads in _heads_from_head_dim(model, plan):
+        constraints.append((f"heads of {name}", heads))
+    bad = [(what, value) for what, value in constraints if value % tp]
+    if bad:
+        valid = [t for t in range(1, world_size + 1)
+                 if world_size % t == 0 and all(v % t == 0 for _, v in constraints)]
+        what, value = bad[0]
+        raise TensorParallelError(f"tp={tp} does not divide {what}={value}; choose tp in {valid}.")
+
+
+# ------------------------------------------------------------------------------------------- apply
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: Mapping[str, Union[str, ParallelStyle]],
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+) -> None:
+    """Shard ``model`` in place over the 1-D ``mesh`` (the tp axis) following ``plan`` (name → role or style)."""
+    tp = mesh.size()
+    modules = dict(model.named_modules())
+    styles: dict[str, ParallelStyle] = {}
+    for name, role in plan.items():
+        if isinstance(role, ParallelStyle):
+            styles[name] = role
+        elif role == "colwise":
+            styles[name] = ColwiseParallel()
+        elif role == "rowwise":
+            styles[name] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
+        elif role == "embedding":
+            styles[name] = RowwiseParallel(input_layouts=Replicate(),
+                                           output_layouts=Shard(1) if sequence_parallel else Replicate())
+        elif role == "head":
+            styles[name] = _LMHead(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        elif role == "norm" and sequence_parallel:
+            styles[name] = SequenceParallel()
+        elif role == "replicate" and sequence_parallel and isinstance(modules[name], nn.Embedding):
+            styles[name] = _SequenceSlicedEmbedding()
+    parallelize_module(model, mesh, styles)
+    for parent in _colwise_parents(plan):
+        modules[parent].register_forward_pre_hook(_gather_input(mesh, sequence_parallel))
+    for parent_name, attribute, count in _head_counts(model, plan):
+        setattr(modules[parent_name], attribute, count // tp)
+    if sequence_parallel:
+        for module in modules.values():
+            if isinstance(module, nn.Embedding):
+                module.register_forward_pre_hook(_check_sequence_divisible(tp))
+
+
+class _LMHead(ColwiseParallel):
+    """Vocabulary-sharded LM head. While training (and ``loss_parallel``), its logits stay a DTensor sharded
+    over the vocabulary for ``torch.distributed.tensor.parallel.loss_parallel``: the full logits never exist
+    on one rank. In eval mode they are gathered, so metrics and predictions see ordinary tensors."""
+
+    def __init__(self, *, sequence_parallel: bool, loss_parallel: bool) -> None:
+        super().__init__(input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Shard(-1),
+                         use_local_output=False)
+        self.loss_parallel = loss_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+
+        def gather_unless_loss_parallel(mod: nn.Module, inputs: Any, output: DTensor) -> Any:
+            if mod.training and self.loss_parallel:
+                return output
+            return output.redistribute(device_mesh, [Replicate()]).to_local()
+
+        module.register_forward_hook(gather_unless_loss_parallel)
+        return module
+
+
+class _SequenceSlicedEmbedding(ParallelStyle):
+    """A replicated lookup table (learned positions) whose output keeps only this rank's share of the sequence
+    (dimension -2); its weight is a replicated DTensor so the gradients of all shares are summed."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate_params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for param_name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(param_name, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()],
+                                                                                   run_check=False)))
+
+        def inputs_replicated(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, Tensor)
+                         and not isinstance(t, DTensor) else t for t in inputs)
+
+        def output_sliced(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
+            return output.redistribute(mesh, [Shard(output.dim() - 2)]).to_local()
+
+        return distribute_module(module, device_mesh, replicate_params, inputs_replicated, output_sliced)
+
+
+def _gather_input(mesh: DeviceMesh, sequence_parallel: bool):  # noqa: ANN202 - a forward pre-hook
+    """Make the first input of a colwise group one replicated DTensor (an all-gather of the sequence under
+    sequence parallelism). It stays a DTensor, so the gradients of all colwise Linears reading it accumulate
+    as one partial sum and are reduced once."""
+    layout = Shard(1) if sequence_parallel else Replicate()
+
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        if not args or not isinstance(args[0], Tensor):
+            return args
+        hidden = args[0]
+        if not isinstance(hidden, DTensor):
+            hidden = DTensor.from_local(hidden, mesh, [layout], run_check=False)
+        return (hidden.redistribute(mesh, [Replicate()]), *args[1:])
+
+    return hook
+
+
+def _check_sequence_divisible(tp: int):  # noqa: ANN202 - a forward pre-hook
+    def hook(module: nn.Module, args: tuple) -> None:
+        tokens = args[0] if args and isinstance(args[0], Tensor) else None
+        if tokens is not None and tokens.dim() >= 2 and tokens.shape[1] % tp:
+            raise TensorParallelError(
+                f"Sequence length {tokens.shape[1]} is not divisible by tp={tp}: sequence parallelism splits the"
+                " sequence over the tensor-parallel ranks. Pad sequences to a multiple of tp or pass"
+                " sequence_parallel=False."
+            )
+
+    return hook
+
+
+# ------------------------------------------------------------------------------------------- structure
+
+
+def _reject_fused(group: str, readers: list[nn.Linear], writer: nn.Linear) -> None:
+    """Column sharding splits a Linear's outputs into contiguous slices; a fused q|k|v (or gate|up) projection
+    would hand one rank all of q and another all of v. Recognized by no reader producing the writer's width."""
+    if all(reader.out_features != writer.in_features for reader in readers):
+        widths = ", ".join(str(r.out_features) for r in readers)
+        raise TensorParallelError(
+            f"{group} looks like a fused projection (outputs {widths} feeding a {writer.in_features}-wide output"
+            " projection): tensor parallelism needs q, k, v (and gate, up) as separate nn.Linear layers. Split the"
+            " fused layer, or parallelize it yourself in configure_model()."
+        )
+
+
+def _named_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    blocks = {id(b) for b in repeated_blocks(model)}
+    return [(name, module) for name, module in model.named_modules() if id(module) in blocks]
+
+
+def _hidden_size(blocks: list[tuple[str, nn.Module]]) -> int:
+    widths = Counter(m.in_features for _, block in blocks for m in block.modules() if isinstance(m, nn.Linear))
+    if not widths:
+        raise TensorParallelError("The repeated blocks contain no nn.Linear layers to split.")
+    return widths.most_common(1)[0][0]
+
+
+def _is_norm(module: nn.Module, hidden: int) -> bool:
+    """A leaf whose parameters are all vectors of the hidden size (LayerNorm, RMSNorm, user norms)."""
+    params = list(module.parameters(recurse=False))
+    return (not list(module.children()) and bool(params) and not isinstance(module, (nn.Linear, nn.Embedding))
+            and all(p.dim() == 1 and p.shape[0] == hidden for p in params))
+
+
+def _colwise_parents(plan: Mapping[str, Union[str, ParallelStyle]]) -> list[str]:
+    return sorted({name.rpartition(".")[0] for name, role in plan.items() if role == "colwise"})
+
+
+def _head_counts(model: nn.Module, plan: Mapping[str, Any]) -> Iterator[tuple[str, str, int]]:
+    """(parent, attribute, count) for head-count attributes on the modules that own colwise groups."""
+    modules = dict(model.named_modules())
+    for parent in _colwise_parents(plan):
+        for attribute in HEAD_COUNT_ATTRIBUTES:
+            value = getattr(modules[parent], attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                yield parent, attribute, value
+
+
+def _heads_from_head_dim(model: nn.Module, plan: Mapping[str, Any]) -> Iterator[tuple[str, str, int]]:
+    """Head counts of colwise Linears in modules that only record ``head_dim`` (and reshape with -1)."""
+    modules = dict(model.named_modules())
+    for parent in _colwise_parents(plan):
+        head_dim = next((getattr(modules[parent], a) for a in HEAD_DIM_ATTRIBUTES
+                         if isinstance(getattr(modules[parent], a, None), int)), None)
+        if not head_dim:
+            continue
+        for name, role in plan.items():
+            module = modules[name]
+            if role == "colwise" and name.rpartition(".")[0] == parent and isinstance(module, nn.Linear):
+                if module.out_features % head_dim == 0:
+                    yield parent, name, module.out_features // head_dim
+
+
+def _matches(name: str, pattern: str) -> bool:
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) >= len(wanted) and all(fnmatch(p, w) for p, w in zip(parts[-len(wanted):], wanted))
+
+
+def _close_by_last_component(pattern: str, names: list[str]) -> list[str]:
+    last = pattern.rsplit(".", 1)[-1]
+    leaves = {name.rsplit(".", 1)[-1] for name in names}
+    close = set(difflib.get_close_matches(last, leaves, n=3, cutoff=0.5))
+    return [name for name in names if name.rsplit(".", 1)[-1] in close][:5]
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+

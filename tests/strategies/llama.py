@@ -1,0 +1,123 @@
+"""A Llama-shaped LightningModule written as users write them — not meshlight's GPT.
+
+RMSNorm, rotary embeddings, grouped-query attention that reshapes with its own head-count attributes
+(``view(b, t, self.n_heads, self.head_dim)``), SwiGLU with Meta's ``w1, w2, w3`` registration order, and a
+``training_step`` that calls ``F.cross_entropy`` on the logits itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS, SEQ = 16, 64, 8, 4, 128, 2, 12
+
+# The same split written as a plan dict, in the convention of model hubs.
+DICT_PLAN = {
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = HEADS, KV_HEADS, DIM // HEADS
+        self.n_rep = HEADS // KV_HEADS
+        self.wq = nn.Linear(DIM, HEADS * self.head_dim, bias=False)
+        self.wk = nn.Linear(DIM, KV_HEADS * self.head_dim, bias=False)
+        self.wv = nn.Linear(DIM, KV_HEADS * self.head_dim, bias=False)
+        self.wo = nn.Linear(HEADS * self.head_dim, DIM, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        k, v = k.repeat_interleave(self.n_rep, dim=2), v.repeat_interleave(self.n_rep, dim=2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm, self.attention = RMSNorm(DIM), Attention()
+        self.ffn_norm, self.feed_forward = RMSNorm(DIM), FeedForward()
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(TransformerBlock() for _ in range(LAYERS))
+        self.norm = RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+        head_dim = DIM // HEADS
+        angles = torch.outer(torch.arange(SEQ).float(), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
+        self.register_buffer("cos", angles.cos()[:, None, :], persistent=False)
+        self.register_buffer("sin", angles.sin()[:, None, :], persistent=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.tok_embeddings(tokens)
+        cos, sin = self.cos[: tokens.shape[1]], self.sin[: tokens.shape[1]]
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+class LitLlama(pl.LightningModule):
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.lr = lr
+        self.model = Llama()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        inputs, targets = batch
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-100)
+        self.log("train/loss", loss, sync_dist=True, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
