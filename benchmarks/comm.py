@@ -7,6 +7,13 @@ all-gather); ZeRO-3 3·P·(N−1)/N (parameters gathered again in backward). For
 with ``torch.distributed.optim.ZeroRedundancyOptimizer`` (ZeRO-1 the way Lightning users get it today) is
 measured against the same 2·P·(N−1)/N.
 
+Tensor parallelism (tp = N, no data parallelism): per transformer block, forward and backward each move two
+all-reduces of the B·S·H activations (without sequence parallelism), or the same bytes as all-gathers and
+reduce-scatters (with it): 4 · 2·A·(N−1)/N per block, A = activation bytes. Per-block bytes are measured as
+the difference between the same model with 4 and with 2 blocks, halved, so the embedding, the LM head and
+the loss (which add two more such all-reduces and a few B·S-sized ones per step) cancel out; the whole
+step is also reported against (4·blocks + 2) · 2·A·(N−1)/N.
+
     python benchmarks/comm.py [--nprocs 2 4]      # prints JSON
 """
 
@@ -16,6 +23,7 @@ from common import is_worker, main_over_world_sizes, report
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "lightning-ddp+ZeroRedundancyOptimizer")
 MEASURED_STEP = 2  # after DDP's bucket rebuild and FSDP's lazy initialization
+BATCH, SEQ = 4, 64
 
 
 def worker() -> None:
@@ -47,23 +55,43 @@ def worker() -> None:
             if trainer.global_step == MEASURED_STEP + 1:
                 self.traffic.__exit__(None, None, None)
 
+    def step_traffic(module: LitGPT, strategy: object, trainer_cls: type = ml.Trainer) -> CollectiveTraffic:
+        probe = TrafficProbe()
+        trainer = trainer_cls(strategy=strategy, **measuring_trainer_options(world, MEASURED_STEP + 1, [probe]))
+        data = RandomTokensDataModule(vocab_size=256, seq_len=SEQ, batch_size=BATCH, train_size=16 * BATCH * world)
+        trainer.fit(module, data)
+        return probe.traffic
+
     world = int(os.environ["WORLD_SIZE"])
     results = []
     for name in STRATEGIES:
         pl.seed_everything(0, verbose=False)
         lightning_zero = name.startswith("lightning")
         module = (ZeroRedundancyGPT if lightning_zero else LitGPT)(bench_config())
-        probe = TrafficProbe()
-        trainer_cls = pl.Trainer if lightning_zero else ml.Trainer
-        trainer = trainer_cls(strategy="ddp" if lightning_zero else name,
-                              **measuring_trainer_options(world, MEASURED_STEP + 1, [probe]))
-        trainer.fit(module, RandomTokensDataModule(vocab_size=256, seq_len=64, batch_size=4, train_size=64))
+        traffic = step_traffic(module, "ddp" if lightning_zero else name, pl.Trainer if lightning_zero else ml.Trainer)
         param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         theory = (3 if name == "zero3" else 2) * param_bytes * (world - 1) / world
         results.append({
-            "strategy": name, "world": world, "param_bytes": param_bytes, "bytes_sent": probe.traffic.bytes_sent,
-            "theory_bytes": theory, "ratio": probe.traffic.bytes_sent / theory,
-            "by_collective": probe.traffic.summary(),
+            "strategy": name, "world": world, "param_bytes": param_bytes, "bytes_sent": traffic.bytes_sent,
+            "theory_bytes": theory, "ratio": traffic.bytes_sent / theory, "by_collective": traffic.summary(),
+        })
+    config = bench_config()
+    activation_bytes = BATCH * SEQ * config.dim * 4
+    all_reduce = 2 * activation_bytes * (world - 1) / world
+    for sequence_parallel in (True, False):
+        traffic_by_blocks = {}
+        for blocks in (4, 2):
+            pl.seed_everything(0, verbose=False)
+            module = LitGPT(config.replace(n_layers=blocks))
+            strategy = ml.TensorParallelStrategy(tp=world, sequence_parallel=sequence_parallel)
+            traffic_by_blocks[blocks] = step_traffic(module, strategy)
+        per_block = (traffic_by_blocks[4].bytes_sent - traffic_by_blocks[2].bytes_sent) / 2
+        step, step_theory = traffic_by_blocks[4].bytes_sent, (4 * 4 + 2) * all_reduce
+        results.append({
+            "strategy": "tp, sequence parallel" if sequence_parallel else "tp", "world": world,
+            "activation_bytes": activation_bytes, "per_block_bytes": per_block, "per_block_theory": 4 * all_reduce,
+            "ratio": per_block / (4 * all_reduce), "step_bytes": step, "step_theory": step_theory,
+            "step_ratio": step / step_theory, "by_collective": traffic_by_blocks[4].summary(),
         })
     report(results)
 

@@ -7,6 +7,9 @@ parameters (gathered and sharded copies), gradients and optimizer state, each st
 included. Formulas for fp32 AdamW (4 + 4 + 8 bytes per parameter, Ψ parameters, N ranks): DDP 16Ψ,
 ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N.
 
+Tensor parallelism (tp = N): this rank's bytes of the weight matrices tensor parallelism shards (the blocks'
+Linears, the token embedding, the LM head) divided by their total bytes / N.
+
     python benchmarks/memory.py [--nprocs 2 4]      # prints JSON
 """
 
@@ -36,6 +39,7 @@ def worker() -> None:
 
     import meshlight as ml
     from meshlight.demos import LitGPT, RandomTokensDataModule
+    from meshlight.parallel.tensor import derive_plan
 
     class StateProbe(Callback):
         def __init__(self, moment: str) -> None:
@@ -87,6 +91,17 @@ def worker() -> None:
             results.append({"strategy": name, "world": world, "moment": moment, "parameters": numel,
                             "measured_bytes": measured,
                             "formula_bytes": formula, "ratio": measured / formula, "breakdown": probe.bytes})
+    pl.seed_everything(0, verbose=False)
+    module = LitGPT(bench_config())
+    trainer = ml.Trainer(strategy=ml.TensorParallelStrategy(tp=world), **measuring_trainer_options(world, 1, []))
+    trainer.fit(module, RandomTokensDataModule(vocab_size=256, seq_len=64, batch_size=4, train_size=64))
+    modules = dict(module.named_modules())
+    sharded = [p for name, role in derive_plan(module).items() if role in ("colwise", "rowwise", "embedding", "head")
+               for p in [modules[name].weight]]  # row-parallel biases are replicated by design
+    local = sum(p.to_local().numel() * p.element_size() for p in sharded)
+    total = sum(p.numel() * p.element_size() for p in sharded)
+    results.append({"strategy": "tp", "world": world, "moment": "after_step", "sharded_layer_bytes": local,
+                    "total_sharded_layer_bytes": total, "ratio": local / (total / world)})
     report(results)
 
 

@@ -60,18 +60,38 @@ def comm_section(rows: list[dict]) -> str:
         "| strategy | N | P (bytes) | sent per rank (bytes) | theory (bytes) | ratio | target | collectives (calls) |",
         "|---|---:|---:|---:|---:|---:|---|---|",
     ]
-    for r in rows:
-        calls = ", ".join(f"{kind} ×{int(v['calls'])}" for kind, v in sorted(r["by_collective"].items()))
+    for r in (r for r in rows if not r["strategy"].startswith("tp")):
         target = "—" if r["strategy"].startswith("lightning") else verdict(r["ratio"], 1.05)
         lines.append(f"| {r['strategy']} | {r['world']} | {r['param_bytes']:,} | {r['bytes_sent']:,.0f} | "
-                     f"{r['theory_bytes']:,.0f} | {r['ratio']:.4f} | {target} | {calls} |")
+                     f"{r['theory_bytes']:,.0f} | {r['ratio']:.4f} | {target} | {calls(r)} |")
     lines += [
         "",
-        "The 4-byte all-reduce in every step is `self.log(..., sync_dist=True)` of the loss. On CPU, gloo",
+        "Tensor parallelism, tp = N (no data parallelism), 4-block GPT (dim 128, batch 4 × 64 tokens): per block,",
+        "forward and backward each move two all-reduces of the activations A = B·S·H·4 bytes (or the same bytes",
+        "as all-gathers + reduce-scatters with sequence parallelism), theory 4 · 2·A·(N−1)/N. Per-block bytes",
+        "are measured as (step bytes with 4 blocks − with 2 blocks) / 2. The whole step is compared with",
+        "(4·4 + 2) · 2·A·(N−1)/N: the embedding and LM head add one such all-reduce each.",
+        "",
+        "| layout | N | per block (bytes) | theory (bytes) | ratio | target | whole step / theory |"
+        " collectives (calls) |",
+        "|---|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for r in (r for r in rows if r["strategy"].startswith("tp")):
+        lines.append(f"| {r['strategy']} | {r['world']} | {r['per_block_bytes']:,.0f} | {r['per_block_theory']:,.0f} | "
+                     f"{r['ratio']:.4f} | {verdict(r['ratio'], 1.05)} | {r['step_ratio']:.4f} | {calls(r)} |")
+    lines += [
+        "",
+        "Above theory, with sequence parallelism: the all-reduce of the norms' weight gradients (their weights",
+        "are replicated, their inputs sharded); in the whole step: loss parallelism's three reductions of B·S",
+        "values. The 4-byte all-reduce in every step is `self.log(..., sync_dist=True)` of the loss. On CPU, gloo",
         "implements reduce-scatter as an all-reduce internally; the table counts what the program asks for",
         "(as NCCL would move it), not gloo's internal traffic.",
     ]
     return "\n".join(lines)
+
+
+def calls(row: dict) -> str:
+    return ", ".join(f"{kind} ×{int(v['calls'])}" for kind, v in sorted(row["by_collective"].items()))
 
 
 def memory_section(rows: list[dict]) -> str:
@@ -88,7 +108,7 @@ def memory_section(rows: list[dict]) -> str:
         " params / grads / optimizer (bytes) |",
         "|---|---:|---|---:|---:|---:|---:|---|---|",
     ]
-    for r in rows:
+    for r in (r for r in rows if r["strategy"] != "tp"):
         b = r["breakdown"]
         target = verdict(r["ratio"], 1.05) if r["moment"] == "after_step" else "—"
         lines.append(f"| {r['strategy']} | {r['world']} | {r['moment']} | {r['parameters']:,} | "
@@ -103,7 +123,16 @@ def memory_section(rows: list[dict]) -> str:
         "gathered parameters, where Megatron's distributed optimizer aliases the two. DDP meets 16Ψ because",
         "meshlight makes gradients views of DDP's communication buckets (`gradient_as_bucket_view=True`); with",
         "PyTorch's default (`False`) DDP keeps the buckets in addition to the gradients (not measured here).",
+        "",
+        "Tensor parallelism, tp = N: this rank's bytes of the weight matrices tensor parallelism shards (blocks'",
+        "Linears, token embedding, LM head) divided by their total / N (row-parallel biases stay replicated).",
+        "",
+        "| layout | N | this rank (bytes) | total (bytes) | ratio |",
+        "|---|---:|---:|---:|---:|",
     ]
+    for r in (r for r in rows if r["strategy"] == "tp"):
+        lines.append(f"| tp | {r['world']} | {r['sharded_layer_bytes']:,} | {r['total_sharded_layer_bytes']:,} | "
+                     f"{r['ratio']:.4f} |")
     return "\n".join(lines)
 
 

@@ -144,13 +144,23 @@ def ddp_engine(module: nn.Module) -> Optional[DistributedDataParallel]:
     return getattr(replicate.state(module), "_ddp", None)
 
 
-def broadcast_module_states(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Copy global rank 0's parameters and buffers (local shards of DTensors) to every rank of ``group``
-    (default: the world), so that a model initialized from an unseeded RNG starts identical everywhere."""
+def broadcast_module_states(
+    module: nn.Module,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    shard_group: Optional[dist.ProcessGroup] = None,
+) -> None:
+    """Copy the first rank's parameters and buffers to every rank, so that a model initialized from an
+    unseeded RNG starts identical everywhere: plain tensors over ``group`` (default: the world), local
+    shards of DTensors over ``shard_group`` — the ranks holding the same shard — or not at all if None."""
     group = group or dist.group.WORLD
-    if dist.get_world_size(group) == 1:
-        return
-    states = [t.to_local() if isinstance(t, DTensor) else t for t in chain(module.parameters(), module.buffers())]
-    states = [t.detach() for t in states if not t.is_meta]
+    plain, shards = [], []
+    for tensor in chain(module.parameters(), module.buffers()):
+        if not tensor.is_meta:
+            (shards if isinstance(tensor, DTensor) else plain).append(tensor)
     with torch.no_grad():
-        _sync_params_and_buffers(group, states, _BROADCAST_BUCKET_BYTES, src=0)
+        if dist.get_world_size(group) > 1 and plain:
+            _sync_params_and_buffers(group, [t.detach() for t in plain], _BROADCAST_BUCKET_BYTES, src=0)
+        if shard_group is not None and dist.get_world_size(shard_group) > 1 and shards:
+            local = [t.to_local().detach() for t in shards]
+            _sync_params_and_buffers(shard_group, local, _BROADCAST_BUCKET_BYTES, src=0)

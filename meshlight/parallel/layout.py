@@ -101,8 +101,8 @@ class ParallelLayout:
             used = math.prod(fixed.values()) * pp * tp
             if world_size % used:
                 raise ValueError(
-                    f"The world has {world_size} processes, which {_product_text(fixed, pp, tp)} = {used} does not"
-                    f" divide. {_fix_hint(world_size, pp, tp)}"
+                    f"{_product_text(fixed, pp, tp)} does not divide the {world_size} processes of the world."
+                    f" {_fix_hint(world_size, pp, tp)}"
                 )
             dp_sizes[auto[0]] = world_size // used
         layout = cls(**dp_sizes, pp=pp, tp=tp, ep=ep, zero=zero)
@@ -163,8 +163,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def _product_text(sizes: dict[str, int], pp: int, tp: int) -> str:
-    named = {**sizes, "pp": pp, "tp": tp}
-    return "·".join(f"{name}={value}" for name, value in named.items() if value != 1) or "the fixed sizes"
+    """``tp=8``, or ``pp=2·tp=4 (= 8)`` for several sizes."""
+    named = [(name, value) for name, value in {**sizes, "pp": pp, "tp": tp}.items() if value != 1]
+    if len(named) == 1:
+        return f"{named[0][0]}={named[0][1]}"
+    return "·".join(f"{n}={v}" for n, v in named) + f" (= {math.prod(v for _, v in named)})" if named else "1"
 
 
 def _fix_hint(world_size: int, pp: int, tp: int) -> str:

@@ -13,9 +13,10 @@ from typing import Any, Optional, Union
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_module_states
+from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_module_states, is_data_parallel
 from meshlight.parallel.layout import ParallelLayout
 from meshlight.parallel.tensor import apply_tensor_parallel, derive_plan, resolve_plan, validate_plan
 
@@ -34,14 +35,21 @@ def parallelize(
 ) -> nn.Module:
     """Apply every transform ``layout`` asks for to ``module`` in place; ``module`` becomes the root whose
     forward runs the collectives. ``tp_plan`` (module-name patterns → roles) replaces the automatic
-    tensor-parallel plan; see :mod:`meshlight.parallel.tensor`."""
+    tensor-parallel plan; see :mod:`meshlight.parallel.tensor`.
+
+    A transform the model already carries — DTensor parameters from its own tensor parallelism, DDP or FSDP
+    applied in ``configure_model`` — is not applied again.
+    """
     if layout.pp > 1 or layout.ep > 1:
         raise NotImplementedError(
             f"{layout.describe()}: pipeline and expert parallelism are not available yet; use pp=1 and ep=1."
         )
+    if is_data_parallel(module):
+        return module
     # Every transform starts from the same weights on every rank (DDP would broadcast; FSDP and TP do not).
-    broadcast_module_states(module)
-    if layout.tp > 1:
+    # Shards of a model the user split in configure_model are copied only among ranks holding the same shard.
+    broadcast_module_states(module, shard_group=mesh["dp"].get_group())
+    if layout.tp > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):
         plan = resolve_plan(module, tp_plan) if tp_plan else derive_plan(module)
         validate_plan(module, plan, layout.tp, layout.world_size)
         apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=sequence_parallel,

@@ -2,7 +2,8 @@
 
 :class:`CollectiveTraffic` is a ``TorchDispatchMode``: every ``c10d`` and functional collective dispatched
 while it is active is recorded with its tensor sizes and group size — DDP's C++ bucket all-reduce,
-FSDP2's all-gathers and reduce-scatters, DTensor's redistributions, pipeline sends. Bytes sent per rank
+FSDP2's all-gathers and reduce-scatters, DTensor's redistributions (including those inside DTensor ops,
+such as loss parallelism's reductions), pipeline sends. Bytes sent per rank
 use each collective's standard bandwidth-optimal cost (the convention of nccl-tests' bus bandwidth):
 
 ============== ======================== =============================================
@@ -26,8 +27,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CollectiveTraffic", "TrafficRecord", "bytes_sent_per_rank"]
@@ -109,6 +112,12 @@ class CollectiveTraffic(TorchDispatchMode):
         self.records.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(t, DTensor) for t in types):
+            # Modes run before tensor subclasses: step aside so DTensor desugars the op into local ops and
+            # collectives, which then come back here (a mode's own calls would bypass it).
+            return NotImplemented
         record = _record(func, args)
         if record is not None:
             self.records.append(record)

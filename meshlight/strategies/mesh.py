@@ -48,7 +48,7 @@ from typing_extensions import override
 
 from meshlight.parallel.checkpoint import load_checkpoint, save_checkpoint
 from meshlight.parallel.clip import clip_grad_norm_
-from meshlight.parallel.data_parallel import ddp_engine, gradient_accumulation, is_data_parallel
+from meshlight.parallel.data_parallel import ddp_engine, gradient_accumulation
 from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh, seed_by_mesh_position
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
@@ -222,8 +222,7 @@ class MeshStrategy(ParallelStrategy):
         runner = _RUNNERS.get(lightning_module)
         if runner is None:
             runner = _StepRunner(lightning_module, self.layout)
-            if not is_data_parallel(lightning_module):
-                parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs, **self._tensor_parallel)
+            parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs, **self._tensor_parallel)
             _RUNNERS[lightning_module] = runner
         elif runner.layout != self.layout:
             raise RuntimeError(

@@ -22,7 +22,8 @@ def test_hybrid_sharding_splits_data_parallel_ranks():
     ("sizes", "message"),
     [
         ({"dp_replicate": 2, "tp": 3}, "uses 6 processes but the world has 8"),
-        ({"dp_replicate": "auto", "tp": 3}, "tp=3 = 3 does not divide"),
+        ({"dp_replicate": "auto", "tp": 3}, "tp=3 does not divide the 8 processes of the world"),
+        ({"dp_shard": "auto", "pp": 3, "tp": 2, "zero": 3}, r"pp=3·tp=2 \(= 6\) does not divide the 8 processes"),
         ({"dp_replicate": "auto", "zero": 4}, "zero=4 is not a ZeRO stage"),
         ({"dp_replicate": "auto", "tp": 0}, "tp=0 is not a valid size"),
         ({"dp_replicate": "auto", "pp": -1}, "pp=-1 is not a valid size"),

@@ -121,3 +121,21 @@ class LitLlama(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class LitLlamaParallelizedByUser(LitLlama):
+    """Applies tensor parallelism itself in ``configure_model`` with the mesh the strategy provides
+    (Lightning's convention): the strategy must then apply no plan of its own."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        tp_mesh = self.device_mesh["tp"]
+        for layer in self.model.layers:
+            for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv,
+                           layer.feed_forward.w1, layer.feed_forward.w3):
+                parallelize_module(linear, tp_mesh, ColwiseParallel())
+            for linear in (layer.attention.wo, layer.feed_forward.w2):
+                parallelize_module(linear, tp_mesh, RowwiseParallel())
+            layer.attention.n_heads //= tp_mesh.size()
+            layer.attention.n_kv_heads //= tp_mesh.size()

@@ -65,7 +65,8 @@ def make_data(batch_size: int) -> AdditionDataModule:
 
 def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel: int = 0,
           model: Any = None) -> dict[str, Any]:
-    """Train one variant; return the logged losses, gradient norms and (on global rank 0) the full weights.
+    """Train one variant; return the logged losses, gradient norms, (on global rank 0) the full weights, and
+    the trained ``module`` itself (not picklable across processes: pop it before saving).
 
     ``data_parallel``: ranks reading different data (default: all); ``model``: a factory replacing GPT-tiny.
     """
@@ -87,7 +88,7 @@ def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel:
     else:
         trainer.fit(model, data)
     weights = full_weights(model) if world > 1 else {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "weights": weights}
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "weights": weights, "module": model}
 
 
 def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,101 @@
+"""Tensor-parallel plans: derived from structure, resolved from patterns, validated against tp — all before
+any process group exists (the sharding itself is tested on processes in tests/strategies)."""
+
+import pytest
+import torch
+from torch import nn
+
+import meshlight as ml
+from meshlight.models import GPT, GPTConfig
+from meshlight.parallel.tensor import TensorParallelError, derive_plan, resolve_plan, validate_plan
+from tests.strategies.llama import DICT_PLAN, LitLlama
+
+
+def test_automatic_plan_for_gpt_splits_attention_and_mlp_pairs():
+    plan = derive_plan(GPT(GPTConfig.tiny(n_layers=1)))
+    assert {name: role for name, role in plan.items() if name.startswith("blocks.0.attn.")} == {
+        "blocks.0.attn.wq": "colwise", "blocks.0.attn.wk": "colwise", "blocks.0.attn.wv": "colwise",
+        "blocks.0.attn.wo": "rowwise",
+    }
+    assert (plan["blocks.0.mlp.w1"], plan["blocks.0.mlp.w2"]) == ("colwise", "rowwise")
+    assert (plan["embed.tokens"], plan["embed.positions"], plan["head"]) == ("embedding", "replicate", "head")
+    assert plan["blocks.0.attn_norm"] == plan["blocks.0.mlp_norm"] == plan["norm"] == "norm"
+
+
+def test_automatic_plan_for_a_llama_shaped_model_uses_registration_and_shapes_not_names():
+    plan = derive_plan(LitLlama())
+    block = {n.removeprefix("model.layers.0."): r for n, r in plan.items() if n.startswith("model.layers.0.")}
+    assert block == {
+        "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+        "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
+        "attention_norm": "norm", "ffn_norm": "norm",
+    }
+    assert (plan["model.tok_embeddings"], plan["model.output"], plan["model.norm"]) == ("embedding", "head", "norm")
+
+
+def test_dict_plan_matches_inside_the_lightning_module_and_equals_the_automatic_plan():
+    module = LitLlama()
+    assert resolve_plan(module, DICT_PLAN) == derive_plan(module)
+
+
+def test_a_pattern_that_matches_nothing_lists_close_module_names():
+    with pytest.raises(TensorParallelError, match=r"matches no module\. Close module names: .*attention\.wq"):
+        resolve_plan(LitLlama(), {"layers.*.attn.wq": "colwise"})
+
+
+def test_unknown_style_names_are_rejected():
+    with pytest.raises(TensorParallelError, match="Unknown tensor-parallel style 'columnwise'"):
+        resolve_plan(LitLlama(), {"layers.*.attention.wq": "columnwise"})
+
+
+@pytest.mark.parametrize(
+    ("config", "tp", "world", "message"),
+    [
+        (GPTConfig.tiny(dim=48, n_heads=3), 2, 4, r"tp=2 does not divide .*=3; choose tp in \[1\]"),
+        (GPTConfig.tiny(n_heads=4, n_kv_heads=2), 4, 4,
+         r"tp=4 does not divide heads of blocks.0.attn.wk=2; choose tp in \[1, 2\]"),
+        (GPTConfig.tiny(vocab_size=250), 4, 4, r"tp=4 does not divide head vocabulary=250; choose tp in \[1, 2\]"),
+    ],
+)
+def test_a_tp_that_does_not_divide_the_model_names_the_valid_values(config, tp, world, message):
+    model = GPT(config)
+    with pytest.raises(TensorParallelError, match=message):
+        validate_plan(model, derive_plan(model), tp, world)
+
+
+def test_head_count_attributes_are_constraints():
+    module = LitLlama()  # 8 query heads, 4 key/value heads
+    validate_plan(module, derive_plan(module), 4, 4)
+    with pytest.raises(TensorParallelError, match=r"n_kv_heads=4; choose tp in \[1, 2, 4\]"):
+        validate_plan(module, derive_plan(module), 8, 8)
+
+
+def test_fused_qkv_projection_is_refused_with_the_fix():
+    class FusedAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn, self.c_proj = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = nn.ModuleList(nn.ModuleDict({"attn": FusedAttention()}) for _ in range(2))
+
+    with pytest.raises(TensorParallelError, match=r"h.0.attn looks like a fused projection .* separate nn.Linear"):
+        derive_plan(Model())
+
+
+def test_a_model_without_repeated_blocks_asks_for_a_plan():
+    with pytest.raises(TensorParallelError, match="no repeated blocks"):
+        derive_plan(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_tp_larger_than_the_world_fails_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match=r"tp=8 does not divide the 4 processes .* choose pp·tp in \[1, 2, 4\]"):
+        ml.Trainer(strategy=ml.TensorParallelStrategy(tp=8), devices=4, accelerator="cpu")
+
+
+def test_tp_name_takes_the_processes_of_a_node():
+    strategy = ml.Trainer(strategy="tp", devices=4, num_nodes=1, accelerator="cpu", logger=False).strategy
+    assert (strategy.layout.tp, strategy.layout.dp) == (4, 1)
+    assert torch.distributed.is_available()

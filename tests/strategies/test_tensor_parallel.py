@@ -1,0 +1,60 @@
+"""Tensor parallelism reproduces single-process training — tp=2 on 2 processes, tp=4 and tp=2 × dp=2 on 4,
+with and without sequence parallelism, for meshlight's GPT and a Llama-shaped LightningModule under the
+automatic plan, a dict plan and its own configure_model() — shards its layers to 1/tp per rank, and keeps
+dropout consistent."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import torchrun
+from tests.strategies.llama import LitLlama, LitLlamaParallelizedByUser
+from tests.strategies.parity import assert_parity, train
+from tests.strategies.workers import tensor_worker
+
+WORKER = Path(tensor_worker.__file__)
+RUNS = [(world, run) for world in (2, 4) for run in tensor_worker.runs(world)]
+
+
+@pytest.fixture(scope="module")
+def controls() -> dict:
+    out = {}
+    for model, (factory, _) in tensor_worker.MODELS.items():
+        out[(model, "adamw")] = train("adamw", model=LitLlama if factory is LitLlamaParallelizedByUser else factory)
+    out[("gpt", "clip")] = train("clip", model=tensor_worker.lit_gpt)
+    return out
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory) -> dict:
+    results = {}
+    for world in (2, 4):
+        out = tmp_path_factory.mktemp("tensor") / f"{world}.pt"
+        torchrun(WORKER, world, str(out), str(world))
+        results[world] = torch.load(out, weights_only=False)
+    return results
+
+
+@pytest.mark.parametrize(("world", "run"), RUNS, ids=[f"{w}proc-{r[0]}-{r[1]}-{'sp' if r[2] else 'nosp'}-{r[3]}"
+                                                       for w, r in RUNS])
+def test_tensor_parallel_matches_single_process_training(distributed, controls, world, run):
+    layout, model, sequence_parallel, variant = run
+    assert_parity(distributed[world][run], controls[(model, variant)])
+
+
+def test_clipping_engages_in_the_clipped_control(controls):
+    assert max(controls[("gpt", "clip")]["grad_norms"]) > 1.0
+
+
+@pytest.mark.parametrize(("world", "tp"), [(2, 2), (4, 4)])
+def test_each_rank_holds_one_tp_th_of_the_sharded_layers(distributed, world, tp):
+    measured = [r["sharded_fraction"] for key, r in distributed[world].items() if isinstance(key, tuple)
+                and "sharded_fraction" in r]
+    assert measured and all(fraction == pytest.approx(1 / tp) for fractions in measured for fraction in fractions)
+
+
+def test_dropout_agrees_across_tensor_ranks_and_differs_across_data_ranks(distributed):
+    outputs = distributed[4]["dropout"]  # ranks 0, 1 hold data-parallel replica 0; ranks 2, 3 replica 1
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[2], outputs[3])
+    assert not torch.allclose(outputs[0], outputs[2])

@@ -1,0 +1,88 @@
+"""torchrun worker: tensor-parallel parity runs, per-rank bytes of the sharded layers, and dropout streams."""
+
+import sys
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import meshlight as ml
+from meshlight.demos import AdditionDataModule, LitGPT
+from meshlight.models import GPTConfig
+from meshlight.parallel.tensor import derive_plan
+from tests.strategies.llama import DICT_PLAN, LitLlama, LitLlamaParallelizedByUser
+from tests.strategies.parity import make_data, train
+
+# layout name -> (tp, data-parallel size), per world size
+LAYOUTS = {2: {"tp2": (2, 1)}, 4: {"tp4": (4, 1), "tp2xdp2": (2, 2)}}
+
+
+def lit_gpt(dropout: float = 0.0) -> LitGPT:
+    config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_heads=4,
+                            bias=False, dropout=dropout)
+    return LitGPT(config, lr=1e-2, warmup_steps=2)
+
+
+# model name -> (factory, plan)
+MODELS = {"gpt": (lit_gpt, None), "llama-auto": (LitLlama, None), "llama-dict": (LitLlama, DICT_PLAN),
+          "llama-configure-model": (LitLlamaParallelizedByUser, None)}
+
+
+def runs(world: int) -> list[tuple[str, str, bool, str]]:
+    """(layout, model, sequence_parallel, variant) for this world size."""
+    grid = [(layout, model, sp, "adamw") for layout in LAYOUTS[world] for model in MODELS for sp in (True, False)
+            if model != "llama-configure-model"]
+    if world == 2:  # sequence parallelism is the user's business here; their plan has none
+        grid.append(("tp2", "llama-configure-model", False, "adamw"))
+    if world == 4:
+        grid.append(("tp2xdp2", "gpt", True, "clip"))  # global norm over 2-D (dp × tp) and replicated shards
+    return grid
+
+
+def sharded_fraction(module: pl.LightningModule) -> float:
+    """This rank's bytes of the weights tensor parallelism shards, over their total bytes."""
+    modules = dict(module.named_modules())
+    roles = ("colwise", "rowwise", "embedding", "head")
+    sharded = [modules[n] for n, role in derive_plan(module).items() if role in roles]
+    weights = [p for m in sharded for p in m.parameters(recurse=False)]
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in weights)
+    return local / sum(p.numel() for p in weights)
+
+
+def dropout_probe(world: int) -> list[torch.Tensor]:
+    """The output of the final norm (a replicated region without sequence parallelism) for one fixed input,
+    in training mode with dropout, on every rank."""
+    pl.seed_everything(0, verbose=False)
+    module = lit_gpt(dropout=0.1)
+    trainer = ml.Trainer(strategy=ml.TensorParallelStrategy(tp=2, sequence_parallel=False, zero=0), devices=world,
+                         accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, make_data(4))
+    captured = []
+    module.model.norm.register_forward_hook(lambda mod, args, out: captured.append(out.detach().clone()))
+    trainer.strategy.model.train()
+    trainer.strategy.model(torch.arange(12).repeat(2, 1) % 16)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, captured[0])
+    return gathered
+
+
+if __name__ == "__main__":
+    out, world = sys.argv[1], int(sys.argv[2])
+    results = {}
+    for layout, model, sp, variant in runs(world):
+        tp, dp = LAYOUTS[world][layout]
+        factory, plan = MODELS[model]
+        strategy = ml.TensorParallelStrategy(tp=tp, plan=plan, sequence_parallel=sp)
+        result = train(variant, strategy, devices=world, data_parallel=dp, model=factory)
+        module = result.pop("module")
+        if dp == 1:
+            fractions = [None] * world
+            dist.all_gather_object(fractions, sharded_fraction(module))
+            result["sharded_fraction"] = fractions
+        results[(layout, model, sp, variant)] = result
+    if world == 4:
+        results["dropout"] = dropout_probe(world)
+    if dist.get_rank() == 0:
+        torch.save(results, out)
