@@ -1,5 +1,6 @@
-"""Checkpoints are portable: saved under ZeRO-3 on 4 processes, they load under DDP on 2 processes and in a
-single process with equal weights, and training resumes from them. Bad input fails on every rank, fast."""
+"""Checkpoints are portable: saved under ZeRO-3 on 4 processes, they load under DDP on 2 processes, under
+tensor parallelism and in a single process with equal weights, and training resumes from them. Bad input
+fails on every rank, fast."""
 
 from pathlib import Path
 
@@ -39,6 +40,17 @@ def test_zero3_checkpoint_loads_in_a_single_process(saved):
     reference = torch.load(saved / "save.pt", weights_only=False)["first_epoch_weights"]
     module = checkpoint_worker.model()
     load_model_weights(module, _first_epoch_checkpoint(saved))
+    for name, weight in module.state_dict().items():
+        assert torch.equal(weight, reference[name]), name
+
+
+def test_zero3_checkpoint_loads_under_tensor_parallelism_and_back_into_one_process(saved):
+    torchrun(WORKER, 2, "tp", str(saved))
+    reference = torch.load(saved / "save.pt", weights_only=False)["first_epoch_weights"]
+    for name, weight in torch.load(saved / "tp.pt", weights_only=False)["weights"].items():
+        assert torch.equal(weight, reference[name]), name
+    module = checkpoint_worker.model()
+    load_model_weights(module, saved / "from_tp.ckpt")
     for name, weight in module.state_dict().items():
         assert torch.equal(weight, reference[name]), name
 

@@ -2,6 +2,7 @@
 
     save DIR      train 2 epochs under ZeRO-3, checkpoint every epoch; rank 0 writes weights and losses
     load DIR      load the first epoch's checkpoint under DDP, then resume from it; rank 0 writes the same
+    tp DIR        load it under tensor parallelism (tp=2) and save it again from there
     mismatch DIR  load that checkpoint into a model with other parameter names: must fail on every rank
     badlayout     a layout that does not fit the world: must fail on every rank before any collective
 """
@@ -50,7 +51,7 @@ class Record(Callback):
             self.first_epoch_weights = full_weights(module)
 
 
-def trainer(strategy: str, world: int, **kwargs: object) -> ml.Trainer:
+def trainer(strategy: object, world: int, **kwargs: object) -> ml.Trainer:
     return ml.Trainer(strategy=strategy, devices=world, accelerator="cpu", max_epochs=2, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, **kwargs)
 
@@ -66,6 +67,12 @@ def main(mode: str, out: Path) -> None:
         module = model()
         every_epoch = ModelCheckpoint(dirpath=out / "ckpt", every_n_epochs=1, save_top_k=-1)
         trainer("zero3", world, callbacks=[every_epoch, record]).fit(module, data(world))
+    elif mode == "tp":
+        module = model()
+        first_epoch = sorted((out / "ckpt").glob("epoch=0-*.ckpt"))[0]
+        tensor_parallel = trainer(ml.TensorParallelStrategy(tp=world), world, enable_checkpointing=False)
+        tensor_parallel.validate(module, data(1), ckpt_path=first_epoch, verbose=False)
+        tensor_parallel.save_checkpoint(out / "from_tp.ckpt")
     else:
         module = model(n_layers=3 if mode == "mismatch" else 2)
         first_epoch = sorted((out / "ckpt").glob("epoch=0-*.ckpt"))[0]

@@ -77,7 +77,7 @@ if __name__ == "__main__":
         strategy = ml.TensorParallelStrategy(tp=tp, plan=plan, sequence_parallel=sp)
         result = train(variant, strategy, devices=world, data_parallel=dp, model=factory)
         module = result.pop("module")
-        if dp == 1:
+        if dp == 1 and model != "llama-configure-model":  # the layers meshlight's plan shards
             fractions = [None] * world
             dist.all_gather_object(fractions, sharded_fraction(module))
             result["sharded_fraction"] = fractions
