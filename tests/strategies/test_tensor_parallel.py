@@ -11,7 +11,7 @@ import torch
 from tests.launch import torchrun
 from tests.strategies.llama import LitLlama, LitLlamaParallelizedByUser
 from tests.strategies.parity import assert_parity, train
-from tests.strategies.workers import tensor_worker
+from tests.strategies.workers import bad_tp_worker, tensor_worker
 
 WORKER = Path(tensor_worker.__file__)
 RUNS = [(world, run) for world in (2, 4) for run in tensor_worker.runs(world)]
@@ -58,3 +58,12 @@ def test_dropout_agrees_across_tensor_ranks_and_differs_across_data_ranks(distri
     outputs = distributed[4]["dropout"]  # ranks 0, 1 hold data-parallel replica 0; ranks 2, 3 replica 1
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[2], outputs[3])
     assert not torch.allclose(outputs[0], outputs[2])
+
+
+def test_a_tp_that_does_not_divide_the_heads_fails_on_every_rank_before_training():
+    result = torchrun(Path(bad_tp_worker.__file__), 2, timeout=120, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "training started" not in output
+    for rank in (0, 1):
+        assert f"[rank{rank}]: meshlight.parallel.tensor.TensorParallelError: tp=2 does not divide" in output
+    assert "choose tp in [1]" in output
