@@ -5,6 +5,7 @@ from meshlight.parallel import ParallelLayout
 from meshlight.strategies import (
     DDPStrategy,
     MeshStrategy,
+    PipelineStrategy,
     TensorParallelStrategy,
     ZeroStrategy,
     register_with_lightning,
@@ -18,6 +19,7 @@ __all__ = [
     "DDPStrategy",
     "MeshStrategy",
     "ParallelLayout",
+    "PipelineStrategy",
     "TensorParallelStrategy",
     "Trainer",
     "ZeroStrategy",

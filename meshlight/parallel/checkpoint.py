@@ -9,7 +9,7 @@ DCP reshards on load: saved under ZeRO-3 on 4 processes, loaded under DDP on 2 o
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -68,15 +68,20 @@ def load_checkpoint(
     *,
     strict: bool = True,
     weights_only: Optional[bool] = None,
+    expected_names: Optional[set[str]] = None,
 ) -> dict[str, Any]:
     """Load model and optimizer states in place, resharding to the current layout; return the metadata.
+
+    ``expected_names``: the whole model's state names, when this rank holds only part of them (a pipeline
+    stage); the checkpoint is checked against those, and this rank loads the names it holds.
 
     Raises :class:`CheckpointMismatchError` listing missing and unexpected parameter names before any tensor
     is read, so every rank fails the same way and none waits in a collective.
     """
     keys = checkpoint_keys(path)
     model_state = get_model_state_dict(module)
-    model_state = _select(model_state, _check_names(model_state, keys.get(MODEL_KEY, set()), strict, path))
+    loadable = _check_names(expected_names or set(model_state), keys.get(MODEL_KEY, set()), strict, path)
+    model_state = _select(model_state, loadable)
     dcp.load({MODEL_KEY: model_state}, storage_reader=_storage(path))
     set_model_state_dict(module, model_state, options=StateDictOptions(strict=False))
     for i, optimizer in enumerate(optimizers):
@@ -100,7 +105,7 @@ def load_model_weights(module: nn.Module, path: PathLike, *, strict: bool = True
     resharded to it. Use it to evaluate or serve a model trained under any layout in a single process.
     """
     state = get_model_state_dict(module) if _is_distributed(module) else module.state_dict()
-    state = _select(state, _check_names(state, checkpoint_keys(path).get(MODEL_KEY, set()), strict, path))
+    state = _select(state, _check_names(set(state), checkpoint_keys(path).get(MODEL_KEY, set()), strict, path))
     dcp.load({MODEL_KEY: state}, storage_reader=_storage(path), no_dist=not dist.is_initialized())
     if _is_distributed(module):
         set_model_state_dict(module, state, options=StateDictOptions(strict=False))
@@ -118,9 +123,8 @@ def checkpoint_keys(path: PathLike) -> dict[str, set[str]]:
     return keys
 
 
-def _check_names(state: Mapping[str, Any], stored: set[str], strict: bool, path: PathLike) -> set[str]:
+def _check_names(expected: set[str], stored: set[str], strict: bool, path: PathLike) -> set[str]:
     """The names to load; raises if strict and the module's names and the checkpoint's differ."""
-    expected = set(state)
     missing, unexpected = sorted(expected - stored), sorted(stored - expected)
     if strict and (missing or unexpected):
         raise CheckpointMismatchError(

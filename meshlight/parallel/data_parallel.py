@@ -13,12 +13,12 @@ stage  reshard_after_forward     while accumulating gradients (no optimizer step
 
 Every stage shards optimizer state; the optimizer steps each rank's shard and the next forward gathers
 the updated parameters, so stages 1 and 2 move exactly DDP's 2·P·(N−1)/N bytes. DDP over a model that
-already has DTensor parameters (tensor parallel) runs as FSDP2 hybrid sharding with shard groups of one
-rank — the same all-reduce — because PyTorch's composable DDP would turn those parameters into plain
-tensors. Unlike a flat-buffer
-ZeRO, shards are whole rows of each tensor, so non-elementwise optimizers (Adafactor's factored moments)
-stay exact. Between steps FSDP2 frees the gathered parameters in every stage, so per-rank memory after a
-step is at most the classic ZeRO formula for the stage.
+already has DTensor parameters (tensor parallel), or over a pipeline stage, runs as FSDP2 hybrid sharding
+with shard groups of one rank — the same all-reduce — because PyTorch's composable DDP would turn those
+parameters into plain tensors, and pipeline schedules defer gradient reduction only for FSDP modules.
+Unlike a flat-buffer ZeRO, shards are whole rows of each tensor, so non-elementwise optimizers
+(Adafactor's factored moments) stay exact. Between steps FSDP2 frees the gathered parameters in every
+stage, so per-rank memory after a step is at most the classic ZeRO formula for the stage.
 """
 
 from __future__ import annotations
@@ -85,15 +85,18 @@ def apply_data_parallel(
     *,
     blocks: Optional[Sequence[nn.Module]] = None,
     ddp_kwargs: Optional[dict[str, Any]] = None,
+    pipelined: bool = False,
 ) -> nn.Module:
     """Make ``module`` data parallel in place over ``mesh``'s data axes with ZeRO stage ``zero``.
 
     ``module`` becomes the root whose forward triggers the collectives. ``blocks`` (default:
     :func:`repeated_blocks`) are sharded as separate FSDP units so only one is gathered at a time. The module
     must hold the same weights on every rank (:func:`broadcast_module_states`; ``parallelize`` does it).
+    ``pipelined``: ``module`` is a pipeline stage, whose schedule runs several backwards per step and defers
+    gradient reduction to the last only for FSDP modules, so DDP runs on FSDP2 there too.
     """
     has_dtensors = any(isinstance(p, DTensor) for p in module.parameters())
-    if zero == 0 and not has_dtensors:
+    if zero == 0 and not has_dtensors and not pipelined:
         # Composable DDP: the real DDP reducer (bucketed all-reduce overlapped with backward) installed as
         # hooks on `module`, which keeps its class and parameter names.
         return replicate(module, process_group=data_parallel_mesh(mesh, zero).get_group(), **(ddp_kwargs or {}))

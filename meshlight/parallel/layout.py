@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 __all__ = ["MESH_AXES", "ParallelLayout", "build_device_mesh", "seed_by_mesh_position"]
 
 #: Axes of the device mesh, outermost first: pipeline stages span the slowest links, tensor
-#: parallelism the fastest. The flattened ``"dp"`` axis (replicate × shard) is added by
-#: :func:`build_device_mesh`.
+#: parallelism the fastest. :func:`build_device_mesh` adds two flattened axes: ``"dp"`` (replicate ×
+#: shard: the data-parallel replicas) and ``"stage"`` (dp × tp: the ranks holding one pipeline stage).
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 _SIZE_FIELDS = ("dp_replicate", "dp_shard", "pp", "tp", "ep")
@@ -128,7 +128,8 @@ class ParallelLayout:
 
 
 def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
-    """The one mesh every process group comes from: axes ``MESH_AXES`` plus the flattened ``"dp"``.
+    """The one mesh every process group comes from: axes ``MESH_AXES`` plus the flattened ``"dp"`` and
+    ``"stage"``.
 
     Must be called by every rank after the default process group is initialized.
     """
@@ -139,6 +140,7 @@ def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
         mesh_dim_names=MESH_AXES,
     )
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    mesh["dp_replicate", "dp_shard", "tp"]._flatten("stage")
     return mesh
 
 

@@ -3,7 +3,7 @@
 Order on each pipeline stage's module (DESIGN.md): pipeline split → tensor (+ sequence) parallel → expert
 parallel → activation checkpointing → compile → data parallel (DDP / ZeRO). Data parallelism comes last
 because FSDP must see the final parameters (DTensors from tensor parallelism, expert shards) to shard them.
-Tensor and data parallelism are implemented; pipeline and expert parallelism will slot in at their places.
+The pipeline split happens before (per stage, in the strategy); expert parallelism will slot in at its place.
 """
 
 from __future__ import annotations
@@ -37,21 +37,20 @@ def parallelize(
     forward runs the collectives. ``tp_plan`` (module-name patterns → roles) replaces the automatic
     tensor-parallel plan; see :mod:`meshlight.parallel.tensor`.
 
-    A transform the model already carries — DTensor parameters from its own tensor parallelism, DDP or FSDP
-    applied in ``configure_model`` — is not applied again.
+    With pipeline parallelism ``module`` is one stage (see :mod:`meshlight.parallel.pipeline`, which splits
+    the model first). A transform the model already carries — DTensor parameters from its own tensor
+    parallelism, DDP or FSDP applied in ``configure_model`` — is not applied again.
     """
-    if layout.pp > 1 or layout.ep > 1:
-        raise NotImplementedError(
-            f"{layout.describe()}: pipeline and expert parallelism are not available yet; use pp=1 and ep=1."
-        )
+    if layout.ep > 1:
+        raise NotImplementedError(f"{layout.describe()}: expert parallelism is not available yet; use ep=1.")
     if is_data_parallel(module):
         return module
     # Every transform starts from the same weights on every rank (DDP would broadcast; FSDP and TP do not).
     # Shards of a model the user split in configure_model are copied only among ranks holding the same shard.
-    broadcast_module_states(module, shard_group=mesh["dp"].get_group())
+    broadcast_module_states(module, mesh["stage"].get_group(), shard_group=mesh["dp"].get_group())
     if layout.tp > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):
         plan = resolve_plan(module, tp_plan) if tp_plan else derive_plan(module)
         validate_plan(module, plan, layout.tp, layout.world_size)
         apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=sequence_parallel,
                               loss_parallel=loss_parallel)
-    return apply_data_parallel(module, mesh, layout.zero, ddp_kwargs=ddp_kwargs)
+    return apply_data_parallel(module, mesh, layout.zero, ddp_kwargs=ddp_kwargs, pipelined=layout.pp > 1)

@@ -2,6 +2,7 @@
 
 from meshlight.strategies.data_parallel import DDPStrategy, ZeroStrategy
 from meshlight.strategies.mesh import MeshStrategy
+from meshlight.strategies.pipeline import PipelineStrategy
 from meshlight.strategies.registry import STRATEGY_NAMES, register_with_lightning, resolve_strategy
 from meshlight.strategies.tensor_parallel import TensorParallelStrategy
 
@@ -9,6 +10,7 @@ __all__ = [
     "STRATEGY_NAMES",
     "DDPStrategy",
     "MeshStrategy",
+    "PipelineStrategy",
     "TensorParallelStrategy",
     "ZeroStrategy",
     "register_with_lightning",

@@ -54,6 +54,8 @@ from meshlight.parallel.data_parallel import ddp_engine, gradient_accumulation
 from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh, seed_by_mesh_position
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
+from meshlight.parallel.pipeline import SplitSpec, validate_schedule
+from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps, setup_pipeline
 
 __all__ = ["MeshStrategy"]
 
@@ -66,6 +68,8 @@ class MeshStrategy(ParallelStrategy):
         tp_plan, sequence_parallel, loss_parallel: tensor parallelism (see :mod:`meshlight.parallel.tensor`):
             a dict of module-name patterns to roles replacing the automatic plan; sequence parallelism of
             norms and dropout between blocks; vocabulary-sharded logits for the loss while training.
+        schedule, microbatches, virtual_stages, split: pipeline parallelism (see
+            :class:`~meshlight.strategies.PipelineStrategy`).
         ddp_kwargs: extra arguments for PyTorch DDP when ``zero=0`` (e.g. ``find_unused_parameters=True``).
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
         timeout: collective timeout.
@@ -89,6 +93,10 @@ class MeshStrategy(ParallelStrategy):
         tp_plan: Optional[Mapping[str, Union[str, ParallelStyle]]] = None,
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
+        schedule: str = "1f1b",
+        microbatches: Optional[int] = None,
+        virtual_stages: int = 1,
+        split: SplitSpec = None,
         ddp_kwargs: Optional[dict[str, Any]] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -109,6 +117,9 @@ class MeshStrategy(ParallelStrategy):
         self._ddp_kwargs = ddp_kwargs or {}
         self._tensor_parallel = dict(tp_plan=tp_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         self._contexts = ExitStack()  # held from setup to teardown (loss parallelism)
+        validate_schedule(schedule, pp if isinstance(pp, int) else 1, virtual_stages, microbatches or 1)
+        self._pipeline_options = PipelineOptions(schedule, microbatches, virtual_stages, split)
+        self._pipeline: Optional[PipelineSteps] = None
         self._base_seed: Optional[int] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -223,7 +234,15 @@ class MeshStrategy(ParallelStrategy):
         lightning_module = self.lightning_module
         assert lightning_module is not None
         runner = _RUNNERS.get(lightning_module)
-        if runner is None:
+        if runner is None and self.layout.pp > 1:
+            self._state_names = set(lightning_module.state_dict())  # before the split: the whole model's names
+            self._pipeline, stages = setup_pipeline(
+                lightning_module, self.layout, self.device_mesh, self._pipeline_options, self.root_device,
+                lambda stage: parallelize(stage, self.layout, self.device_mesh, **self._tensor_parallel),
+            )
+            runner = _StepRunner(stages, self.layout)
+            _RUNNERS[lightning_module] = runner
+        elif runner is None:
             runner = _StepRunner(lightning_module, self.layout)
             parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs, **self._tensor_parallel)
             _RUNNERS[lightning_module] = runner
@@ -245,15 +264,74 @@ class MeshStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        if not any(p.is_meta for p in self.model.parameters()):  # meta: materialized stage by stage
+            self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """With pipeline parallelism, modules built in ``configure_model`` land on the meta device: each rank
+        materializes only the stages it owns."""
+        if self.layout.pp == 1:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning enters this for micro-batches that only accumulate gradients."""
+        """Lightning enters this for micro-batches that only accumulate gradients. A pipeline schedule
+        manages its stages' gradient reduction itself."""
         assert self.model is not None
+        if self._pipeline is not None:
+            yield
+            return
         with gradient_accumulation(self.model, self.layout.zero):
             yield
+
+    # ---------------------------------------------------------------- steps under pipelining
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        batch, batch_idx = args[0], args[1]
+        first_of_window = batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0
+        with self.precision_plugin.train_step_context():
+            return self._pipeline.training_step(batch, batch_idx, clear_gradients=first_of_window)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule already ran backward inside training_step; hand its gradients back, with the hooks.
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._pipeline.restore_gradients()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():
+            return self._pipeline.evaluation_step(self.lightning_module.validation_step, *args)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        with self.precision_plugin.test_step_context():
+            return self._pipeline.evaluation_step(self.lightning_module.test_step, *args)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        with self.precision_plugin.predict_step_context():
+            return self._pipeline.evaluation_step(self.lightning_module.predict_step, *args)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -346,7 +424,8 @@ class MeshStrategy(ParallelStrategy):
         path = self.broadcast(checkpoint_path)
         module = self.lightning_module
         assert module is not None
-        return load_checkpoint(path, module, self.optimizers, strict=module.strict_loading, weights_only=weights_only)
+        return load_checkpoint(path, module, self.optimizers, strict=module.strict_loading, weights_only=weights_only,
+                               expected_names=getattr(self, "_state_names", None))
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -92,8 +92,15 @@ def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel:
 
 
 def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded weights on global rank 0 (empty elsewhere); a collective."""
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """Unsharded weights of the whole model on global rank 0 (empty elsewhere), merged from every pipeline
+    stage; a collective."""
+    local = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    local = {name: tensor.detach().cpu() for name, tensor in local.items()}
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, local)
+    if torch.distributed.get_rank() != 0:
+        return {}
+    return {name: tensor for part in gathered for name, tensor in part.items()}
 
 
 def assert_parity(result: dict[str, Any], control: dict[str, Any], rtol: float = 1e-4) -> None:

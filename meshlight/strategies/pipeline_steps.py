@@ -1,0 +1,378 @@
+"""Run a LightningModule's steps through a pipeline schedule, inside Lightning's stock loop.
+
+Training step, on every rank:
+
+1. *Capture*: run the user's ``training_step`` with the pipelined module's ``forward`` patched to raise: its
+   arguments are stage 0's input (e.g. the token ids), whatever preprocessing the step does first.
+2. *Schedule*: ``torch.distributed.pipelining`` runs forward and backward over the microbatches; on the last
+   stage the loss function is the user's ``training_step`` on that microbatch, with ``forward`` patched to
+   return the microbatch's stage output. Its ``self.log`` calls are recorded, not forwarded.
+3. *Gradients* now sit in ``.grad``; Lightning will call ``zero_grad`` before its ``backward``, so they are
+   stashed and handed back in :meth:`PipelineSteps.restore_gradients`.
+4. *Logging*: the last stage reduces each logged value to its mean over microbatches and broadcasts the
+   list over the pipeline group; every rank replays it through the real ``self.log``, so ``sync_dist``,
+   ``prog_bar``, callbacks, checkpoints and rank 0's loggers see the values a non-pipelined run sees.
+
+Validation, test and predict run the schedule forward only and call the user's step once on the full
+batch of last-stage outputs; its return value (predictions) is broadcast to every rank of the pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import move_data_to_device
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torchmetrics import Metric
+
+from meshlight.parallel.layout import ParallelLayout
+from meshlight.parallel.pipeline import (
+    PipelineError,
+    SplitSpec,
+    StagePlan,
+    build_schedule,
+    check_chain,
+    find_pipelined_module,
+    materialize,
+    plan_stages,
+    shared_parameters,
+    split_stages,
+    stages_of_rank,
+)
+
+__all__ = ["PipelineOptions", "PipelineSteps", "setup_pipeline"]
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    schedule: str = "1f1b"
+    microbatches: Optional[int] = None  # None: one per stage
+    virtual_stages: int = 1
+    split: SplitSpec = None
+
+
+def setup_pipeline(
+    lightning_module: LightningModule,
+    layout: ParallelLayout,
+    mesh: DeviceMesh,
+    options: PipelineOptions,
+    device: torch.device,
+    parallelize_stage: Callable[[nn.Module], nn.Module],
+) -> tuple[PipelineSteps, nn.Module]:
+    """Split ``lightning_module``'s pipelined module into ``pp × virtual_stages`` stages, keep this rank's
+    (materializing them from the meta device if needed), parallelize each stage, and return the steps runner
+    and a module holding the stages (the strategy's model)."""
+    name, pipelined, container = find_pipelined_module(lightning_module)
+    outside = [n for n, _ in lightning_module.named_parameters() if name and not n.startswith(f"{name}.")]
+    if outside:
+        raise PipelineError(
+            f"Pipeline parallelism trains the parameters of {name!r} (the module holding the blocks); these live"
+            f" outside it: {outside[:5]}. Move them into it."
+        )
+    own = [n for n, _ in pipelined.named_parameters(recurse=False)]
+    if own:
+        raise PipelineError(f"{type(pipelined).__name__} holds parameters of its own ({own}); put them in a child "
+                            "module so that one stage owns them.")
+    num_stages = layout.pp * options.virtual_stages
+    plan = plan_stages(pipelined, container, num_stages, options.split)
+    tied = shared_parameters(pipelined, plan)
+    if tied:
+        raise PipelineError(
+            f"{tied[0][0]} and {tied[0][1]} share parameters but fall on different pipeline stages (tied embedding"
+            " and LM head): untie them (e.g. GPTConfig(tie_embeddings=False)), or split so one stage owns both."
+        )
+    indices = stages_of_rank(mesh["pp"].get_local_rank(), layout.pp, options.virtual_stages, options.schedule)
+    stage_modules = split_stages(pipelined, plan, indices)
+    materialize(pipelined, device)
+    stage_modules = [parallelize_stage(module) for module in stage_modules]
+    microbatches = options.microbatches or num_stages
+    steps = PipelineSteps(lightning_module, pipelined, plan, stage_modules, indices, mesh["pp"].get_group(),
+                          options.schedule, microbatches, device)
+    return steps, _Stages(stage_modules)
+
+
+class _Stages(nn.Module):
+    """This rank's stage modules: the strategy's model under pipelining."""
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+
+class _Captured(Exception):
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__()
+        self.args, self.kwargs = args, kwargs
+
+
+class PipelineSteps:
+    """The training/evaluation steps of ``lightning_module`` on this rank's pipeline stages."""
+
+    def __init__(
+        self,
+        lightning_module: LightningModule,
+        pipelined: nn.Module,
+        plan: StagePlan,
+        stage_modules: Sequence[nn.Module],
+        stage_indices: Sequence[int],
+        group: dist.ProcessGroup,
+        schedule: str,
+        microbatches: int,
+        device: torch.device,
+    ) -> None:
+        self.lightning_module = lightning_module
+        self.pipelined = pipelined
+        self.plan = plan
+        self.stage_modules = list(stage_modules)
+        self.stage_indices = list(stage_indices)
+        self.group = group
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.device = device
+        self.has_first = 0 in self.stage_indices
+        self.has_last = plan.num_stages - 1 in self.stage_indices
+        last_rank = _rank_holding(plan.num_stages - 1, dist.get_world_size(group), schedule)
+        self.last_stage_rank = dist.get_global_rank(group, last_rank)
+        self._schedules: dict[Any, Any] = {}
+        self._stash: list[tuple[Tensor, Tensor]] = []
+        self._chained: set[Any] = set()  # input signatures whose chain was checked
+        self._microbatch_steps: list[Any] = []
+        self._recorder = _LogRecorder()
+        # Per microbatch index: on its first step torch's shape inference calls the loss function once more
+        # for microbatch 0 (on a warm-up output); the real call then overwrites that entry.
+        self._losses: dict[int, Tensor] = {}
+        # Built now so that a microbatch count the schedule cannot run fails before training.
+        self._schedule(training=True, signature=None)
+
+    # ------------------------------------------------------------------------------------------ training
+
+    def training_step(self, batch: Any, batch_idx: int, clear_gradients: bool) -> Tensor:
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise PipelineError(
+                "Pipeline parallelism runs forward and backward inside the schedule; manual optimization "
+                "(automatic_optimization=False) cannot call backward itself. Use automatic optimization."
+            )
+        if clear_gradients:  # Lightning zeroes them after this step; ours must not mix with the last window's
+            for param in module.parameters():
+                param.grad = None
+        args, kwargs = self._capture(module.training_step, batch, batch_idx)
+        self._check_inputs(args, kwargs)
+        chunks = self._split(batch)
+        self._microbatch_steps = [lambda chunk=chunk: module.training_step(chunk, batch_idx) for chunk in chunks]
+        self._losses = {}
+        self._recorder.clear()
+        schedule = self._schedule(training=True, signature=_signature(args))
+        self._sync_training_mode()
+        target = torch.arange(self.microbatches, device=self.device) if self.has_last else None
+        schedule.step(*(args if self.has_first else ()), target=target, **(kwargs if self.has_first else {}))
+        self._stash = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+        for param, _ in self._stash:
+            param.grad = None
+        loss = torch.stack(list(self._losses.values())).mean() if self._losses else None
+        loss, logged = self._from_last_stage((loss, self._recorder.reduced(module)))
+        self._recorder.replay(module, logged)
+        return loss.to(self.device)
+
+    def restore_gradients(self) -> None:
+        """Hand the step's gradients back after Lightning's ``zero_grad`` (accumulating across batches)."""
+        for param, grad in self._stash:
+            param.grad = grad if param.grad is None else param.grad + grad
+        self._stash = []
+
+    def _loss(self, output: Any, index: Tensor) -> Tensor:
+        """The schedule's loss function on the last stage: the user's ``training_step`` on microbatch ``index``."""
+        microbatch = int(index.reshape(-1)[0])
+        with self._forward_returns(output), self._recorder.capture(self.lightning_module, microbatch):
+            result = self._microbatch_steps[microbatch]()
+        loss = result["loss"] if isinstance(result, Mapping) else result
+        if not isinstance(loss, Tensor):
+            raise PipelineError("Under pipelining, training_step must return the loss (a tensor or {'loss': …}).")
+        self._losses[microbatch] = loss.detach()
+        return loss
+
+    # ------------------------------------------------------------------------------------------ evaluation
+
+    def evaluation_step(self, step: Callable[..., Any], batch: Any, batch_idx: int, *args: Any) -> Any:
+        module = self.lightning_module
+        captured_args, kwargs = self._capture(step, batch, batch_idx, *args)
+        self._check_inputs(captured_args, kwargs)
+        schedule = self._schedule(training=False, signature=_signature(captured_args))
+        self._sync_training_mode()
+        self._recorder.clear()
+        with torch.no_grad():
+            output = schedule.eval(*(captured_args if self.has_first else ()), **(kwargs if self.has_first else {}))
+        result = None
+        if self.has_last:
+            with self._forward_returns(output), self._recorder.capture(module):
+                result = step(batch, batch_idx, *args)
+            result = _detached_cpu(result)
+        result, logged = self._from_last_stage((result, self._recorder.reduced(module)))
+        self._recorder.replay(module, logged)
+        return move_data_to_device(result, self.device)
+
+    # ------------------------------------------------------------------------------------------ machinery
+
+    def _capture(self, step: Callable[..., Any], *step_args: Any) -> tuple[tuple, dict]:
+        """Stage 0's inputs: the arguments the step passes to the pipelined module's forward."""
+
+        def capture(*args: Any, **kwargs: Any) -> Any:
+            raise _Captured(args, kwargs)
+
+        self.pipelined.forward = capture
+        try:
+            with self._recorder.discard(self.lightning_module):
+                step(*step_args)
+        except _Captured as captured:
+            return captured.args, captured.kwargs
+        finally:
+            del self.pipelined.forward
+        raise PipelineError(
+            f"{getattr(step, '__name__', 'The step')} never called the pipelined module "
+            f"{type(self.pipelined).__name__}: pipeline parallelism feeds its forward into the stages."
+        )
+
+    @contextmanager
+    def _forward_returns(self, output: Any) -> Iterator[None]:
+        self.pipelined.forward = lambda *args, **kwargs: output
+        try:
+            yield
+        finally:
+            del self.pipelined.forward
+
+    def _schedule(self, training: bool, signature: Any) -> Any:
+        key = (training, signature)
+        if key not in self._schedules:
+            stages = [PipelineStage(module, index, self.plan.num_stages, self.device, group=self.group)
+                      for module, index in zip(self.stage_modules, self.stage_indices)]
+            loss_fn = self._loss if training else None
+            # A schedule made before the first batch (signature None) serves the first training signature.
+            reuse = self._schedules.pop((True, None), None) if training and signature is not None else None
+            self._schedules[key] = reuse or build_schedule(stages, self.schedule_name, self.microbatches, loss_fn)
+        return self._schedules[key]
+
+    def _check_inputs(self, args: tuple, kwargs: dict) -> None:
+        """Before anything is sent: the batch divides into microbatches, and (once per input shape) the
+        model's forward is a chain. Both are decided identically on every rank, so none waits in a send."""
+        for arg in args:
+            if isinstance(arg, Tensor) and arg.dim() > 0:
+                _check_divisible(arg.shape[0], self.microbatches)
+        signature = _signature(args)
+        if signature not in self._chained:
+            check_chain(self.pipelined, self.plan, args, kwargs)
+            self._chained.add(signature)
+
+    def _split(self, batch: Any) -> list[Any]:
+        """The batch cut into ``microbatches`` equal slices along dimension 0 (every tensor in it)."""
+        leaves, spec = tree_flatten(batch)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor) and leaf.dim() > 0]
+        if tensors:
+            _check_divisible(tensors[0].shape[0], self.microbatches)
+        pieces = [leaf.tensor_split(self.microbatches) if isinstance(leaf, Tensor) and leaf.dim() > 0 else None
+                  for leaf in leaves]
+        return [tree_unflatten([p[i] if p is not None else leaf for p, leaf in zip(pieces, leaves)], spec)
+                for i in range(self.microbatches)]
+
+    def _sync_training_mode(self) -> None:
+        for module in self.stage_modules:
+            module.train(self.lightning_module.training)
+
+    def _from_last_stage(self, payload: Any) -> Any:
+        box = [_detached_cpu(payload) if self.has_last else None]
+        dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.group)
+        return box[0]
+
+
+class _LogRecorder:
+    """Records ``self.log``/``self.log_dict`` calls instead of forwarding them, and replays their means."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[dict[int, Any], dict[str, Any]]] = {}  # name -> ({microbatch: value}, kwargs)
+        self.microbatch = 0
+
+    def clear(self) -> None:
+        self.entries = {}
+
+    @contextmanager
+    def capture(self, module: LightningModule, microbatch: int = 0) -> Iterator[None]:
+        self.microbatch = microbatch
+        module.log = self.log  # type: ignore[method-assign]
+        module.log_dict = self.log_dict  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del module.log, module.log_dict
+
+    @contextmanager
+    def discard(self, module: LightningModule) -> Iterator[None]:
+        module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del module.log, module.log_dict
+
+    def log(self, name: str, value: Any, **kwargs: Any) -> None:
+        values, _ = self.entries.setdefault(name, ({}, kwargs))
+        values[self.microbatch] = value.detach() if isinstance(value, Tensor) else value
+
+    def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
+        for name, value in dictionary.items():
+            self.log(name, value, **kwargs)
+
+    def reduced(self, module: LightningModule) -> list[tuple[str, Any, dict[str, Any]]]:
+        """One value per name: the mean over microbatches, or the path of a logged torchmetrics Metric (each rank
+        replays its own instance; their states are reduced over all ranks when the metric is computed)."""
+        paths = {id(m): name for name, m in module.named_modules()}
+        out = []
+        for name, (by_microbatch, kwargs) in self.entries.items():
+            values = list(by_microbatch.values())
+            if isinstance(values[-1], Metric):
+                out.append((name, ("metric", paths[id(values[-1])]), kwargs))
+            else:
+                mean = torch.stack([torch.as_tensor(v, dtype=torch.float32).cpu() for v in values]).mean()
+                out.append((name, mean, kwargs))
+        return out
+
+    @staticmethod
+    def replay(module: LightningModule, logged: list[tuple[str, Any, dict[str, Any]]]) -> None:
+        for name, value, kwargs in logged:
+            if isinstance(value, tuple) and value[0] == "metric":
+                value = module.get_submodule(value[1])
+            else:
+                value = value.to(module.device)
+            module.log(name, value, **kwargs)
+
+
+def _signature(args: tuple) -> tuple:
+    return tuple(tuple(a.shape) if isinstance(a, Tensor) else type(a).__name__ for a in args)
+
+
+def _check_divisible(size: int, microbatches: int) -> None:
+    if size % microbatches:
+        raise PipelineError(
+            f"A batch of {size} does not divide into {microbatches} microbatches: use a batch size that is a"
+            f" multiple of {microbatches} (and drop_last=True for the last batch), or change microbatches."
+        )
+
+
+def _rank_holding(stage: int, pp: int, schedule: str) -> int:
+    from meshlight.parallel.pipeline import V_PLACEMENT
+
+    if schedule in V_PLACEMENT:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def _detached_cpu(value: Any) -> Any:
+    leaves, spec = tree_flatten(value)
+    return tree_unflatten([leaf.detach().cpu() if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
+
