@@ -95,6 +95,8 @@ def apply_data_parallel(
     ``pipelined``: ``module`` is a pipeline stage, whose schedule runs several backwards per step and defers
     gradient reduction to the last only for FSDP modules, so DDP runs on FSDP2 there too.
     """
+    if mesh["dp"].size() == 1:
+        return module  # nothing to replicate or shard over; FSDP on one rank would only add copies
     has_dtensors = any(isinstance(p, DTensor) for p in module.parameters())
     if zero == 0 and not has_dtensors and not pipelined:
         # Composable DDP: the real DDP reducer (bucketed all-reduce overlapped with backward) installed as

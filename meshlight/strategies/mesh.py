@@ -298,9 +298,10 @@ class MeshStrategy(ParallelStrategy):
         if self._pipeline is None:
             return super().training_step(*args, **kwargs)
         batch, batch_idx = args[0], args[1]
-        first_of_window = batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
         with self.precision_plugin.train_step_context():
-            return self._pipeline.training_step(batch, batch_idx, clear_gradients=first_of_window)
+            return self._pipeline.training_step(batch, batch_idx, clear_gradients=batch_idx % accumulate == 0,
+                                                accumulate=accumulate)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:

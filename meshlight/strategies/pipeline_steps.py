@@ -8,7 +8,8 @@ Training step, on every rank:
    stage the loss function is the user's ``training_step`` on that microbatch, with ``forward`` patched to
    return the microbatch's stage output. Its ``self.log`` calls are recorded, not forwarded.
 3. *Gradients* now sit in ``.grad``; Lightning will call ``zero_grad`` before its ``backward``, so they are
-   stashed and handed back in :meth:`PipelineSteps.restore_gradients`.
+   stashed and handed back in :meth:`PipelineSteps.restore_gradients` (added to those of earlier batches
+   of an accumulation window, which the schedule must not see: it rescales all of ``.grad``).
 4. *Logging*: the last stage reduces each logged value to its mean over microbatches and broadcasts the
    list over the pipeline group; every rank replays it through the real ``self.log``, so ``sync_dist``,
    ``prog_bar``, callbacks, checkpoints and rank 0's loggers see the values a non-pipelined run sees.
@@ -95,6 +96,13 @@ def setup_pipeline(
     materialize(pipelined, device)
     stage_modules = [parallelize_stage(module) for module in stage_modules]
     microbatches = options.microbatches or num_stages
+    if options.schedule in ("interleavedzerobubble", "zbvzerobubble") and layout.dp > 1 and microbatches < num_stages:
+        # torch 2.13 reduces FSDP gradients before these schedules' last deferred weight-gradient passes when
+        # there are fewer microbatches than stages: gradients come out wrong (61% off in our check), silently.
+        raise PipelineError(
+            f"{options.schedule!r} with data parallelism needs at least as many microbatches as stages: use"
+            f" microbatches >= {num_stages} (got {microbatches}); with fewer, PyTorch 2.13 loses weight gradients."
+        )
     steps = PipelineSteps(lightning_module, pipelined, plan, stage_modules, indices, mesh["pp"].get_group(),
                           options.schedule, microbatches, device)
     return steps, _Stages(stage_modules)
@@ -150,33 +158,43 @@ class PipelineSteps:
         # Per microbatch index: on its first step torch's shape inference calls the loss function once more
         # for microbatch 0 (on a warm-up output); the real call then overwrites that entry.
         self._losses: dict[int, Tensor] = {}
+        self._accumulate = 1
         # Built now so that a microbatch count the schedule cannot run fails before training.
         self._schedule(training=True, signature=None)
 
     # ------------------------------------------------------------------------------------------ training
 
-    def training_step(self, batch: Any, batch_idx: int, clear_gradients: bool) -> Tensor:
+    def training_step(self, batch: Any, batch_idx: int, clear_gradients: bool, accumulate: int = 1) -> Tensor:
+        """``clear_gradients``: this batch starts an accumulation window; ``accumulate``: its length, by
+        which Lightning divides the loss it backpropagates (the schedule's backward must do the same)."""
         module = self.lightning_module
         if not module.automatic_optimization:
             raise PipelineError(
                 "Pipeline parallelism runs forward and backward inside the schedule; manual optimization "
                 "(automatic_optimization=False) cannot call backward itself. Use automatic optimization."
             )
-        if clear_gradients:  # Lightning zeroes them after this step; ours must not mix with the last window's
-            for param in module.parameters():
-                param.grad = None
+        # The schedule must start from empty gradients: it divides everything in .grad by the number of
+        # microbatches at the end, which would shrink gradients carried from earlier batches of an
+        # accumulation window again (torchtitan#1733). They are added back afterwards.
+        carried = {} if clear_gradients else {id(p): p.grad for p in module.parameters() if p.grad is not None}
+        for param in module.parameters():
+            param.grad = None
         args, kwargs = self._capture(module.training_step, batch, batch_idx)
         self._check_inputs(args, kwargs)
         chunks = self._split(batch)
         self._microbatch_steps = [lambda chunk=chunk: module.training_step(chunk, batch_idx) for chunk in chunks]
         self._losses = {}
+        self._accumulate = accumulate
         self._recorder.clear()
         schedule = self._schedule(training=True, signature=_signature(args))
         self._sync_training_mode()
         target = torch.arange(self.microbatches, device=self.device) if self.has_last else None
         schedule.step(*(args if self.has_first else ()), target=target, **(kwargs if self.has_first else {}))
-        self._stash = [(p, p.grad) for p in module.parameters() if p.grad is not None]
-        for param, _ in self._stash:
+        self._stash = []
+        for param in module.parameters():
+            grads = [g for g in (carried.get(id(param)), param.grad) if g is not None]
+            if grads:
+                self._stash.append((param, sum(grads[1:], grads[0])))
             param.grad = None
         loss = torch.stack(list(self._losses.values())).mean() if self._losses else None
         loss, logged = self._from_last_stage((loss, self._recorder.reduced(module)))
@@ -198,7 +216,7 @@ class PipelineSteps:
         if not isinstance(loss, Tensor):
             raise PipelineError("Under pipelining, training_step must return the loss (a tensor or {'loss': …}).")
         self._losses[microbatch] = loss.detach()
-        return loss
+        return loss / self._accumulate
 
     # ------------------------------------------------------------------------------------------ evaluation
 
