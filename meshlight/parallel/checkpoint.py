@@ -1,10 +1,10 @@
 """Sharded checkpoints that load under any layout: a folder of DCP shards plus the trainer's metadata.
 
-Folder layout (the same as Lightning's ``ModelParallelStrategy``, so its consolidation tools apply):
-DCP entries ``state_dict`` (the model) and ``optimizer_0``, ``optimizer_1``, … (optimizer states keyed by
-parameter name), and ``meta.pt`` with everything else (loops, callbacks, LR schedulers, hyper-parameters)
-written by one rank. Keys are fully qualified parameter names, independent of how the model is split, so
-DCP reshards on load: saved under ZeRO-3 on 4 processes, loaded under DDP on 2 or in a single process.
+Folder layout: DCP entries ``state_dict`` (the model, as in Lightning's ``ModelParallelStrategy``) and
+``optimizer_0``, ``optimizer_1``, … (optimizer states and hyper-parameters keyed by parameter name, which
+pipeline stages need), and ``meta.pt`` with everything else (loops, callbacks, LR schedulers,
+hyper-parameters) written by one rank. Keys are fully qualified names, independent of how the model is
+split, so DCP reshards on load: saved under ZeRO-3 on 4 processes, loaded under DDP on 2 or in one process.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 __all__ = [
     "META_FILENAME",
+    "OPTIMIZER_STATE",
     "CheckpointMismatchError",
     "checkpoint_keys",
     "load_checkpoint",
@@ -38,6 +39,9 @@ __all__ = [
 
 META_FILENAME = "meta.pt"
 MODEL_KEY = "state_dict"
+# Optimizer state keyed by parameter name, hyper-parameters included ("param_groups.<name>.lr"): with the
+# default positional groups, pipeline stages would save different "param_groups.0.params" under one key.
+OPTIMIZER_STATE = StateDictOptions(flatten_optimizer_state_dict=True)
 
 PathLike = Union[str, Path]
 
@@ -91,9 +95,9 @@ def load_checkpoint(
                 f"The checkpoint {str(path)!r} holds no state for optimizer {i}: it was saved with fewer optimizers"
                 " or weights only. Load it with `trainer.validate/test` or a fresh `fit` instead of resuming."
             )
-        state = get_optimizer_state_dict(module, optimizer)
+        state = get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_STATE)
         dcp.load({name: state}, storage_reader=_storage(path))
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=state)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=OPTIMIZER_STATE)
     with fsspec.open(_join(path, META_FILENAME), "rb") as f:
         return torch.load(f, map_location="cpu", weights_only=bool(weights_only))
 

@@ -48,7 +48,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from meshlight.parallel.checkpoint import load_checkpoint, save_checkpoint
+from meshlight.parallel.checkpoint import OPTIMIZER_STATE, load_checkpoint, save_checkpoint
 from meshlight.parallel.clip import clip_grad_norm_
 from meshlight.parallel.data_parallel import ddp_engine, gradient_accumulation
 from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh, seed_by_mesh_position
@@ -409,7 +409,7 @@ class MeshStrategy(ParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.lightning_module is not None
-        return get_optimizer_state_dict(self.lightning_module, optimizer)
+        return get_optimizer_state_dict(self.lightning_module, optimizer, options=OPTIMIZER_STATE)
 
     @override
     def save_checkpoint(

@@ -1,0 +1,75 @@
+"""Lightning behaves under pp=2 as without pipelining: synced logged values (with a torchmetrics metric),
+sanity validation, the progress bar, ModelCheckpoint(monitor="val/loss") on every rank, TensorBoard on rank
+0, predictions on every rank, checkpoints that resume exactly and load in one process."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from meshlight.parallel import load_model_weights
+from tests.launch import torchrun
+from tests.strategies.parity import assert_parity
+from tests.strategies.workers import pipeline_lightning_worker as worker
+
+
+@pytest.fixture(scope="module")
+def control(tmp_path_factory) -> dict:
+    return worker.run(lambda: "auto", 1, tmp_path_factory.mktemp("control"))
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pipeline-lightning")
+    torchrun(Path(worker.__file__), 2, str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(out) -> list[dict]:
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def test_every_rank_logs_the_single_process_values(ranks, control):
+    for rank in ranks:
+        assert len(rank["epochs"]) == worker.EPOCHS
+        for got, expected in zip(rank["epochs"], control["epochs"]):
+            for name, value in expected.items():
+                assert abs(got[name] - value) <= 1e-4 * abs(value) + 1e-7, (name, got[name], value)
+
+
+def test_sanity_validation_runs_and_the_progress_bar_shows_the_loss(ranks):
+    for rank in ranks:
+        assert rank["sanity_batches"] == 2
+        assert {"train/loss", "val/loss", "val/answer_accuracy"} <= set(rank["progress_bar"])
+
+
+def test_model_checkpoint_monitoring_val_loss_saves_the_same_best_everywhere(ranks, control):
+    assert ranks[0]["best"] == ranks[1]["best"] == control["best"]
+
+
+def test_rank_zero_tensorboard_holds_train_and_validation_losses(out, control):
+    events = EventAccumulator(str(out / "tb" / "version_0"))
+    events.Reload()
+    val_loss = [e.value for e in events.Scalars("val/loss")]
+    assert len(events.Scalars("train/loss")) == 5 * worker.EPOCHS and len(val_loss) == worker.EPOCHS
+    assert val_loss[-1] == pytest.approx(control["epochs"][-1]["val/loss"], rel=1e-4)
+
+
+def test_every_rank_of_the_pipeline_gets_the_predictions(ranks, control):
+    for rank in ranks:
+        assert torch.equal(rank["predictions"], control["predictions"])
+
+
+def test_weights_match_one_process_and_resuming_reproduces_them(ranks, control):
+    assert_parity({"losses": [], "weights": ranks[0]["weights"]}, {"losses": [], "weights": control["weights"]})
+    for name, weight in ranks[0]["weights"].items():
+        torch.testing.assert_close(ranks[0]["resumed_weights"][name], weight, rtol=1e-6, atol=1e-7)
+
+
+def test_a_pipeline_checkpoint_loads_in_one_process(out, ranks):
+    module = worker.gpt8()
+    load_model_weights(module, out / "final.ckpt")
+    for name, weight in module.state_dict().items():
+        assert torch.equal(weight, ranks[0]["weights"][name]), name

@@ -1,0 +1,80 @@
+"""torchrun worker: Lightning's features under pp=2 — validation with a torchmetrics metric, sanity checking,
+ModelCheckpoint(monitor="val/loss"), TensorBoard on rank 0, the progress bar, predict, saving and resuming.
+Each rank saves what it saw; the test compares ranks with each other and with one process."""
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader, DistributedSampler
+
+import meshlight as ml
+from meshlight.demos import AdditionDataModule
+from tests.strategies.parity import SEED, full_weights
+from tests.strategies.workers.pipeline_worker import gpt8
+
+BATCH, EPOCHS = 16, 2
+
+
+class Observer(Callback):
+    """Per epoch: the logged validation metrics and the last training loss; sanity batches seen."""
+
+    def __init__(self) -> None:
+        self.epochs: list[dict[str, float]] = []
+        self.sanity_batches = 0
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.sanity_batches += int(trainer.sanity_checking)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        names = ("train/loss", "val/loss", "val/answer_accuracy")
+        self.epochs.append({name: float(trainer.callback_metrics[name]) for name in names})
+
+
+def data(control: bool) -> AdditionDataModule:
+    module = AdditionDataModule(3, batch_size=BATCH, train_size=BATCH * 5, val_size=32, seed=SEED)
+    if control:  # the permutation Lightning's DistributedSampler draws (one data-parallel replica)
+        module.setup()
+        sampler = DistributedSampler(module.train_set, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+        module.train_dataloader = lambda: DataLoader(module.train_set, batch_size=BATCH, sampler=sampler)
+    return module
+
+
+def run(strategy: Callable[[], Any], devices: int, out: Path) -> dict[str, Any]:
+    """``strategy``: makes a strategy for each Trainer (``lambda: "auto"`` for the single-process control)."""
+    control = strategy() == "auto"
+    pl.seed_everything(SEED, verbose=False)
+    module, observer = gpt8(), Observer()
+    best = ModelCheckpoint(dirpath=out / "best", monitor="val/loss", mode="min", save_top_k=1)
+    every = ModelCheckpoint(dirpath=out / "every", every_n_epochs=1, save_top_k=-1)
+    trainer = ml.Trainer(strategy=strategy(), devices=devices, accelerator="cpu", max_epochs=EPOCHS,
+                         num_sanity_val_steps=2, logger=TensorBoardLogger(out, name="tb"), enable_model_summary=False,
+                         callbacks=[observer, best, every], log_every_n_steps=1)
+    trainer.fit(module, data(control))
+    result = {
+        "epochs": observer.epochs, "sanity_batches": observer.sanity_batches,
+        "progress_bar": sorted(trainer.progress_bar_metrics), "best": Path(best.best_model_path).name,
+        "weights": full_weights(module) if not control else dict(module.state_dict()),
+        "predictions": torch.cat(trainer.predict(module, datamodule=data(control))),
+    }
+    trainer.save_checkpoint(out / "final.ckpt")
+    pl.seed_everything(SEED, verbose=False)
+    resumed = gpt8()
+    first_epoch = sorted((out / "every").glob("epoch=0-*.ckpt"))[0]
+    ml.Trainer(strategy=strategy(), devices=devices, accelerator="cpu", max_epochs=EPOCHS, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0).fit(
+        resumed, data(control), ckpt_path=first_epoch)
+    result["resumed_weights"] = full_weights(resumed) if not control else dict(resumed.state_dict())
+    return result
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    result = run(lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, out)
+    torch.save(result, out / f"rank{dist.get_rank()}.pt")
