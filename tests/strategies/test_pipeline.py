@@ -10,7 +10,7 @@ import torch
 
 from tests.launch import torchrun
 from tests.strategies.parity import assert_parity, train
-from tests.strategies.workers import pipeline_worker
+from tests.strategies.workers import bad_pipeline_worker, pipeline_worker
 
 WORKER = Path(pipeline_worker.__file__)
 RUNS = [(world, run) for world in (2, 4) for run in pipeline_worker.runs(world)]
@@ -46,3 +46,30 @@ def test_pipeline_matches_single_process_training(distributed, controls, world, 
 
 def test_clipping_engages_in_the_clipped_control(controls):
     assert max(controls["clip"]["grad_norms"]) > 1.0
+
+
+BAD_INPUT = {
+    "few microbatches": "Schedule '1f1b' cannot run 1 microbatches over 2 stages",
+    "indivisible batch": "A batch of 16 does not divide into 3 microbatches",
+    "more stages than blocks": "2 pipeline stages but only 1 blocks",
+    "not a chain": "blocks.0 does not receive the previous piece's output",
+    "tied embedding and head": "embed and head share parameters but fall on different pipeline stages",
+    "zero bubble with too few microbatches": "needs at least as many microbatches as stages: use microbatches >= 4",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input(tmp_path_factory) -> list[dict]:
+    errors = []
+    for world in (2, 4):
+        out = tmp_path_factory.mktemp(f"bad{world}")
+        torchrun(Path(bad_pipeline_worker.__file__), world, str(out), str(world), timeout=300)
+        errors += [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    return errors
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_fails_on_every_rank_before_training_without_hanging(bad_input, case):
+    raised = [rank[case] for rank in bad_input if case in rank]
+    assert len(raised) in (2, 4)
+    assert all(BAD_INPUT[case] in message for message in raised), raised[0]
