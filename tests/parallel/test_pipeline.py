@@ -73,7 +73,7 @@ def test_split_keeps_only_the_pieces_of_this_ranks_stages():
 
 @pytest.mark.parametrize("module", [gpt(), gpt(positions="rotary", mlp="swiglu"), LitLlama().model])
 def test_chain_check_accepts_chain_models(module):
-    name, pipelined, container = find_pipelined_module(module) if not isinstance(module, GPT) else ("", module, "blocks")
+    _, pipelined, container = find_pipelined_module(module)
     check_chain(pipelined, plan_stages(pipelined, container, 2), (torch.zeros(2, 12, dtype=torch.long),), {})
 
 
