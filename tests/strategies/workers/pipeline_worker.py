@@ -1,5 +1,5 @@
 """torchrun worker: pipeline parity runs — every schedule, pp = world (2 or 4), microbatches 4 and 8 — and
-pp=2 × dp=2 on 4 processes. A configuration the schedule cannot run is recorded with its error."""
+pp=2 × dp=2 (DDP, ZeRO-1, ZeRO-3) on 4 processes. A configuration the schedule cannot run is recorded with its error."""
 
 import sys
 
@@ -20,27 +20,29 @@ def gpt8() -> LitGPT:
     return LitGPT(config, lr=3e-3, warmup_steps=2)
 
 
-def runs(world: int) -> list[tuple[int, int, str, int, str]]:
-    """(pp, dp, schedule, microbatches, variant) for this world size."""
-    grid = [(world, 1, schedule, m, "adamw") for schedule in SCHEDULES for m in (4, 8)]
+def runs(world: int) -> list[tuple[int, int, int, str, int, str]]:
+    """(pp, dp, zero, schedule, microbatches, variant) for this world size."""
+    grid = [(world, 1, 1, schedule, m, "adamw") for schedule in SCHEDULES for m in (4, 8)]
     if world == 2:  # Lightning's gradient accumulation, and clipping by the norm over both stages
-        grid += [(2, 1, "1f1b", 4, variant) for variant in ("accumulate", "clip")]
-    if world == 4:
-        grid += [(2, 2, schedule, 4, "adamw") for schedule in ("1f1b", "interleaved1f1b", "zbvzerobubble")]
-        grid += [(2, 2, "1f1b", 4, "clip")]
+        grid += [(2, 1, 1, "1f1b", 4, variant) for variant in ("accumulate", "clip")]
+    if world == 4:  # pp=2 × dp=2: ZeRO-1 (the default) under three schedules, DDP and ZeRO-3 under 1F1B
+        grid += [(2, 2, 1, schedule, 4, "adamw") for schedule in ("1f1b", "interleaved1f1b", "zbvzerobubble")]
+        grid += [(2, 2, zero, "1f1b", 4, "adamw") for zero in (0, 3)]
+        grid += [(2, 2, 1, "1f1b", 4, "clip")]
     return grid
 
 
 if __name__ == "__main__":
     out, world = sys.argv[1], int(sys.argv[2])
     results = {}
-    for pp, dp, schedule, microbatches, variant in runs(world):
-        strategy = ml.PipelineStrategy(pp=pp, schedule=schedule, microbatches=microbatches)
+    for run in runs(world):
+        pp, dp, zero, schedule, microbatches, variant = run
+        strategy = ml.PipelineStrategy(pp=pp, schedule=schedule, microbatches=microbatches, zero=zero)
         try:
             result = train(variant, strategy, devices=world, data_parallel=dp, model=gpt8)
             result.pop("module")
         except PipelineError as error:
             result = {"rejected": str(error)}
-        results[(pp, dp, schedule, microbatches, variant)] = result
+        results[run] = result
     if dist.get_rank() == 0:
         torch.save(results, out)
