@@ -24,7 +24,8 @@ from meshlight.models import GPTConfig
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="zero1", help="ddp, zero1, zero2, zero3/fsdp, tp, pipeline (default: zero1)")
+    parser.add_argument("--strategy", default="zero1",
+                        help="ddp, zero1, zero2, zero3/fsdp, tp, pipeline (default: zero1)")
     parser.add_argument("--devices", type=int, default=2, help="processes (CPU) or GPUs per node (default: 2)")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--accelerator", default="auto", help="cpu, gpu or auto (default)")

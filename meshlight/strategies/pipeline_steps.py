@@ -89,7 +89,8 @@ def setup_pipeline(
     if tied:
         raise PipelineError(
             f"{tied[0][0]} and {tied[0][1]} share parameters but fall on different pipeline stages (tied embedding"
-            " and LM head): untie them (e.g. GPTConfig(tie_embeddings=False)), or split so one stage owns both."
+            " and LM head), which the first and last stage cannot share yet: untie them (e.g."
+            " GPTConfig(tie_embeddings=False)) or train this model without pipelining."
         )
     indices = stages_of_rank(mesh["pp"].get_local_rank(), layout.pp, options.virtual_stages, options.schedule)
     stage_modules = split_stages(pipelined, plan, indices)
