@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                                    # ZeRO-1 on 2 CPU processes
     python examples/train_gpt.py --strategy zero3 --devices 4
+    python examples/train_gpt.py --strategy moe --experts 8         # mixture of experts, split over 2 ranks
     torchrun --nproc-per-node 8 examples/train_gpt.py --devices 8   # processes started by torchrun
 
 The model sees ``123+456=`` and must write the sum; the answer accuracy (exact match of all digits) is
@@ -20,18 +21,20 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
+from meshlight.nn import MoEConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", default="zero1",
-                        help="ddp, zero1, zero2, zero3/fsdp, tp, pipeline (default: zero1)")
+                        help="ddp, zero1, zero2, zero3/fsdp, tp, pipeline, moe (default: zero1)")
     parser.add_argument("--devices", type=int, default=2, help="processes (CPU) or GPUs per node (default: 2)")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--accelerator", default="auto", help="cpu, gpu or auto (default)")
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default: 2)")
     parser.add_argument("--dim", type=int, default=128, help="hidden size (default: 128)")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
+    parser.add_argument("--experts", type=int, default=0, help="mixture-of-experts feed-forwards (default: 0, dense)")
     parser.add_argument("--digits", type=int, default=3, help="digits per operand (default: 3)")
     parser.add_argument("--max-steps", type=int, default=1500)
     parser.add_argument("--batch-size", type=int, default=32, help="per data-parallel rank (default: 32)")
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     train_size = args.max_steps * args.batch_size * args.devices * args.num_nodes
     data = AdditionDataModule(args.digits, batch_size=args.batch_size, train_size=train_size)
     config = GPTConfig(vocab_size=data.vocab_size, max_seq_len=data.seq_len, n_layers=args.layers, dim=args.dim,
-                       n_heads=args.heads)
+                       n_heads=args.heads, moe=MoEConfig(num_experts=args.experts) if args.experts else None)
     model = LitGPT(config, lr=args.lr, weight_decay=0.0, warmup_steps=args.max_steps // 20)
     checkpoint = ModelCheckpoint(
         dirpath=args.out / "checkpoints", monitor="val/answer_accuracy", mode="max", save_last=True,

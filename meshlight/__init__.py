@@ -1,10 +1,11 @@
 """meshlight: train a LightningModule on one accelerator or thousands by changing ``Trainer(strategy=...)``."""
 
-from meshlight import demos, models, parallel, strategies
+from meshlight import callbacks, demos, models, nn, parallel, strategies
 from meshlight.parallel import ParallelLayout
 from meshlight.strategies import (
     DDPStrategy,
     MeshStrategy,
+    MoEStrategy,
     PipelineStrategy,
     TensorParallelStrategy,
     ZeroStrategy,
@@ -18,13 +19,16 @@ __version__ = "0.1.0"
 __all__ = [
     "DDPStrategy",
     "MeshStrategy",
+    "MoEStrategy",
     "ParallelLayout",
     "PipelineStrategy",
     "TensorParallelStrategy",
     "Trainer",
     "ZeroStrategy",
+    "callbacks",
     "demos",
     "models",
+    "nn",
     "parallel",
     "strategies",
 ]

@@ -6,7 +6,8 @@ The contract every meshlight parallelism relies on (see DESIGN.md):
   output is the next one's first input, so a pipeline stage is this same forward with the pieces it does
   not own replaced by pass-throughs.
 - Blocks live in ``self.blocks`` (a ``ModuleList``), the unit of pipeline splitting, FSDP wrapping and
-  activation checkpointing.
+  activation checkpointing. With ``GPTConfig.moe`` every ``moe_every``-th block's MLP is a
+  :class:`~meshlight.nn.MoE` (its experts are what expert parallelism splits).
 - Attention reshapes heads with ``-1``: under tensor parallelism each rank holds ``n_heads/tp`` query heads
   and ``n_kv_heads/tp`` key/value heads and the same code runs.
 - Initialization is a function of (``init_seed``, parameter name) only, so every layout, every rank and a
@@ -25,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+
+from meshlight.nn.moe import MoE, MoEConfig
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -52,6 +55,8 @@ class GPTConfig:
     rope_theta: float = 10000.0
     init_std: float = 0.02
     init_seed: int = 0
+    moe: Optional[MoEConfig] = None  # None: dense MLPs everywhere
+    moe_every: int = 1  # with moe: blocks moe_every-1, 2·moe_every-1, … use it (1: all blocks)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "n_layers", "n_heads", "dim"):
@@ -69,6 +74,8 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r}; choose one of {choices}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1).")
+        if self.moe_every < 1:
+            raise ValueError(f"moe_every={self.moe_every} must be >= 1 (1: every block's MLP is a mixture of experts).")
 
     @property
     def kv_heads(self) -> int:
@@ -85,6 +92,10 @@ class GPTConfig:
         if self.mlp == "gelu":
             return 4 * self.dim
         return 64 * math.ceil(8 * self.dim / 3 / 64)
+
+    def uses_moe(self, block: int) -> bool:
+        """Whether block ``block`` (0-based) has a mixture-of-experts MLP."""
+        return self.moe is not None and (block + 1) % self.moe_every == 0
 
     def replace(self, **changes: object) -> GPTConfig:
         return dataclasses.replace(self, **changes)
@@ -219,14 +230,18 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the MLP may be a MoE."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(config)
         self.attn = Attention(config)
         self.mlp_norm = make_norm(config)
-        self.mlp = MLP(config)
+        if config.uses_moe(index):
+            assert config.moe is not None
+            self.mlp: nn.Module = config.moe.build(config.dim, config.ffn_dim, config.mlp)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x: Tensor, rope: Rope = None) -> Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
@@ -244,7 +259,7 @@ class GPT(nn.Module):
             RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
             if config.positions == "rotary" else None
         )
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = make_norm(config)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -275,9 +290,10 @@ class GPT(nn.Module):
     def init_weights(self) -> None:
         """GPT-2 initialization drawn from one generator per parameter, seeded by ``init_seed`` and its name.
 
-        Linear and embedding weights ~ N(0, init_std); the projections that write to the residual stream
-        (``attn.wo``, ``mlp.w2``) use ``init_std / sqrt(2·n_layers)``; biases 0, norm weights 1. Skipped for
-        parameters on the meta device (call again after ``to_empty``).
+        Linear and embedding weights, routers and experts ~ N(0, init_std); the projections that write to the
+        residual stream (``attn.wo``, ``mlp.w2``, experts' ``w2``) use ``init_std / sqrt(2·n_layers)``; biases
+        0, norm weights 1, expert biases 0. Skipped for tensors on the meta device (call again after
+        ``to_empty``).
         """
         config = self.config
         residual_std = config.init_std / math.sqrt(2 * config.n_layers)
@@ -291,12 +307,16 @@ class GPT(nn.Module):
                 if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or param_name == "bias":
                     param.fill_(1.0 if param_name == "weight" else 0.0)
                     continue
-                std = residual_std if name.endswith(("attn.wo.weight", "mlp.w2.weight")) else config.init_std
+                residual = name.endswith(("attn.wo.weight", "mlp.w2.weight", "mlp.experts.w2"))
+                std = residual_std if residual else config.init_std
                 seed = (config.init_seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
                 generator = torch.Generator(device=param.device).manual_seed(seed)
                 nn.init.normal_(param, mean=0.0, std=std, generator=generator)
         if self.rope is not None:
             self.rope.reset_parameters()
+        for module in self.modules():
+            if isinstance(module, MoE) and not module.router.expert_bias.is_meta:
+                module.router.expert_bias.zero_()
 
     def num_params(self, *, exclude_embeddings: bool = False) -> int:
         """Parameter count (tied weights once). ``exclude_embeddings`` drops the lookup tables but keeps a tied
@@ -308,13 +328,22 @@ class GPT(nn.Module):
                 total += self.head.weight.numel()
         return total
 
+    def num_active_params(self) -> int:
+        """Non-embedding parameters one token is multiplied by: in MoE layers only ``top_k`` of the experts."""
+        inactive = sum(
+            sum(p.numel() for p in module.experts.parameters()) * (module.num_experts - module.top_k)
+            // module.num_experts
+            for module in self.modules() if isinstance(module, MoE)
+        )
+        return self.num_params(exclude_embeddings=True) - inactive
+
     def flops_per_token(self, seq_len: Optional[int] = None) -> int:
         """Training FLOPs per token (forward + backward), PaLM/torchtitan convention for MFU.
 
-        ``6·N`` for the matmuls of the N non-embedding parameters, plus ``12·layers·heads·head_dim·seq`` for
-        the attention scores and values (two matmuls, ×3 for backward, ×2 for multiply-add; causal masking
-        not discounted).
+        ``6·N`` for the matmuls of the N non-embedding parameters a token uses (:meth:`num_active_params`),
+        plus ``12·layers·heads·head_dim·seq`` for the attention scores and values (two matmuls, ×3 for
+        backward, ×2 for multiply-add; causal masking not discounted).
         """
         seq = seq_len or self.config.max_seq_len
         c = self.config
-        return 6 * self.num_params(exclude_embeddings=True) + 12 * c.n_layers * c.n_heads * c.head_dim * seq
+        return 6 * self.num_active_params() + 12 * c.n_layers * c.n_heads * c.head_dim * seq

@@ -9,6 +9,7 @@ from meshlight.parallel.checkpoint import (
 )
 from meshlight.parallel.clip import clip_grad_norm_, total_grad_norm
 from meshlight.parallel.data_parallel import apply_data_parallel, gradient_accumulation, repeated_blocks
+from meshlight.parallel.expert import apply_expert_parallel
 from meshlight.parallel.layout import MESH_AXES, ParallelLayout, build_device_mesh
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
@@ -21,6 +22,7 @@ __all__ = [
     "ParallelLayout",
     "adapt_optimizer",
     "apply_data_parallel",
+    "apply_expert_parallel",
     "build_device_mesh",
     "bytes_sent_per_rank",
     "checkpoint_keys",

@@ -39,6 +39,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.utils import _sync_params_and_buffers
 from torch.nn.parallel import DistributedDataParallel
 
+from meshlight.parallel.expert import expert_data_mesh
+
 __all__ = [
     "apply_data_parallel",
     "broadcast_module_states",
@@ -86,6 +88,7 @@ def apply_data_parallel(
     blocks: Optional[Sequence[nn.Module]] = None,
     ddp_kwargs: Optional[dict[str, Any]] = None,
     pipelined: bool = False,
+    experts: Sequence[nn.Module] = (),
 ) -> nn.Module:
     """Make ``module`` data parallel in place over ``mesh``'s data axes with ZeRO stage ``zero``.
 
@@ -94,9 +97,12 @@ def apply_data_parallel(
     must hold the same weights on every rank (:func:`broadcast_module_states`; ``parallelize`` does it).
     ``pipelined``: ``module`` is a pipeline stage, whose schedule runs several backwards per step and defers
     gradient reduction to the last only for FSDP modules, so DDP runs on FSDP2 there too.
+    ``experts``: modules whose weights are split over the mesh's ``ep`` axis; they are data parallel over
+    the ranks holding the same experts only (:func:`~meshlight.parallel.expert.expert_data_mesh`).
     """
     if mesh["dp"].size() == 1:
         return module  # nothing to replicate or shard over; FSDP on one rank would only add copies
+    ignored = _expert_data_parallel(experts, mesh, zero)
     has_dtensors = any(isinstance(p, DTensor) for p in module.parameters())
     if zero == 0 and not has_dtensors and not pipelined:
         # Composable DDP: the real DDP reducer (bucketed all-reduce overlapped with backward) installed as
@@ -104,9 +110,22 @@ def apply_data_parallel(
         return replicate(module, process_group=data_parallel_mesh(mesh, zero).get_group(), **(ddp_kwargs or {}))
     dp_mesh = mesh["dp_replicate", "dp_shard"] if zero == 0 else data_parallel_mesh(mesh, zero)
     for block in repeated_blocks(module) if blocks is None else blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
     return module
+
+
+def _expert_data_parallel(experts: Sequence[nn.Module], mesh: DeviceMesh, zero: int) -> Optional[set[nn.Parameter]]:
+    """Make expert-parallel modules data parallel over the ranks that hold the same experts, as FSDP units of
+    their own; where no other rank holds them (ep = dp), return their parameters for FSDP to leave alone."""
+    if not experts:
+        return None
+    edp_mesh = expert_data_mesh(mesh, zero)
+    if edp_mesh.size() == 1:
+        return {p for module in experts for p in module.parameters()}
+    for module in experts:
+        fully_shard(module, mesh=edp_mesh, reshard_after_forward=zero == 3)
+    return None
 
 
 def is_data_parallel(module: nn.Module) -> bool:

@@ -19,6 +19,7 @@ __all__ = ["MESH_AXES", "ParallelLayout", "build_device_mesh", "seed_by_mesh_pos
 #: Axes of the device mesh, outermost first: pipeline stages span the slowest links, tensor
 #: parallelism the fastest. :func:`build_device_mesh` adds two flattened axes: ``"dp"`` (replicate ×
 #: shard: the data-parallel replicas) and ``"stage"`` (dp × tp: the ranks holding one pipeline stage).
+#: With expert parallelism the data axis it borrows from is split in two (see :func:`build_device_mesh`).
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 _SIZE_FIELDS = ("dp_replicate", "dp_shard", "pp", "tp", "ep")
@@ -34,7 +35,8 @@ class ParallelLayout:
     ``zero`` is the ZeRO stage of the data-parallel dimension: 0 replicates everything (DDP), 1 shards
     optimizer state, 2 also gradients, 3 also parameters. Sharding happens over ``dp_shard``;
     ``dp_replicate`` keeps full copies (plain DDP, or the replicate half of hybrid sharding).
-    Expert parallelism borrows ranks from data parallelism, so ``ep`` divides ``dp_replicate·dp_shard``.
+    Expert parallelism borrows ranks from data parallelism: ``ep`` divides ``dp_shard`` (``dp_replicate``
+    with ``zero=0``, where nothing is sharded).
     """
 
     dp_replicate: int = 1
@@ -57,16 +59,22 @@ class ParallelLayout:
                 f"dp_shard={self.dp_shard} shards nothing with zero=0: set zero to 1, 2 or 3, or move those ranks to"
                 f" dp_replicate={self.dp_replicate * self.dp_shard}."
             )
-        if self.dp % self.ep:
+        borrowed = getattr(self, self.expert_axis)
+        if borrowed % self.ep:
             raise ValueError(
-                f"ep={self.ep} does not divide the data-parallel size {self.dp}: expert parallelism borrows its ranks"
-                f" from data parallelism; choose ep in {_divisors(self.dp)}."
+                f"ep={self.ep} does not divide {self.expert_axis}={borrowed}: expert parallelism borrows its ranks"
+                f" from data parallelism; choose ep in {_divisors(borrowed)}."
             )
 
     @property
     def dp(self) -> int:
         """Number of data-parallel replicas of the model (each reads different data)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def expert_axis(self) -> str:
+        """The data axis expert parallelism borrows its ranks from."""
+        return "dp_shard" if self.zero else "dp_replicate"
 
     @property
     def world_size(self) -> int:
@@ -131,16 +139,30 @@ def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     """The one mesh every process group comes from: axes ``MESH_AXES`` plus the flattened ``"dp"`` and
     ``"stage"``.
 
+    With ``ep > 1`` the data axis experts borrow from (:attr:`ParallelLayout.expert_axis`) is built as two
+    axes, ``edp_shard × ep`` (or ``edp_replicate × ep``), and flattened back under its own name: ``ep``
+    groups consecutive ranks, ``edp_*`` the ranks that hold the same experts.
+
     Must be called by every rank after the default process group is initialized.
     """
     layout.check_world(dist.get_world_size())
+    sizes = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard}
+    if layout.ep > 1:
+        borrowed = layout.expert_axis
+        outer = "e" + borrowed
+        sizes = {(outer if name == borrowed else name): size for name, size in sizes.items()}
+        sizes[outer] //= layout.ep
+        names = list(sizes)
+        names.insert(names.index(outer) + 1, "ep")
+        sizes = {name: layout.ep if name == "ep" else sizes[name] for name in names}
+    data_axes = tuple(sizes)
     mesh = init_device_mesh(
-        device_type,
-        (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
-        mesh_dim_names=MESH_AXES,
+        device_type, (layout.pp, *sizes.values(), layout.tp), mesh_dim_names=("pp", *data_axes, "tp"),
     )
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    mesh["dp_replicate", "dp_shard", "tp"]._flatten("stage")
+    if layout.ep > 1:
+        mesh["e" + layout.expert_axis, "ep"]._flatten(layout.expert_axis)
+    mesh[data_axes]._flatten("dp")
+    mesh[(*data_axes, "tp")]._flatten("stage")
     return mesh
 
 

@@ -3,7 +3,7 @@
 Order on each pipeline stage's module (DESIGN.md): pipeline split → tensor (+ sequence) parallel → expert
 parallel → activation checkpointing → compile → data parallel (DDP / ZeRO). Data parallelism comes last
 because FSDP must see the final parameters (DTensors from tensor parallelism, expert shards) to shard them.
-The pipeline split happens before (per stage, in the strategy); expert parallelism will slot in at its place.
+The pipeline split happens before (per stage, in the strategy).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_module_states, is_data_parallel
+from meshlight.parallel.expert import apply_expert_parallel, expert_layers, sharded_experts
 from meshlight.parallel.layout import ParallelLayout
 from meshlight.parallel.tensor import apply_tensor_parallel, derive_plan, resolve_plan, validate_plan
 
@@ -41,8 +42,17 @@ def parallelize(
     the model first). A transform the model already carries — DTensor parameters from its own tensor
     parallelism, DDP or FSDP applied in ``configure_model`` — is not applied again.
     """
-    if layout.ep > 1:
-        raise NotImplementedError(f"{layout.describe()}: expert parallelism is not available yet; use ep=1.")
+    moe_layers = expert_layers(module)
+    if layout.ep > 1 and not moe_layers and layout.pp == 1:
+        raise ValueError(
+            f"ep={layout.ep}, but the model has no meshlight.nn.MoE layers to split: use"
+            " meshlight.nn.MoE for the feed-forwards (GPTConfig(moe=MoEConfig(...)) for meshlight's GPT), or ep=1."
+        )
+    if layout.tp > 1 and moe_layers:
+        raise NotImplementedError(
+            f"{layout.describe()}: MoE layers under tensor parallelism are not supported yet; use tp=1 and split"
+            " the experts with ep instead."
+        )
     if is_data_parallel(module):
         return module
     # Every transform starts from the same weights on every rank (DDP would broadcast; FSDP and TP do not).
@@ -53,4 +63,7 @@ def parallelize(
         validate_plan(module, plan, layout.tp, layout.world_size)
         apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=sequence_parallel,
                               loss_parallel=loss_parallel)
-    return apply_data_parallel(module, mesh, layout.zero, ddp_kwargs=ddp_kwargs, pipelined=layout.pp > 1)
+    if moe_layers:
+        apply_expert_parallel(module, mesh, layout.ep)
+    return apply_data_parallel(module, mesh, layout.zero, ddp_kwargs=ddp_kwargs, pipelined=layout.pp > 1,
+                               experts=sharded_experts(module))

@@ -1,6 +1,7 @@
 """Lightning strategies: thin presets of :class:`MeshStrategy` over the mechanisms in :mod:`meshlight.parallel`."""
 
 from meshlight.strategies.data_parallel import DDPStrategy, ZeroStrategy
+from meshlight.strategies.expert_parallel import MoEStrategy
 from meshlight.strategies.mesh import MeshStrategy
 from meshlight.strategies.pipeline import PipelineStrategy
 from meshlight.strategies.registry import STRATEGY_NAMES, register_with_lightning, resolve_strategy
@@ -10,6 +11,7 @@ __all__ = [
     "STRATEGY_NAMES",
     "DDPStrategy",
     "MeshStrategy",
+    "MoEStrategy",
     "PipelineStrategy",
     "TensorParallelStrategy",
     "ZeroStrategy",

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, Union
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from meshlight.strategies.data_parallel import DDPStrategy, ZeroStrategy
+from meshlight.strategies.expert_parallel import MoEStrategy
 from meshlight.strategies.pipeline import PipelineStrategy
 from meshlight.strategies.tensor_parallel import TensorParallelStrategy
 
@@ -31,6 +32,7 @@ _ENTRIES: dict[str, _Entry] = {
     "fsdp": _Entry(ZeroStrategy, {"stage": 3}, "meshlight ZeRO-3 (FSDP2)"),
     "tp": _Entry(TensorParallelStrategy, {}, "meshlight tensor + sequence parallel within a node, ZeRO-1 across"),
     "pipeline": _Entry(PipelineStrategy, {}, "meshlight pipeline parallel over every process, 1F1B schedule"),
+    "moe": _Entry(MoEStrategy, {}, "meshlight expert parallel: MoE experts split over every process, ZeRO-1"),
 }
 
 STRATEGY_NAMES: tuple[str, ...] = tuple(_ENTRIES)

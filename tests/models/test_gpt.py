@@ -5,6 +5,7 @@ import torch
 
 from meshlight.models import GPT, GPTConfig
 from meshlight.models.gpt import apply_rotary
+from meshlight.nn import MoE, MoEConfig
 
 LLAMA_SHAPED = dict(positions="rotary", mlp="swiglu", norm="rmsnorm", n_kv_heads=2, bias=False)
 
@@ -90,3 +91,25 @@ def test_invalid_configs_are_rejected(overrides, message):
 def test_too_long_sequence_is_rejected():
     with pytest.raises(ValueError, match="exceeds max_seq_len=8"):
         GPT(GPTConfig.tiny(max_seq_len=8))(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_moe_every_k_th_block_and_active_parameters():
+    config = GPTConfig.tiny(n_layers=4, moe=MoEConfig(num_experts=8, top_k=2, hidden_dim=32), moe_every=2)
+    model = GPT(config)
+    assert [isinstance(block.mlp, MoE) for block in model.blocks] == [False, True, False, True]
+    experts = sum(p.numel() for block in model.blocks[1::2] for p in block.mlp.experts.parameters())
+    assert model.num_active_params() == model.num_params(exclude_embeddings=True) - experts * 6 // 8
+    assert model.flops_per_token(64) == 6 * model.num_active_params() + 12 * 4 * 4 * 16 * 64
+
+
+def test_moe_weights_depend_only_on_seed_and_names_and_materialize_from_meta():
+    config = GPTConfig.tiny(moe=MoEConfig(num_experts=4, expert_bias_rate=1e-3))
+    reference = GPT(config)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    for (name, a), (_, b) in zip(reference.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
+    experts = reference.blocks[0].mlp.experts
+    assert experts.w2.std() < experts.w1.std()  # the residual projection is scaled down, as mlp.w2

@@ -28,13 +28,21 @@ def test_hybrid_sharding_splits_data_parallel_ranks():
         ({"dp_replicate": "auto", "tp": 0}, "tp=0 is not a valid size"),
         ({"dp_replicate": "auto", "pp": -1}, "pp=-1 is not a valid size"),
         ({"dp_replicate": 1, "dp_shard": 8, "zero": 0}, "dp_shard=8 shards nothing with zero=0"),
-        ({"dp_replicate": "auto", "ep": 3}, "ep=3 does not divide the data-parallel size 8"),
+        ({"dp_replicate": "auto", "ep": 3}, "ep=3 does not divide dp_replicate=8"),
+        ({"dp_replicate": 2, "dp_shard": "auto", "ep": 8, "zero": 1}, r"ep=8 does not divide dp_shard=4.*\[1, 2, 4\]"),
         ({"dp_replicate": "auto", "dp_shard": "auto", "zero": 1}, "Only one of dp_replicate and dp_shard"),
     ],
 )
 def test_invalid_layouts_fail_with_one_sentence_naming_the_fix(sizes, message):
     with pytest.raises(ValueError, match=message):
         ParallelLayout.for_world(8, **sizes)
+
+
+def test_experts_borrow_from_the_sharded_axis_or_from_replicas_without_zero():
+    zero = ParallelLayout.for_world(8, dp_replicate=2, dp_shard="auto", ep=4, zero=3)
+    assert zero.expert_axis == "dp_shard" and zero.describe().endswith("ep=4")
+    ddp = ParallelLayout.for_world(8, dp_replicate="auto", ep=8, zero=0)
+    assert ddp.expert_axis == "dp_replicate"
 
 
 def test_world_mismatch_suggests_a_layout_that_fits():

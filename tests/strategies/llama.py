@@ -2,7 +2,8 @@
 
 RMSNorm, rotary embeddings, grouped-query attention that reshapes with its own head-count attributes
 (``view(b, t, self.n_heads, self.head_dim)``), SwiGLU with Meta's ``w1, w2, w3`` registration order, and a
-``training_step`` that calls ``F.cross_entropy`` on the logits itself.
+``training_step`` that calls ``F.cross_entropy`` on the logits itself. ``LitLlama(experts=8)`` makes every
+feed-forward a ``meshlight.nn.MoE``, as a user adopting meshlight's layer would.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from meshlight.nn import MoE
 
 VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS, SEQ = 16, 64, 8, 4, 128, 2, 12
 
@@ -76,10 +79,11 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, experts: int = 0) -> None:
         super().__init__()
         self.attention_norm, self.attention = RMSNorm(DIM), Attention()
-        self.ffn_norm, self.feed_forward = RMSNorm(DIM), FeedForward()
+        self.ffn_norm = RMSNorm(DIM)
+        self.feed_forward = MoE(DIM, HIDDEN // 2, experts, top_k=2) if experts else FeedForward()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -87,10 +91,10 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, experts: int = 0) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(TransformerBlock() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(TransformerBlock(experts) for _ in range(LAYERS))
         self.norm = RMSNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
         head_dim = DIM // HEADS
@@ -107,10 +111,10 @@ class Llama(nn.Module):
 
 
 class LitLlama(pl.LightningModule):
-    def __init__(self, lr: float = 1e-2) -> None:
+    def __init__(self, lr: float = 1e-2, experts: int = 0) -> None:
         super().__init__()
         self.lr = lr
-        self.model = Llama()
+        self.model = Llama(experts)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = batch

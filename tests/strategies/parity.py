@@ -64,11 +64,12 @@ def make_data(batch_size: int) -> AdditionDataModule:
 
 
 def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel: int = 0,
-          model: Any = None) -> dict[str, Any]:
+          model: Any = None, save_to: Any = None) -> dict[str, Any]:
     """Train one variant; return the logged losses, gradient norms, (on global rank 0) the full weights, and
     the trained ``module`` itself (not picklable across processes: pop it before saving).
 
-    ``data_parallel``: ranks reading different data (default: all); ``model``: a factory replacing GPT-tiny.
+    ``data_parallel``: ranks reading different data (default: all); ``model``: a factory replacing GPT-tiny;
+    ``save_to``: a checkpoint path written after training.
     """
     pl.seed_everything(SEED, verbose=False)
     world = devices
@@ -87,6 +88,8 @@ def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel:
         trainer.fit(model, train_dataloaders=loader)
     else:
         trainer.fit(model, data)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     weights = full_weights(model) if world > 1 else {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "weights": weights, "module": model}
 

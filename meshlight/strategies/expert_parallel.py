@@ -1,0 +1,35 @@
+"""Expert parallelism ("moe"): MoE experts split over ``ep`` ranks, everything data parallel."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from meshlight.strategies.mesh import MeshStrategy
+
+__all__ = ["MoEStrategy"]
+
+
+class MoEStrategy(MeshStrategy):
+    """Split the experts of every :class:`~meshlight.nn.MoE` layer over ``ep`` ranks, exchanging tokens by
+    all-to-all; dense weights are data parallel over all ranks, expert weights over the ``world / ep`` ranks
+    holding the same experts.
+
+    Args:
+        ep: ranks the experts are split over; must divide ``num_experts`` and the data-parallel size.
+            ``"auto"``: every process.
+        zero: ZeRO stage for dense and expert weights alike (0 = DDP). Stage 3 works with experts
+            (DeepSpeed refuses it; ColossalAI forces stage 1).
+        **kwargs: passed to :class:`MeshStrategy`.
+    """
+
+    strategy_name = "moe"
+
+    def __init__(self, ep: Union[int, Literal["auto"]] = "auto", *, zero: int = 1, **kwargs: Any) -> None:
+        data_parallel = {"dp_replicate": "auto"} if zero == 0 else {"dp_replicate": 1, "dp_shard": "auto"}
+        super().__init__(**data_parallel, ep=1 if ep == "auto" else ep, zero=zero, **kwargs)
+        self._auto_ep = ep == "auto"
+
+    def set_world_ranks(self) -> None:
+        if self._auto_ep:
+            self._sizes["ep"] = self.num_nodes * self.num_processes
+        super().set_world_ranks()
