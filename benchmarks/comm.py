@@ -14,6 +14,12 @@ the difference between the same model with 4 and with 2 blocks, halved, so the e
 the loss (which add two more such all-reduces and a few B·S-sized ones per step) cancel out; the whole
 step is also reported against (4·blocks + 2) · 2·A·(N−1)/N.
 
+Expert parallelism (ep = N, ``MoEStrategy``; every block's MLP a mixture of 8 top-2 experts): per MoE layer
+the dispatch and the combine all_to_all each move T·k·D·(ep−1)/ep elements forward and the same backward
+(T tokens per rank, k = top_k, D = dim; the (ep−1)/ep share leaves the rank when routing is uniform), so
+theory = layers · 4 · T·k·D·(ep−1)/ep · 4 bytes. Measured: every all_to_all a rank issues in the step (the
+token exchanges of forward and backward, and the small exchange of per-expert counts), bytes to other ranks.
+
     python benchmarks/comm.py [--nprocs 2 4]      # prints JSON
 """
 
@@ -93,7 +99,30 @@ def worker() -> None:
             "ratio": per_block / (4 * all_reduce), "step_bytes": step, "step_theory": step_theory,
             "step_ratio": step / step_theory, "by_collective": traffic_by_blocks[4].summary(),
         })
+    results.append(expert_parallel_row(world, step_traffic))
     report(results)
+
+
+def expert_parallel_row(world: int, step_traffic: object) -> dict:
+    import lightning.pytorch as pl
+    from common import bench_config
+
+    import meshlight as ml
+    from meshlight.demos import LitGPT
+    from meshlight.nn import MoEConfig
+
+    pl.seed_everything(0, verbose=False)
+    config = bench_config().replace(moe=MoEConfig(num_experts=8, top_k=2))
+    traffic = step_traffic(LitGPT(config), ml.MoEStrategy(ep=world, zero=1))
+    all_to_all = traffic.summary().get("all_to_all", {"calls": 0, "bytes_sent": 0.0})
+    tokens = BATCH * SEQ
+    theory = config.n_layers * 4 * tokens * config.moe.top_k * config.dim * (world - 1) / world * 4
+    return {
+        "strategy": "moe", "world": world, "ep": world, "moe_layers": config.n_layers, "tokens_per_rank": tokens,
+        "top_k": config.moe.top_k, "all_to_all_bytes": all_to_all["bytes_sent"],
+        "all_to_all_calls": all_to_all["calls"], "theory_bytes": theory, "ratio": all_to_all["bytes_sent"] / theory,
+        "by_collective": traffic.summary(),
+    }
 
 
 if __name__ == "__main__":

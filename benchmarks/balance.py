@@ -1,0 +1,86 @@
+"""Expert balance on the demo task: max / mean expert load after training, with and without balancing.
+
+The example's model (``examples/train_gpt.py``: 2 blocks, dim 128) with every feed-forward a mixture of 8
+top-2 experts trains on the addition task for ``--steps`` steps, one process, global batch 64. The load of
+an expert is the number of token assignments routed to it over the last ``--window`` steps (all layers
+reported; the figure is the worst layer's max / mean, 1.0 being perfect balance; the mean over the window's
+steps of each step's own max / mean is reported beside it). Variants: no balancing, the auxiliary loss
+(coefficient 1e-2), and aux-loss-free expert bias (``--bias-rate``) with sigmoid router scores as in
+DeepSeek-V3 — and, to show why, with softmax scores.
+
+    python benchmarks/balance.py [--steps 200] [--window 20]      # prints JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+VARIANTS = {
+    "no balancing": {"aux_loss_coeff": 0.0},
+    "aux loss": {"aux_loss_coeff": 1e-2},
+    # rate from --bias-rate
+    "expert bias": {"aux_loss_coeff": 0.0, "score": "sigmoid", "expert_bias_rate": None},
+    "expert bias, softmax scores": {"aux_loss_coeff": 0.0, "score": "softmax", "expert_bias_rate": None},
+}
+
+
+def train(options: dict[str, Any], steps: int, window: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    import meshlight as ml
+    from meshlight.demos import AdditionDataModule, LitGPT
+    from meshlight.models import GPTConfig
+    from meshlight.nn import MoE, MoEConfig
+
+    class LoadWindow(Callback):
+        def __init__(self) -> None:
+            self.tokens: dict[str, torch.Tensor] = {}
+            self.step_imbalance: list[float] = []
+
+        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+            if trainer.global_step > steps - window:
+                for name, layer in module.named_modules():
+                    if isinstance(layer, MoE):
+                        self.tokens[name] = self.tokens.get(name, 0) + layer.last_step.tokens
+                        self.step_imbalance.append(layer.last_step.imbalance)
+
+    pl.seed_everything(0, verbose=False)
+    batch = 64
+    data = AdditionDataModule(3, batch_size=batch, train_size=steps * batch)
+    config = GPTConfig(vocab_size=data.vocab_size, max_seq_len=data.seq_len, n_layers=2, dim=128, n_heads=4,
+                       moe=MoEConfig(num_experts=8, top_k=2, **options))
+    module = LitGPT(config, lr=3e-3, weight_decay=0.0, warmup_steps=steps // 20)
+    window_loads = LoadWindow()
+    trainer = ml.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         callbacks=[window_loads])
+    trainer.fit(module, data)
+    imbalance = {name: float(t.max() / t.mean()) for name, t in window_loads.tokens.items()}
+    step_imbalance = window_loads.step_imbalance
+    return {"imbalance": imbalance, "worst": max(imbalance.values()),
+            "mean_step_imbalance": sum(step_imbalance) / len(step_imbalance),
+            "loads": {name: t.tolist() for name, t in window_loads.tokens.items()},
+            "final_loss": float(trainer.callback_metrics["train/loss"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--window", type=int, default=20)
+    parser.add_argument("--bias-rate", type=float, default=3e-3)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    args = parser.parse_args()
+    rows = []
+    for name, options in ((name, VARIANTS[name]) for name in args.variants):
+        options = {k: (args.bias_rate if v is None else v) for k, v in options.items()}
+        rows.append({"variant": name, "options": options, "steps": args.steps, "window": args.window,
+                     **train(options, args.steps, args.window)})
+    print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
