@@ -23,6 +23,7 @@ COMMANDS = {
     "overhead": "python benchmarks/overhead.py --nprocs 2 --rounds 5 --steps 12",
     "bubble": "python benchmarks/bubble.py --nprocs 2 4 --microbatches 4 8 16",
     "balance": "python benchmarks/balance.py --steps 200 --window 20",
+    "planner": "python benchmarks/planner.py",
 }
 BELOW_1F1B = ("interleaved1f1b", "interleavedzerobubble", "zbvzerobubble")
 
@@ -139,6 +140,32 @@ def balance_section(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def planner_section(rows: list[dict]) -> str:
+    lines = [
+        "## Layout planner against published runs",
+        "",
+        f"Command: `{COMMANDS['planner']}` — the planner's predicted throughput for the published layout (dp, pp,",
+        "tp fixed; ZeRO stage, microbatches, virtual stages and recomputation its own choice) ÷ the published",
+        "figure (target 0.75–1.25), and where the published layout ranks among the planner's layouts that fit",
+        "(target: top 3). Sources: Megatron-Core's weak-scaling table (r0.8.0, H100, seq 4096) and torchtitan's",
+        "Llama 3 benchmarks (Dec 2024, H100 96 GB at 500 W, seq 8192); see the script's docstring.",
+        "",
+        "| source | model | GPUs | published layout | metric | published | predicted | ratio | rank | planner's best |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        layout = "dp={dp} pp={pp} tp={tp}".format(**r["published_layout"]) + (f" ({r['note']})" if r["note"] else "")
+        ratio_ok = "" if 0.75 <= r["ratio"] <= 1.25 else " **not met**"
+        rank_ok = "" if r["rank"] is not None and r["rank"] <= 3 else " **not met**"
+        lines.append(f"| {r['source']} | {r['model']} | {r['gpus']} | {layout} | {r['metric']} | {r['published']:,} |"
+                     f" {r['predicted']:,.1f} | {r['ratio']:.3f}{ratio_ok} | {r['rank'] or '—'}{rank_ok} |"
+                     f" {r['best'][0]} |")
+    within = sum(0.75 <= r["ratio"] <= 1.25 for r in rows)
+    top3 = sum(r["rank"] is not None and r["rank"] <= 3 for r in rows)
+    lines += ["", f"Within 25%: {within} of {len(rows)}; published layout in the top 3: {top3} of {len(rows)}."]
+    return "\n".join(lines)
+
+
 def calls(row: dict) -> str:
     return ", ".join(f"{kind} ×{int(v['calls'])}" for kind, v in sorted(row["by_collective"].items()))
 
@@ -246,7 +273,7 @@ def main() -> None:
     import torch
 
     comm, memory, overhead = run(COMMANDS["comm"]), run(COMMANDS["memory"]), run(COMMANDS["overhead"])
-    bubble, balance = run(COMMANDS["bubble"]), run(COMMANDS["balance"])
+    bubble, balance, planner = run(COMMANDS["bubble"]), run(COMMANDS["balance"]), run(COMMANDS["planner"])
     header = "\n".join([
         "# Benchmark results",
         "",
@@ -259,7 +286,7 @@ def main() -> None:
         f"- Versions: Python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}",
     ])
     sections = [header, comm_section(comm), memory_section(memory), overhead_section(overhead), bubble_section(bubble),
-                balance_section(balance)]
+                balance_section(balance), planner_section(planner)]
     text = "\n\n".join(sections) + "\n"
     (HERE / "RESULTS.md").write_text(text)
     print(text)

@@ -2,6 +2,8 @@
 
     python examples/train_gpt.py                                    # ZeRO-1 on 2 CPU processes
     python examples/train_gpt.py --strategy zero3 --devices 4
+    python examples/train_gpt.py --strategy 3d                      # dp=2 × pp=2 × tp=2 on 8 CPU processes
+    python examples/train_gpt.py --strategy 3d --accelerator gpu    # "3d" on every GPU: the planner's layout
     python examples/train_gpt.py --strategy moe --experts 8         # mixture of experts, split over 2 ranks
     torchrun --nproc-per-node 8 examples/train_gpt.py --devices 8   # processes started by torchrun
 
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import meshlight as ml
@@ -27,8 +30,12 @@ from meshlight.nn import MoEConfig
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", default="zero1",
-                        help="ddp, zero1, zero2, zero3/fsdp, tp, pipeline, moe (default: zero1)")
-    parser.add_argument("--devices", type=int, default=2, help="processes (CPU) or GPUs per node (default: 2)")
+                        help="ddp, zero1, zero2, zero3/fsdp, tp, pipeline, moe, 3d (default: zero1)")
+    parser.add_argument("--dp", type=int, help="3d sizes; default on CPU dp=2, pp=2, tp=2, on GPUs the planner's")
+    parser.add_argument("--pp", type=int)
+    parser.add_argument("--tp", type=int)
+    parser.add_argument("--devices", type=int,
+                        help="processes (CPU) or GPUs per node (default: dp·pp·tp for 3d on CPU, else 2; all GPUs)")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--accelerator", default="auto", help="cpu, gpu or auto (default)")
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default: 2)")
@@ -45,10 +52,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def make_strategy(args: argparse.Namespace) -> str | ml.Hybrid3DStrategy:
+    """The strategy by name, or "3d" with the sizes given — on CPU dp=2, pp=2, tp=2 unless given; on GPUs the
+    sizes not given are the planner's. Also fills in --devices."""
+    gpu = args.accelerator in ("gpu", "cuda") or (args.accelerator == "auto" and torch.cuda.is_available())
+    if args.strategy != "3d":
+        args.devices = args.devices or (torch.cuda.device_count() if gpu else 2)
+        return args.strategy
+    sizes = {"dp": args.dp, "pp": args.pp, "tp": args.tp}
+    if not gpu and not any(sizes.values()):
+        sizes = {"dp": 2, "pp": 2, "tp": 2}
+    if args.devices is None:
+        known = all(sizes.values())
+        args.devices = sizes["dp"] * sizes["pp"] * sizes["tp"] if known else torch.cuda.device_count() if gpu else 8
+    return ml.Hybrid3DStrategy(dp=sizes["dp"] or "auto", pp=sizes["pp"], tp=sizes["tp"])
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     pl.seed_everything(args.seed, verbose=False)
-    # One epoch of exactly --max-steps steps (global batch = batch_size × devices).
+    strategy = make_strategy(args)
+    # One epoch of exactly --max-steps steps per data replica (at most one replica per process).
     train_size = args.max_steps * args.batch_size * args.devices * args.num_nodes
     data = AdditionDataModule(args.digits, batch_size=args.batch_size, train_size=train_size)
     config = GPTConfig(vocab_size=data.vocab_size, max_seq_len=data.seq_len, n_layers=args.layers, dim=args.dim,
@@ -59,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         filename="step={step}-accuracy={val/answer_accuracy:.3f}", auto_insert_metric_name=False,
     )
     trainer = ml.Trainer(
-        strategy=args.strategy,
+        strategy=strategy,
         devices=args.devices,
         num_nodes=args.num_nodes,
         accelerator=args.accelerator,
@@ -76,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         metrics = trainer.callback_metrics
         print(
             f"\nTrained {trainer.global_step} steps in {time.perf_counter() - start:.0f} s with strategy"
-            f" {args.strategy!r}: val/loss {metrics['val/loss']:.3f}, answer accuracy"
-            f" {metrics['val/answer_accuracy']:.1%}."
+            f" {args.strategy!r} ({trainer.strategy.layout.describe()}): val/loss {metrics['val/loss']:.3f},"
+            f" answer accuracy {metrics['val/answer_accuracy']:.1%}."
             f"\nTensorBoard logs: {trainer.logger.log_dir}   (view: tensorboard --logdir {args.out})"
             f"\nBest checkpoint:  {checkpoint.best_model_path}"
             f"\nLast checkpoint:  {checkpoint.last_model_path}"

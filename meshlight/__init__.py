@@ -4,6 +4,7 @@ from meshlight import callbacks, demos, models, nn, parallel, strategies
 from meshlight.parallel import ParallelLayout
 from meshlight.strategies import (
     DDPStrategy,
+    Hybrid3DStrategy,
     MeshStrategy,
     MoEStrategy,
     PipelineStrategy,
@@ -18,6 +19,7 @@ register_with_lightning()
 __version__ = "0.1.0"
 __all__ = [
     "DDPStrategy",
+    "Hybrid3DStrategy",
     "MeshStrategy",
     "MoEStrategy",
     "ParallelLayout",

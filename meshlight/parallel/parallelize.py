@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_module_states, is_data_parallel
 from meshlight.parallel.expert import apply_expert_parallel, expert_layers, sharded_experts
 from meshlight.parallel.layout import ParallelLayout
-from meshlight.parallel.tensor import apply_tensor_parallel, derive_plan, resolve_plan, validate_plan
+from meshlight.parallel.tensor import apply_tensor_parallel, model_plan, validate_plan
 
 __all__ = ["parallelize"]
 
@@ -59,7 +59,7 @@ def parallelize(
     # Shards of a model the user split in configure_model are copied only among ranks holding the same shard.
     broadcast_module_states(module, mesh["stage"].get_group(), shard_group=mesh["dp"].get_group())
     if layout.tp > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):
-        plan = resolve_plan(module, tp_plan) if tp_plan else derive_plan(module)
+        plan = model_plan(module, tp_plan)
         validate_plan(module, plan, layout.tp, layout.world_size)
         apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=sequence_parallel,
                               loss_parallel=loss_parallel)

@@ -45,7 +45,10 @@ from torch.distributed.tensor.parallel import (
 
 from meshlight.parallel.data_parallel import repeated_blocks
 
-__all__ = ["ROLES", "TensorParallelError", "apply_tensor_parallel", "derive_plan", "resolve_plan", "validate_plan"]
+__all__ = [
+    "ROLES", "TensorParallelError", "apply_tensor_parallel", "derive_plan", "model_plan", "resolve_plan",
+    "stage_plan", "validate_plan",
+]
 
 ROLES = ("colwise", "rowwise", "embedding", "head", "norm", "replicate")
 Plan = dict[str, str]
@@ -150,6 +153,22 @@ def resolve_plan(model: nn.Module, patterns: UserPlan) -> dict[str, Union[str, P
     blocks = _named_blocks(model)
     structural = _structural_roles(model, blocks, _hidden_size(blocks)) if blocks else {}
     return {**structural, **resolved}
+
+
+def model_plan(model: nn.Module, patterns: Optional[UserPlan] = None) -> dict[str, Union[str, ParallelStyle]]:
+    """The plan for ``model``: the user's ``patterns`` resolved (:func:`resolve_plan`), else :func:`derive_plan`."""
+    return resolve_plan(model, patterns) if patterns else derive_plan(model)
+
+
+def stage_plan(plan: Mapping[str, Union[str, ParallelStyle]], stage: nn.Module) -> dict[str, Union[str, ParallelStyle]]:
+    """The part of the whole model's ``plan`` that concerns a pipeline stage cut from it (same module names).
+
+    Plans are made on the whole model, before the split: a stage alone misleads the structural roles (without
+    the token embedding the LM head is not recognizable as one, and without the head the embedding is not).
+    Pieces of other stages are parameter-free pass-throughs under the same names, and are left out.
+    """
+    owned = {name for name, module in stage.named_modules() if any(True for _ in module.parameters(recurse=False))}
+    return {name: role for name, role in plan.items() if name in owned}
 
 
 def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]], tp: int, world_size: int) -> None:

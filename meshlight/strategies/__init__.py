@@ -2,6 +2,7 @@
 
 from meshlight.strategies.data_parallel import DDPStrategy, ZeroStrategy
 from meshlight.strategies.expert_parallel import MoEStrategy
+from meshlight.strategies.hybrid import Hybrid3DStrategy
 from meshlight.strategies.mesh import MeshStrategy
 from meshlight.strategies.pipeline import PipelineStrategy
 from meshlight.strategies.registry import STRATEGY_NAMES, register_with_lightning, resolve_strategy
@@ -10,6 +11,7 @@ from meshlight.strategies.tensor_parallel import TensorParallelStrategy
 __all__ = [
     "STRATEGY_NAMES",
     "DDPStrategy",
+    "Hybrid3DStrategy",
     "MeshStrategy",
     "MoEStrategy",
     "PipelineStrategy",

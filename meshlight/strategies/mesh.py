@@ -54,7 +54,8 @@ from meshlight.parallel.data_parallel import ddp_engine, gradient_accumulation
 from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh, seed_by_mesh_position
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
-from meshlight.parallel.pipeline import SplitSpec, validate_schedule
+from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, validate_schedule
+from meshlight.parallel.tensor import model_plan, stage_plan
 from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps, setup_pipeline
 
 __all__ = ["MeshStrategy"]
@@ -180,7 +181,11 @@ class MeshStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        self._layout = ParallelLayout.for_world(self.world_size, **self._sizes)
+        self._layout = self._resolve_layout()
+
+    def _resolve_layout(self) -> Optional[ParallelLayout]:
+        """The layout for this world (None while it cannot be known yet: a planner waiting for the model)."""
+        return ParallelLayout.for_world(self.world_size, **self._sizes)
 
     @override
     def _configure_launcher(self) -> None:
@@ -236,9 +241,17 @@ class MeshStrategy(ParallelStrategy):
         runner = _RUNNERS.get(lightning_module)
         if runner is None and self.layout.pp > 1:
             self._state_names = set(lightning_module.state_dict())  # before the split: the whole model's names
+            # Tensor-parallel roles are planned on the whole model, before the split frees other stages' pieces.
+            plan = model_plan(find_pipelined_module(lightning_module)[1], self._tensor_parallel["tp_plan"]) \
+                if self.layout.tp > 1 else None
+
+            def parallelize_stage(stage: nn.Module) -> nn.Module:
+                options = {**self._tensor_parallel, "tp_plan": stage_plan(plan, stage) if plan is not None else None}
+                return parallelize(stage, self.layout, self.device_mesh, **options)
+
             self._pipeline, stages = setup_pipeline(
                 lightning_module, self.layout, self.device_mesh, self._pipeline_options, self.root_device,
-                lambda stage: parallelize(stage, self.layout, self.device_mesh, **self._tensor_parallel),
+                parallelize_stage,
             )
             runner = _StepRunner(stages, self.layout)
             _RUNNERS[lightning_module] = runner

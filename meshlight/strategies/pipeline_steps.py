@@ -302,8 +302,9 @@ class PipelineSteps:
                 for i in range(self.microbatches)]
 
     def _sync_training_mode(self) -> None:
-        for module in self.stage_modules:
-            module.train(self.lightning_module.training)
+        # Lightning switches modes on the strategy's model (`trainer.model.eval()`), which holds the stages, not
+        # the LightningModule: the LightningModule (and pieces of other stages it holds) follow the stages.
+        self.lightning_module.train(self.stage_modules[0].training)
 
     def _from_last_stage(self, payload: Any) -> Any:
         box = [_detached_cpu(payload) if self.has_last else None]

@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from meshlight.strategies.data_parallel import DDPStrategy, ZeroStrategy
 from meshlight.strategies.expert_parallel import MoEStrategy
+from meshlight.strategies.hybrid import Hybrid3DStrategy
 from meshlight.strategies.pipeline import PipelineStrategy
 from meshlight.strategies.tensor_parallel import TensorParallelStrategy
 
@@ -33,6 +34,7 @@ _ENTRIES: dict[str, _Entry] = {
     "tp": _Entry(TensorParallelStrategy, {}, "meshlight tensor + sequence parallel within a node, ZeRO-1 across"),
     "pipeline": _Entry(PipelineStrategy, {}, "meshlight pipeline parallel over every process, 1F1B schedule"),
     "moe": _Entry(MoEStrategy, {}, "meshlight expert parallel: MoE experts split over every process, ZeRO-1"),
+    "3d": _Entry(Hybrid3DStrategy, {}, "meshlight pipeline × tensor × expert × data parallel on one mesh"),
 }
 
 STRATEGY_NAMES: tuple[str, ...] = tuple(_ENTRIES)

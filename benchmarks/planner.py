@@ -1,0 +1,61 @@
+"""The layout planner against published large-scale runs: predicted throughput of the published layout ÷ the
+published figure (target within 25%), and the rank of the published (dp, pp, tp) among the planner's layouts
+(target: among the best three).
+
+Sources: Megatron-Core's weak-scaling table (README `images/model_table.png`, r0.8.0, H100, seq 4096, vocabulary
+131,072, TFLOP/s per GPU) and torchtitan's Llama 3 benchmarks (`benchmarks/llama3_h100_202412_torchtitan.md`,
+Dec 2024, H100 96 GB capped at 500 W, seq 8192, tokens/s per GPU; eager bf16 rows where given). The planner
+fixes the published dp, pp and tp and chooses the rest (ZeRO stage, microbatches, virtual stages,
+recomputation) for the prediction.
+
+    python benchmarks/planner.py      # prints JSON
+"""
+
+from __future__ import annotations
+
+import json
+
+# (source, preset, hardware, GPUs, global batch, (dp, pp, tp), metric, published value, note)
+PUBLISHED = [
+    ("Megatron-Core weak scaling", "megatron-1.7b", "h100", 48, 192, (48, 1, 1), "TFLOP/s/GPU", 408.8, ""),
+    ("Megatron-Core weak scaling", "megatron-7.1b", "h100", 96, 192, (48, 1, 2), "TFLOP/s/GPU", 465.9, ""),
+    ("Megatron-Core weak scaling", "megatron-16b", "h100", 192, 192, (48, 1, 4), "TFLOP/s/GPU", 489.1, ""),
+    ("Megatron-Core weak scaling", "megatron-32b", "h100", 384, 192, (48, 1, 8), "TFLOP/s/GPU", 459.6, ""),
+    ("Megatron-Core weak scaling", "megatron-70b", "h100", 768, 384, (48, 2, 8), "TFLOP/s/GPU", 419.7, ""),
+    ("Megatron-Core weak scaling", "megatron-119b", "h100", 1536, 768, (48, 4, 8), "TFLOP/s/GPU", 420.5, ""),
+    ("Megatron-Core weak scaling", "megatron-177b", "h100", 2304, 1152, (48, 6, 8), "TFLOP/s/GPU", 432.8, ""),
+    ("Megatron-Core weak scaling", "megatron-314b", "h100", 3072, 1536, (48, 8, 8), "TFLOP/s/GPU", 474.4, ""),
+    ("Megatron-Core weak scaling", "megatron-462b", "h100", 6144, 3072, (48, 16, 8), "TFLOP/s/GPU", 459.9, ""),
+    ("torchtitan Llama 3 (T1)", "llama3-8b", "h100-96gb-500w", 8, 16, (8, 1, 1), "tokens/s/GPU", 5762, "FSDP, SAC"),
+    ("torchtitan Llama 3 (T3)", "llama3-8b", "h100-96gb-500w", 128, 256, (128, 1, 1), "tokens/s/GPU", 5605, "FSDP"),
+    ("torchtitan Llama 3 (T4)", "llama3-70b", "h100-96gb-500w", 256, 512, (32, 1, 8), "tokens/s/GPU", 829,
+     "FSDP×TP, full AC"),
+    ("torchtitan Llama 3 (T5)", "llama3-405b", "h100-96gb-500w", 512, 256, (8, 8, 8), "tokens/s/GPU", 128,
+     "FSDP×TP×PP, Interleaved1F1B"),
+]
+
+
+def main() -> None:
+    from meshlight.parallel.planner import HARDWARE, MODELS, best_per_layout, plan
+
+    rows = []
+    for source, preset, device, gpus, batch, (dp, pp, tp), metric, published, note in PUBLISHED:
+        model, hardware = MODELS[preset], HARDWARE[device]
+        ranked = [c for c in best_per_layout(plan(model, hardware, gpus, batch)) if c.fits]
+        layouts = [c.layout[:3] for c in ranked]
+        rank = layouts.index((dp, pp, tp)) + 1 if (dp, pp, tp) in layouts else None
+        chosen = plan(model, hardware, gpus, batch, dp=dp, pp=pp, tp=tp)[0]
+        tokens = chosen.tokens_per_second_per_device
+        predicted = tokens * model.flops_per_token() / 1e12 if metric == "TFLOP/s/GPU" else tokens
+        rows.append({
+            "source": source, "model": model.name, "hardware": hardware.name, "gpus": gpus, "global_batch": batch,
+            "published_layout": {"dp": dp, "pp": pp, "tp": tp}, "note": note, "metric": metric,
+            "published": published, "predicted": predicted, "ratio": predicted / published,
+            "predicted_config": chosen.describe(), "fits": chosen.fits, "rank": rank,
+            "best": [c.describe() for c in ranked[:3]],
+        })
+    print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,518 @@
+"""Layout planner: the fastest (dp, pp, tp, ep, zero, microbatches, virtual stages, recomputation) that fits.
+
+An analytic model, per rank, of what each candidate layout costs:
+
+- **Memory**: parameters, gradients and optimizer state of the rank's share of the model (tensor, pipeline and
+  expert splits, then ZeRO over the data ranks, as meshlight's FSDP2 ZeRO holds them: stages 1–2 keep the
+  gathered parameters beside the fp32 shard, stage 1 keeps whole gradients), plus activations: per layer and
+  micro-batch ``34·s·b·h`` bytes at 2 bytes per value (flash attention keeps no score matrix), divided by tp
+  with sequence parallelism, ``2·s·b·h`` with full recomputation; a 1F1B stage holds ``pp`` micro-batches
+  in flight (interleaving adds ``(pp−1)/(pp·v)``); the last stage also holds fp32 logits.
+- **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak (recomputation adds a
+  forward), stretched by the pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives
+  of the activations per layer and micro-batch, 6 with recomputation) not overlapped; pipeline p2p; data
+  parallel traffic (2·P, 3·P for ZeRO-3, parameters gathered again for every micro-batch under ZeRO-3 and
+  gradients reduce-scattered per micro-batch under ZeRO-2) overlapped with compute except what exceeds it;
+  expert all_to_all (4 exchanges of the routed tokens per MoE layer and micro-batch). Links: a group within
+  one node uses the intra-node bandwidth, otherwise the inter-node one (mesh order pp, dp, ep, tp: tp
+  innermost).
+
+:func:`plan` ranks every valid candidate; :func:`format_plan` prints the best ones and why the winner won.
+The assumptions are deliberately few; ``benchmarks/planner.py`` measures how far they are from published
+large-scale runs and from the model state meshlight actually holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ACHIEVABLE_FRACTION", "HARDWARE", "MODELS", "Candidate", "Hardware", "ModelSpec", "PlanError", "best_per_layout",
+    "detect_hardware", "estimate", "explain", "format_plan", "model_spec_of", "model_state_bytes", "plan",
+]
+
+#: Fraction of the dense peak that large transformer matmuls reach end to end (Megatron-Core's weak-scaling
+#: runs reach 41–49% of H100 peak with their communication hidden; this leaves the rest to the model below).
+ACHIEVABLE_FRACTION = 0.5
+#: Share of device memory the planner lets a layout use (the rest: allocator fragmentation, buffers, CUDA context).
+MEMORY_HEADROOM = 0.9
+
+
+class PlanError(ValueError):
+    """No candidate layout fits; the message names the closest ones and what to change."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder-only transformer, as the planner needs it."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    seq_len: int
+    swiglu: bool = True
+    experts: int = 0
+    top_k: int = 1
+    moe_every: int = 1
+    tie_embeddings: bool = False
+    name: str = "model"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers // self.moe_every if self.experts else 0
+
+    @property
+    def mlp_params(self) -> int:
+        return (3 if self.swiglu else 2) * self.hidden * self.ffn_hidden
+
+    @property
+    def attention_params(self) -> int:
+        q = self.heads * self.head_dim
+        return 2 * self.hidden * q + 2 * self.hidden * self.kv_heads * self.head_dim
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        return 0 if self.tie_embeddings else self.vocab * self.hidden
+
+    @property
+    def expert_params(self) -> int:
+        return self.moe_layers * self.experts * self.mlp_params
+
+    @property
+    def block_params(self) -> int:
+        """Dense (non-expert) parameters of all blocks: attention, norms, dense MLPs and routers."""
+        dense_mlps = (self.layers - self.moe_layers) * self.mlp_params
+        return self.layers * (self.attention_params + 2 * self.hidden) + dense_mlps + self.moe_layers * (
+            self.hidden * self.experts)
+
+    @property
+    def params(self) -> int:
+        return self.block_params + self.expert_params + self.embedding_params + self.head_params + self.hidden
+
+    @property
+    def active_params(self) -> int:
+        """Non-embedding parameters one token uses (``top_k`` of the experts)."""
+        return self.params - self.embedding_params - self.expert_params + self.moe_layers * self.top_k * (
+            self.mlp_params)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, the PaLM/torchtitan MFU convention (as :meth:`GPT.flops_per_token`)."""
+        return 6 * self.active_params + 12 * self.layers * self.heads * self.head_dim * self.seq_len
+
+    def recompute_flops_per_token(self) -> float:
+        """The forward again, with full activation recomputation."""
+        return 2 * self.active_params + 4 * self.layers * self.heads * self.head_dim * self.seq_len
+
+    @classmethod
+    def from_gpt_config(cls, config: Any, seq_len: Optional[int] = None) -> ModelSpec:
+        moe = config.moe
+        return cls(layers=config.n_layers, hidden=config.dim, heads=config.n_heads, kv_heads=config.kv_heads,
+                   ffn_hidden=config.ffn_dim, vocab=config.vocab_size, seq_len=seq_len or config.max_seq_len,
+                   swiglu=config.mlp == "swiglu", experts=moe.num_experts if moe else 0,
+                   top_k=moe.top_k if moe else 1, moe_every=config.moe_every, tie_embeddings=config.tie_embeddings,
+                   name="GPT")
+
+    def replace(self, **changes: Any) -> ModelSpec:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of device and the links between them."""
+
+    name: str
+    memory: float  # bytes per device
+    peak_flops: float  # dense bf16 (fp32 on CPU) FLOP/s per device
+    intra_bandwidth: float  # bytes/s one device sends within a node (NVLink)
+    inter_bandwidth: float  # bytes/s one device sends to other nodes (its NIC)
+    devices_per_node: int = 8
+    param_bytes: int = 2  # compute copy (bf16); 4 = fp32 training
+    activation_bytes: int = 2
+
+    def replace(self, **changes: Any) -> Hardware:
+        return dataclasses.replace(self, **changes)
+
+
+GB = 1e9
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware("NVIDIA H100 SXM 80GB", 80 * GB, 989e12, 450 * GB, 50 * GB),
+    "h200": Hardware("NVIDIA H200 SXM 141GB", 141 * GB, 989e12, 450 * GB, 50 * GB),
+    "a100": Hardware("NVIDIA A100 SXM 80GB", 80 * GB, 312e12, 300 * GB, 25 * GB),
+    "b200": Hardware("NVIDIA B200 192GB", 192 * GB, 2250e12, 900 * GB, 50 * GB),
+    "mi300x": Hardware("AMD MI300X 192GB", 192 * GB, 1307e12, 448 * GB, 50 * GB),
+    # torchtitan's published Llama 3 runs: H100 with 96 GB HBM2e capped at 500 W (peak scaled by power)
+    "h100-96gb-500w": Hardware("NVIDIA H100 96GB HBM2e, 500 W cap", 96 * GB, 989e12 * 500 / 700, 450 * GB, 50 * GB),
+    "cpu": Hardware("CPU process (gloo)", 4 * GB, 50e9, 2 * GB, 1 * GB, devices_per_node=64, param_bytes=4,
+                    activation_bytes=4),
+}
+
+
+def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, name: str) -> ModelSpec:
+    return ModelSpec(layers, hidden, heads, kv, ffn, vocab=128256, seq_len=8192, name=name)
+
+
+def _megatron(layers: int, hidden: int, heads: int, name: str) -> ModelSpec:
+    return ModelSpec(layers, hidden, heads, heads, 4 * hidden, vocab=131072, seq_len=4096, swiglu=False, name=name)
+
+
+MODELS: dict[str, ModelSpec] = {
+    "llama3-8b": _llama(32, 4096, 32, 8, 14336, "Llama 3 8B"),
+    "llama3-70b": _llama(80, 8192, 64, 8, 28672, "Llama 3 70B"),
+    "llama3-405b": _llama(126, 16384, 128, 8, 53248, "Llama 3.1 405B"),
+    "mixtral-8x7b": ModelSpec(32, 4096, 32, 8, 14336, vocab=32000, seq_len=4096, experts=8, top_k=2,
+                              name="Mixtral 8x7B"),
+    "gpt3-175b": ModelSpec(96, 12288, 96, 96, 4 * 12288, vocab=50257, seq_len=2048, swiglu=False, name="GPT-3 175B"),
+    # Megatron-Core's weak-scaling models (GPT, vocabulary 131,072, sequence 4,096)
+    "megatron-1.7b": _megatron(24, 2048, 16, "Megatron 1.7B"),
+    "megatron-7.1b": _megatron(30, 4096, 32, "Megatron 7.1B"),
+    "megatron-16b": _megatron(32, 6144, 48, "Megatron 16B"),
+    "megatron-32b": _megatron(48, 7168, 56, "Megatron 32B"),
+    "megatron-70b": _megatron(84, 8192, 64, "Megatron 70B"),
+    "megatron-119b": _megatron(92, 10240, 80, "Megatron 119B"),
+    "megatron-177b": _megatron(96, 12288, 96, "Megatron 177B"),
+    "megatron-314b": _megatron(96, 16384, 128, "Megatron 314B"),
+    "megatron-462b": _megatron(112, 18432, 144, "Megatron 462B"),
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout with its per-rank estimates (bytes, seconds)."""
+
+    dp: int
+    pp: int
+    tp: int
+    ep: int
+    zero: int
+    microbatches: int
+    virtual_stages: int
+    recompute: bool
+    model_state_bytes: float
+    activation_bytes: float
+    memory_limit: float
+    times: dict[str, float]  # compute, bubble, tp, p2p, dp, ep (exposed seconds per step)
+    tokens_per_step: int
+    world: int
+    flops_per_token: float
+    peak_flops: float
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.model_state_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.memory_limit
+
+    @property
+    def step_time(self) -> float:
+        return sum(self.times.values())
+
+    @property
+    def tokens_per_second_per_device(self) -> float:
+        return self.tokens_per_step / self.step_time / self.world
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_second_per_device * self.flops_per_token / self.peak_flops
+
+    @property
+    def schedule(self) -> str:
+        return "1f1b" if self.virtual_stages == 1 else "interleaved1f1b"
+
+    @property
+    def layout(self) -> tuple[int, int, int, int]:
+        return self.dp, self.pp, self.tp, self.ep
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp}", f"pp={self.pp}", f"tp={self.tp}"] + ([f"ep={self.ep}"] if self.ep > 1 else [])
+        parts.append(f"zero={self.zero}")
+        if self.pp > 1:
+            parts += [f"{self.schedule}", f"m={self.microbatches}"] + (
+                [f"v={self.virtual_stages}"] if self.virtual_stages > 1 else [])
+        elif self.microbatches > 1:
+            parts.append(f"accumulate={self.microbatches}")
+        if self.recompute:
+            parts.append("recompute")
+        return " ".join(parts)
+
+    def strategy_arguments(self) -> dict[str, Any]:
+        """Arguments of :class:`~meshlight.strategies.Hybrid3DStrategy` for this layout."""
+        return dict(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, zero=self.zero, schedule=self.schedule,
+                    microbatches=self.microbatches if self.pp > 1 else None, virtual_stages=self.virtual_stages)
+
+
+def model_spec_of(module: nn.Module, seq_len: Optional[int] = None) -> ModelSpec:
+    """The planner's view of ``module``: from a GPT-style ``config`` (``n_layers``, ``dim``, ``n_heads``,
+    ``vocab_size``) anywhere in it, else from its structure (repeated blocks, their Linear widths, head-count
+    attributes, the largest Embedding, MoE layers). ``seq_len`` default: the config's, else 2048."""
+    for child in module.modules():
+        config = getattr(child, "config", None)
+        if all(hasattr(config, a) for a in ("n_layers", "dim", "n_heads", "vocab_size", "ffn_dim")):
+            return ModelSpec.from_gpt_config(config, seq_len)
+    from meshlight.nn import MoE
+    from meshlight.parallel.data_parallel import repeated_blocks
+    from meshlight.parallel.tensor import HEAD_COUNT_ATTRIBUTES
+
+    blocks = repeated_blocks(module)
+    if not blocks:
+        raise PlanError(f"{type(module).__name__} has no repeated blocks (an nn.ModuleList of layers) to plan"
+                        " a layout for; give the sizes, e.g. Hybrid3DStrategy(dp=2, pp=1, tp=2).")
+    linears = [m for m in blocks[0].modules() if isinstance(m, nn.Linear)]
+    hidden = max(((m.in_features, sum(1 for n in linears if n.in_features == m.in_features)) for m in linears),
+                 key=lambda pair: pair[1])[0] if linears else 0
+    counts = {a: getattr(m, a) for m in blocks[0].modules() for a in HEAD_COUNT_ATTRIBUTES if hasattr(m, a)}
+    heads = next((v for a, v in counts.items() if "kv" not in a and "key_value" not in a), max(hidden // 64, 1))
+    kv_heads = next((v for a, v in counts.items() if "kv" in a or "key_value" in a), heads)
+    widths = [m.out_features for m in linears if m.in_features == hidden and m.out_features != hidden]
+    embeddings = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
+    moe = next((m for m in module.modules() if isinstance(m, MoE)), None)
+    moe_layers = sum(isinstance(m, MoE) for m in module.modules())
+    return ModelSpec(layers=len(blocks), hidden=hidden, heads=heads, kv_heads=kv_heads,
+                     ffn_hidden=max(widths, default=4 * hidden), vocab=max(embeddings, default=0),
+                     seq_len=seq_len or 2048, experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 1,
+                     moe_every=max(len(blocks) // moe_layers, 1) if moe_layers else 1, name=type(module).__name__)
+
+
+def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:
+    """The preset matching ``device`` (CUDA by name, its memory as reported), or the CPU preset with this
+    node's memory shared by its processes."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name = props.name.lower()
+        preset = next((HARDWARE[k] for k in ("h200", "h100", "a100", "b200", "mi300x") if k in name), None)
+        if preset is None:
+            preset = Hardware(props.name, props.total_memory, 100e12, 100 * GB, 25 * GB)
+        return preset.replace(memory=float(props.total_memory), devices_per_node=processes_per_node)
+    try:
+        import os
+
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(processes_per_node, 1)
+    except (ValueError, OSError, AttributeError):
+        memory = HARDWARE["cpu"].memory
+    return HARDWARE["cpu"].replace(memory=float(memory), devices_per_node=processes_per_node)
+
+
+def plan(
+    model: ModelSpec,
+    hardware: Hardware,
+    world: int,
+    global_batch: Optional[int] = None,
+    *,
+    local_batch: Optional[int] = None,
+    dp: Optional[int] = None,
+    pp: Optional[int] = None,
+    tp: Optional[int] = None,
+    ep: Optional[int] = None,
+    zero: Optional[int] = None,
+    recompute: Optional[bool] = None,
+    schedules: Sequence[int] = (1, 2),
+) -> list[Candidate]:
+    """Every valid candidate for ``world`` devices, highest throughput first, those that fit in memory before
+    those that do not. The batch is ``global_batch`` sequences per optimizer step, or ``local_batch`` per data
+    replica (as a LightningModule's DataLoader gives it: the global batch then grows with dp). Sizes given are
+    kept fixed."""
+    if (global_batch is None) == (local_batch is None):
+        raise ValueError("Give exactly one of global_batch and local_batch.")
+    candidates = [
+        estimate(model, hardware, world, global_batch or local_batch * layout[0], *layout)
+        for layout in _layouts(model, hardware, world, global_batch, local_batch, dp, pp, tp, ep, zero, recompute,
+                               schedules)
+    ]
+    if not candidates:
+        raise PlanError(_no_layout_message(model, world, global_batch or local_batch, dp, pp, tp, ep))
+    return sorted(candidates, key=lambda c: (not c.fits, -c.tokens_per_second_per_device))
+
+
+def best_per_layout(candidates: Iterable[Candidate]) -> list[Candidate]:
+    """The best candidate of each (dp, pp, tp, ep), in the order given."""
+    seen: dict[tuple[int, int, int, int], Candidate] = {}
+    for candidate in candidates:
+        seen.setdefault(candidate.layout, candidate)
+    return list(seen.values())
+
+
+def estimate(
+    model: ModelSpec, hw: Hardware, world: int, global_batch: int, dp: int, pp: int, tp: int, ep: int, zero: int,
+    microbatches: int, virtual_stages: int, recompute: bool,
+) -> Candidate:
+    """Per-rank memory and step time of one layout (see the module docstring for the model)."""
+    s, h = model.seq_len, model.hidden
+    micro_batch = global_batch // dp // microbatches
+    layers_per_stage = math.ceil(model.layers / pp)
+    # --- model state: the most loaded stage (blocks, plus the embedding or the head at either end)
+    stage_share = layers_per_stage / model.layers
+    ends = max(model.embedding_params, model.head_params) if pp > 1 else model.embedding_params + model.head_params
+    dense = (model.block_params * stage_share + ends) / tp
+    experts = model.expert_params * stage_share / (tp * ep)
+    model_state = model_state_bytes(dense, dp, zero, hw) + model_state_bytes(experts, dp // ep, zero, hw)
+    # --- activations of the first stage: micro-batches in flight × layers × per-layer bytes
+    per_layer = (2 if recompute else 34) * s * micro_batch * h * hw.activation_bytes / 2 / tp
+    if model.experts:
+        per_layer += 2 * s * micro_batch * model.top_k * h * hw.activation_bytes * (model.moe_layers / model.layers)
+    in_flight = min(microbatches, pp) * (1 + (pp - 1) / (pp * virtual_stages)) if pp > 1 else 1
+    activations = per_layer * layers_per_stage * in_flight
+    if recompute:  # one layer's full activations during its recomputation
+        activations += 34 * s * micro_batch * h * hw.activation_bytes / 2 / tp
+    logits = s * micro_batch * model.vocab * 4 / tp * (2 if pp == 1 else 1)  # fp32 logits (and their gradient)
+    activations += logits
+    if zero == 3:  # a block gathered for compute, and the next one prefetched
+        activations += 2 * model.block_params / model.layers / tp * hw.param_bytes
+    # --- time
+    tokens = global_batch * s
+    flops = tokens * (model.flops_per_token() + (model.recompute_flops_per_token() if recompute else 0)) / world
+    compute = flops / (hw.peak_flops * ACHIEVABLE_FRACTION)
+    bubble = compute * (pp - 1) / (microbatches * virtual_stages) if pp > 1 else 0.0
+    activation = s * micro_batch * h * hw.activation_bytes
+    tp_time = 0.0
+    if tp > 1:
+        collectives = 6 if recompute else 4
+        tp_time = (layers_per_stage * microbatches * collectives * 2 * (tp - 1) / tp * activation
+                   / _bandwidth(hw, tp, 1))
+    p2p = 2 * microbatches * virtual_stages * activation / tp / _bandwidth(hw, 2, world // pp) if pp > 1 else 0.0
+    grad_bytes = (dense + experts) * 4
+    param_bytes = (dense + experts) * hw.param_bytes
+    gathers = {0: 0, 1: 1, 2: 1, 3: 2 * microbatches}[zero]
+    reductions = microbatches if zero >= 2 else 1
+    dp_bytes = (gathers * param_bytes + reductions * grad_bytes * (1 if zero else 2)) * (dp - 1) / dp
+    dp_time = dp_bytes / _bandwidth(hw, dp, tp) if dp > 1 else 0.0
+    dp_exposed = max(0.0, dp_time - compute * 2 / 3) + dp_time / max(layers_per_stage, 1)  # the last bucket
+    ep_time = 0.0
+    if ep > 1:
+        routed = s * micro_batch * model.top_k * h * hw.activation_bytes * (ep - 1) / ep
+        ep_time = 4 * routed * model.moe_layers / pp * microbatches / _bandwidth(hw, ep, tp)
+    times = {"compute": compute, "bubble": bubble, "tp": tp_time, "p2p": p2p, "dp": dp_exposed, "ep": ep_time}
+    return Candidate(dp, pp, tp, ep, zero, microbatches, virtual_stages, recompute, model_state, activations,
+                     hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(), hw.peak_flops)
+
+
+def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware) -> float:
+    """Bytes of ``params`` parameters (compute copy and fp32 master or shard), their fp32 gradients and Adam's
+    two fp32 moments, data parallel over ``dp`` ranks with ZeRO stage ``zero``, as meshlight holds them between
+    micro-batches (FSDP2: stages 1–2 keep the gathered parameters beside the fp32 shard; stage 1 keeps whole
+    gradients until the step; stage 3 gathers one block at a time, counted with the activations)."""
+    shard = params / dp
+    gathered = params * hardware.param_bytes if zero < 3 else 0.0
+    master = 4 * shard if zero else (4 * params if hardware.param_bytes != 4 else 0.0)
+    gradients = 4 * (params if zero <= 1 else shard)
+    optimizer = 8 * (shard if zero else params)
+    return gathered + master + gradients + optimizer
+
+
+def _bandwidth(hw: Hardware, size: int, stride: int) -> float:
+    """Per-device bandwidth of a group of ``size`` ranks ``stride`` apart in the rank order."""
+    return hw.intra_bandwidth if size * stride <= hw.devices_per_node else hw.inter_bandwidth
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layouts(
+    model: ModelSpec, hw: Hardware, world: int, global_batch: Optional[int], local_batch: Optional[int],
+    dp: Optional[int], pp: Optional[int], tp: Optional[int], ep: Optional[int], zero: Optional[int],
+    recompute: Optional[bool], schedules: Sequence[int],
+) -> Iterable[tuple[int, ...]]:
+    """(dp, pp, tp, ep, zero, microbatches, virtual stages, recompute) of every valid candidate."""
+    for t, p in itertools.product(_divisors(world), repeat=2):
+        d = world // t // p if world % (t * p) == 0 else 0
+        fixed = all(given is None or given == size for given, size in ((tp, t), (pp, p), (dp, d)))
+        if not (d and fixed and p <= model.layers and _tp_fits(model, hw, t)):
+            continue
+        if global_batch is not None and global_batch % d:
+            continue
+        replica_batch = local_batch if global_batch is None else global_batch // d
+        experts = [e for e in _divisors(d) if model.experts % e == 0] if model.experts else [1]
+        for e, z, v, r in itertools.product(
+            experts if ep is None else [ep], (0, 1, 2, 3) if zero is None else [zero], schedules if p > 1 else [1],
+            (False, True) if recompute is None else [recompute],
+        ):
+            if p * v > model.layers or (model.experts and (model.experts % e or d % e)):
+                continue
+            # without pipelining, microbatches are gradient accumulation: the trainer's when it gives the batch
+            accumulate = p == 1 and local_batch is not None
+            for m in [1] if accumulate else _microbatch_choices(replica_batch, p, v):
+                yield d, p, t, e, z, m, v, r
+
+
+def _tp_fits(model: ModelSpec, hw: Hardware, tp: int) -> bool:
+    if tp == 1:
+        return True
+    return (tp <= hw.devices_per_node and not model.experts and model.heads % tp == 0
+            and model.kv_heads % tp == 0 and model.ffn_hidden % tp == 0)
+
+
+def _microbatch_choices(replica_batch: int, pp: int, virtual_stages: int) -> list[int]:
+    """Microbatch counts dividing the replica's batch; under pipelining at least one per stage, a multiple of pp."""
+    if pp == 1:
+        return _divisors(replica_batch)
+    return [m for m in _divisors(replica_batch) if m >= pp * virtual_stages and m % pp == 0]
+
+
+def _no_layout_message(model: ModelSpec, world: int, batch: int, *sizes: Optional[int]) -> str:
+    dp, pp, tp, ep = sizes
+    given = ", ".join(f"{n}={v}" for n, v in zip(("dp", "pp", "tp", "ep"), sizes) if v is not None)
+    hints = [f"tp must divide heads={model.heads}, kv_heads={model.kv_heads} and the MLP width"
+             f" {model.ffn_hidden}, and stay within a node", f"pp ≤ layers={model.layers}",
+             f"dp must divide the global batch and the microbatches a replica's batch ({batch})"]
+    if model.experts:
+        hints.append(f"ep must divide experts={model.experts} and dp")
+    return (f"No layout of {world} devices{' with ' + given if given else ''} suits {model.name}: "
+            + "; ".join(hints) + ".")
+
+
+def explain(candidates: Sequence[Candidate]) -> str:
+    """One sentence on why the first fitting candidate beats the next-best layout."""
+    fitting = [c for c in best_per_layout(candidates) if c.fits]
+    if not fitting:
+        tightest = min(candidates, key=lambda c: c.memory_bytes)
+        return (f"Nothing fits: the smallest estimate, {tightest.describe()}, needs "
+                f"{_format_bytes(tightest.memory_bytes)} of {_format_bytes(tightest.memory_limit)} usable.")
+    winner = fitting[0]
+    rejected = len({c.layout for c in candidates if not c.fits} - {c.layout for c in candidates if c.fits})
+    note = f" {rejected} other layouts do not fit in memory." if rejected else ""
+    if len(fitting) == 1:
+        return f"{winner.describe()} is the only layout that fits.{note}"
+    runner = fitting[1]
+    shares = {k: runner.times[k] / runner.step_time - winner.times[k] / winner.step_time for k in winner.times}
+    cost = max(shares, key=shares.get)
+    names = {"compute": "compute (recomputation)", "bubble": "the pipeline bubble", "tp": "tensor-parallel traffic",
+             "p2p": "pipeline sends", "dp": "exposed data-parallel traffic", "ep": "expert all_to_all"}
+    speedup = winner.tokens_per_second_per_device / runner.tokens_per_second_per_device
+    return (f"{winner.describe()} wins: {speedup:.2f}× the tokens/s of the next layout ({runner.describe()}),"
+            f" which spends {runner.times[cost] / runner.step_time:.0%} of its step on {names[cost]}"
+            f" (the winner {winner.times[cost] / winner.step_time:.0%}).{note}")
+
+
+def format_plan(candidates: Sequence[Candidate], top: int = 5) -> str:
+    """A short table of the best layouts with their estimates, and why the winner won."""
+    rows = best_per_layout(candidates)[:top]
+    lines = [f"{'layout':<56} {'memory/rank':>12} {'step':>10} {'tokens/s/dev':>13} {'MFU':>6}  {'fits':>4}"]
+    for c in rows:
+        lines.append(f"{c.describe():<56} {_format_bytes(c.memory_bytes):>12} {c.step_time * 1e3:>8.1f}ms "
+                     f"{c.tokens_per_second_per_device:>13,.0f} {c.mfu:>6.1%}  {'yes' if c.fits else 'no':>4}")
+    lines.append(explain(candidates))
+    return "\n".join(lines)
+
+
+def _format_bytes(n: float) -> str:
+    return f"{n / GB:.1f} GB" if n >= GB else f"{n / 1e6:.1f} MB"

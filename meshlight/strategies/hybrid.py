@@ -1,0 +1,118 @@
+"""Hybrid 3-D (4-D with experts) parallelism ("3d"): pipeline × tensor × expert × data parallel on one mesh,
+with the sizes left open chosen by the layout planner."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from meshlight.parallel.layout import ParallelLayout
+from meshlight.parallel.pipeline import SINGLE_STAGE
+from meshlight.parallel.planner import Candidate, Hardware, detect_hardware, format_plan, model_spec_of, plan
+from meshlight.strategies.mesh import MeshStrategy
+from meshlight.strategies.pipeline_steps import PipelineOptions
+
+__all__ = ["Hybrid3DStrategy"]
+
+
+class Hybrid3DStrategy(MeshStrategy):
+    """Pipeline stages over ``pp`` ranks, each stage's matmuls split over ``tp`` ranks (with sequence
+    parallelism), MoE experts over ``ep`` ranks, and data parallelism with ZeRO over the rest — one device mesh
+    ``pp × dp × tp`` (tp innermost: the fastest links). On every stage (virtual stages included) the transforms
+    run in the order pipeline split → tensor/sequence parallel → expert parallel → data parallel/ZeRO.
+
+    Sizes left as ``None`` are chosen at fit start by the layout planner (:mod:`meshlight.parallel.planner`)
+    from the model, the world size, the devices per node and the device's memory and peak throughput; it
+    prints a table of the best candidates and why the winner won. ``Hybrid3DStrategy()`` (``strategy="3d"``)
+    plans everything; ``Hybrid3DStrategy(tp=2)`` plans the rest around tp=2.
+
+    Args:
+        dp: data-parallel size; ``"auto"``: what the world leaves after ``pp × tp`` (or the planner's choice).
+        pp: pipeline stages; tp: tensor-parallel size; ep: expert-parallel size (borrowed from dp).
+        zero: ZeRO stage over the data-parallel ranks (0 = DDP).
+        schedule, microbatches, virtual_stages: the pipeline schedule (see
+            :class:`~meshlight.strategies.PipelineStrategy`); ``virtual_stages`` default: 1 for gpipe and
+            1f1b, 2 for the interleaved and V schedules.
+        sequence_parallel: tensor parallelism also splits norms and dropout along the sequence.
+        hardware: the :class:`~meshlight.parallel.planner.Hardware` the planner assumes (default: detected).
+        seq_len: sequence length the planner assumes (default: the model config's).
+        **kwargs: passed to :class:`MeshStrategy` (``tp_plan``, ``loss_parallel``, ``split``, …).
+
+    ``Hybrid3DStrategy(dp=2, pp=2, tp=2)`` needs 8 processes: 2 replicas of a 2-stage pipeline whose stages
+    are each split over 2 ranks.
+    """
+
+    strategy_name = "3d"
+
+    def __init__(
+        self,
+        dp: Union[int, Literal["auto"], None] = "auto",
+        pp: Optional[int] = None,
+        tp: Optional[int] = None,
+        ep: Optional[int] = None,
+        zero: Optional[int] = None,
+        *,
+        schedule: Optional[str] = None,
+        microbatches: Optional[int] = None,
+        virtual_stages: Optional[int] = None,
+        sequence_parallel: bool = True,
+        hardware: Optional[Hardware] = None,
+        seq_len: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        self._requested = dict(dp=None if dp == "auto" else dp, pp=pp, tp=tp, ep=ep, zero=zero)
+        self._planning = any(v is None for k, v in self._requested.items() if k != "dp")
+        self._hardware, self._seq_len = hardware, seq_len
+        self._schedule_given = schedule
+        self.plan: Optional[list[Candidate]] = None  # the planner's ranking, once it ran
+        schedule = schedule or "1f1b"
+        zero = 1 if zero is None else zero
+        super().__init__(**_data_sizes(dp, zero), pp=pp or 1, tp=tp or 1, ep=ep or 1, zero=zero,
+                         schedule=schedule, microbatches=microbatches,
+                         virtual_stages=_virtual_stages(schedule, pp or 1, virtual_stages),
+                         sequence_parallel=sequence_parallel, **kwargs)
+
+    def _resolve_layout(self) -> Optional[ParallelLayout]:
+        if not self._planning:
+            return super()._resolve_layout()
+        if self.lightning_module is None:
+            return None  # at Trainer construction: the planner waits for the model (fit start)
+        if self.plan is None:
+            self._choose_layout()
+        return super()._resolve_layout()
+
+    def _choose_layout(self) -> None:
+        hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)
+        model = model_spec_of(self.lightning_module, self._seq_len)
+        requested = {k: v for k, v in self._requested.items() if v is not None}
+        self.plan = plan(model, hardware, self.world_size, local_batch=_replica_batch(self.lightning_module),
+                         **requested)
+        rank_zero_info(f"meshlight layout planner, {self.world_size} × {hardware.name}, {model.name}:\n"
+                       + format_plan(self.plan))
+        best = self.plan[0]
+        self._sizes.update(_data_sizes(best.dp, best.zero), pp=best.pp, tp=best.tp, ep=best.ep, zero=best.zero)
+        options = self._pipeline_options
+        schedule = self._schedule_given or best.schedule
+        self._pipeline_options = PipelineOptions(
+            schedule, options.microbatches or (best.microbatches if best.pp > 1 else None),
+            _virtual_stages(schedule, best.pp, None), options.split)
+
+
+def _data_sizes(dp: Union[int, str, None], zero: int) -> dict[str, Any]:
+    dp = "auto" if dp is None else dp
+    return {"dp_replicate": dp, "dp_shard": 1} if zero == 0 else {"dp_replicate": 1, "dp_shard": dp}
+
+
+def _virtual_stages(schedule: str, pp: int, given: Optional[int]) -> int:
+    return given or (1 if schedule in SINGLE_STAGE or pp == 1 else 2)
+
+
+def _replica_batch(module: Any) -> int:
+    """Sequences per data replica per step, as the trainer's DataLoader gives them (1 when unknown)."""
+    trainer = getattr(module, "_trainer", None)
+    for source in (getattr(trainer, "datamodule", None), getattr(module, "hparams", None)):
+        size = getattr(source, "batch_size", None) or (source.get("batch_size") if isinstance(source, dict) else None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return 1
