@@ -7,12 +7,14 @@ An analytic model, per rank, of what each candidate layout costs:
   gathered parameters beside the fp32 shard, stage 1 keeps whole gradients), plus activations: per layer and
   micro-batch ``34·s·b·h`` bytes at 2 bytes per value (flash attention keeps no score matrix), divided by tp
   with sequence parallelism, ``2·s·b·h`` with full recomputation; a 1F1B stage holds ``pp`` micro-batches
-  in flight (interleaving adds ``(pp−1)/(pp·v)``); the last stage also holds fp32 logits.
+  in flight (interleaving multiplies that by ``1 + (pp−1)/(pp·v)``); the last stage also holds fp32 logits.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak (recomputation adds a
   forward), stretched by the pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives
   of the activations per layer and micro-batch, 6 with recomputation) not overlapped; pipeline p2p; data
-  parallel traffic (2·P, 3·P for ZeRO-3, parameters gathered again for every micro-batch under ZeRO-3 and
-  gradients reduce-scattered per micro-batch under ZeRO-2) overlapped with compute except what exceeds it;
+  parallel traffic (2·P, 3·P for ZeRO-3, parameters gathered again for every micro-batch under ZeRO-3 and,
+  without pipelining, gradients reduce-scattered per micro-batch under ZeRO-2) overlapped with backward compute
+  except the last bucket (as Megatron-Core overlaps it; meshlight's pipeline schedules still reduce after the
+  last microbatch);
   expert all_to_all (4 exchanges of the routed tokens per MoE layer and micro-batch). Links: a group within
   one node uses the intra-node bandwidth, otherwise the inter-node one (mesh order pp, dp, ep, tp: tp
   innermost).
@@ -369,7 +371,9 @@ def estimate(
     per_layer = (2 if recompute else 34) * s * micro_batch * h * hw.activation_bytes / 2 / tp
     if model.experts:
         per_layer += 2 * s * micro_batch * model.top_k * h * hw.activation_bytes * (model.moe_layers / model.layers)
-    in_flight = min(microbatches, pp) * (1 + (pp - 1) / (pp * virtual_stages)) if pp > 1 else 1
+    # 1F1B: the first stage holds pp microbatches of its layers; interleaving adds (pp−1)/(pp·v) (Korthikanti)
+    interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1
+    in_flight = min(microbatches, pp) * interleave
     activations = per_layer * layers_per_stage * in_flight
     if recompute:  # one layer's full activations during its recomputation
         activations += 34 * s * micro_batch * h * hw.activation_bytes / 2 / tp
@@ -392,10 +396,11 @@ def estimate(
     grad_bytes = (dense + experts) * 4
     param_bytes = (dense + experts) * hw.param_bytes
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * microbatches}[zero]
-    reductions = microbatches if zero >= 2 else 1
+    reductions = microbatches if zero >= 2 and pp == 1 else 1  # pipeline schedules reduce once per step
     dp_bytes = (gathers * param_bytes + reductions * grad_bytes * (1 if zero else 2)) * (dp - 1) / dp
     dp_time = dp_bytes / _bandwidth(hw, dp, tp) if dp > 1 else 0.0
-    dp_exposed = max(0.0, dp_time - compute * 2 / 3) + dp_time / max(layers_per_stage, 1)  # the last bucket
+    # reduced bucket by bucket during backward (2/3 of compute); the last bucket is exposed
+    dp_exposed = max(0.0, dp_time - compute * 2 / 3) + dp_time / max(layers_per_stage, 1)
     ep_time = 0.0
     if ep > 1:
         routed = s * micro_batch * model.top_k * h * hw.activation_bytes * (ep - 1) / ep
@@ -420,7 +425,8 @@ def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware) -> 
 
 def _bandwidth(hw: Hardware, size: int, stride: int) -> float:
     """Per-device bandwidth of a group of ``size`` ranks ``stride`` apart in the rank order."""
-    return hw.intra_bandwidth if size * stride <= hw.devices_per_node else hw.inter_bandwidth
+    span = size * stride
+    return hw.intra_bandwidth if hw.devices_per_node % span == 0 else hw.inter_bandwidth
 
 
 def _divisors(n: int) -> list[int]:
@@ -457,7 +463,7 @@ def _layouts(
 def _tp_fits(model: ModelSpec, hw: Hardware, tp: int) -> bool:
     if tp == 1:
         return True
-    return (tp <= hw.devices_per_node and not model.experts and model.heads % tp == 0
+    return (hw.devices_per_node % tp == 0 and not model.experts and model.heads % tp == 0
             and model.kv_heads % tp == 0 and model.ffn_hidden % tp == 0)
 
 

@@ -51,12 +51,14 @@ def test_model_view_from_structure_when_there_is_no_config():
     assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads) == (2, 64, 8, 4)
 
 
-def test_published_layouts_rank_among_the_best_three():
-    # Megatron-Core weak scaling, 70B on 768 H100 (TP8 PP2 DP48, batch 384); 177B on 2304 (TP8 PP6 DP48)
-    for name, world, batch, published in (("megatron-70b", 768, 384, (48, 2, 8)),
-                                          ("megatron-177b", 2304, 1152, (48, 6, 8))):
-        best = [c.layout[:3] for c in best_per_layout(plan(MODELS[name], HARDWARE["h100"], world, batch))[:3]]
-        assert published in best, (name, best)
+def test_published_layouts_rank_among_the_best():
+    # Megatron-Core weak scaling on H100 (benchmarks/planner.py has all 13 published runs): up to 32B the
+    # published tensor-parallel layout is the planner's first choice; 70B's TP8 × PP2 is among its three best.
+    for name, world, batch, published, within in (("megatron-7.1b", 96, 192, (48, 1, 2), 1),
+                                                  ("megatron-32b", 384, 192, (48, 1, 8), 1),
+                                                  ("megatron-70b", 768, 384, (48, 2, 8), 3)):
+        best = [c.layout[:3] for c in best_per_layout(plan(MODELS[name], HARDWARE["h100"], world, batch))]
+        assert published in best[:within], (name, best[:3])
 
 
 def test_fixed_sizes_that_cannot_work_fail_naming_the_constraints():
