@@ -15,7 +15,8 @@ An analytic model, per rank, of what each candidate layout costs:
   without pipelining, gradients reduce-scattered per micro-batch under ZeRO-2) overlapped with backward compute
   except the last bucket (as Megatron-Core overlaps it; meshlight's pipeline schedules still reduce after the
   last microbatch);
-  expert all_to_all (4 exchanges of the routed tokens per MoE layer and micro-batch). Links: a group within
+  expert all_to_all (4 exchanges of the routed tokens per MoE layer and micro-batch); and a fixed latency per
+  collective, message and pipeline action (what makes many tiny microbatches slow). Links: a group within
   one node uses the intra-node bandwidth, otherwise the inter-node one (mesh order pp, dp, ep, tp: tp
   innermost).
 
@@ -149,6 +150,7 @@ class Hardware:
     devices_per_node: int = 8
     param_bytes: int = 2  # compute copy (bf16); 4 = fp32 training
     activation_bytes: int = 2
+    latency: float = 2e-5  # seconds per collective, p2p message or pipeline action, whatever its size
 
     def replace(self, **changes: Any) -> Hardware:
         return dataclasses.replace(self, **changes)
@@ -164,7 +166,7 @@ HARDWARE: dict[str, Hardware] = {
     # torchtitan's published Llama 3 runs: H100 with 96 GB HBM2e capped at 500 W (peak scaled by power)
     "h100-96gb-500w": Hardware("NVIDIA H100 96GB HBM2e, 500 W cap", 96 * GB, 989e12 * 500 / 700, 450 * GB, 50 * GB),
     "cpu": Hardware("CPU process (gloo)", 4 * GB, 50e9, 2 * GB, 1 * GB, devices_per_node=64, param_bytes=4,
-                    activation_bytes=4),
+                    activation_bytes=4, latency=2e-3),
 }
 
 
@@ -390,21 +392,26 @@ def estimate(
     tp_time = 0.0
     if tp > 1:
         collectives = 6 if recompute else 4
-        tp_time = (layers_per_stage * microbatches * collectives * 2 * (tp - 1) / tp * activation
-                   / _bandwidth(hw, tp, 1))
-    p2p = 2 * microbatches * virtual_stages * activation / tp / _bandwidth(hw, 2, world // pp) if pp > 1 else 0.0
+        messages = layers_per_stage * microbatches * collectives
+        tp_time = messages * (2 * (tp - 1) / tp * activation / _bandwidth(hw, tp, 1) + hw.latency)
+    p2p = 0.0
+    if pp > 1:  # activations forward and gradients back, and the schedule's actions, per microbatch and stage
+        actions = 2 * microbatches * virtual_stages
+        p2p = actions * (activation / tp / _bandwidth(hw, 2, world // pp) + 2 * hw.latency)
     grad_bytes = (dense + experts) * 4
     param_bytes = (dense + experts) * hw.param_bytes
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * microbatches}[zero]
     reductions = microbatches if zero >= 2 and pp == 1 else 1  # pipeline schedules reduce once per step
     dp_bytes = (gathers * param_bytes + reductions * grad_bytes * (1 if zero else 2)) * (dp - 1) / dp
-    dp_time = dp_bytes / _bandwidth(hw, dp, tp) if dp > 1 else 0.0
+    dp_messages = (layers_per_stage + 1) * (gathers + reductions)  # one collective per block and direction
+    dp_time = dp_bytes / _bandwidth(hw, dp, tp) + dp_messages * hw.latency if dp > 1 else 0.0
     # reduced bucket by bucket during backward (2/3 of compute); the last bucket is exposed
     dp_exposed = max(0.0, dp_time - compute * 2 / 3) + dp_time / max(layers_per_stage, 1)
     ep_time = 0.0
     if ep > 1:
         routed = s * micro_batch * model.top_k * h * hw.activation_bytes * (ep - 1) / ep
-        ep_time = 4 * routed * model.moe_layers / pp * microbatches / _bandwidth(hw, ep, tp)
+        exchanges = 5 * model.moe_layers / pp * microbatches  # counts, then tokens out and back, both directions
+        ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / _bandwidth(hw, ep, tp)
     times = {"compute": compute, "bubble": bubble, "tp": tp_time, "p2p": p2p, "dp": dp_exposed, "ep": ep_time}
     return Candidate(dp, pp, tp, ep, zero, microbatches, virtual_stages, recompute, model_state, activations,
                      hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(), hw.peak_flops)

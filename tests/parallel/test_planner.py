@@ -53,10 +53,10 @@ def test_model_view_from_structure_when_there_is_no_config():
 
 def test_published_layouts_rank_among_the_best():
     # Megatron-Core weak scaling on H100 (benchmarks/planner.py has all 13 published runs): up to 32B the
-    # published tensor-parallel layout is the planner's first choice; 70B's TP8 × PP2 is among its three best.
+    # published tensor-parallel layout is the planner's first choice; 462B's TP8 × PP16 among its three best.
     for name, world, batch, published, within in (("megatron-7.1b", 96, 192, (48, 1, 2), 1),
                                                   ("megatron-32b", 384, 192, (48, 1, 8), 1),
-                                                  ("megatron-70b", 768, 384, (48, 2, 8), 3)):
+                                                  ("megatron-462b", 6144, 3072, (48, 16, 8), 3)):
         best = [c.layout[:3] for c in best_per_layout(plan(MODELS[name], HARDWARE["h100"], world, batch))]
         assert published in best[:within], (name, best[:3])
 
