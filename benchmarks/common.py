@@ -60,3 +60,35 @@ def main_over_world_sizes(script: str, description: str) -> None:
     parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     print(json.dumps([row for n in args.nprocs for row in launch(script, n)], indent=1))
+
+
+def model_state_bytes(trainer: Any, module: Any) -> dict[str, int]:
+    """Bytes of the storages holding this rank's parameters (gathered and sharded copies), gradients, optimizer
+    state and FSDP's gather buffers, each storage once, FSDP's padding included."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+
+    def storage_bytes(tensor: torch.Tensor) -> int:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+
+    optimizer = trainer.optimizers[0]
+    fsdp_params = [p for m in trainer.strategy.model.modules() if isinstance(m, FSDPModule)
+                   for group in [m._get_fsdp_state()._fsdp_param_group] if group is not None
+                   for p in group.fsdp_params]
+    # While gathered, the module holds the unsharded parameters; FSDP keeps the shards aside.
+    params = [*module.parameters(), *trainer.strategy.model.parameters(), *(p.sharded_param for p in fsdp_params)]
+    return {
+        "parameters": sum(storage_bytes(p) for p in params),
+        "gradients": sum(storage_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(storage_bytes(t) for state in optimizer.state.values() for t in state.values()
+                         if isinstance(t, torch.Tensor)),
+        "gathered_buffers": sum(storage_bytes(t) for p in fsdp_params for t in p.all_gather_outputs),
+    }

@@ -31,11 +31,8 @@ def worker() -> None:
     import os
 
     import lightning.pytorch as pl
-    import torch
-    from common import bench_config, measuring_trainer_options
+    from common import bench_config, measuring_trainer_options, model_state_bytes
     from lightning.pytorch.callbacks import Callback
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
 
     import meshlight as ml
     from meshlight.demos import LitGPT, RandomTokensDataModule
@@ -52,29 +49,7 @@ def worker() -> None:
             mid_accumulation = self.moment == "mid_accumulation" and trainer.global_step == 1 and batch_idx % 2 == 0
             if not (after_step or mid_accumulation):
                 return
-            seen: set[int] = set()
-
-            def storage_bytes(tensor: torch.Tensor) -> int:
-                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                storage = local.untyped_storage()
-                if storage.nbytes() == 0 or storage.data_ptr() in seen:
-                    return 0
-                seen.add(storage.data_ptr())
-                return storage.nbytes()
-
-            optimizer = trainer.optimizers[0]
-            fsdp_params = [p for m in trainer.strategy.model.modules() if isinstance(m, FSDPModule)
-                           for group in [m._get_fsdp_state()._fsdp_param_group] if group is not None
-                           for p in group.fsdp_params]
-            # While gathered, the module holds the unsharded parameters; FSDP keeps the shards aside.
-            params = [*module.parameters(), *(p.sharded_param for p in fsdp_params)]
-            self.bytes = {
-                "parameters": sum(storage_bytes(p) for p in params),
-                "gradients": sum(storage_bytes(p.grad) for p in params if p.grad is not None),
-                "optimizer": sum(storage_bytes(t) for state in optimizer.state.values() for t in state.values()
-                                 if isinstance(t, torch.Tensor)),
-                "gathered_buffers": sum(storage_bytes(t) for p in fsdp_params for t in p.all_gather_outputs),
-            }
+            self.bytes = model_state_bytes(trainer, module)
 
     world = int(os.environ["WORLD_SIZE"])
     results = []

@@ -8,7 +8,11 @@ Dec 2024, H100 96 GB capped at 500 W, seq 8192, tokens/s per GPU; eager bf16 row
 fixes the published dp, pp and tp and chooses the rest (ZeRO stage, microbatches, virtual stages,
 recomputation) for the prediction.
 
-    python benchmarks/planner.py      # prints JSON
+Also, on CPU processes, the planner's per-rank model-state estimate (most loaded pipeline stage) ÷ the bytes
+meshlight actually holds (max over ranks, between the two micro-batches of an accumulation window: the peak)
+for the 3-D layouts of the parity tests, 8-block GPT-tiny (target within 10%).
+
+    python benchmarks/planner.py [--nprocs 4 8]      # prints JSON
 """
 
 from __future__ import annotations
@@ -35,7 +39,50 @@ PUBLISHED = [
 ]
 
 
-def main() -> None:
+CPU_LAYOUTS = {4: [(1, 2, 2), (2, 2, 1)], 8: [(2, 2, 2)]}  # world -> (dp, pp, tp)
+
+
+def worker() -> None:
+    import os
+
+    import lightning.pytorch as pl
+    import torch
+    import torch.distributed as dist
+    from common import measuring_trainer_options, model_state_bytes, report
+    from lightning.pytorch.callbacks import Callback
+
+    import meshlight as ml
+    from meshlight.demos import AdditionDataModule, LitGPT
+    from meshlight.models import GPTConfig
+    from meshlight.parallel.planner import HARDWARE, estimate, model_spec_of
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
+            if trainer.global_step == 1 and args[-1] % 2 == 0:  # between the micro-batches of step 2
+                self.bytes = sum(model_state_bytes(trainer, module).values())
+
+    world = int(os.environ["WORLD_SIZE"])
+    config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=8, bias=False)
+    rows = []
+    for dp, pp, tp in CPU_LAYOUTS[world]:
+        for zero in (1, 3):
+            pl.seed_everything(0, verbose=False)
+            module, probe = LitGPT(config), Probe()
+            strategy = ml.Hybrid3DStrategy(dp=dp, pp=pp, tp=tp, zero=zero, microbatches=4)
+            trainer = ml.Trainer(strategy=strategy, **measuring_trainer_options(world, 2, [probe],
+                                                                                accumulate_grad_batches=2))
+            trainer.fit(module, AdditionDataModule(3, batch_size=8, train_size=256))
+            measured = torch.tensor(float(probe.bytes))
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+            spec = model_spec_of(LitGPT(config))
+            predicted = estimate(spec, HARDWARE["cpu"], world, 8 * dp, dp, pp, tp, 1, zero, 4, 1, False)
+            rows.append({"layout": f"dp={dp} pp={pp} tp={tp} zero={zero}", "world": world,
+                         "measured_bytes": measured.item(), "predicted_bytes": predicted.model_state_bytes,
+                         "ratio": predicted.model_state_bytes / measured.item()})
+    report(rows)
+
+
+def published() -> list[dict]:
     from meshlight.parallel.planner import HARDWARE, MODELS, best_per_layout, plan
 
     rows = []
@@ -54,8 +101,22 @@ def main() -> None:
             "predicted_config": chosen.describe(), "fits": chosen.fits, "rank": rank,
             "best": [c.describe() for c in ranked[:3]],
         })
-    print(json.dumps(rows, indent=1))
+    return rows
+
+
+def main() -> None:
+    import argparse
+
+    from common import launch
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nprocs", type=int, nargs="*", default=[4, 8])
+    args = parser.parse_args()
+    memory = [row for n in args.nprocs for row in launch(__file__, n)]
+    print(json.dumps({"published": published(), "memory": memory}, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    from common import is_worker
+
+    worker() if is_worker() else main()

@@ -422,6 +422,8 @@ def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware) -> 
     two fp32 moments, data parallel over ``dp`` ranks with ZeRO stage ``zero``, as meshlight holds them between
     micro-batches (FSDP2: stages 1–2 keep the gathered parameters beside the fp32 shard; stage 1 keeps whole
     gradients until the step; stage 3 gathers one block at a time, counted with the activations)."""
+    if dp == 1:
+        zero = 3  # nothing to shard over: no data-parallel wrapper, the parameters are their own master copy
     shard = params / dp
     gathered = params * hardware.param_bytes if zero < 3 else 0.0
     master = 4 * shard if zero else (4 * params if hardware.param_bytes != 4 else 0.0)
