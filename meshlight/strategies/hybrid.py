@@ -9,7 +9,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from meshlight.parallel.layout import ParallelLayout
 from meshlight.parallel.pipeline import SINGLE_STAGE
-from meshlight.parallel.planner import Candidate, Hardware, detect_hardware, format_plan, model_spec_of, plan
+from meshlight.parallel.planner import (
+    Candidate,
+    Hardware,
+    PlanError,
+    detect_hardware,
+    explain,
+    format_plan,
+    model_spec_of,
+    plan,
+)
 from meshlight.strategies.mesh import MeshStrategy
 from meshlight.strategies.pipeline_steps import PipelineOptions
 
@@ -64,7 +73,7 @@ class Hybrid3DStrategy(MeshStrategy):
         self._requested = dict(dp=None if dp == "auto" else dp, pp=pp, tp=tp, ep=ep, zero=zero)
         self._planning = any(v is None for k, v in self._requested.items() if k != "dp")
         self._hardware, self._seq_len = hardware, seq_len
-        self._schedule_given = schedule
+        self._schedule_given, self._virtual_given = schedule, virtual_stages
         self.plan: Optional[list[Candidate]] = None  # the planner's ranking, once it ran
         schedule = schedule or "1f1b"
         zero = 1 if zero is None else zero
@@ -91,12 +100,15 @@ class Hybrid3DStrategy(MeshStrategy):
         rank_zero_info(f"meshlight layout planner, {self.world_size} × {hardware.name}, {model.name}:\n"
                        + format_plan(self.plan))
         best = self.plan[0]
+        if not best.fits:
+            raise PlanError(f"No layout of {self.world_size} processes fits {model.name} in {hardware.name} memory. "
+                            f"{explain(self.plan)} Use more devices, a smaller batch per replica, or fix sizes.")
         self._sizes.update(_data_sizes(best.dp, best.zero), pp=best.pp, tp=best.tp, ep=best.ep, zero=best.zero)
         options = self._pipeline_options
         schedule = self._schedule_given or best.schedule
         self._pipeline_options = PipelineOptions(
             schedule, options.microbatches or (best.microbatches if best.pp > 1 else None),
-            _virtual_stages(schedule, best.pp, None), options.split)
+            _virtual_stages(schedule, best.pp, self._virtual_given), options.split)
 
 
 def _data_sizes(dp: Union[int, str, None], zero: int) -> dict[str, Any]:
