@@ -343,7 +343,19 @@ def plan(
                                schedules)
     ]
     if not candidates:
-        raise PlanError(_no_layout_message(model, world, global_batch or local_batch, dp, pp, tp, ep))
+        message = _no_layout_message(model, world, global_batch or local_batch, dp, pp, tp, ep)
+        given = {"dp": dp, "pp": pp, "tp": tp, "ep": ep}
+        if any(v is not None for v in given.values()):
+            try:
+                free = plan(model, hardware, world, global_batch, local_batch=local_batch, zero=zero,
+                            recompute=recompute, schedules=schedules)
+            except PlanError:
+                free = []
+            nearest = sorted(best_per_layout(c for c in free if c.fits), key=lambda c: sum(
+                abs(math.log2(getattr(c, k) / v)) for k, v in given.items() if v is not None))[:3]
+            if nearest:
+                message += " Nearest layouts that work: " + "; ".join(c.describe() for c in nearest) + "."
+        raise PlanError(message)
     return sorted(candidates, key=lambda c: (not c.fits, -c.tokens_per_second_per_device))
 
 
@@ -477,10 +489,12 @@ def _tp_fits(model: ModelSpec, hw: Hardware, tp: int) -> bool:
 
 
 def _microbatch_choices(replica_batch: int, pp: int, virtual_stages: int) -> list[int]:
-    """Microbatch counts dividing the replica's batch; under pipelining at least one per stage, a multiple of pp."""
+    """Microbatch counts dividing the replica's batch; under pipelining at least one per stage (interleaved
+    schedules: a multiple of pp)."""
     if pp == 1:
         return _divisors(replica_batch)
-    return [m for m in _divisors(replica_batch) if m >= pp * virtual_stages and m % pp == 0]
+    return [m for m in _divisors(replica_batch)
+            if m >= pp * virtual_stages and (virtual_stages == 1 or m % pp == 0)]
 
 
 def _no_layout_message(model: ModelSpec, world: int, batch: int, *sizes: Optional[int]) -> str:

@@ -62,8 +62,9 @@ def test_published_layouts_rank_among_the_best():
 
 
 def test_fixed_sizes_that_cannot_work_fail_naming_the_constraints():
-    with pytest.raises(PlanError, match="tp must divide heads=64"):
+    with pytest.raises(PlanError, match="tp must divide heads=64") as error:
         plan(MODELS["llama3-70b"], HARDWARE["h100"], 24, 48, tp=3)
+    assert "Nearest layouts that work: dp=6 pp=1 tp=4" in str(error.value), str(error.value)
 
 
 def test_nothing_fitting_is_reported_not_chosen():
