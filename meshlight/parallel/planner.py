@@ -391,8 +391,8 @@ def estimate(
     activations = per_layer * layers_per_stage * in_flight
     if recompute:  # one layer's full activations during its recomputation
         activations += 34 * s * micro_batch * h * hw.activation_bytes / 2 / tp
-    logits = s * micro_batch * model.vocab * 4 / tp * (2 if pp == 1 else 1)  # fp32 logits (and their gradient)
-    activations += logits
+    # fp32 logits and their gradient, on the last stage; added to the first stage's activations (a bound)
+    activations += 2 * s * micro_batch * model.vocab * 4 / tp
     if zero == 3:  # a block gathered for compute, and the next one prefetched
         activations += 2 * model.block_params / model.layers / tp * hw.param_bytes
     # --- time

@@ -124,7 +124,7 @@ def _replica_batch(module: Any) -> int:
     """Sequences per data replica per step, as the trainer's DataLoader gives them (1 when unknown)."""
     trainer = getattr(module, "_trainer", None)
     for source in (getattr(trainer, "datamodule", None), getattr(module, "hparams", None)):
-        size = getattr(source, "batch_size", None) or (source.get("batch_size") if isinstance(source, dict) else None)
+        size = getattr(source, "batch_size", None)  # a DataModule attribute, or a saved hyper-parameter
         if isinstance(size, int) and size > 0:
             return size
     return 1

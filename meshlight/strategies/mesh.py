@@ -242,8 +242,9 @@ class MeshStrategy(ParallelStrategy):
         if runner is None and self.layout.pp > 1:
             self._state_names = set(lightning_module.state_dict())  # before the split: the whole model's names
             # Tensor-parallel roles are planned on the whole model, before the split frees other stages' pieces.
-            plan = model_plan(find_pipelined_module(lightning_module)[1], self._tensor_parallel["tp_plan"]) \
-                if self.layout.tp > 1 else None
+            plan = None
+            if self.layout.tp > 1:
+                plan = model_plan(find_pipelined_module(lightning_module)[1], self._tensor_parallel["tp_plan"])
 
             def parallelize_stage(stage: nn.Module) -> nn.Module:
                 options = {**self._tensor_parallel, "tp_plan": stage_plan(plan, stage) if plan is not None else None}
