@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -202,4 +202,19 @@ def _fix_hint(world_size: int, pp: int, tp: int) -> str:
             " (leave it 'auto' to have it computed)."
         )
     valid = [d for d in _divisors(world_size) if d > 1]
-    return f"pp·tp={model} must divide {world_size}; choose pp·tp in {[1, *valid]}."
+    nearest = "; ".join(f"dp={d} pp={p} tp={t}" for d, p, t in nearest_layouts(world_size, pp=pp, tp=tp))
+    return f"pp·tp={model} must divide {world_size}; choose pp·tp in {[1, *valid]}. Nearest layouts: {nearest}."
+
+
+def nearest_layouts(world_size: int, *, dp: Optional[int] = None, pp: int = 1, tp: int = 1,
+                    count: int = 3) -> list[tuple[int, int, int]]:
+    """The ``count`` (dp, pp, tp) whose product is ``world_size`` closest to the sizes asked for (distance in
+    factors of two, summed over the sizes given; ``dp=None``: any), nearest first; ties prefer more data
+    parallelism, then more tensor parallelism."""
+    asked = {"dp": dp, "pp": pp, "tp": tp}
+    layouts = [(world_size // (p * t), p, t) for p in _divisors(world_size) for t in _divisors(world_size // p)]
+
+    def distance(layout: tuple[int, int, int]) -> float:
+        return sum(abs(math.log2(size / asked[name])) for name, size in zip(asked, layout) if asked[name])
+
+    return sorted(layouts, key=lambda layout: (distance(layout), -layout[0], -layout[2]))[:count]

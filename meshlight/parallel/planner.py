@@ -4,7 +4,9 @@ An analytic model, per rank, of what each candidate layout costs:
 
 - **Memory**: parameters, gradients and optimizer state of the rank's share of the model (tensor, pipeline and
   expert splits, then ZeRO over the data ranks, as meshlight's FSDP2 ZeRO holds them: stages 1–2 keep the
-  gathered parameters beside the fp32 shard, stage 1 keeps whole gradients), plus activations: per layer and
+  gathered parameters beside the fp32 shard, stage 1 keeps whole gradients; inside a pipeline schedule every
+  stage peaks as stage 1 does, since PyTorch's schedules keep the parameters gathered and the gradients whole
+  until the schedule's last backward), plus activations: per layer and
   micro-batch ``34·s·b·h`` bytes at 2 bytes per value (flash attention keeps no score matrix), divided by tp
   with sequence parallelism, ``2·s·b·h`` with full recomputation; a 1F1B stage holds ``pp`` micro-batches
   in flight (interleaving multiplies that by ``1 + (pp−1)/(pp·v)``); the last stage also holds fp32 logits.
@@ -39,7 +41,8 @@ from torch import nn
 
 __all__ = [
     "ACHIEVABLE_FRACTION", "HARDWARE", "MODELS", "Candidate", "Hardware", "ModelSpec", "PlanError", "best_per_layout",
-    "detect_hardware", "estimate", "explain", "format_plan", "model_spec_of", "model_state_bytes", "plan",
+    "detect_hardware", "estimate", "explain", "format_plan", "model_spec_of", "model_state_bytes",
+    "nearest_fitting", "plan",
 ]
 
 #: Fraction of the dense peak that large transformer matmuls reach end to end (Megatron-Core's weak-scaling
@@ -344,19 +347,28 @@ def plan(
     ]
     if not candidates:
         message = _no_layout_message(model, world, global_batch or local_batch, dp, pp, tp, ep)
-        given = {"dp": dp, "pp": pp, "tp": tp, "ep": ep}
-        if any(v is not None for v in given.values()):
-            try:
-                free = plan(model, hardware, world, global_batch, local_batch=local_batch, zero=zero,
-                            recompute=recompute, schedules=schedules)
-            except PlanError:
-                free = []
-            nearest = sorted(best_per_layout(c for c in free if c.fits), key=lambda c: sum(
-                abs(math.log2(getattr(c, k) / v)) for k, v in given.items() if v is not None))[:3]
-            if nearest:
-                message += " Nearest layouts that work: " + "; ".join(c.describe() for c in nearest) + "."
+        nearest = nearest_fitting(model, hardware, world, global_batch, local_batch=local_batch,
+                                  given={"dp": dp, "pp": pp, "tp": tp, "ep": ep})
+        if nearest:
+            message += " Nearest layouts that work: " + "; ".join(c.describe() for c in nearest) + "."
         raise PlanError(message)
     return sorted(candidates, key=lambda c: (not c.fits, -c.tokens_per_second_per_device))
+
+
+def nearest_fitting(
+    model: ModelSpec, hardware: Hardware, world: int, global_batch: Optional[int] = None, *,
+    local_batch: Optional[int] = None, given: dict[str, Optional[int]], count: int = 3,
+) -> list[Candidate]:
+    """The best candidates of the ``count`` layouts that fit, nearest (in factors of two) to the sizes
+    ``given`` (``{"dp": 2, "pp": None, …}``); empty when nothing is given or nothing fits."""
+    if all(v is None for v in given.values()):
+        return []
+    try:
+        free = plan(model, hardware, world, global_batch, local_batch=local_batch)
+    except PlanError:
+        return []
+    return sorted(best_per_layout(c for c in free if c.fits), key=lambda c: sum(
+        abs(math.log2(getattr(c, k) / v)) for k, v in given.items() if v is not None))[:count]
 
 
 def best_per_layout(candidates: Iterable[Candidate]) -> list[Candidate]:
@@ -380,7 +392,8 @@ def estimate(
     ends = max(model.embedding_params, model.head_params) if pp > 1 else model.embedding_params + model.head_params
     dense = (model.block_params * stage_share + ends) / tp
     experts = model.expert_params * stage_share / (tp * ep)
-    model_state = model_state_bytes(dense, dp, zero, hw) + model_state_bytes(experts, dp // ep, zero, hw)
+    model_state = (model_state_bytes(dense, dp, zero, hw, pipelined=pp > 1)
+                   + model_state_bytes(experts, dp // ep, zero, hw, pipelined=pp > 1))
     # --- activations of the first stage: micro-batches in flight × layers × per-layer bytes
     per_layer = (2 if recompute else 34) * s * micro_batch * h * hw.activation_bytes / 2 / tp
     if model.experts:
@@ -429,13 +442,17 @@ def estimate(
                      hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(), hw.peak_flops)
 
 
-def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware) -> float:
+def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, pipelined: bool = False) -> float:
     """Bytes of ``params`` parameters (compute copy and fp32 master or shard), their fp32 gradients and Adam's
-    two fp32 moments, data parallel over ``dp`` ranks with ZeRO stage ``zero``, as meshlight holds them between
-    micro-batches (FSDP2: stages 1–2 keep the gathered parameters beside the fp32 shard; stage 1 keeps whole
-    gradients until the step; stage 3 gathers one block at a time, counted with the activations)."""
+    two fp32 moments, data parallel over ``dp`` ranks with ZeRO stage ``zero``, at their peak inside a step
+    (FSDP2: stages 1–2 keep the gathered parameters beside the fp32 shard; stage 1 keeps whole gradients until
+    the step; stage 3 gathers one block at a time, counted with the activations). Inside a pipeline schedule
+    (``pipelined``) PyTorch keeps every stage's parameters gathered after their first backward and defers the
+    gradient reduce-scatter to the schedule's end, so stages 2 and 3 peak where stage 1 does."""
     if dp == 1:
         zero = 3  # nothing to shard over: no data-parallel wrapper, the parameters are their own master copy
+    elif pipelined and zero:
+        zero = 1
     shard = params / dp
     gathered = params * hardware.param_bytes if zero < 3 else 0.0
     master = 4 * shard if zero else (4 * params if hardware.param_bytes != 4 else 0.0)

@@ -17,6 +17,7 @@ from meshlight.parallel.planner import (
     explain,
     format_plan,
     model_spec_of,
+    nearest_fitting,
     plan,
 )
 from meshlight.strategies.mesh import MeshStrategy
@@ -84,12 +85,37 @@ class Hybrid3DStrategy(MeshStrategy):
 
     def _resolve_layout(self) -> Optional[ParallelLayout]:
         if not self._planning:
-            return super()._resolve_layout()
+            layout = super()._resolve_layout()
+            if self.lightning_module is not None and self.plan is None:
+                self._check_memory(layout)
+            return layout
         if self.lightning_module is None:
             return None  # at Trainer construction: the planner waits for the model (fit start)
         if self.plan is None:
             self._choose_layout()
         return super()._resolve_layout()
+
+    def _check_memory(self, layout: ParallelLayout) -> None:
+        """Sizes all given: refuse, before training, a layout the planner estimates will not fit in memory,
+        naming the nearest layouts that do. Models or sizes the planner cannot read are left to the engines'
+        own checks (they name the valid sizes)."""
+        hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)
+        batch = _replica_batch(self.lightning_module)
+        try:
+            model = model_spec_of(self.lightning_module, self._seq_len)
+            self.plan = plan(model, hardware, self.world_size, local_batch=batch, dp=layout.dp, pp=layout.pp,
+                             tp=layout.tp, ep=layout.ep, zero=layout.zero)
+        except PlanError:
+            return
+        if not self.plan[0].fits:
+            nearest = nearest_fitting(model, hardware, self.world_size, local_batch=batch,
+                                      given={"dp": layout.dp, "pp": layout.pp, "tp": layout.tp})
+            raise PlanError(
+                f"{layout.describe()} is not expected to fit {model.name} in {hardware.name} memory"
+                f" ({self.world_size} processes, batch {batch} per replica): {explain(self.plan)}"
+                + (" Nearest layouts that fit: " + "; ".join(c.describe() for c in nearest) + "." if nearest else
+                   " No layout of this world fits: use more devices or a smaller batch per replica.")
+            )
 
     def _choose_layout(self) -> None:
         hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)

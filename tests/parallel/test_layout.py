@@ -3,6 +3,7 @@
 import pytest
 
 from meshlight.parallel import ParallelLayout
+from meshlight.parallel.layout import nearest_layouts
 
 
 def test_auto_fills_the_data_parallel_size_from_the_world():
@@ -48,8 +49,14 @@ def test_experts_borrow_from_the_sharded_axis_or_from_replicas_without_zero():
 def test_world_mismatch_suggests_a_layout_that_fits():
     with pytest.raises(ValueError, match="use data-parallel size 4"):
         ParallelLayout.for_world(8, dp_replicate=3, tp=2)
-    with pytest.raises(ValueError, match=r"choose pp·tp in \[1, 2, 4, 8\]"):
+    with pytest.raises(ValueError, match=r"choose pp·tp in \[1, 2, 4, 8\]. Nearest layouts: dp=2 pp=1 tp=4; "):
         ParallelLayout.for_world(8, dp_replicate=1, tp=3)
+
+
+def test_nearest_layouts_fill_the_world_closest_to_the_sizes_asked_for():
+    assert nearest_layouts(6, dp=2, pp=2, tp=2) == [(3, 1, 2), (3, 2, 1), (2, 1, 3)]  # ties: more dp, then tp
+    assert nearest_layouts(8, pp=2, tp=3)[0] == (1, 2, 4)
+    assert all(d * p * t == 12 for d, p, t in nearest_layouts(12, dp=5, count=20))
 
 
 def test_layout_is_frozen():

@@ -34,6 +34,9 @@ def test_model_state_is_the_zero_formula_as_fsdp2_holds_it(world):
     assert model_state_bytes(psi, world, 1, CPU) == pytest.approx(8 * psi + 8 * psi / world + 4 * psi / world)
     assert model_state_bytes(psi, world, 2, CPU) == pytest.approx(4 * psi + 12 * psi / world + 4 * psi / world)
     assert model_state_bytes(psi, world, 3, CPU) == pytest.approx(16 * psi / world)
+    # inside a pipeline schedule every stage keeps gathered parameters and whole gradients until its end
+    for zero in (1, 2, 3):
+        assert model_state_bytes(psi, world, zero, CPU, pipelined=True) == model_state_bytes(psi, world, 1, CPU)
 
 
 @pytest.mark.parametrize("moe", [False, True])
