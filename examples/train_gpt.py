@@ -1,14 +1,15 @@
 """Train a small GPT to add numbers, with any meshlight strategy, and watch it learn in TensorBoard.
 
-    python examples/train_gpt.py                                    # ZeRO-1 on 2 CPU processes
+    python examples/train_gpt.py                                    # "3d": dp=2 × pp=2 × tp=2 on 8 CPU processes
+    python examples/train_gpt.py --accelerator gpu                  # "3d" on every GPU: the planner's layout
     python examples/train_gpt.py --strategy zero3 --devices 4
-    python examples/train_gpt.py --strategy 3d                      # dp=2 × pp=2 × tp=2 on 8 CPU processes
-    python examples/train_gpt.py --strategy 3d --accelerator gpu    # "3d" on every GPU: the planner's layout
     python examples/train_gpt.py --strategy moe --experts 8         # mixture of experts, split over 2 ranks
+    python examples/train_gpt.py --digits 3 --max-steps 1500 --strategy zero1   # a harder sum, longer
     torchrun --nproc-per-node 8 examples/train_gpt.py --devices 8   # processes started by torchrun
 
-The model sees ``123+456=`` and must write the sum; the answer accuracy (exact match of all digits) is
-logged as ``val/answer_accuracy`` next to the losses.
+The model sees ``12+34=`` and must write the sum; the answer accuracy (exact match of all digits) is logged
+as ``val/answer_accuracy`` next to the losses. The defaults (2-digit sums, 500 steps of 64 sequences per data
+replica) reach ~99% in about 3.5 minutes on 8 processes sharing 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from meshlight.nn import MoEConfig
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="zero1",
-                        help="ddp, zero1, zero2, zero3/fsdp, tp, pipeline, moe, 3d (default: zero1)")
+    parser.add_argument("--strategy", default="3d",
+                        help="ddp, zero1, zero2, zero3/fsdp, tp, pipeline, moe, 3d (default: 3d)")
     parser.add_argument("--dp", type=int, help="3d sizes; default on CPU dp=2, pp=2, tp=2, on GPUs the planner's")
     parser.add_argument("--pp", type=int)
     parser.add_argument("--tp", type=int)
@@ -42,11 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=128, help="hidden size (default: 128)")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
     parser.add_argument("--experts", type=int, default=0, help="mixture-of-experts feed-forwards (default: 0, dense)")
-    parser.add_argument("--digits", type=int, default=3, help="digits per operand (default: 3)")
-    parser.add_argument("--max-steps", type=int, default=1500)
-    parser.add_argument("--batch-size", type=int, default=32, help="per data-parallel rank (default: 32)")
+    parser.add_argument("--digits", type=int, default=2, help="digits per operand (default: 2)")
+    parser.add_argument("--max-steps", type=int, default=500)
+    parser.add_argument("--batch-size", type=int, default=64, help="per data-parallel rank (default: 64)")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--val-every", type=int, default=250, help="validate every N training steps")
+    parser.add_argument("--val-every", type=int, default=100, help="validate every N training steps")
     parser.add_argument("--out", type=Path, default=Path("runs/train_gpt"), help="logs and checkpoints")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -62,6 +63,7 @@ def make_strategy(args: argparse.Namespace) -> str | ml.Hybrid3DStrategy:
     sizes = {"dp": args.dp, "pp": args.pp, "tp": args.tp}
     if not gpu and not any(sizes.values()):
         sizes = {"dp": 2, "pp": 2, "tp": 2}
+        args.dp, args.pp, args.tp = sizes.values()
     if args.devices is None:
         known = all(sizes.values())
         args.devices = sizes["dp"] * sizes["pp"] * sizes["tp"] if known else torch.cuda.device_count() if gpu else 8
@@ -74,7 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     strategy = make_strategy(args)
     # One epoch of exactly --max-steps steps per data replica (at most one replica per process).
     train_size = args.max_steps * args.batch_size * args.devices * args.num_nodes
-    data = AdditionDataModule(args.digits, batch_size=args.batch_size, train_size=train_size)
+    # Sequence parallelism splits the sequence over the tensor-parallel ranks: pad it to a multiple of their number
+    # (for a planned layout, of the largest tp the planner considers: a node's 8 devices).
+    tp = {"tp": args.devices, "3d": args.tp or 8}.get(args.strategy, 1)
+    data = AdditionDataModule(args.digits, batch_size=args.batch_size, train_size=train_size, pad_to_multiple_of=tp)
     config = GPTConfig(vocab_size=data.vocab_size, max_seq_len=data.seq_len, n_layers=args.layers, dim=args.dim,
                        n_heads=args.heads, moe=MoEConfig(num_experts=args.experts) if args.experts else None)
     model = LitGPT(config, lr=args.lr, weight_decay=0.0, warmup_steps=args.max_steps // 20)
@@ -98,10 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(model, data)
     if trainer.is_global_zero:
         metrics = trainer.callback_metrics
+        scores = (f": val/loss {metrics['val/loss']:.3f}, answer accuracy {metrics['val/answer_accuracy']:.1%}"
+                  if "val/loss" in metrics else " (no validation ran)")
         print(
             f"\nTrained {trainer.global_step} steps in {time.perf_counter() - start:.0f} s with strategy"
-            f" {args.strategy!r} ({trainer.strategy.layout.describe()}): val/loss {metrics['val/loss']:.3f},"
-            f" answer accuracy {metrics['val/answer_accuracy']:.1%}."
+            f" {args.strategy!r} ({trainer.strategy.layout.describe()}){scores}."
             f"\nTensorBoard logs: {trainer.logger.log_dir}   (view: tensorboard --logdir {args.out})"
             f"\nBest checkpoint:  {checkpoint.best_model_path}"
             f"\nLast checkpoint:  {checkpoint.last_model_path}"

@@ -67,8 +67,10 @@ class AdditionDataModule(SequenceDataModule):
     match of the scored positions is the answer accuracy (and equals greedy decoding's accuracy: if every
     teacher-forced digit is right, decoding reproduces them).
 
-    Sequence length is ``3·(digits + 1)``; the vocabulary has 13 symbols, padded to 16 so vocabulary-parallel
-    layouts divide it.
+    Sequence length is ``3·(digits + 1)``, or the next multiple of ``pad_to_multiple_of`` (sequence parallelism
+    needs a length the tensor-parallel size divides): start symbols appended after the sum, never scored — a
+    causal model computes every earlier position, and so the loss, exactly as without them. The vocabulary has
+    13 symbols, padded to 16 so vocabulary-parallel layouts divide it.
     """
 
     SYMBOLS = "0123456789+=^"  # ^ starts a sequence
@@ -82,12 +84,16 @@ class AdditionDataModule(SequenceDataModule):
         train_size: int = 20_000,
         val_size: int = 512,
         seed: int = 0,
+        pad_to_multiple_of: int = 1,
     ) -> None:
         if digits < 1:
             raise ValueError(f"digits={digits} must be >= 1.")
+        if pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} must be >= 1.")
         super().__init__(batch_size=batch_size, train_size=train_size, val_size=val_size, seed=seed)
         self.digits = digits
-        self.seq_len = 3 * (digits + 1)
+        self.padding = -3 * (digits + 1) % pad_to_multiple_of
+        self.seq_len = 3 * (digits + 1) + self.padding
 
     def generate(self, num_samples: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
         d = self.digits
@@ -98,16 +104,21 @@ class AdditionDataModule(SequenceDataModule):
         columns += _digits(a, d, most_significant_first=True) + [torch.full((num_samples,), plus)]
         columns += _digits(b, d, most_significant_first=True) + [torch.full((num_samples,), equals)]
         columns += _digits(a + b, d + 1, most_significant_first=False)
+        columns += [torch.full((num_samples,), start)] * self.padding
         tokens = torch.stack(columns, dim=1)
         inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
         targets[:, : 2 * d + 2] = IGNORE_INDEX  # score only the sum's d + 1 digits
+        targets[:, 3 * d + 3 :] = IGNORE_INDEX
         return inputs, targets
 
     def decode(self, inputs: Tensor, answer: Tensor) -> str:
-        """Render ``123+456=579``: the prompt from ``inputs``, then ``answer`` — the ``digits + 1`` scored
-        positions (targets or predictions), least-significant first — written most-significant first."""
-        prompt = "".join(self.SYMBOLS[int(t)] for t in inputs[1 : 2 * self.digits + 3])
-        return prompt + "".join(self.SYMBOLS[int(t)] for t in reversed(answer[-(self.digits + 1) :]))
+        """Render ``123+456=579``: the prompt from ``inputs``, then ``answer`` — a whole row of targets or
+        predictions, or just its ``digits + 1`` scored positions, least-significant first — written
+        most-significant first."""
+        d = self.digits
+        digits = answer[2 * d + 2 : 3 * d + 3] if len(answer) == self.seq_len else answer
+        prompt = "".join(self.SYMBOLS[int(t)] for t in inputs[1 : 2 * d + 3])
+        return prompt + "".join(self.SYMBOLS[int(t)] for t in reversed(digits))
 
 
 class RandomTokensDataModule(SequenceDataModule):
