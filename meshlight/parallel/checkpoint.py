@@ -9,6 +9,8 @@ split, so DCP reshards on load: saved under ZeRO-3 on 4 processes, loaded under 
 
 from __future__ import annotations
 
+import pickle
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -30,20 +33,31 @@ from torch.optim import Optimizer
 __all__ = [
     "META_FILENAME",
     "OPTIMIZER_STATE",
+    "AsyncCheckpointWriter",
+    "CheckpointError",
     "CheckpointMismatchError",
+    "check_complete",
     "checkpoint_keys",
+    "is_complete",
     "load_checkpoint",
     "load_model_weights",
+    "load_rng_state",
     "save_checkpoint",
 ]
 
 META_FILENAME = "meta.pt"
+RNG_FILENAME = "rng-{rank}.pt"
+INCOMPLETE_MARKER = ".incomplete"
 MODEL_KEY = "state_dict"
 # Optimizer state keyed by parameter name, hyper-parameters included ("param_groups.<name>.lr"): with the
 # default positional groups, pipeline stages would save different "param_groups.0.params" under one key.
 OPTIMIZER_STATE = StateDictOptions(flatten_optimizer_state_dict=True)
 
 PathLike = Union[str, Path]
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint is not whole: interrupted while being written, or a file of it is missing or unreadable."""
 
 
 class CheckpointMismatchError(KeyError):
@@ -53,16 +67,149 @@ class CheckpointMismatchError(KeyError):
         return str(self.args[0])
 
 
-def save_checkpoint(path: PathLike, checkpoint: dict[str, Any], *, write_metadata: bool) -> None:
+def save_checkpoint(
+    path: PathLike,
+    checkpoint: dict[str, Any],
+    *,
+    write_metadata: bool,
+    rng_state: Optional[dict[str, Any]] = None,
+    writer: Optional[AsyncCheckpointWriter] = None,
+) -> None:
     """Write a Lightning checkpoint dict: its ``state_dict`` and ``optimizer_states`` as DCP shards (every rank
-    writes its own), the rest to ``meta.pt`` (only where ``write_metadata``). Collective over the world."""
+    writes its own), the rest to ``meta.pt`` (only where ``write_metadata``), and ``rng_state`` (this rank's
+    random generators) to ``rng-<rank>.pt``. Collective over the world.
+
+    The folder is committed atomically: an ``.incomplete`` marker is written before anything else and removed
+    only once every rank's shards and the metadata are written, so a checkpoint interrupted mid-save is never
+    taken for a whole one (:func:`is_complete`, and loading it raises :class:`CheckpointError`). With a
+    ``writer`` the shards are staged in memory and written in the background; the commit happens when the
+    writer finishes (:meth:`AsyncCheckpointWriter.wait`, or the next save).
+    """
     checkpoint = dict(checkpoint)
     shards = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
     shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-    dcp.save(shards, storage_writer=_storage(path, write=True))
+    if writer is not None:
+        writer.wait()  # one checkpoint in flight: staging memory stays bounded by one copy of the state
+    fs, root = fsspec.core.url_to_fs(str(path))
     if write_metadata:
-        with fsspec.open(_join(path, META_FILENAME), "wb") as f:
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(_join(root, INCOMPLETE_MARKER), b"")
+    _barrier()  # no rank writes into the folder before it is marked incomplete
+    if rng_state is not None:
+        with fs.open(_join(root, RNG_FILENAME.format(rank=_rank())), "wb") as f:
+            torch.save(rng_state, f)
+    if write_metadata:
+        with fs.open(_join(root, META_FILENAME), "wb") as f:
             torch.save(checkpoint, f)
+
+    def commit() -> None:
+        if write_metadata:  # DCP's coordinator finishes only after every rank's shards are written
+            fs.rm(_join(root, INCOMPLETE_MARKER))
+
+    if writer is None:
+        dcp.save(shards, storage_writer=_storage(path, write=True))
+        commit()
+        _barrier()
+    else:
+        writer.submit(shards, path, commit)
+
+
+class AsyncCheckpointWriter:
+    """Writes checkpoints in the background with DCP's ``async_save`` — one at a time, on a process group of
+    its own so that its collectives never interleave with training's — and commits each as soon as it is
+    written. Create it on every rank."""
+
+    def __init__(self) -> None:
+        self._group: Optional[dist.ProcessGroup] = None
+        self._pending: Optional[tuple[Any, threading.Event]] = None
+
+    def submit(self, shards: dict[str, Any], path: PathLike, commit: Any) -> None:
+        self.wait()
+        if self._group is None and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+        response = dcp.async_save(shards, storage_writer=_storage(path, write=True), process_group=self._group,
+                                  no_dist=not dist.is_initialized())
+        future = getattr(response, "upload_completion", response)  # newer torch: staging, then upload
+        committed = threading.Event()
+
+        def finish(done: Any) -> None:
+            try:
+                if done.exception() is None:
+                    commit()  # DCP's coordinator finishes only after every rank's shards are written
+            finally:
+                committed.set()
+
+        future.add_done_callback(finish)
+        self._pending = (future, committed)
+
+    def wait(self) -> None:
+        """Block until the checkpoint in flight is written and committed (no-op when none is); re-raises a
+        failed write."""
+        if self._pending is None:
+            return
+        future, committed = self._pending
+        self._pending = None
+        future.result()
+        committed.wait()
+
+
+def is_complete(path: PathLike) -> bool:
+    """Whether ``path`` holds a whole checkpoint: DCP's metadata and ``meta.pt`` written, and no ``.incomplete``
+    marker left by an interrupted save."""
+    fs, root = fsspec.core.url_to_fs(str(path))
+    return (not fs.exists(_join(root, INCOMPLETE_MARKER)) and fs.exists(_join(root, ".metadata"))
+            and fs.exists(_join(root, META_FILENAME)))
+
+
+def check_complete(path: PathLike) -> None:
+    """Raise :class:`CheckpointError` naming what is missing when ``path`` is not a whole checkpoint."""
+    fs, root = fsspec.core.url_to_fs(str(path))
+    if not fs.exists(root):
+        raise CheckpointError(f"No checkpoint at {str(path)!r}: the path does not exist.")
+    if fs.exists(_join(root, INCOMPLETE_MARKER)):
+        raise CheckpointError(
+            f"The checkpoint {str(path)!r} is incomplete: its save was interrupted ({INCOMPLETE_MARKER} is still"
+            " there). Resume from an earlier checkpoint (`ckpt_path=\"last\"` skips incomplete ones)."
+        )
+    for name in (".metadata", META_FILENAME):
+        if not fs.exists(_join(root, name)):
+            raise CheckpointError(
+                f"{_join(str(path), name)!r} is missing: {str(path)!r} is not a whole meshlight checkpoint"
+                " (DCP's .metadata and meta.pt are written by every complete save)."
+            )
+
+
+def load_rng_state(path: PathLike) -> Optional[dict[str, Any]]:
+    """This rank's random-generator states saved with the checkpoint, if it saved one for this rank."""
+    fs, root = fsspec.core.url_to_fs(str(path))
+    name = _join(root, RNG_FILENAME.format(rank=_rank()))
+    if not fs.exists(name):
+        return None
+    with fs.open(name, "rb") as f:
+        return torch.load(f, map_location="cpu", weights_only=False)
+
+
+def _read(state: dict[str, Any], path: PathLike) -> None:
+    """``dcp.load`` in place, a damaged shard reported as a :class:`CheckpointError` naming the checkpoint."""
+    try:
+        dcp.load(state, storage_reader=_storage(path))
+    except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+        failures = getattr(error, "failures", None)  # rank -> the exception it raised
+        rank, cause = next(iter(failures.items())) if failures else (_rank(), error)
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its frames)
+        raise CheckpointError(
+            f"The checkpoint {str(path)!r} cannot be read: a shard file (*.distcp) is damaged or truncated"
+            f" (rank {rank}: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})."
+        ) from error
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def load_checkpoint(
@@ -82,11 +229,12 @@ def load_checkpoint(
     Raises :class:`CheckpointMismatchError` listing missing and unexpected parameter names before any tensor
     is read, so every rank fails the same way and none waits in a collective.
     """
+    check_complete(path)
     keys = checkpoint_keys(path)
     model_state = get_model_state_dict(module)
     loadable = _check_names(expected_names or set(model_state), keys.get(MODEL_KEY, set()), strict, path)
     model_state = _select(model_state, loadable)
-    dcp.load({MODEL_KEY: model_state}, storage_reader=_storage(path))
+    _read({MODEL_KEY: model_state}, path)
     set_model_state_dict(module, model_state, options=StateDictOptions(strict=False))
     for i, optimizer in enumerate(optimizers):
         name = f"optimizer_{i}"
@@ -96,10 +244,14 @@ def load_checkpoint(
                 " or weights only. Load it with `trainer.validate/test` or a fresh `fit` instead of resuming."
             )
         state = get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_STATE)
-        dcp.load({name: state}, storage_reader=_storage(path))
+        _read({name: state}, path)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=OPTIMIZER_STATE)
-    with fsspec.open(_join(path, META_FILENAME), "rb") as f:
-        return torch.load(f, map_location="cpu", weights_only=bool(weights_only))
+    try:
+        with fsspec.open(_join(path, META_FILENAME), "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=bool(weights_only))
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        raise CheckpointError(f"{_join(str(path), META_FILENAME)!r} cannot be read ({error}): the file is corrupted."
+                              ) from error
 
 
 def load_model_weights(module: nn.Module, path: PathLike, *, strict: bool = True) -> None:

@@ -27,7 +27,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states, reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -46,15 +47,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from meshlight.parallel.checkpoint import OPTIMIZER_STATE, load_checkpoint, save_checkpoint
+from meshlight.parallel.checkpoint import (
+    OPTIMIZER_STATE,
+    AsyncCheckpointWriter,
+    load_checkpoint,
+    load_rng_state,
+    save_checkpoint,
+)
 from meshlight.parallel.clip import clip_grad_norm_
 from meshlight.parallel.data_parallel import ddp_engine, gradient_accumulation
 from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh, seed_by_mesh_position
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
 from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, validate_schedule
+from meshlight.parallel.sampling import ResumableSampler
 from meshlight.parallel.tensor import model_plan, stage_plan
 from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps, setup_pipeline
 
@@ -127,6 +136,7 @@ class MeshStrategy(ParallelStrategy):
         self._layout: Optional[ParallelLayout] = None
         self._device_mesh: Optional[DeviceMesh] = None
         self._forward_redirection = _MeshForwardRedirection()
+        self._checkpoint_writer: Optional[AsyncCheckpointWriter] = None
         self.num_nodes = 1
 
     # ---------------------------------------------------------------- layout, mesh, ranks
@@ -370,6 +380,7 @@ class MeshStrategy(ParallelStrategy):
         # ModelParallelStrategy does): its parameters are managed by DDP / FSDP2, and a later
         # `trainer.test` reuses them.
         assert self.cluster_environment is not None and self.accelerator is not None
+        self.wait_for_checkpoint()  # a checkpoint still being written is finished and committed
         self._contexts.close()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
@@ -427,20 +438,48 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None, *,
+        asynchronous: bool = False,
     ) -> None:
+        """Write a sharded checkpoint folder, committed atomically (see :func:`meshlight.parallel.save_checkpoint`);
+        ``asynchronous``: stage it in memory and write it in the background (:meth:`wait_for_checkpoint`)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} writes sharded checkpoints itself: drop `storage_options`.")
         path = self.broadcast(filepath)
-        save_checkpoint(path, checkpoint, write_metadata=self.is_global_zero)
+        if asynchronous and self._checkpoint_writer is None:
+            self._checkpoint_writer = AsyncCheckpointWriter()
+        rng = {"world_size": self.world_size, **_collect_rng_states(include_cuda=self.root_device.type == "cuda")}
+        save_checkpoint(path, checkpoint, write_metadata=self.is_global_zero, rng_state=rng,
+                        writer=self._checkpoint_writer if asynchronous else None)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a checkpoint being written in the background is written and committed."""
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = self.broadcast(checkpoint_path)
         module = self.lightning_module
         assert module is not None
-        return load_checkpoint(path, module, self.optimizers, strict=module.strict_loading, weights_only=weights_only,
-                               expected_names=getattr(self, "_state_names", None))
+        checkpoint = load_checkpoint(path, module, self.optimizers, strict=module.strict_loading,
+                                     weights_only=weights_only, expected_names=getattr(self, "_state_names", None))
+        rng = load_rng_state(path)
+        if rng is not None and rng.pop("world_size", None) == self.world_size:
+            _set_rng_states(rng)  # same ranks, same streams: dropout continues as if never interrupted
+        return checkpoint
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Training loaders resume mid-epoch exactly: their sampler skips what the interrupted epoch consumed."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        sampler = getattr(dataloader, "sampler", None)
+        if (trainer is None or not trainer.training or not isinstance(dataloader, DataLoader)
+                or not isinstance(sampler, DistributedSampler) or dataloader.batch_size is None):
+            return dataloader
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return _update_dataloader(dataloader, ResumableSampler(sampler, dataloader.batch_size,
+                                                               lambda: progress.processed))
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

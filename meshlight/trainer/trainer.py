@@ -4,12 +4,14 @@ default."""
 from __future__ import annotations
 
 import os
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from meshlight.callbacks.checkpoint import DistributedCheckpoint, resolve_last
 from meshlight.callbacks.expert_load import ExpertLoadMonitor
 from meshlight.strategies.registry import resolve_strategy
 
@@ -41,3 +43,12 @@ class Trainer(pl.Trainer):
             callbacks.append(ExpertLoadMonitor())
         kwargs["callbacks"] = callbacks
         super().__init__(strategy=resolve_strategy(strategy), logger=logger, **kwargs)
+
+    def fit(self, *args: Any, ckpt_path: Optional[str] = None, **kwargs: Any) -> None:
+        """Lightning's ``fit``; ``ckpt_path="last"`` with :class:`~meshlight.callbacks.DistributedCheckpoint`
+        callbacks resumes from their newest complete checkpoint (a fresh start when there is none yet)."""
+        if ckpt_path == "last" and any(isinstance(c, DistributedCheckpoint) for c in self.callbacks):
+            ckpt_path = resolve_last(self)
+            rank_zero_info(f"Resuming from {ckpt_path}" if ckpt_path else
+                           'ckpt_path="last": no complete checkpoint yet, starting from scratch.')
+        super().fit(*args, ckpt_path=ckpt_path, **kwargs)

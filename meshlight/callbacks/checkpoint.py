@@ -1,0 +1,210 @@
+"""DistributedCheckpoint: sharded, atomically committed, optionally asynchronous checkpoints that resume exactly.
+
+Each save is a folder ``<dirpath>/step=<global step, 9 digits>`` of DCP shards (every rank writes its own part
+of the model and optimizer states), ``meta.pt`` (loops, LR schedulers, callbacks, the data position) and one
+``rng-<rank>.pt`` per rank. A folder becomes visible to resume only once complete (see
+:func:`meshlight.parallel.save_checkpoint`): a crash mid-save leaves an ``.incomplete`` folder that
+``ckpt_path="last"`` skips and the next cleanup deletes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, Optional
+
+import fsspec
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from meshlight.parallel.checkpoint import INCOMPLETE_MARKER, is_complete
+
+__all__ = ["DistributedCheckpoint"]
+
+FOLDER = re.compile(r"^step=(\d+)$")
+
+
+class DistributedCheckpoint(Checkpoint):
+    """Save sharded checkpoints of everything training needs to continue bit for bit, to any fsspec URL.
+
+    The arguments mean what they mean in Lightning's ``ModelCheckpoint``:
+
+    Args:
+        dirpath: folder or URL (``/ckpts``, ``memory://ckpts``, ``s3://bucket/run`` with s3fs installed).
+        every_n_train_steps: save after every N optimizer steps (None: only on validation / at the end).
+        monitor, mode: a logged metric ranking checkpoints, saved after each validation (None: no ranking).
+        save_top_k: with ``monitor``, how many of the best to keep (-1: all); without, how many of the newest.
+        save_last: also keep the newest checkpoint (and save one when training ends), whatever its rank.
+        async_save: stage the state in memory and write in the background while training continues (one
+            checkpoint in flight: the next save, or the end of training, waits for it).
+        keep_last_k: keep at most this many of the newest checkpoints besides the best ``save_top_k``.
+
+    Resume with ``trainer.fit(model, ckpt_path="last")`` (meshlight's Trainer resolves it to the newest
+    complete checkpoint here) or with a folder's path. The data position is restored with plain
+    ``DataLoader``s: the sampler skips, without loading them, the samples the interrupted epoch consumed.
+    """
+
+    def __init__(
+        self,
+        dirpath: str,
+        every_n_train_steps: Optional[int] = None,
+        monitor: Optional[str] = None,
+        mode: Literal["min", "max"] = "min",
+        save_top_k: int = 1,
+        save_last: bool = True,
+        async_save: bool = True,
+        keep_last_k: Optional[int] = None,
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode={mode!r}: choose 'min' or 'max'.")
+        if every_n_train_steps is not None and every_n_train_steps < 1:
+            raise ValueError(f"every_n_train_steps={every_n_train_steps} must be >= 1 (or None).")
+        if save_top_k < -1:
+            raise ValueError(f"save_top_k={save_top_k} must be >= -1 (-1 keeps every checkpoint).")
+        if keep_last_k is not None and keep_last_k < 1:
+            raise ValueError(f"keep_last_k={keep_last_k} must be >= 1 (or None).")
+        self.dirpath = str(dirpath).rstrip("/")
+        self.every_n_train_steps, self.monitor, self.mode = every_n_train_steps, monitor, mode
+        self.save_top_k, self.save_last, self.keep_last_k = save_top_k, save_last, keep_last_k
+        self.async_save = async_save
+        self.scores: dict[int, float] = {}  # step -> monitored value, for the checkpoints that have one
+        self.last_saved_step: Optional[int] = None
+
+    # ---------------------------------------------------------------- what resume and the user see
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=self.dirpath, monitor=self.monitor)
+
+    def path_of(self, step: int) -> str:
+        return f"{self.dirpath}/step={step:09d}"
+
+    def complete_steps(self) -> list[int]:
+        """Steps of the complete checkpoints in ``dirpath``, oldest first."""
+        return sorted(step for step, path in self._folders().items() if is_complete(path))
+
+    def last_checkpoint(self) -> Optional[str]:
+        """The newest complete checkpoint, or None."""
+        steps = self.complete_steps()
+        return self.path_of(steps[-1]) if steps else None
+
+    @property
+    def best_model_path(self) -> Optional[str]:
+        if not self.scores:
+            return None
+        pick = min if self.mode == "min" else max
+        return self.path_of(pick(self.scores, key=self.scores.get))
+
+    # ---------------------------------------------------------------- when to save
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        n = self.every_n_train_steps
+        if n and trainer.global_step % n == 0 and self._is_new_step(trainer):
+            self._save(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.monitor is None or trainer.sanity_checking or not trainer.training and not trainer.validating:
+            return
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            rank_zero_warn(f"DistributedCheckpoint(monitor={self.monitor!r}): no such metric was logged; known: "
+                           f"{sorted(trainer.callback_metrics)}.")
+            return
+        self.scores[trainer.global_step] = float(value)
+        if self._is_new_step(trainer):
+            self._save(trainer)
+        else:
+            self._clean_up(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.save_last and self._is_new_step(trainer) and trainer.global_step > 0:
+            self._save(trainer)
+        self._wait(trainer)
+        self._clean_up(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._wait(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scores": dict(self.scores), "last_saved_step": self.last_saved_step, "dirpath": self.dirpath}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("dirpath") == self.dirpath:
+            self.scores = {int(k): v for k, v in state_dict.get("scores", {}).items()}
+            self.last_saved_step = state_dict.get("last_saved_step")
+
+    # ---------------------------------------------------------------- how
+
+    def _is_new_step(self, trainer: pl.Trainer) -> bool:
+        return trainer.global_step != self.last_saved_step
+
+    def _save(self, trainer: pl.Trainer) -> None:
+        self.last_saved_step = trainer.global_step
+        path = self.path_of(trainer.global_step)
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        strategy = trainer.strategy
+        if hasattr(strategy, "wait_for_checkpoint"):
+            strategy.save_checkpoint(checkpoint, path, asynchronous=self.async_save)
+        else:  # a strategy that is not meshlight's: its own (synchronous) checkpoint format
+            strategy.save_checkpoint(checkpoint, path)
+            strategy.barrier("DistributedCheckpoint")
+        self._clean_up(trainer)
+
+    def _wait(self, trainer: pl.Trainer) -> None:
+        wait = getattr(trainer.strategy, "wait_for_checkpoint", None)
+        if wait is not None:
+            wait()
+
+    def _keep(self, steps: list[int]) -> set[int]:
+        """The steps whose checkpoints stay, given the complete ones (oldest first)."""
+        newest = steps[::-1]
+        if self.monitor is None:
+            count = self.keep_last_k or (len(steps) if self.save_top_k == -1 else max(self.save_top_k, 1))
+            return set(newest[:count])
+        ranked = sorted((s for s in steps if s in self.scores), key=self.scores.get, reverse=self.mode == "max")
+        keep = set(ranked if self.save_top_k == -1 else ranked[: self.save_top_k])
+        if self.save_last and newest:
+            keep.add(newest[0])
+        if self.keep_last_k:
+            keep.update(newest[: self.keep_last_k])
+        return keep
+
+    def _clean_up(self, trainer: pl.Trainer) -> None:
+        """Delete (global rank 0) the complete checkpoints no longer kept and incomplete ones left by crashes,
+        never the one being written."""
+        if not trainer.is_global_zero:
+            return
+        folders = self._folders()
+        complete = sorted(step for step, path in folders.items() if is_complete(path))
+        keep = self._keep(complete)
+        fs, _ = fsspec.core.url_to_fs(self.dirpath)
+        for step, path in folders.items():
+            in_flight = step == self.last_saved_step
+            if in_flight or step in keep or (step not in complete and not _interrupted(fs, path)):
+                continue
+            fs.rm(fsspec.core.url_to_fs(path)[1], recursive=True)
+            self.scores.pop(step, None)
+
+    def _folders(self) -> dict[int, str]:
+        fs, root = fsspec.core.url_to_fs(self.dirpath)
+        if not fs.exists(root):
+            return {}
+        folders = {}
+        for entry in fs.ls(root, detail=False):
+            match = FOLDER.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
+            if match:
+                folders[int(match.group(1))] = self.path_of(int(match.group(1)))
+        return folders
+
+
+def _interrupted(fs: Any, path: str) -> bool:
+    return fs.exists(f"{fsspec.core.url_to_fs(path)[1]}/{INCOMPLETE_MARKER}")
+
+
+def resolve_last(trainer: pl.Trainer) -> Optional[str]:
+    """``ckpt_path="last"`` for a trainer with :class:`DistributedCheckpoint` callbacks: the newest complete
+    checkpoint among theirs (None when there is none yet)."""
+    found = [(int(FOLDER.match(p.rsplit("/", 1)[-1]).group(1)), p)  # type: ignore[union-attr]
+             for cb in trainer.callbacks if isinstance(cb, DistributedCheckpoint)
+             for p in [cb.last_checkpoint()] if p is not None]
+    return max(found)[1] if found else None

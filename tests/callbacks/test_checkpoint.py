@@ -1,0 +1,129 @@
+"""DistributedCheckpoint: a run SIGKILLed after step 12 and resumed from "last" (the step-10 checkpoint, written
+asynchronously, mid-epoch) reproduces every loss of an uninterrupted 20-step run bit for bit, under every
+strategy; plus atomic commit, retention and the errors for partial or damaged checkpoints."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.callbacks.workers import resume_worker
+from tests.launch import torchrun
+
+WORKER = Path(resume_worker.__file__)
+BY_WORLD = {world: [n for n, (w, _, _) in resume_worker.STRATEGIES.items() if w == world] for world in (2, 4)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("resume")
+    results = {}
+    for world, names in BY_WORLD.items():
+        torchrun(WORKER, world, "full", str(root / f"full-{world}.pt"), *names, timeout=900)
+        for name in names:
+            killed = torchrun(WORKER, world, "kill", str(root / "ckpt"), name, timeout=600, check=False)
+            assert killed.returncode != 0, f"{name}: the run was meant to be killed after step 12"
+        torchrun(WORKER, world, "resume", str(root / "ckpt"), str(root / f"resumed-{world}.pt"), *names, timeout=900)
+        full = torch.load(root / f"full-{world}.pt")
+        resumed = torch.load(root / f"resumed-{world}.pt")
+        results.update({name: (full[name], resumed[name], root / "ckpt" / name) for name in names})
+    return results
+
+
+@pytest.mark.parametrize("name", list(resume_worker.STRATEGIES))
+def test_resume_after_sigkill_reproduces_every_loss_bitwise(runs, name):
+    full, resumed, directory = runs[name]
+    # From step 10, or from step 5 when step 10's background write had not finished before the kill: both
+    # mid-epoch (8-step epochs), and an uncommitted checkpoint must never be picked.
+    first = min(resumed)
+    assert first in (6, 11) and sorted(resumed) == list(range(first, 21)), sorted(resumed)
+    assert {step: full[step] for step in resumed} == resumed  # exact float equality
+    # keep_last_k=2 after the resumed run: the newest two, all complete
+    assert sorted(p.name for p in directory.iterdir()) == ["step=000000015", "step=000000020"]
+
+
+# ---------------------------------------------------------------- one process: commit, retention, errors
+
+
+def _fit(tmp_path, dirpath, *, max_steps=10, ckpt_path=None, callbacks=(), **checkpoint_args):
+    import meshlight as ml
+    from meshlight.callbacks import DistributedCheckpoint
+
+    checkpoint = DistributedCheckpoint(dirpath, **{"every_n_train_steps": 2, **checkpoint_args})
+    trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=max_steps, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         default_root_dir=tmp_path, callbacks=[checkpoint, *callbacks])
+    trainer.fit(resume_worker.model(0), _data(), ckpt_path=ckpt_path)
+    return trainer, checkpoint
+
+
+def _data():
+    from meshlight.demos import AdditionDataModule
+
+    return AdditionDataModule(3, batch_size=4, train_size=4 * 6)
+
+
+def test_keeps_the_newest_k_and_resumes_from_the_newest_complete(tmp_path):
+    from meshlight.parallel.checkpoint import INCOMPLETE_MARKER
+
+    _, checkpoint = _fit(tmp_path, tmp_path / "ckpt", keep_last_k=2)
+    assert checkpoint.complete_steps() == [8, 10]
+    # a save interrupted at step 12 leaves a marked folder: never picked, deleted by the next clean-up
+    partial = tmp_path / "ckpt" / "step=000000012"
+    partial.mkdir()
+    (partial / INCOMPLETE_MARKER).touch()
+    trainer, checkpoint = _fit(tmp_path, tmp_path / "ckpt", keep_last_k=2, max_steps=14, ckpt_path="last")
+    assert trainer.global_step == 14 and checkpoint.complete_steps() == [12, 14]
+    assert not (partial / INCOMPLETE_MARKER).exists()  # step 12 was written again, whole this time
+
+
+def test_partial_and_damaged_checkpoints_fail_naming_the_file(tmp_path):
+    from meshlight.parallel.checkpoint import INCOMPLETE_MARKER, CheckpointError
+
+    _fit(tmp_path, tmp_path / "ckpt", max_steps=2, async_save=False)
+    folder = tmp_path / "ckpt" / "step=000000002"
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    (folder / INCOMPLETE_MARKER).touch()
+    with pytest.raises(CheckpointError, match=r"step=000000002' is incomplete: its save was interrupted"):
+        _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
+    (folder / INCOMPLETE_MARKER).unlink()
+    (folder / "meta.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"meta.pt' cannot be read .*: the file is corrupted"):
+        _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
+    shard = next(p for p in folder.iterdir() if p.suffix == ".distcp")
+    (folder / "meta.pt").write_bytes(before["meta.pt"])
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"step=000000002' cannot be read"):
+        _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
+    (folder / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"\.metadata' is missing"):
+        _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
+    assert {p.name for p in folder.iterdir()} == set(before) - {".metadata"}  # nothing overwritten by a failure
+
+
+def test_writes_to_an_fsspec_url_and_ranks_by_a_monitored_metric(tmp_path):
+    import fsspec
+
+    _, checkpoint = _fit(tmp_path, "memory://run", max_steps=6, async_save=False)
+    assert checkpoint.complete_steps() == [6]  # save_top_k=1 without monitor: the newest
+    assert fsspec.filesystem("memory").exists("/run/step=000000006/meta.pt")
+
+    from lightning.pytorch.callbacks import Callback
+
+    class Log(Callback):  # a metric that is best at step 4
+        def on_train_batch_end(self, trainer, module, *args):
+            module.log("score", float(abs(trainer.global_step - 4)))
+
+        def on_train_batch_start(self, trainer, *args):
+            trainer.callback_metrics.pop("score", None)
+
+    import meshlight as ml
+    from meshlight.callbacks import DistributedCheckpoint
+
+    ranked = DistributedCheckpoint(tmp_path / "ranked", monitor="score", save_top_k=1, async_save=False)
+    trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=8, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, val_check_interval=2,
+                         limit_val_batches=1, callbacks=[Log(), ranked], default_root_dir=tmp_path)
+    trainer.fit(resume_worker.model(0), _data())
+    assert ranked.best_model_path.endswith("step=000000004")
+    assert ranked.complete_steps() == [4, 8]  # the best and, with save_last, the newest
