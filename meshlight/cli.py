@@ -1,6 +1,7 @@
 """The ``meshlight`` command line.
 
     meshlight plan --model llama3-70b --gpus 1024 --gpu h100 --seq 8192     # layouts for a cluster you plan
+    meshlight consolidate runs/ckpt/step=000001000 model.safetensors         # one full state dict, for inference
 """
 
 from __future__ import annotations
@@ -35,7 +36,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         planner.add_argument(f"--{size}", type=int, help=f"fix {size} instead of planning it")
     planner.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
     planner.add_argument("--json", action="store_true", help="print the best layouts as JSON")
+    merge = commands.add_parser(
+        "consolidate", help="write a sharded checkpoint's model weights as one file",
+        description="Gather the model weights of a sharded meshlight checkpoint (any layout) into one full state"
+                    " dict: OUT ending in .safetensors is written as safetensors, anything else with torch.save.")
+    merge.add_argument("checkpoint", help="checkpoint folder or URL")
+    merge.add_argument("out", help="output file (.safetensors or .pt)")
+    merge.add_argument("--strip-prefix", default="", help='remove this prefix from names, e.g. "model."')
     args = parser.parse_args(argv)
+    if args.command == "consolidate":
+        return _consolidate(args)
     model = MODELS[args.model].replace(**({"seq_len": args.seq} if args.seq else {}))
     hardware = HARDWARE[args.gpu].replace(**({"devices_per_node": args.gpus_per_node} if args.gpus_per_node else {}))
     global_batch = args.global_batch or max(TOKENS_PER_STEP // model.seq_len, 1)
@@ -55,6 +65,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{model.name} (seq {model.seq_len}, global batch {global_batch}) on {args.gpus} × {hardware.name},"
               f" {hardware.devices_per_node} per node:")
         print(format_plan(candidates, top=args.top))
+    return 0
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from meshlight.parallel.checkpoint import CheckpointError, consolidate
+
+    try:
+        state = consolidate(args.checkpoint, args.out, strip_prefix=args.strip_prefix)
+    except (CheckpointError, ImportError) as error:
+        print(f"meshlight consolidate: {error}", file=sys.stderr)
+        return 2
+    count = sum(t.numel() for t in state.values())
+    print(f"Wrote {len(state)} tensors ({count:,} values) to {args.out}")
     return 0
 
 

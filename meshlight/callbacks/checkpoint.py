@@ -69,6 +69,7 @@ class DistributedCheckpoint(Checkpoint):
         self.async_save = async_save
         self.scores: dict[int, float] = {}  # step -> monitored value, for the checkpoints that have one
         self.last_saved_step: Optional[int] = None
+        self.global_batch: Optional[int] = None  # samples per optimizer step, as saved and as now
 
     # ---------------------------------------------------------------- what resume and the user see
 
@@ -96,6 +97,17 @@ class DistributedCheckpoint(Checkpoint):
         return self.path_of(pick(self.scores, key=self.scores.get))
 
     # ---------------------------------------------------------------- when to save
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        saved, self.global_batch = self.global_batch, _global_batch(trainer)
+        if saved is not None and self.global_batch is not None and saved != self.global_batch:
+            rank_zero_warn(
+                f"Resuming with a global batch of {self.global_batch} samples per optimizer step; the checkpoint was"
+                f" saved with {saved}. Training goes on from the saved step, but it is not a continuation of the"
+                " interrupted run: the learning-rate schedule counts steps, and the data position is restored as"
+                " the number of batches the epoch had consumed, now of the new size. Keep the global batch (per-"
+                "replica batch × data-parallel size × accumulate_grad_batches) to resume exactly."
+            )
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         n = self.every_n_train_steps
@@ -126,12 +138,14 @@ class DistributedCheckpoint(Checkpoint):
         self._wait(trainer)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scores": dict(self.scores), "last_saved_step": self.last_saved_step, "dirpath": self.dirpath}
+        return {"scores": dict(self.scores), "last_saved_step": self.last_saved_step, "dirpath": self.dirpath,
+                "global_batch": self.global_batch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("dirpath") == self.dirpath:
             self.scores = {int(k): v for k, v in state_dict.get("scores", {}).items()}
             self.last_saved_step = state_dict.get("last_saved_step")
+        self.global_batch = state_dict.get("global_batch")
 
     # ---------------------------------------------------------------- how
 
@@ -195,6 +209,18 @@ class DistributedCheckpoint(Checkpoint):
             if match:
                 folders[int(match.group(1))] = self.path_of(int(match.group(1)))
         return folders
+
+
+def _global_batch(trainer: pl.Trainer) -> Optional[int]:
+    """Samples per optimizer step over all data-parallel ranks (None when the loader has no batch size)."""
+    loaders = trainer.train_dataloader
+    loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+    sizes = [getattr(loader, "batch_size", None) for loader in loaders]
+    if not sizes or any(size is None for size in sizes):
+        return None
+    replicas = trainer.strategy.distributed_sampler_kwargs.get("num_replicas", 1) if hasattr(
+        trainer.strategy, "distributed_sampler_kwargs") else 1
+    return sum(sizes) * replicas * trainer.accumulate_grad_batches
 
 
 def _interrupted(fs: Any, path: str) -> bool:

@@ -38,6 +38,7 @@ __all__ = [
     "CheckpointMismatchError",
     "check_complete",
     "checkpoint_keys",
+    "consolidate",
     "is_complete",
     "load_checkpoint",
     "load_model_weights",
@@ -267,6 +268,33 @@ def load_model_weights(module: nn.Module, path: PathLike, *, strict: bool = True
         set_model_state_dict(module, state, options=StateDictOptions(strict=False))
     else:
         module.load_state_dict(state, strict=False)
+
+
+def consolidate(path: PathLike, out: PathLike, *, strip_prefix: str = "") -> dict[str, torch.Tensor]:
+    """Write the model weights of a sharded checkpoint as one full state dict, for inference or export, in one
+    process (no process group): ``out`` ending in ``.safetensors`` as safetensors, anything else with
+    ``torch.save``. ``strip_prefix`` is removed from names that start with it (``"model."`` turns a
+    LightningModule's names into its inner model's). Returns the state dict."""
+    check_complete(path)
+    stored = _storage(path).read_metadata().state_dict_metadata
+    state = {key.partition(".")[2]: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in stored.items() if key.startswith(MODEL_KEY + ".") and hasattr(meta, "size")}
+    try:
+        dcp.load({MODEL_KEY: state}, storage_reader=_storage(path), no_dist=True)
+    except (Exception, CheckpointException) as error:
+        raise CheckpointError(f"The checkpoint {str(path)!r} cannot be read: {error}") from error
+    state = {(k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k): v for k, v in state.items()}
+    if str(out).endswith(".safetensors"):
+        try:
+            from safetensors.torch import save
+        except ImportError as error:
+            raise ImportError("Writing .safetensors needs the safetensors package: pip install safetensors") from error
+        with fsspec.open(str(out), "wb") as f:
+            f.write(save({k: v.contiguous() for k, v in state.items()}))
+    else:
+        with fsspec.open(str(out), "wb") as f:
+            torch.save(state, f)
+    return state
 
 
 def checkpoint_keys(path: PathLike) -> dict[str, set[str]]:

@@ -45,7 +45,7 @@ def test_resume_after_sigkill_reproduces_every_loss_bitwise(runs, name):
 # ---------------------------------------------------------------- one process: commit, retention, errors
 
 
-def _fit(tmp_path, dirpath, *, max_steps=10, ckpt_path=None, callbacks=(), **checkpoint_args):
+def _fit(tmp_path, dirpath, *, max_steps=10, ckpt_path=None, callbacks=(), batch_size=4, **checkpoint_args):
     import meshlight as ml
     from meshlight.callbacks import DistributedCheckpoint
 
@@ -53,14 +53,20 @@ def _fit(tmp_path, dirpath, *, max_steps=10, ckpt_path=None, callbacks=(), **che
     trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=max_steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          default_root_dir=tmp_path, callbacks=[checkpoint, *callbacks])
-    trainer.fit(resume_worker.model(0), _data(), ckpt_path=ckpt_path)
+    trainer.fit(resume_worker.model(0), _data(batch_size), ckpt_path=ckpt_path)
     return trainer, checkpoint
 
 
-def _data():
+def _data(batch_size=4):
     from meshlight.demos import AdditionDataModule
 
-    return AdditionDataModule(3, batch_size=4, train_size=4 * 6)
+    return AdditionDataModule(3, batch_size=batch_size, train_size=batch_size * 6)
+
+
+def test_resuming_with_another_global_batch_warns(tmp_path):
+    _fit(tmp_path, tmp_path / "ckpt", max_steps=2, async_save=False)
+    with pytest.warns(UserWarning, match="Resuming with a global batch of 8 .* saved with 4"):
+        _fit(tmp_path, tmp_path / "ckpt", max_steps=4, ckpt_path="last", batch_size=8)
 
 
 def test_keeps_the_newest_k_and_resumes_from_the_newest_complete(tmp_path):
@@ -127,3 +133,55 @@ def test_writes_to_an_fsspec_url_and_ranks_by_a_monitored_metric(tmp_path):
     trainer.fit(resume_worker.model(0), _data())
     assert ranked.best_model_path.endswith("step=000000004")
     assert ranked.complete_steps() == [4, 8]  # the best and, with save_last, the newest
+
+
+# ---------------------------------------------------------------- resharding
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory) -> dict:
+    from tests.callbacks.workers import reshard_worker
+
+    root = tmp_path_factory.mktemp("reshard")
+    worker = Path(reshard_worker.__file__)
+    torchrun(worker, 8, "save", str(root / "ckpt"), str(root / "3d.pt"), timeout=900)
+    results = {"3d": torch.load(root / "3d.pt"), "directory": root / "ckpt"}
+    for name, world in (("ddp", 4), ("zero3", 2), ("single", 1)):
+        torchrun(worker, world, "resume", str(root / "ckpt"), str(root / f"{name}.pt"), name, timeout=600)
+        results[name] = torch.load(root / f"{name}.pt")
+    return results
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3", "single"])
+def test_a_3d_checkpoint_resumes_under_another_layout(resharded, name):
+    saved, resumed = resharded["3d"], resharded[name]
+    assert saved["weights"].keys() == resumed["weights"].keys()
+    for key, tensor in saved["weights"].items():
+        assert torch.equal(tensor, resumed["weights"][key]), key
+    assert sorted(resumed["losses"]) == sorted(saved["losses"]) == list(range(6, 11))
+    for step, loss in saved["losses"].items():
+        assert resumed["losses"][step] == pytest.approx(loss, rel=1e-5), step
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_consolidate_writes_the_3d_checkpoint_as_one_full_state_dict(resharded, tmp_path, suffix):
+    import subprocess
+    import sys
+
+    from tests.launch import REPO
+
+    out = tmp_path / f"model{suffix}"
+    ckpt = resharded["directory"] / "step=000000005"
+    result = subprocess.run([sys.executable, "-m", "meshlight.cli", "consolidate", str(ckpt), str(out)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"to {out}" in result.stdout
+    if suffix == ".pt":
+        state = torch.load(out)
+    else:
+        from safetensors.torch import load_file
+
+        state = load_file(out)
+    saved = resharded["3d"]["weights"]
+    assert state.keys() == saved.keys()
+    assert all(torch.equal(state[k], saved[k]) for k in saved)
