@@ -14,12 +14,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def torchrun(
-    script: Path, nprocs: int, *args: str, timeout: float = 600, check: bool = True
+    script: Path, nprocs: int, *args: str, timeout: float = 600, check: bool = True, max_restarts: int = 0
 ) -> subprocess.CompletedProcess:
-    """Run ``script`` on ``nprocs`` gloo processes; on failure (when ``check``) fail with the tail of its output."""
+    """Run ``script`` on ``nprocs`` gloo processes (restarting them all up to ``max_restarts`` times when one
+    fails, as ``torchrun --max-restarts`` does); on failure (when ``check``) fail with the tail of its output."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
-        str(script), *args,
+        f"--max-restarts={max_restarts}", str(script), *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -9,7 +9,9 @@ The mechanics live in :mod:`meshlight.parallel`; this file wires them into Light
 from __future__ import annotations
 
 import atexit
+import os
 import time
+import warnings
 import weakref
 from collections.abc import Generator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -17,6 +19,7 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
@@ -211,7 +214,7 @@ class MeshStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         device_id = self.root_device if self.root_device.type != "cpu" else None
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        _connect(self.cluster_environment, backend, self._timeout, device_id)
         atexit.register(_let_collective_threads_finish)  # registering twice is harmless: one short sleep
         if self._device_mesh is None:  # once: `fit` then `test` reuse the mesh the model was parallelized on
             self._device_mesh = build_device_mesh(self.layout, self.root_device.type)
@@ -477,6 +480,8 @@ class MeshStrategy(ParallelStrategy):
         if (trainer is None or not trainer.training or not isinstance(dataloader, DataLoader)
                 or not isinstance(sampler, DistributedSampler) or dataloader.batch_size is None):
             return dataloader
+        # Lightning warns that a plain DataLoader cannot resume mid-epoch: under meshlight it does.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
         return _update_dataloader(dataloader, ResumableSampler(sampler, dataloader.batch_size,
                                                                lambda: progress.processed))
@@ -488,6 +493,22 @@ class MeshStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # loaded, resharded, in `load_checkpoint`
+
+
+def _connect(environment: ClusterEnvironment, backend: str, timeout: Optional[timedelta], device_id: Any) -> None:
+    """Lightning's process-group initialization, except after a ``torchrun --max-restarts`` restart: there
+    torch 2.13 lets gloo read the killed attempt's peer addresses from the agent's store (every rank fails with
+    "connectFullMesh … Connection refused"), so the restarted ranks rendezvous under a prefix of their own."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart == "0" or dist.is_initialized():
+        _init_dist_connection(environment, backend, timeout=timeout, device_id=device_id)
+        return
+    timeout = timeout or default_pg_timeout
+    store = dist.TCPStore(environment.main_address, environment.main_port, environment.world_size(),
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"meshlight/attempt_{restart}", store),
+                            rank=environment.global_rank(), world_size=environment.world_size(), timeout=timeout,
+                            device_id=device_id)
 
 
 def _let_collective_threads_finish() -> None:

@@ -185,3 +185,28 @@ def test_consolidate_writes_the_3d_checkpoint_as_one_full_state_dict(resharded, 
     saved = resharded["3d"]["weights"]
     assert state.keys() == saved.keys()
     assert all(torch.equal(state[k], saved[k]) for k in saved)
+
+
+# ---------------------------------------------------------------- faults under torchrun --max-restarts=1
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("faults")
+    results = {}
+    for kind in ("none", "rank", "save"):
+        torchrun(WORKER, 2, "fault", str(root / kind), str(root / f"{kind}.pt"), kind, max_restarts=1, timeout=600)
+        results[kind] = torch.load(root / f"{kind}.pt")
+    return results
+
+
+@pytest.mark.parametrize("kind", ["rank", "save"])
+def test_the_job_restarts_from_the_last_complete_checkpoint_and_ends_with_the_same_weights(faults, kind):
+    # "rank": one rank SIGKILLed after step 12; "save": every rank killed inside the save of step 10, which
+    # must then be ignored (the restart resumes from step 5) and written again
+    reference, restarted = faults["none"], faults[kind]
+    assert reference["restarts"] == 0 and restarted["restarts"] == 1
+    assert restarted["steps"] == reference["steps"] == [15, 20]
+    assert reference["weights"].keys() == restarted["weights"].keys()
+    for name, tensor in reference["weights"].items():
+        assert torch.equal(tensor, restarted["weights"][name]), name

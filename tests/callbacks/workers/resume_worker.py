@@ -5,6 +5,11 @@
     kill DIR NAME       train NAME with checkpoints every 5 steps into DIR/NAME; every rank SIGKILLs itself
                         right after step 12 (the async save of step 10 may still be in flight)
     resume DIR OUT NAMES...  fit(ckpt_path="last") each to step 20; rank 0 writes the losses of the steps run
+    fault DIR OUT FAULT  under torchrun --max-restarts=1, zero3 on 2 processes, fit(ckpt_path="last") to step 20
+                        (synchronous saves); in the first attempt FAULT = "rank": rank 1 SIGKILLs itself after
+                        step 12; "save": every rank SIGKILLs itself inside the save of step 10, after the folder
+                        is marked incomplete; "none": no fault. Rank 0 writes the final full weights and the
+                        restart count
 
 Epochs are 8 steps long, so step 10 is mid-epoch: the resumed data position comes from the sampler skipping
 what the epoch consumed.
@@ -25,6 +30,7 @@ from meshlight.callbacks import DistributedCheckpoint
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 from meshlight.nn import MoEConfig
+from tests.strategies.parity import full_weights
 
 GLOBAL_BATCH, STEPS_PER_EPOCH, MAX_STEPS, KILL_AFTER = 16, 8, 20, 12
 
@@ -72,7 +78,47 @@ def train(name: str, directory: Path, *, kill: bool = False, resume: bool = Fals
     return losses.losses
 
 
+def fault(directory: Path, out: Path, kind: str) -> None:
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    rank = int(os.environ["RANK"])
+    step = {"now": 0}
+
+    class Fault(Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+            step["now"] = trainer.global_step
+            if first_attempt and kind == "rank" and rank == 1 and trainer.global_step == KILL_AFTER:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    if first_attempt and kind == "save":
+        import meshlight.parallel.checkpoint as checkpoint_module
+
+        real_save = checkpoint_module.dcp.save
+
+        def crashing_save(*args: object, **kwargs: object) -> object:
+            if step["now"] == 10:  # the folder is marked incomplete, meta.pt is written, no shard yet
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_save(*args, **kwargs)
+
+        checkpoint_module.dcp.save = crashing_save
+
+    pl.seed_everything(0, verbose=False)
+    data = AdditionDataModule(3, batch_size=GLOBAL_BATCH // 2, train_size=GLOBAL_BATCH * STEPS_PER_EPOCH)
+    checkpoint = DistributedCheckpoint(directory, every_n_train_steps=5, keep_last_k=2, async_save=False)
+    trainer = ml.Trainer(strategy="zero3", devices=2, accelerator="cpu", max_steps=MAX_STEPS, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         callbacks=[Fault(), checkpoint])
+    module = model(0)
+    trainer.fit(module, data, ckpt_path="last")
+    weights = full_weights(module)
+    if rank == 0:
+        torch.save({"weights": weights, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                    "steps": checkpoint.complete_steps()}, out)
+
+
 def main(mode: str, args: list[str]) -> None:
+    if mode == "fault":
+        fault(Path(args[0]), Path(args[1]), args[2])
+        return
     if mode == "kill":
         train(args[1], Path(args[0]), kill=True)
         return
