@@ -1,6 +1,7 @@
 """Lightning callbacks."""
 
+from meshlight.callbacks.activation_checkpointing import ActivationCheckpointing
 from meshlight.callbacks.checkpoint import DistributedCheckpoint
 from meshlight.callbacks.expert_load import ExpertLoadMonitor, load_heatmap
 
-__all__ = ["DistributedCheckpoint", "ExpertLoadMonitor", "load_heatmap"]
+__all__ = ["ActivationCheckpointing", "DistributedCheckpoint", "ExpertLoadMonitor", "load_heatmap"]

@@ -66,6 +66,7 @@ from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh, s
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
 from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, validate_schedule
+from meshlight.parallel.recompute import RecomputePolicy
 from meshlight.parallel.sampling import ResumableSampler
 from meshlight.parallel.tensor import model_plan, stage_plan
 from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps, setup_pipeline
@@ -140,6 +141,9 @@ class MeshStrategy(ParallelStrategy):
         self._device_mesh: Optional[DeviceMesh] = None
         self._forward_redirection = _MeshForwardRedirection()
         self._checkpoint_writer: Optional[AsyncCheckpointWriter] = None
+        #: blocks to recompute in backward, set by the ActivationCheckpointing callback before the model is
+        #: parallelized (applied after tensor/expert parallelism, before data parallelism, on every stage)
+        self.recompute: Optional[RecomputePolicy] = None
         self.num_nodes = 1
 
     # ---------------------------------------------------------------- layout, mesh, ranks
@@ -260,7 +264,8 @@ class MeshStrategy(ParallelStrategy):
                 plan = model_plan(find_pipelined_module(lightning_module)[1], self._tensor_parallel["tp_plan"])
 
             def parallelize_stage(stage: nn.Module) -> nn.Module:
-                options = {**self._tensor_parallel, "tp_plan": stage_plan(plan, stage) if plan is not None else None}
+                options = {**self._tensor_parallel, "tp_plan": stage_plan(plan, stage) if plan is not None else None,
+                           "recompute": self.recompute}
                 return parallelize(stage, self.layout, self.device_mesh, **options)
 
             self._pipeline, stages = setup_pipeline(
@@ -271,7 +276,8 @@ class MeshStrategy(ParallelStrategy):
             _RUNNERS[lightning_module] = runner
         elif runner is None:
             runner = _StepRunner(lightning_module, self.layout)
-            parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs, **self._tensor_parallel)
+            parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs, recompute=self.recompute,
+                        **self._tensor_parallel)
             _RUNNERS[lightning_module] = runner
         elif runner.layout != self.layout:
             raise RuntimeError(
