@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 import fsspec
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from meshlight.parallel.checkpoint import INCOMPLETE_MARKER, is_complete
@@ -98,6 +99,14 @@ class DistributedCheckpoint(Checkpoint):
 
     # ---------------------------------------------------------------- when to save
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not hasattr(trainer.strategy, "wait_for_checkpoint"):
+            raise TypeError(
+                f"DistributedCheckpoint writes through meshlight's strategies; the trainer uses"
+                f" {type(trainer.strategy).__name__}. Pass a meshlight strategy (strategy=\"ddp\", \"zero3\", \"3d\","
+                " …) or use Lightning's ModelCheckpoint."
+            )
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         saved, self.global_batch = self.global_batch, _global_batch(trainer)
         if saved is not None and self.global_batch is not None and saved != self.global_batch:
@@ -115,7 +124,7 @@ class DistributedCheckpoint(Checkpoint):
             self._save(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.monitor is None or trainer.sanity_checking or not trainer.training and not trainer.validating:
+        if self.monitor is None or trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
@@ -135,7 +144,8 @@ class DistributedCheckpoint(Checkpoint):
         self._clean_up(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._wait(trainer)
+        if hasattr(trainer.strategy, "wait_for_checkpoint"):  # finish a write in flight; nothing else to do
+            self._wait(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scores": dict(self.scores), "last_saved_step": self.last_saved_step, "dirpath": self.dirpath,
@@ -156,24 +166,17 @@ class DistributedCheckpoint(Checkpoint):
         self.last_saved_step = trainer.global_step
         path = self.path_of(trainer.global_step)
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        strategy = trainer.strategy
-        if hasattr(strategy, "wait_for_checkpoint"):
-            strategy.save_checkpoint(checkpoint, path, asynchronous=self.async_save)
-        else:  # a strategy that is not meshlight's: its own (synchronous) checkpoint format
-            strategy.save_checkpoint(checkpoint, path)
-            strategy.barrier("DistributedCheckpoint")
+        trainer.strategy.save_checkpoint(checkpoint, path, asynchronous=self.async_save)
         self._clean_up(trainer)
 
     def _wait(self, trainer: pl.Trainer) -> None:
-        wait = getattr(trainer.strategy, "wait_for_checkpoint", None)
-        if wait is not None:
-            wait()
+        trainer.strategy.wait_for_checkpoint()
 
     def _keep(self, steps: list[int]) -> set[int]:
         """The steps whose checkpoints stay, given the complete ones (oldest first)."""
         newest = steps[::-1]
         if self.monitor is None:
-            count = self.keep_last_k or (len(steps) if self.save_top_k == -1 else max(self.save_top_k, 1))
+            count = len(steps) if self.save_top_k == -1 else max(self.save_top_k, self.keep_last_k or 0, 1)
             return set(newest[:count])
         ranked = sorted((s for s in steps if s in self.scores), key=self.scores.get, reverse=self.mode == "max")
         keep = set(ranked if self.save_top_k == -1 else ranked[: self.save_top_k])

@@ -1,8 +1,11 @@
 """The parallel mechanisms, one per file, as plain functions on (module, mesh); no Lightning imports."""
 
 from meshlight.parallel.checkpoint import (
+    CheckpointError,
     CheckpointMismatchError,
     checkpoint_keys,
+    consolidate,
+    is_complete,
     load_checkpoint,
     load_model_weights,
     save_checkpoint,
@@ -13,21 +16,27 @@ from meshlight.parallel.expert import apply_expert_parallel
 from meshlight.parallel.layout import MESH_AXES, ParallelLayout, build_device_mesh
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
+from meshlight.parallel.recompute import RecomputePolicy, apply_recompute
 from meshlight.parallel.traffic import CollectiveTraffic, bytes_sent_per_rank
 
 __all__ = [
     "MESH_AXES",
+    "CheckpointError",
     "CheckpointMismatchError",
     "CollectiveTraffic",
     "ParallelLayout",
+    "RecomputePolicy",
     "adapt_optimizer",
     "apply_data_parallel",
     "apply_expert_parallel",
+    "apply_recompute",
     "build_device_mesh",
     "bytes_sent_per_rank",
     "checkpoint_keys",
     "clip_grad_norm_",
+    "consolidate",
     "gradient_accumulation",
+    "is_complete",
     "load_checkpoint",
     "load_model_weights",
     "parallelize",

@@ -63,6 +63,17 @@ def _data(batch_size=4):
     return AdditionDataModule(3, batch_size=batch_size, train_size=batch_size * 6)
 
 
+def test_refuses_strategies_that_are_not_meshlights(tmp_path):
+    import lightning.pytorch as pl
+
+    from meshlight.callbacks import DistributedCheckpoint
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                         callbacks=[DistributedCheckpoint(tmp_path)])
+    with pytest.raises(TypeError, match="DistributedCheckpoint writes through meshlight's strategies"):
+        trainer.fit(resume_worker.model(0), _data())
+
+
 def test_resuming_with_another_global_batch_warns(tmp_path):
     _fit(tmp_path, tmp_path / "ckpt", max_steps=2, async_save=False)
     with pytest.warns(UserWarning, match="Resuming with a global batch of 8 .* saved with 4"):
