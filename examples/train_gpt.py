@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import meshlight as ml
+from meshlight.callbacks import TrainingMonitor
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 from meshlight.nn import MoEConfig
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         check_val_every_n_epoch=None,
         log_every_n_steps=10,
         default_root_dir=args.out,
-        callbacks=[checkpoint],
+        callbacks=[checkpoint, TrainingMonitor()],  # + tokens/s, MFU, step time, peak memory per rank, layout
     )
     start = time.perf_counter()
     trainer.fit(model, data)

@@ -3,5 +3,7 @@
 from meshlight.callbacks.activation_checkpointing import ActivationCheckpointing
 from meshlight.callbacks.checkpoint import DistributedCheckpoint
 from meshlight.callbacks.expert_load import ExpertLoadMonitor, load_heatmap
+from meshlight.callbacks.monitor import ProfileSteps, TrainingMonitor
 
-__all__ = ["ActivationCheckpointing", "DistributedCheckpoint", "ExpertLoadMonitor", "load_heatmap"]
+__all__ = ["ActivationCheckpointing", "DistributedCheckpoint", "ExpertLoadMonitor", "ProfileSteps", "TrainingMonitor",
+           "load_heatmap"]
