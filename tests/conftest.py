@@ -1,5 +1,6 @@
 """Tests that train in the pytest process itself (one CPU process) leave no process group or rendezvous
-variables behind: a later subprocess would inherit MASTER_PORT and find the port still held."""
+variables behind: a later subprocess would inherit MASTER_PORT and find the port still held (EADDRINUSE).
+Restored to the values of the session's start, since module-scoped fixtures train before a test's setup."""
 
 import os
 
@@ -7,15 +8,15 @@ import pytest
 import torch.distributed as dist
 
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+AT_START = {name: os.environ.get(name) for name in RENDEZVOUS}
 
 
 @pytest.fixture(autouse=True)
 def _no_process_group_left_behind():
-    before = {name: os.environ.get(name) for name in RENDEZVOUS}
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
-    for name, value in before.items():
+    for name, value in AT_START.items():
         if value is None:
             os.environ.pop(name, None)
         else:
