@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from meshlight.parallel.checkpoint import INCOMPLETE_MARKER, is_complete
+from meshlight.parallel.checkpoint import is_complete, is_interrupted
 
 __all__ = ["DistributedCheckpoint"]
 
@@ -194,12 +194,12 @@ class DistributedCheckpoint(Checkpoint):
         folders = self._folders()
         complete = sorted(step for step, path in folders.items() if is_complete(path))
         keep = self._keep(complete)
-        fs, _ = fsspec.core.url_to_fs(self.dirpath)
         for step, path in folders.items():
             in_flight = step == self.last_saved_step
-            if in_flight or step in keep or (step not in complete and not _interrupted(fs, path)):
+            if in_flight or step in keep or (step not in complete and not is_interrupted(path)):
                 continue
-            fs.rm(fsspec.core.url_to_fs(path)[1], recursive=True)
+            fs, root = fsspec.core.url_to_fs(path)
+            fs.rm(root, recursive=True)
             self.scores.pop(step, None)
 
     def _folders(self) -> dict[int, str]:
@@ -221,19 +221,13 @@ def _global_batch(trainer: pl.Trainer) -> Optional[int]:
     sizes = [getattr(loader, "batch_size", None) for loader in loaders]
     if not sizes or any(size is None for size in sizes):
         return None
-    replicas = trainer.strategy.distributed_sampler_kwargs.get("num_replicas", 1) if hasattr(
-        trainer.strategy, "distributed_sampler_kwargs") else 1
+    replicas = trainer.strategy.distributed_sampler_kwargs["num_replicas"]  # a meshlight strategy (see setup)
     return sum(sizes) * replicas * trainer.accumulate_grad_batches
-
-
-def _interrupted(fs: Any, path: str) -> bool:
-    return fs.exists(f"{fsspec.core.url_to_fs(path)[1]}/{INCOMPLETE_MARKER}")
 
 
 def resolve_last(trainer: pl.Trainer) -> Optional[str]:
     """``ckpt_path="last"`` for a trainer with :class:`DistributedCheckpoint` callbacks: the newest complete
     checkpoint among theirs (None when there is none yet)."""
-    found = [(int(FOLDER.match(p.rsplit("/", 1)[-1]).group(1)), p)  # type: ignore[union-attr]
-             for cb in trainer.callbacks if isinstance(cb, DistributedCheckpoint)
-             for p in [cb.last_checkpoint()] if p is not None]
-    return max(found)[1] if found else None
+    newest = [(steps[-1], cb.path_of(steps[-1])) for cb in trainer.callbacks if isinstance(cb, DistributedCheckpoint)
+              for steps in [cb.complete_steps()] if steps]
+    return max(newest)[1] if newest else None

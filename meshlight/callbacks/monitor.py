@@ -22,7 +22,8 @@ class TrainingMonitor(Callback):
     ``perf/tokens_per_second`` (all ranks), ``perf/tokens_per_second_per_device``, ``perf/mfu`` (model FLOPs per
     token × tokens/s per device ÷ the device's dense peak, torchtitan's convention), and
     ``memory/peak_bytes/rank<r>`` for every rank (CUDA: ``max_memory_allocated``; CPU: the process's peak
-    resident memory). At the start it writes the layout (and the planner's table, when it chose it) as text.
+    resident memory). At the start it writes the layout (and the planner's estimates, when it chose
+    or checked it) as text.
 
     Tokens are the elements of the first tensor of each batch, summed over micro-batches and data-parallel
     replicas; FLOPs per token come from the model's own ``flops_per_token()`` when it has one (meshlight's GPT),

@@ -83,8 +83,8 @@ def save_checkpoint(
     The folder is committed atomically: an ``.incomplete`` marker is written before anything else and removed
     only once every rank's shards and the metadata are written, so a checkpoint interrupted mid-save is never
     taken for a whole one (:func:`is_complete`, and loading it raises :class:`CheckpointError`). With a
-    ``writer`` the shards are staged in memory and written in the background; the commit happens when the
-    writer finishes (:meth:`AsyncCheckpointWriter.wait`, or the next save).
+    ``writer`` the shards are staged in memory and written in the background, and the folder is committed as soon
+    as the write completes (:class:`AsyncCheckpointWriter`).
     """
     checkpoint = dict(checkpoint)
     shards = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
@@ -157,27 +157,35 @@ class AsyncCheckpointWriter:
 def is_complete(path: PathLike) -> bool:
     """Whether ``path`` holds a whole checkpoint: DCP's metadata and ``meta.pt`` written, and no ``.incomplete``
     marker left by an interrupted save."""
+    return _incompleteness(path) is None
+
+
+def is_interrupted(path: PathLike) -> bool:
+    """Whether ``path`` is a folder whose save was interrupted (it still has the ``.incomplete`` marker)."""
     fs, root = fsspec.core.url_to_fs(str(path))
-    return (not fs.exists(_join(root, INCOMPLETE_MARKER)) and fs.exists(_join(root, ".metadata"))
-            and fs.exists(_join(root, META_FILENAME)))
+    return fs.exists(_join(root, INCOMPLETE_MARKER))
 
 
 def check_complete(path: PathLike) -> None:
     """Raise :class:`CheckpointError` naming what is missing when ``path`` is not a whole checkpoint."""
+    problem = _incompleteness(path)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def _incompleteness(path: PathLike) -> Optional[str]:
+    """Why ``path`` is not a whole checkpoint, or None when it is."""
     fs, root = fsspec.core.url_to_fs(str(path))
     if not fs.exists(root):
-        raise CheckpointError(f"No checkpoint at {str(path)!r}: the path does not exist.")
-    if fs.exists(_join(root, INCOMPLETE_MARKER)):
-        raise CheckpointError(
-            f"The checkpoint {str(path)!r} is incomplete: its save was interrupted ({INCOMPLETE_MARKER} is still"
-            " there). Resume from an earlier checkpoint (`ckpt_path=\"last\"` skips incomplete ones)."
-        )
+        return f"No checkpoint at {str(path)!r}: the path does not exist."
+    if is_interrupted(path):
+        return (f"The checkpoint {str(path)!r} is incomplete: its save was interrupted ({INCOMPLETE_MARKER} is still"
+                " there). Resume from an earlier checkpoint (`ckpt_path=\"last\"` skips incomplete ones).")
     for name in (".metadata", META_FILENAME):
         if not fs.exists(_join(root, name)):
-            raise CheckpointError(
-                f"{_join(str(path), name)!r} is missing: {str(path)!r} is not a whole meshlight checkpoint"
-                " (DCP's .metadata and meta.pt are written by every complete save)."
-            )
+            return (f"{_join(str(path), name)!r} is missing: {str(path)!r} is not a whole meshlight checkpoint"
+                    " (DCP's .metadata and meta.pt are written by every complete save).")
+    return None
 
 
 def load_rng_state(path: PathLike) -> Optional[dict[str, Any]]:
@@ -190,10 +198,10 @@ def load_rng_state(path: PathLike) -> Optional[dict[str, Any]]:
         return torch.load(f, map_location="cpu", weights_only=False)
 
 
-def _read(state: dict[str, Any], path: PathLike) -> None:
+def _read(state: dict[str, Any], path: PathLike, *, no_dist: bool = False) -> None:
     """``dcp.load`` in place, a damaged shard reported as a :class:`CheckpointError` naming the checkpoint."""
     try:
-        dcp.load(state, storage_reader=_storage(path))
+        dcp.load(state, storage_reader=_storage(path), no_dist=no_dist)
     except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
         failures = getattr(error, "failures", None)  # rank -> the exception it raised
         rank, cause = next(iter(failures.items())) if failures else (_rank(), error)
@@ -279,10 +287,7 @@ def consolidate(path: PathLike, out: PathLike, *, strip_prefix: str = "") -> dic
     stored = _storage(path).read_metadata().state_dict_metadata
     state = {key.partition(".")[2]: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in stored.items() if key.startswith(MODEL_KEY + ".") and hasattr(meta, "size")}
-    try:
-        dcp.load({MODEL_KEY: state}, storage_reader=_storage(path), no_dist=True)
-    except (Exception, CheckpointException) as error:
-        raise CheckpointError(f"The checkpoint {str(path)!r} cannot be read: {error}") from error
+    _read({MODEL_KEY: state}, path, no_dist=True)
     state = {(k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k): v for k, v in state.items()}
     if str(out).endswith(".safetensors"):
         try:
