@@ -3,7 +3,8 @@
 from meshlight.callbacks.activation_checkpointing import ActivationCheckpointing
 from meshlight.callbacks.checkpoint import DistributedCheckpoint
 from meshlight.callbacks.expert_load import ExpertLoadMonitor, load_heatmap
+from meshlight.callbacks.mixed_precision import MixedPrecision, MixedPrecisionError
 from meshlight.callbacks.monitor import ProfileSteps, TrainingMonitor
 
-__all__ = ["ActivationCheckpointing", "DistributedCheckpoint", "ExpertLoadMonitor", "ProfileSteps", "TrainingMonitor",
-           "load_heatmap"]
+__all__ = ["ActivationCheckpointing", "DistributedCheckpoint", "ExpertLoadMonitor", "MixedPrecision",
+           "MixedPrecisionError", "ProfileSteps", "TrainingMonitor", "load_heatmap"]

@@ -23,6 +23,7 @@ stage, so per-rank memory after a step is at most the classic ZeRO formula for t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from itertools import chain
@@ -40,6 +41,7 @@ from torch.distributed.utils import _sync_params_and_buffers
 from torch.nn.parallel import DistributedDataParallel
 
 from meshlight.parallel.expert import expert_data_mesh
+from meshlight.parallel.precision import PrecisionPolicy
 
 __all__ = [
     "apply_data_parallel",
@@ -89,6 +91,7 @@ def apply_data_parallel(
     ddp_kwargs: Optional[dict[str, Any]] = None,
     pipelined: bool = False,
     experts: Sequence[nn.Module] = (),
+    precision: Optional[PrecisionPolicy] = None,
 ) -> nn.Module:
     """Make ``module`` data parallel in place over ``mesh``'s data axes with ZeRO stage ``zero``.
 
@@ -99,32 +102,43 @@ def apply_data_parallel(
     gradient reduction to the last only for FSDP modules, so DDP runs on FSDP2 there too.
     ``experts``: modules whose weights are split over the mesh's ``ep`` axis; they are data parallel over
     the ranks holding the same experts only (:func:`~meshlight.parallel.expert.expert_data_mesh`).
+    ``precision``: mixed precision (:mod:`meshlight.parallel.precision`), which always runs on FSDP2 — over
+    shard groups of one rank where the layout shards nothing.
     """
-    if mesh["dp"].size() == 1:
+    if mesh["dp"].size() == 1 and precision is None:
         return module  # nothing to replicate or shard over; FSDP on one rank would only add copies
-    ignored = _expert_data_parallel(experts, mesh, zero)
+    ignored = _expert_data_parallel(experts, mesh, zero, precision)
     has_dtensors = any(isinstance(p, DTensor) for p in module.parameters())
-    if zero == 0 and not has_dtensors and not pipelined:
+    if zero == 0 and not has_dtensors and not pipelined and precision is None:
         # Composable DDP: the real DDP reducer (bucketed all-reduce overlapped with backward) installed as
         # hooks on `module`, which keeps its class and parameter names.
         return replicate(module, process_group=data_parallel_mesh(mesh, zero).get_group(), **(ddp_kwargs or {}))
     dp_mesh = mesh["dp_replicate", "dp_shard"] if zero == 0 else data_parallel_mesh(mesh, zero)
+    shard = functools.partial(fully_shard, mesh=dp_mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
+    if precision is not None:  # fp32 units first: FSDP units nest bottom-up
+        for fp32_module, policy in precision.fp32_units(module):
+            shard(fp32_module, mp_policy=policy)
+        shard = functools.partial(shard, mp_policy=precision.fsdp)
     for block in repeated_blocks(module) if blocks is None else blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
+        shard(block)
+    shard(module)
     return module
 
 
-def _expert_data_parallel(experts: Sequence[nn.Module], mesh: DeviceMesh, zero: int) -> Optional[set[nn.Parameter]]:
+def _expert_data_parallel(
+    experts: Sequence[nn.Module], mesh: DeviceMesh, zero: int, precision: Optional[PrecisionPolicy]
+) -> Optional[set[nn.Parameter]]:
     """Make expert-parallel modules data parallel over the ranks that hold the same experts, as FSDP units of
-    their own; where no other rank holds them (ep = dp), return their parameters for FSDP to leave alone."""
+    their own; where no other rank holds them (ep = dp), return their parameters for FSDP to leave alone
+    (unless mixed precision must cast them)."""
     if not experts:
         return None
     edp_mesh = expert_data_mesh(mesh, zero)
-    if edp_mesh.size() == 1:
+    if edp_mesh.size() == 1 and precision is None:
         return {p for module in experts for p in module.parameters()}
     for module in experts:
-        fully_shard(module, mesh=edp_mesh, reshard_after_forward=zero == 3)
+        fully_shard(module, mesh=edp_mesh, reshard_after_forward=zero == 3,
+                    **({"mp_policy": precision.fsdp} if precision is not None else {}))
     return None
 
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_module_states, is_data_parallel
 from meshlight.parallel.expert import apply_expert_parallel, expert_layers, sharded_experts
 from meshlight.parallel.layout import ParallelLayout
+from meshlight.parallel.precision import PrecisionPolicy
 from meshlight.parallel.recompute import RecomputePolicy, apply_recompute
 from meshlight.parallel.tensor import apply_tensor_parallel, model_plan, validate_plan
 
@@ -35,6 +36,7 @@ def parallelize(
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
     recompute: Optional[RecomputePolicy] = None,
+    precision: Optional[PrecisionPolicy] = None,
 ) -> nn.Module:
     """Apply every transform ``layout`` asks for to ``module`` in place; ``module`` becomes the root whose
     forward runs the collectives. ``tp_plan`` (module-name patterns → roles) replaces the automatic
@@ -43,7 +45,8 @@ def parallelize(
     With pipeline parallelism ``module`` is one stage (see :mod:`meshlight.parallel.pipeline`, which splits
     the model first). A transform the model already carries — DTensor parameters from its own tensor
     parallelism, DDP or FSDP applied in ``configure_model`` — is not applied again. ``recompute`` chooses the
-    blocks whose activations are recomputed in backward (:mod:`meshlight.parallel.recompute`).
+    blocks whose activations are recomputed in backward (:mod:`meshlight.parallel.recompute`); ``precision``
+    makes parameters and compute low-precision with fp32 master weights (:mod:`meshlight.parallel.precision`).
     """
     moe_layers = expert_layers(module)
     if layout.ep > 1 and not moe_layers and layout.pp == 1:
@@ -71,4 +74,4 @@ def parallelize(
     if recompute is not None:
         apply_recompute(module, recompute)
     return apply_data_parallel(module, mesh, layout.zero, ddp_kwargs=ddp_kwargs, pipelined=layout.pp > 1,
-                               experts=sharded_experts(module))
+                               experts=sharded_experts(module), precision=precision)

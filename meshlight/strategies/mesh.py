@@ -66,6 +66,7 @@ from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh, s
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
 from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, validate_schedule
+from meshlight.parallel.precision import MeshGradScaler, PrecisionPolicy
 from meshlight.parallel.recompute import RecomputePolicy
 from meshlight.parallel.sampling import ResumableSampler
 from meshlight.parallel.tensor import model_plan, stage_plan
@@ -144,6 +145,8 @@ class MeshStrategy(ParallelStrategy):
         #: blocks to recompute in backward, set by the ActivationCheckpointing callback before the model is
         #: parallelized (applied after tensor/expert parallelism, before data parallelism, on every stage)
         self.recompute: Optional[RecomputePolicy] = None
+        #: low-precision parameters and compute, set by the MixedPrecision callback before parallelizing
+        self.mixed_precision: Optional[PrecisionPolicy] = None
         self.num_nodes = 1
 
     # ---------------------------------------------------------------- layout, mesh, ranks
@@ -238,6 +241,10 @@ class MeshStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, MeshGradScaler):
+            # fp16 ("16-mixed"): every rank must see an overflow in any rank's gradient shard and skip that step.
+            self.precision_plugin.scaler = MeshGradScaler.like(scaler, self.root_device.type)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         # Lightning clips through the precision plugin; route clipping by norm to the mesh-aware version.
@@ -265,7 +272,7 @@ class MeshStrategy(ParallelStrategy):
 
             def parallelize_stage(stage: nn.Module) -> nn.Module:
                 options = {**self._tensor_parallel, "tp_plan": stage_plan(plan, stage) if plan is not None else None,
-                           "recompute": self.recompute}
+                           "recompute": self.recompute, "precision": self.mixed_precision}
                 return parallelize(stage, self.layout, self.device_mesh, **options)
 
             self._pipeline, stages = setup_pipeline(
@@ -277,7 +284,7 @@ class MeshStrategy(ParallelStrategy):
         elif runner is None:
             runner = _StepRunner(lightning_module, self.layout)
             parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs, recompute=self.recompute,
-                        **self._tensor_parallel)
+                        precision=self.mixed_precision, **self._tensor_parallel)
             _RUNNERS[lightning_module] = runner
         elif runner.layout != self.layout:
             raise RuntimeError(
@@ -334,7 +341,8 @@ class MeshStrategy(ParallelStrategy):
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         with self.precision_plugin.train_step_context():
             return self._pipeline.training_step(batch, batch_idx, clear_gradients=batch_idx % accumulate == 0,
-                                                accumulate=accumulate)
+                                                accumulate=accumulate,
+                                                scaler=getattr(self.precision_plugin, "scaler", None))
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:

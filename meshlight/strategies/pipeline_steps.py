@@ -160,14 +160,19 @@ class PipelineSteps:
         # for microbatch 0 (on a warm-up output); the real call then overwrites that entry.
         self._losses: dict[int, Tensor] = {}
         self._accumulate = 1
+        self._scaler: Optional[torch.amp.GradScaler] = None
         # Built now so that a microbatch count the schedule cannot run fails before training.
         self._schedule(training=True, signature=None)
 
     # ------------------------------------------------------------------------------------------ training
 
-    def training_step(self, batch: Any, batch_idx: int, clear_gradients: bool, accumulate: int = 1) -> Tensor:
+    def training_step(
+        self, batch: Any, batch_idx: int, clear_gradients: bool, accumulate: int = 1,
+        scaler: Optional[torch.amp.GradScaler] = None,
+    ) -> Tensor:
         """``clear_gradients``: this batch starts an accumulation window; ``accumulate``: its length, by
-        which Lightning divides the loss it backpropagates (the schedule's backward must do the same)."""
+        which Lightning divides the loss it backpropagates (the schedule's backward must do the same);
+        ``scaler``: fp16 loss scaling, which the schedule's backward applies in place of Lightning's."""
         module = self.lightning_module
         if not module.automatic_optimization:
             raise PipelineError(
@@ -186,6 +191,7 @@ class PipelineSteps:
         self._microbatch_steps = [lambda chunk=chunk: module.training_step(chunk, batch_idx) for chunk in chunks]
         self._losses = {}
         self._accumulate = accumulate
+        self._scaler = scaler
         self._recorder.clear()
         schedule = self._schedule(training=True, signature=_signature(args))
         self._sync_training_mode()
@@ -217,7 +223,8 @@ class PipelineSteps:
         if not isinstance(loss, Tensor):
             raise PipelineError("Under pipelining, training_step must return the loss (a tensor or {'loss': …}).")
         self._losses[microbatch] = loss.detach()
-        return loss / self._accumulate
+        loss = loss / self._accumulate
+        return self._scaler.scale(loss) if self._scaler is not None else loss
 
     # ------------------------------------------------------------------------------------------ evaluation
 

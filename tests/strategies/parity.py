@@ -9,6 +9,7 @@ through a one-replica DistributedSampler, so every step sees the same set of sam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,6 +33,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "clip": ({}, {"gradient_clip_val": 1.0}),
     "sgd": ({"optimizer": "sgd", "lr": 0.3}, {}),
     "adafactor": ({"optimizer": "adafactor", "lr": 3e-2}, {}),
+    "adamw-3e-3": ({"lr": 3e-3}, {}),  # no loss spike: low-precision runs follow the fp32 curve closely
 }
 
 
@@ -64,12 +66,14 @@ def make_data(batch_size: int) -> AdditionDataModule:
 
 
 def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel: int = 0,
-          model: Any = None, save_to: Any = None) -> dict[str, Any]:
+          model: Any = None, save_to: Any = None, callbacks: Sequence[Callback] = (), **trainer_args: Any,
+          ) -> dict[str, Any]:
     """Train one variant; return the logged losses, gradient norms, (on global rank 0) the full weights, and
     the trained ``module`` itself (not picklable across processes: pop it before saving).
 
     ``data_parallel``: ranks reading different data (default: all); ``model``: a factory replacing GPT-tiny;
-    ``save_to``: a checkpoint path written after training.
+    ``save_to``: a checkpoint path written after training; ``callbacks`` and ``trainer_args``: added to the
+    Trainer's.
     """
     pl.seed_everything(SEED, verbose=False)
     world = devices
@@ -79,7 +83,7 @@ def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel:
     trainer = ml.Trainer(
         strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, callbacks=[recorder], **VARIANTS[variant][1],
+        limit_val_batches=0, callbacks=[recorder, *callbacks], **{**VARIANTS[variant][1], **trainer_args},
     )
     if strategy == "auto":  # the single-process control reads the distributed permutation
         data.setup()

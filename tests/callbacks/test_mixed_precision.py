@@ -1,0 +1,94 @@
+"""MixedPrecision under every kind of layout (2 processes): low-precision Linears, fp32 norms and routers, fp32
+master weights and gradients, losses within 2% of fp32; fp16 loss scaling skips overflowing steps on every rank
+and never leaves inf/NaN in the weights; misuse fails with a message that says what to change."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import meshlight as ml
+from meshlight.callbacks import MixedPrecision, MixedPrecisionError
+from meshlight.demos import AdditionDataModule, LitGPT
+from meshlight.models import GPTConfig
+
+LOW_PRECISION_RUNS = {  # run -> (reference run, compute dtype)
+    "bf16 zero2": ("fp32", "torch.bfloat16"),
+    "bf16 ddp": ("fp32", "torch.bfloat16"),
+    "bf16 tp": ("fp32", "torch.bfloat16"),
+    "fp16 pipeline": ("fp32", "torch.float16"),
+    "moe bf16": ("moe fp32", "torch.bfloat16"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    from tests.callbacks.workers import precision_worker
+    from tests.launch import torchrun
+
+    out = tmp_path_factory.mktemp("precision") / "runs.pt"
+    torchrun(Path(precision_worker.__file__), 2, str(out), timeout=600)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("run", list(LOW_PRECISION_RUNS))
+def test_low_precision_compute_over_fp32_master_weights(runs, run):
+    reference, dtype = LOW_PRECISION_RUNS[run]
+    result, expected = runs[run], runs[reference]
+    assert result["seen"]["linear"] == {(dtype, dtype)}
+    assert result["seen"]["norm"] == {("torch.float32", "torch.float32")}
+    if "moe" in run:
+        assert result["seen"]["router"] == {("torch.float32", "torch.float32")}
+    assert result["stored"] == {"torch.float32/torch.float32"}  # weights and gradients as the optimizer sees them
+    assert result["finite"] and all(result["changed"])
+    worst = max(abs(a - b) / b for a, b in zip(result["losses"], expected["losses"]))
+    assert len(result["losses"]) == 20 and 0 < worst <= 0.02, worst
+
+
+def test_fp16_overflow_skips_steps_until_the_scale_fits(runs):
+    result = runs["fp16 zero3 overflow"]  # initial scale 2^24
+    first = result["changed"].index(True)
+    assert first >= 3 and result["scales"][:first] == [2.0 ** (23 - i) for i in range(first)]
+    # every skipped step (the weights unchanged) halved the scale; every taken step kept it
+    previous = [2.0**24, *result["scales"][:-1]]
+    for changed, scale, before in zip(result["changed"], result["scales"], previous):
+        assert scale == (before if changed else before / 2)
+    assert sum(result["changed"]) >= 10 and result["finite"]
+
+
+def test_one_rank_overflowing_skips_the_step_on_every_rank(runs):
+    result = runs["16-mixed zero2 inf"]  # Lightning's fp16 plugin; rank 1 alone sees inf at step 3
+    assert result["changed"] == [i != 3 for i in range(20)]  # recorded on rank 0
+    assert result["scales"][2:4] == [2.0**16, 2.0**15]
+    assert result["finite"]
+    assert result["seen"]["linear"] >= {("torch.float16", "torch.float32")}  # autocast over fp32 weights
+
+
+def _trainer(**options) -> ml.Trainer:
+    return ml.Trainer(devices=1, accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, **options)
+
+
+def _fit(trainer) -> None:
+    config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=2)
+    trainer.fit(LitGPT(config), AdditionDataModule(3, batch_size=4, train_size=8))
+
+
+def test_an_unknown_dtype_names_the_choices():
+    with pytest.raises(MixedPrecisionError, match="choose 'bf16' or 'fp16'"):
+        MixedPrecision("fp8")
+
+
+def test_a_precision_flag_and_the_callback_together_are_refused():
+    trainer = _trainer(strategy="zero1", precision="bf16-mixed", callbacks=[MixedPrecision()])
+    with pytest.raises(MixedPrecisionError, match="remove one"):
+        _fit(trainer)
+
+
+def test_a_lightning_strategy_is_refused_with_the_alternative():
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(strategy="auto", devices=1, accelerator="cpu", max_steps=1, logger=False,
+                         callbacks=[MixedPrecision()], enable_progress_bar=False)
+    with pytest.raises(MixedPrecisionError, match="precision='bf16-mixed'"):
+        _fit(trainer)

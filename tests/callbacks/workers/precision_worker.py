@@ -1,0 +1,102 @@
+"""torchrun worker (2 processes): the parity experiment under MixedPrecision for each kind of layout, plus fp16
+overflow handling; rank 0 writes {run: result} to OUT (losses, full weights, the dtypes seen in forward, loss
+scales and which steps changed the weights)."""
+
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import meshlight as ml
+from meshlight.callbacks import MixedPrecision
+from meshlight.nn.moe import Router
+from meshlight.parallel.precision import is_norm
+from tests.strategies.parity import train
+from tests.strategies.workers.hybrid_worker import moe_gpt4
+
+
+class Probe(Callback):
+    """On the first batch: the (input dtype, weight dtype) each Linear, norm and router sees in forward; after
+    every step: the loss scale, whether the weights changed, and the dtypes of the stored weights and gradients."""
+
+    def __init__(self, inject_inf_at: int = -1) -> None:
+        self.seen: dict[str, set[tuple[str, str]]] = {}
+        self.scales: list[float] = []
+        self.changed: list[bool] = []
+        self.stored: set[str] = set()
+        self.inject_inf_at = inject_inf_at
+        self._handles: list[Any] = []
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        for sub in module.modules():
+            kind = ("linear" if isinstance(sub, nn.Linear) else "router" if isinstance(sub, Router)
+                    else "norm" if is_norm(sub) else None)
+            if kind is not None:
+                self._handles.append(sub.register_forward_pre_hook(self._record(kind)))
+
+    def _record(self, kind: str) -> Any:
+        def hook(sub: nn.Module, args: tuple) -> None:
+            weight = next(sub.parameters())
+            self.seen.setdefault(kind, set()).add((str(args[0].dtype), str(weight.dtype)))
+
+        return hook
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        self._before = [_local(p).clone() for p in module.parameters()]
+
+    def on_after_backward(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.global_step == self.inject_inf_at and dist.get_rank() == 1:  # one rank's shard overflows
+            grad = next(p.grad for p in module.parameters() if p.grad is not None)
+            _local(grad).view(-1)[0] = float("inf")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.scales.append(scaler.get_scale() if scaler is not None else 0.0)
+        self.changed.append(any(not torch.equal(_local(p), b) for p, b in zip(module.parameters(), self._before)))
+        self.stored |= {f"{_local(p).dtype}/{_local(p.grad).dtype if p.grad is not None else None}"
+                        for p in module.parameters()}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def run(strategy: Any, precision: Any, probe: Probe = None, **options: Any) -> dict[str, Any]:
+    probe = probe or Probe()
+    callbacks = [probe] + ([MixedPrecision(**precision)] if isinstance(precision, dict) else [])
+    # Lightning's own fp16 plugin ("16-mixed" becomes bf16 on CPU, so it is passed as the plugin itself)
+    trainer_args = {"plugins": [LightningMixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed" else {}
+    result = train("adamw-3e-3", strategy, devices=2, callbacks=callbacks, **options, **trainer_args)
+    result.pop("module")
+    finite = all(torch.isfinite(w).all() for w in result["weights"].values())
+    return {**result, "finite": finite, "seen": probe.seen, "scales": probe.scales, "changed": probe.changed,
+            "stored": probe.stored}
+
+
+if __name__ == "__main__":
+    tp = ml.TensorParallelStrategy(tp=2)
+    pipeline = ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4)
+    results = {
+        "fp32": run("zero2", None),
+        "bf16 zero2": run("zero2", {"dtype": "bf16"}),
+        "bf16 ddp": run("ddp", {"dtype": "bf16"}),
+        "bf16 tp": run(tp, {"dtype": "bf16"}, data_parallel=1),
+        "fp16 pipeline": run(pipeline, {"dtype": "fp16"}, data_parallel=1),
+        # 2^24 overflows fp16 gradients: the first steps are skipped and the scale backs off
+        "fp16 zero3 overflow": run("zero3", {"dtype": "fp16", "init_scale": 2.0**24}),
+        # Lightning's own fp16 plugin (autocast); at step 3 only rank 1's gradient shard overflows
+        "16-mixed zero2 inf": run("zero2", "16-mixed", Probe(inject_inf_at=3)),
+        "moe fp32": run(ml.MoEStrategy(ep=2, zero=1), None, model=moe_gpt4),
+        "moe bf16": run(ml.MoEStrategy(ep=2, zero=1), {"dtype": "bf16"}, model=moe_gpt4),
+    }
+    if dist.get_rank() == 0:
+        torch.save(results, sys.argv[1])
