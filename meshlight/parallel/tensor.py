@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshlight.parallel.data_parallel import repeated_blocks
+from meshlight.parallel.precision import is_norm
 
 __all__ = [
     "ROLES", "TensorParallelError", "apply_tensor_parallel", "derive_plan", "model_plan", "resolve_plan",
@@ -344,10 +345,8 @@ def _hidden_size(blocks: list[tuple[str, nn.Module]]) -> int:
 
 
 def _is_norm(module: nn.Module, hidden: int) -> bool:
-    """A leaf whose parameters are all vectors of the hidden size (LayerNorm, RMSNorm, user norms)."""
-    params = list(module.parameters(recurse=False))
-    return (not list(module.children()) and bool(params) and not isinstance(module, (nn.Linear, nn.Embedding))
-            and all(p.dim() == 1 and p.shape[0] == hidden for p in params))
+    """A norm (:func:`~meshlight.parallel.precision.is_norm`) whose vectors have the hidden size."""
+    return is_norm(module) and all(p.shape[0] == hidden for p in module.parameters(recurse=False))
 
 
 def _colwise_parents(plan: Mapping[str, Union[str, ParallelStyle]]) -> list[str]:
