@@ -20,7 +20,8 @@ def main() -> None:
     from torch.autograd.graph import saved_tensors_hooks
 
     from meshlight.models import GPT, GPTConfig
-    from meshlight.parallel.recompute import RecomputePolicy, apply_recompute
+    from meshlight.parallel.data_parallel import BlockSelection
+    from meshlight.parallel.recompute import apply_recompute
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=128)
@@ -30,7 +31,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = GPTConfig.gpt2(max_seq_len=args.seq)
-    variants = {"none": None, "every block": RecomputePolicy(1), "every 2nd block": RecomputePolicy(2)}
+    variants = {"none": None, "every block": BlockSelection(1), "every 2nd block": BlockSelection(2)}
     model = GPT(config)
     models = {}
     for name, policy in variants.items():

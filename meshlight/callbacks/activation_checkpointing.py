@@ -9,7 +9,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from meshlight.parallel.recompute import RecomputePolicy, apply_recompute
+from meshlight.parallel.data_parallel import BlockSelection
+from meshlight.parallel.recompute import apply_recompute
 
 __all__ = ["ActivationCheckpointing"]
 
@@ -29,7 +30,7 @@ class ActivationCheckpointing(Callback):
     """
 
     def __init__(self, every_n_blocks: int = 1, module_types: Optional[Sequence[type[nn.Module]]] = None) -> None:
-        self.policy = RecomputePolicy(every_n_blocks, tuple(module_types or ()))
+        self.policy = BlockSelection(every_n_blocks, tuple(module_types or ()))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if hasattr(trainer.strategy, "recompute"):  # meshlight: applied while parallelizing

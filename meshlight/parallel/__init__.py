@@ -11,12 +11,17 @@ from meshlight.parallel.checkpoint import (
     save_checkpoint,
 )
 from meshlight.parallel.clip import clip_grad_norm_, total_grad_norm
-from meshlight.parallel.data_parallel import apply_data_parallel, gradient_accumulation, repeated_blocks
+from meshlight.parallel.data_parallel import (
+    BlockSelection,
+    apply_data_parallel,
+    gradient_accumulation,
+    repeated_blocks,
+)
 from meshlight.parallel.expert import apply_expert_parallel
 from meshlight.parallel.layout import MESH_AXES, ParallelLayout, build_device_mesh
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
-from meshlight.parallel.recompute import RecomputePolicy, apply_recompute
+from meshlight.parallel.recompute import apply_recompute
 from meshlight.parallel.traffic import CollectiveTraffic, bytes_sent_per_rank
 
 __all__ = [
@@ -25,7 +30,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CollectiveTraffic",
     "ParallelLayout",
-    "RecomputePolicy",
+    "BlockSelection",
     "adapt_optimizer",
     "apply_data_parallel",
     "apply_expert_parallel",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Optional
 
@@ -44,6 +45,7 @@ from meshlight.parallel.expert import expert_data_mesh
 from meshlight.parallel.precision import PrecisionPolicy
 
 __all__ = [
+    "BlockSelection",
     "apply_data_parallel",
     "broadcast_module_states",
     "data_parallel_mesh",
@@ -70,6 +72,26 @@ def repeated_blocks(module: nn.Module) -> list[nn.Module]:
         else:
             blocks.extend(repeated_blocks(child))
     return blocks
+
+
+@dataclass(frozen=True)
+class BlockSelection:
+    """Which blocks a transform (recomputation, activation offload) applies to: every ``every_n_blocks``-th of
+    the repeated blocks (1: all of them; 2: half of them, ...), or, when ``module_types`` is given, every module
+    of those types."""
+
+    every_n_blocks: int = 1
+    module_types: Sequence[type[nn.Module]] = ()
+
+    def __post_init__(self) -> None:
+        if self.every_n_blocks < 1:
+            raise ValueError(f"every_n_blocks={self.every_n_blocks} must be >= 1 (1 chooses every block).")
+
+    def select(self, module: nn.Module) -> list[nn.Module]:
+        if self.module_types:
+            return [m for m in module.modules() if isinstance(m, tuple(self.module_types))]
+        blocks = repeated_blocks(module)
+        return [block for i, block in enumerate(blocks) if i % self.every_n_blocks == self.every_n_blocks - 1]
 
 
 def data_parallel_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:

@@ -16,11 +16,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_module_states, is_data_parallel
+from meshlight.parallel.data_parallel import (
+    BlockSelection,
+    apply_data_parallel,
+    broadcast_module_states,
+    is_data_parallel,
+)
 from meshlight.parallel.expert import apply_expert_parallel, expert_layers, sharded_experts
 from meshlight.parallel.layout import ParallelLayout
 from meshlight.parallel.precision import PrecisionPolicy
-from meshlight.parallel.recompute import RecomputePolicy, apply_recompute
+from meshlight.parallel.recompute import apply_recompute
 from meshlight.parallel.tensor import apply_tensor_parallel, model_plan, validate_plan
 
 __all__ = ["parallelize"]
@@ -35,7 +40,7 @@ def parallelize(
     tp_plan: Optional[Mapping[str, Union[str, ParallelStyle]]] = None,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
-    recompute: Optional[RecomputePolicy] = None,
+    recompute: Optional[BlockSelection] = None,
     precision: Optional[PrecisionPolicy] = None,
 ) -> nn.Module:
     """Apply every transform ``layout`` asks for to ``module`` in place; ``module`` becomes the root whose

@@ -11,38 +11,17 @@ parameters again before its recomputation, as for its backward).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from meshlight.parallel.data_parallel import repeated_blocks
+from meshlight.parallel.data_parallel import BlockSelection
 
-__all__ = ["RecomputePolicy", "apply_recompute"]
-
-
-@dataclass(frozen=True)
-class RecomputePolicy:
-    """Which blocks to recompute: every ``every_n_blocks``-th of the repeated blocks (1: all — full
-    recomputation; 2: half of them, ...), or, when ``module_types`` is given, every module of those types."""
-
-    every_n_blocks: int = 1
-    module_types: Sequence[type[nn.Module]] = ()
-
-    def __post_init__(self) -> None:
-        if self.every_n_blocks < 1:
-            raise ValueError(f"every_n_blocks={self.every_n_blocks} must be >= 1 (1 recomputes every block).")
-
-    def select(self, module: nn.Module) -> list[nn.Module]:
-        if self.module_types:
-            return [m for m in module.modules() if isinstance(m, tuple(self.module_types))]
-        blocks = repeated_blocks(module)
-        return [block for i, block in enumerate(blocks) if i % self.every_n_blocks == self.every_n_blocks - 1]
+__all__ = ["apply_recompute"]
 
 
-def apply_recompute(module: nn.Module, policy: RecomputePolicy) -> list[nn.Module]:
+def apply_recompute(module: nn.Module, policy: BlockSelection) -> list[nn.Module]:
     """Make the blocks ``policy`` selects in ``module`` recompute their activations in backward; returns them.
     Applying it twice to a block is a no-op."""
     chosen = policy.select(module)

@@ -61,13 +61,12 @@ from meshlight.parallel.checkpoint import (
     save_checkpoint,
 )
 from meshlight.parallel.clip import clip_grad_norm_
-from meshlight.parallel.data_parallel import ddp_engine, gradient_accumulation
+from meshlight.parallel.data_parallel import BlockSelection, ddp_engine, gradient_accumulation
 from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh, seed_by_mesh_position
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
 from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, validate_schedule
 from meshlight.parallel.precision import MeshGradScaler, PrecisionPolicy
-from meshlight.parallel.recompute import RecomputePolicy
 from meshlight.parallel.sampling import ResumableSampler
 from meshlight.parallel.tensor import model_plan, stage_plan
 from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps, setup_pipeline
@@ -144,7 +143,7 @@ class MeshStrategy(ParallelStrategy):
         self._checkpoint_writer: Optional[AsyncCheckpointWriter] = None
         #: blocks to recompute in backward, set by the ActivationCheckpointing callback before the model is
         #: parallelized (applied after tensor/expert parallelism, before data parallelism, on every stage)
-        self.recompute: Optional[RecomputePolicy] = None
+        self.recompute: Optional[BlockSelection] = None
         #: low-precision parameters and compute, set by the MixedPrecision callback before parallelizing
         self.mixed_precision: Optional[PrecisionPolicy] = None
         self.num_nodes = 1

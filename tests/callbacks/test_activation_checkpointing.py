@@ -7,7 +7,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
-from meshlight.parallel.recompute import RecomputePolicy, apply_recompute
+from meshlight.parallel.data_parallel import BlockSelection
+from meshlight.parallel.recompute import apply_recompute
 
 
 def _model() -> LitGPT:
@@ -74,7 +75,7 @@ def test_recomputing_blocks_keeps_far_fewer_activations(every, at_most):
     from meshlight.models import GPT
 
     plain, recomputed = GPT(model), GPT(model)
-    chosen = apply_recompute(recomputed, RecomputePolicy(every_n_blocks=every))
+    chosen = apply_recompute(recomputed, BlockSelection(every_n_blocks=every))
     assert len(chosen) == 4 // every
     inputs = torch.randint(0, 256, (4, 64))
     ratio = _saved_bytes(recomputed, inputs) / _saved_bytes(plain, inputs)
