@@ -5,6 +5,7 @@ from meshlight.callbacks.checkpoint import DistributedCheckpoint
 from meshlight.callbacks.expert_load import ExpertLoadMonitor, load_heatmap
 from meshlight.callbacks.mixed_precision import MixedPrecision, MixedPrecisionError
 from meshlight.callbacks.monitor import ProfileSteps, TrainingMonitor
+from meshlight.callbacks.offload import Offload, OffloadError
 
 __all__ = ["ActivationCheckpointing", "DistributedCheckpoint", "ExpertLoadMonitor", "MixedPrecision",
-           "MixedPrecisionError", "ProfileSteps", "TrainingMonitor", "load_heatmap"]
+           "MixedPrecisionError", "Offload", "OffloadError", "ProfileSteps", "TrainingMonitor", "load_heatmap"]

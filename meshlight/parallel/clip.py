@@ -35,8 +35,14 @@ def total_grad_norm(
     norms = []
     for grads in _grads_by_layout(parameters):
         norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.nn.utils.get_total_norm(norms, norm_type)
+        if isinstance(norm, DTensor):
+            mesh = norm.device_mesh
+            if norm.to_local().device.type != mesh.device_type:  # offloaded gradients: reduce on the mesh's device
+                norm = DTensor.from_local(norm.to_local().to(mesh.device_type), mesh, norm.placements, run_check=False)
+            norm = norm.full_tensor()
+        norms.append(norm)
+    device = next((n.device for n in norms if n.device.type != "cpu"), None)
+    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms] if device else norms, norm_type)
     if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
         if norm_type == float("inf"):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pipeline_group)

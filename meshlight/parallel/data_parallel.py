@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed._composable.replicate import DDP as ReplicatedModule
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.utils import _sync_params_and_buffers
 from torch.nn.parallel import DistributedDataParallel
@@ -114,6 +114,7 @@ def apply_data_parallel(
     pipelined: bool = False,
     experts: Sequence[nn.Module] = (),
     precision: Optional[PrecisionPolicy] = None,
+    cpu_offload: Optional[CPUOffloadPolicy] = None,
 ) -> nn.Module:
     """Make ``module`` data parallel in place over ``mesh``'s data axes with ZeRO stage ``zero``.
 
@@ -124,19 +125,24 @@ def apply_data_parallel(
     gradient reduction to the last only for FSDP modules, so DDP runs on FSDP2 there too.
     ``experts``: modules whose weights are split over the mesh's ``ep`` axis; they are data parallel over
     the ranks holding the same experts only (:func:`~meshlight.parallel.expert.expert_data_mesh`).
-    ``precision``: mixed precision (:mod:`meshlight.parallel.precision`), which always runs on FSDP2 — over
-    shard groups of one rank where the layout shards nothing.
+    ``precision`` (mixed precision, :mod:`meshlight.parallel.precision`) and ``cpu_offload`` (parameter shards,
+    gradients and optimizer state in host memory, :mod:`meshlight.parallel.offload`) are FSDP2 policies: with
+    either, data parallelism always runs on FSDP2 — over shard groups of one rank where the layout shards nothing.
     """
-    if mesh["dp"].size() == 1 and precision is None:
+    policies: dict[str, Any] = {"offload_policy": cpu_offload} if cpu_offload is not None else {}
+    on_fsdp = precision is not None or cpu_offload is not None
+    if mesh["dp"].size() == 1 and not on_fsdp:
         return module  # nothing to replicate or shard over; FSDP on one rank would only add copies
-    ignored = _expert_data_parallel(experts, mesh, zero, precision)
+    ignored = _expert_data_parallel(experts, mesh, zero, on_fsdp,
+                                    {**policies, **({"mp_policy": precision.fsdp} if precision else {})})
     has_dtensors = any(isinstance(p, DTensor) for p in module.parameters())
-    if zero == 0 and not has_dtensors and not pipelined and precision is None:
+    if zero == 0 and not has_dtensors and not pipelined and not on_fsdp:
         # Composable DDP: the real DDP reducer (bucketed all-reduce overlapped with backward) installed as
         # hooks on `module`, which keeps its class and parameter names.
         return replicate(module, process_group=data_parallel_mesh(mesh, zero).get_group(), **(ddp_kwargs or {}))
     dp_mesh = mesh["dp_replicate", "dp_shard"] if zero == 0 else data_parallel_mesh(mesh, zero)
-    shard = functools.partial(fully_shard, mesh=dp_mesh, reshard_after_forward=zero == 3, ignored_params=ignored)
+    shard = functools.partial(fully_shard, mesh=dp_mesh, reshard_after_forward=zero == 3, ignored_params=ignored,
+                              **policies)
     if precision is not None:  # fp32 units first: FSDP units nest bottom-up
         for fp32_module, policy in precision.fp32_units(module):
             shard(fp32_module, mp_policy=policy)
@@ -148,19 +154,18 @@ def apply_data_parallel(
 
 
 def _expert_data_parallel(
-    experts: Sequence[nn.Module], mesh: DeviceMesh, zero: int, precision: Optional[PrecisionPolicy]
+    experts: Sequence[nn.Module], mesh: DeviceMesh, zero: int, on_fsdp: bool, policies: dict[str, Any]
 ) -> Optional[set[nn.Parameter]]:
     """Make expert-parallel modules data parallel over the ranks that hold the same experts, as FSDP units of
-    their own; where no other rank holds them (ep = dp), return their parameters for FSDP to leave alone
-    (unless mixed precision must cast them)."""
+    their own (with FSDP ``policies``); where no other rank holds them (ep = dp), return their parameters for
+    FSDP to leave alone — unless a policy must apply to them (``on_fsdp``)."""
     if not experts:
         return None
     edp_mesh = expert_data_mesh(mesh, zero)
-    if edp_mesh.size() == 1 and precision is None:
+    if edp_mesh.size() == 1 and not on_fsdp:
         return {p for module in experts for p in module.parameters()}
     for module in experts:
-        fully_shard(module, mesh=edp_mesh, reshard_after_forward=zero == 3,
-                    **({"mp_policy": precision.fsdp} if precision is not None else {}))
+        fully_shard(module, mesh=edp_mesh, reshard_after_forward=zero == 3, **policies)
     return None
 
 

@@ -24,6 +24,7 @@ from meshlight.parallel.data_parallel import (
 )
 from meshlight.parallel.expert import apply_expert_parallel, expert_layers, sharded_experts
 from meshlight.parallel.layout import ParallelLayout
+from meshlight.parallel.offload import OffloadPolicy, apply_activation_offload
 from meshlight.parallel.precision import PrecisionPolicy
 from meshlight.parallel.recompute import apply_recompute
 from meshlight.parallel.tensor import apply_tensor_parallel, model_plan, validate_plan
@@ -42,6 +43,7 @@ def parallelize(
     loss_parallel: bool = True,
     recompute: Optional[BlockSelection] = None,
     precision: Optional[PrecisionPolicy] = None,
+    offload: Optional[OffloadPolicy] = None,
 ) -> nn.Module:
     """Apply every transform ``layout`` asks for to ``module`` in place; ``module`` becomes the root whose
     forward runs the collectives. ``tp_plan`` (module-name patterns → roles) replaces the automatic
@@ -51,7 +53,8 @@ def parallelize(
     the model first). A transform the model already carries — DTensor parameters from its own tensor
     parallelism, DDP or FSDP applied in ``configure_model`` — is not applied again. ``recompute`` chooses the
     blocks whose activations are recomputed in backward (:mod:`meshlight.parallel.recompute`); ``precision``
-    makes parameters and compute low-precision with fp32 master weights (:mod:`meshlight.parallel.precision`).
+    makes parameters and compute low-precision with fp32 master weights (:mod:`meshlight.parallel.precision`);
+    ``offload`` moves optimizer state and chosen blocks' activations to host memory (:mod:`meshlight.parallel.offload`).
     """
     moe_layers = expert_layers(module)
     if layout.ep > 1 and not moe_layers and layout.pp == 1:
@@ -78,5 +81,8 @@ def parallelize(
         apply_expert_parallel(module, mesh, layout.ep)
     if recompute is not None:
         apply_recompute(module, recompute)
+    if offload is not None and offload.activations is not None:
+        apply_activation_offload(module, offload.activations, offload.pin_memory)
+    cpu_offload = offload.fsdp if offload is not None else None
     return apply_data_parallel(module, mesh, layout.zero, ddp_kwargs=ddp_kwargs, pipelined=layout.pp > 1,
-                               experts=sharded_experts(module), precision=precision)
+                               experts=sharded_experts(module), precision=precision, cpu_offload=cpu_offload)

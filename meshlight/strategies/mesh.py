@@ -63,6 +63,7 @@ from meshlight.parallel.checkpoint import (
 from meshlight.parallel.clip import clip_grad_norm_
 from meshlight.parallel.data_parallel import BlockSelection, ddp_engine, gradient_accumulation
 from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh, seed_by_mesh_position
+from meshlight.parallel.offload import OffloadPolicy
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
 from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, validate_schedule
@@ -146,6 +147,8 @@ class MeshStrategy(ParallelStrategy):
         self.recompute: Optional[BlockSelection] = None
         #: low-precision parameters and compute, set by the MixedPrecision callback before parallelizing
         self.mixed_precision: Optional[PrecisionPolicy] = None
+        #: optimizer state and chosen activations in host memory, set by the Offload callback
+        self.offload: Optional[OffloadPolicy] = None
         self.num_nodes = 1
 
     # ---------------------------------------------------------------- layout, mesh, ranks
@@ -244,7 +247,7 @@ class MeshStrategy(ParallelStrategy):
         if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, MeshGradScaler):
             # fp16 ("16-mixed"): every rank must see an overflow in any rank's gradient shard and skip that step.
             self.precision_plugin.scaler = MeshGradScaler.like(scaler, self.root_device.type)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not (self.offload and self.offload.optimizer):
             _optimizers_to_device(self.optimizers, self.root_device)
         # Lightning clips through the precision plugin; route clipping by norm to the mesh-aware version.
         self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
@@ -271,7 +274,8 @@ class MeshStrategy(ParallelStrategy):
 
             def parallelize_stage(stage: nn.Module) -> nn.Module:
                 options = {**self._tensor_parallel, "tp_plan": stage_plan(plan, stage) if plan is not None else None,
-                           "recompute": self.recompute, "precision": self.mixed_precision}
+                           "recompute": self.recompute, "precision": self.mixed_precision,
+                           "offload": self.offload}
                 return parallelize(stage, self.layout, self.device_mesh, **options)
 
             self._pipeline, stages = setup_pipeline(
@@ -283,7 +287,7 @@ class MeshStrategy(ParallelStrategy):
         elif runner is None:
             runner = _StepRunner(lightning_module, self.layout)
             parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs, recompute=self.recompute,
-                        precision=self.mixed_precision, **self._tensor_parallel)
+                        precision=self.mixed_precision, offload=self.offload, **self._tensor_parallel)
             _RUNNERS[lightning_module] = runner
         elif runner.layout != self.layout:
             raise RuntimeError(

@@ -1,0 +1,176 @@
+"""Offload to host memory: the optimizer's state (with the fp32 shards and gradients it steps) and the saved
+activations of chosen blocks.
+
+*Optimizer state* goes through FSDP2's CPU offload policy: each rank's fp32 parameter shards, their gradient
+shards and the optimizer state live in host memory, and the optimizer steps there — FSDP2 runs the step where
+the state is. The accelerator holds parameters only gathered, for the units computing (none between steps).
+:func:`~meshlight.parallel.data_parallel.apply_data_parallel` applies it to every FSDP unit (under offload every
+layout runs on FSDP2, as under mixed precision).
+
+*Activations*: a chosen block's forward runs under saved-tensor hooks that copy each tensor autograd keeps for
+backward to (pinned) host memory on a side stream, so the accelerator's copy is freed once forward is done with
+it. In backward, when the gradient reaches a chosen block's output, the previous chosen block's activations
+start their way back on the side stream: they are there, or nearly, when its backward needs them. The block's
+own parameters, already kept, are not copied. Module and parameter names are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
+
+from meshlight.parallel.data_parallel import BlockSelection
+
+__all__ = ["ActivationOffloader", "OffloadPolicy", "apply_activation_offload"]
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """``optimizer``: optimizer state, fp32 parameter shards and gradients in host memory; ``activations``: the
+    blocks whose saved activations go to host memory (None: none); ``pin_memory``: page-locked host buffers
+    (faster, asynchronous copies; only with CUDA)."""
+
+    optimizer: bool = True
+    activations: Optional[BlockSelection] = None
+    pin_memory: bool = True
+
+    @property
+    def fsdp(self) -> Optional[CPUOffloadPolicy]:
+        """FSDP2's policy for the optimizer-state offload (None without it)."""
+        return CPUOffloadPolicy(pin_memory=self.pin_memory and torch.cuda.is_available()) if self.optimizer else None
+
+
+def _offloadable(tensor: Tensor) -> bool:
+    """Whether a saved tensor lives in accelerator memory (host tensors stay where they are)."""
+    return tensor.device.type == "cuda"
+
+
+@dataclass(eq=False)
+class _Saved:
+    """One saved activation in host memory; ``back``: its accelerator copy, once brought back ahead of time."""
+
+    host: Tensor
+    device: torch.device
+    dtensor: Optional[tuple[Any, Any, torch.Size, tuple[int, ...]]]  # mesh, placements, shape, stride
+    written: Optional[torch.cuda.Event]
+    back: Optional[Tensor] = None
+    back_ready: Optional[torch.cuda.Event] = None
+    used: bool = False
+
+
+@dataclass(eq=False)
+class ActivationOffloader:
+    """The hooks that move chosen blocks' saved activations to host memory and bring them back one block ahead.
+
+    ``offloaded_bytes`` and ``prefetches`` count what it did (for tests and benchmarks)."""
+
+    pin_memory: bool = True
+    offloaded_bytes: int = 0
+    prefetches: int = 0
+    _stream: Optional[torch.cuda.Stream] = field(default=None, repr=False)
+    _last: Optional[list[_Saved]] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if torch.cuda.is_available():
+            self._stream = torch.cuda.Stream()
+        self.pin_memory = self.pin_memory and torch.cuda.is_available()
+
+    def wrap(self, block: nn.Module) -> None:
+        """Patch ``block.forward`` to offload what its forward saves for backward (once per block)."""
+        if getattr(block, "_meshlight_offload", False):
+            return
+        forward = block.forward
+
+        @functools.wraps(forward)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            kept = {_local(p).untyped_storage().data_ptr() for p in block.parameters()}  # as gathered now
+            stash: list[_Saved] = []
+            previous, self._last = self._last, stash
+            with saved_tensors_hooks(functools.partial(self._pack, stash, kept), self._unpack):
+                output = forward(*args, **kwargs)
+            grad_output = next((t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad), None)
+            if previous is not None and grad_output is not None:
+                # The gradient reaching this block's output starts the previous block's activations back.
+                grad_output.register_hook(lambda grad: self._prefetch(previous))
+            return output
+
+        block.forward = run  # type: ignore[method-assign]
+        block._meshlight_offload = True
+
+    def _pack(self, stash: list[_Saved], kept: set[int], tensor: Tensor) -> Any:
+        local = _local(tensor)
+        if not _offloadable(local) or local.untyped_storage().data_ptr() in kept:
+            return tensor
+        host = torch.empty_like(local, device="cpu", pin_memory=self.pin_memory)
+        written = None
+        if self._stream is not None and local.is_cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(local.device))
+            with torch.cuda.stream(self._stream):
+                host.copy_(local, non_blocking=self.pin_memory)
+                written = self._stream.record_event()
+            local.record_stream(self._stream)  # its memory is not reused before the copy has read it
+        else:
+            host.copy_(local)
+        spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) if isinstance(
+            tensor, DTensor) else None
+        saved = _Saved(host, local.device, spec, written)
+        stash.append(saved)
+        self.offloaded_bytes += host.numel() * host.element_size()
+        return saved
+
+    def _unpack(self, saved: Any) -> Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        saved.used = True
+        if saved.back is not None:
+            local, saved.back = saved.back, None
+            if saved.back_ready is not None:
+                torch.cuda.current_stream(local.device).wait_event(saved.back_ready)
+                local.record_stream(torch.cuda.current_stream(local.device))
+        else:
+            if saved.written is not None:
+                torch.cuda.current_stream(saved.device).wait_event(saved.written)
+            local = saved.host.to(saved.device, non_blocking=self.pin_memory)
+        if saved.dtensor is None:
+            return local
+        mesh, placements, shape, stride = saved.dtensor
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    def _prefetch(self, stash: list[_Saved]) -> None:
+        for saved in stash:
+            if saved.used or saved.back is not None:  # already consumed (an earlier step's) or on its way
+                continue
+            if self._stream is None or saved.device.type != "cuda":
+                saved.back = saved.host.to(saved.device)
+            else:
+                if saved.written is not None:
+                    self._stream.wait_event(saved.written)
+                with torch.cuda.stream(self._stream):
+                    saved.back = saved.host.to(saved.device, non_blocking=self.pin_memory)
+                    saved.back_ready = self._stream.record_event()
+            self.prefetches += 1
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def apply_activation_offload(module: nn.Module, selection: BlockSelection, pin_memory: bool = True) -> list[nn.Module]:
+    """Offload the saved activations of the blocks ``selection`` picks in ``module``; returns them. The hooks'
+    :class:`ActivationOffloader` is ``module._meshlight_offloader``."""
+    offloader = getattr(module, "_meshlight_offloader", None) or ActivationOffloader(pin_memory)
+    module._meshlight_offloader = offloader
+    chosen = selection.select(module)
+    for block in chosen:
+        offloader.wrap(block)
+    return chosen

@@ -1,0 +1,50 @@
+"""torchrun worker (2 processes): the parity experiment with and without Offload under zero2 (gradient clipping),
+ddp and a 2-stage pipeline; saved activations count as offloadable on CPU here, so the hooks run. Rank 0 writes
+{run: result} to OUT (losses, full weights, whether FSDP offloads every unit, the activation bytes offloaded)."""
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+import meshlight as ml
+import meshlight.parallel.offload as offload
+from meshlight.callbacks import Offload
+from tests.strategies.parity import train
+
+offload._offloadable = lambda tensor: True  # no accelerator: exercise the hooks on host tensors
+
+
+def run(variant: str, strategy: Any, callbacks: list, **options: Any) -> dict[str, Any]:
+    result = train(variant, strategy, devices=2, callbacks=callbacks, **options)
+    module = result.pop("module")
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    offloader = getattr(module.trainer.strategy.model, "_meshlight_offloader", None) or next(
+        (m._meshlight_offloader for m in module.trainer.strategy.model.modules()
+         if hasattr(m, "_meshlight_offloader")), None)
+    result["offloaded_units"] = (len(units), sum(_offloads(m) for m in units))
+    result["offloaded_bytes"] = offloader.offloaded_bytes if offloader else 0
+    result["prefetches"] = offloader.prefetches if offloader else 0
+    return result
+
+
+def _offloads(unit: FSDPModule) -> bool:
+    group = unit._get_fsdp_state()._fsdp_param_group
+    return group is not None and all(p.offload_to_cpu for p in group.fsdp_params)
+
+
+if __name__ == "__main__":
+    pipeline = ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4)
+    results = {
+        "zero2": run("clip", "zero2", []),
+        "zero2 offload": run("clip", "zero2", [Offload()]),
+        "ddp": run("adamw", "ddp", []),
+        "ddp offload": run("adamw", "ddp", [Offload(activations_every_n_blocks=1)]),
+        "pipeline": run("adamw", pipeline, [], data_parallel=1),
+        "pipeline offload": run("adamw", ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4),
+                                [Offload(activations_every_n_blocks=1)], data_parallel=1),
+    }
+    if dist.get_rank() == 0:
+        torch.save(results, sys.argv[1])
