@@ -1,12 +1,29 @@
-"""Step time of meshlight's DDP vs the same training hand-written in plain PyTorch vs Lightning's DDP.
+"""Step time per strategy: meshlight vs the same training written by hand in plain PyTorch on the same engines vs
+Lightning's built-in strategy where one exists.
 
-Same model, data, sampler, optimizer (AdamW, two parameter groups, warmup-cosine schedule) and DDP engine
-configuration (``gradient_as_bucket_view=True``, meshlight's default) in all three; every step also
-all-reduces the loss for logging, as ``self.log(..., sync_dist=True)`` does. The three run interleaved in
-one launch, in rotating order, so drift of the machine cancels; a step is the wall time between the starts
+Same model (4-block GPT, dim 192, seq 128; 4 experts per block for moe), data, sampler, optimizer (AdamW, two
+parameter groups, warmup-cosine schedule) everywhere; every step also all-reduces the loss for logging, as
+``self.log(..., sync_dist=True)`` does. Per strategy:
+
+========= ================================================== =============================================
+strategy  hand-written PyTorch                               Lightning
+========= ================================================== =============================================
+ddp       ``DistributedDataParallel``                        ``DDPStrategy``
+zero3     ``fully_shard`` per block and root                 ``ModelParallelStrategy``, the same calls in
+                                                             ``configure_model``
+tp        meshlight's plan through ``parallelize_module``    ``ModelParallelStrategy``, the same plan in
+          (SP, loss parallel)                                ``configure_model``
+pipeline  meshlight's split + ``PipelineStage`` +            —
+          ``Schedule1F1B`` (4 microbatches)
+moe       ``meshlight.parallel.parallelize`` (ep = 2, the    —
+          same dispatch, ZeRO-1) + a plain loop
+========= ================================================== =============================================
+
+DDP keeps meshlight's ``gradient_as_bucket_view=True`` in all three. The variants of a strategy run interleaved
+in one launch, in rotating order, so drift of the machine cancels; a step is the wall time between the starts
 of consecutive training steps, the median over all measured steps is reported.
 
-    python benchmarks/overhead.py [--nprocs 2] [--rounds 5] [--steps 12]      # prints JSON
+    python benchmarks/overhead.py [--nprocs 2] [--strategies ddp zero3 tp pipeline moe] [--rounds 5] [--steps 12]
 """
 
 from __future__ import annotations
@@ -17,12 +34,16 @@ import statistics
 
 from common import is_worker, launch, report
 
-VARIANTS = ("pytorch", "lightning", "meshlight")
+STRATEGIES = ("ddp", "zero3", "tp", "pipeline", "moe")
+LIGHTNING = ("ddp", "zero3", "tp")  # where Lightning has a built-in strategy for it
 WARMUP = 3
+BATCH = 8  # sequences per data-parallel replica
+MICROBATCHES = 4  # pipeline, 1F1B
 
 
-def worker(rounds: int, steps: int) -> None:
+def worker(strategy: str, rounds: int, steps: int) -> None:
     import time
+    from contextlib import ExitStack, nullcontext
 
     import lightning.pytorch as pl
     import torch
@@ -30,19 +51,32 @@ def worker(rounds: int, steps: int) -> None:
     from common import measuring_trainer_options
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy as LightningDDP
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor.parallel import loss_parallel
     from torch.utils.data import DataLoader, DistributedSampler
 
     import meshlight as ml
     from meshlight.demos import LitGPT, RandomTokensDataModule
+    from meshlight.demos.lit_gpt import _warmup_cosine
     from meshlight.models import GPTConfig
+    from meshlight.nn import MoEConfig
+    from meshlight.parallel import ParallelLayout, build_device_mesh, parallelize
+    from meshlight.parallel.pipeline import plan_stages, split_stages
+    from meshlight.parallel.tensor import apply_tensor_parallel, model_plan
 
-    config = GPTConfig(vocab_size=256, max_seq_len=128, n_layers=4, n_heads=8, dim=192)
-    dist.init_process_group("gloo")  # the hand-written loop needs it first; Lightning reuses it
+    moe = MoEConfig(num_experts=4) if strategy == "moe" else None
+    config = GPTConfig(vocab_size=256, max_seq_len=128, n_layers=4, n_heads=8, dim=192, moe=moe)
+    dist.init_process_group("gloo")  # the hand-written loops need it first; the Trainers reuse it
     world = dist.get_world_size()
+    replicas = 1 if strategy in ("tp", "pipeline") else world
     total_steps = WARMUP + steps
 
     def data() -> RandomTokensDataModule:
-        return RandomTokensDataModule(vocab_size=256, seq_len=128, batch_size=8, train_size=8 * world * total_steps)
+        return RandomTokensDataModule(vocab_size=256, seq_len=128, batch_size=BATCH,
+                                      train_size=BATCH * replicas * total_steps)
 
     class StepTimer(Callback):
         def __init__(self) -> None:
@@ -54,73 +88,128 @@ def worker(rounds: int, steps: int) -> None:
         def on_train_end(self, *args: object) -> None:
             self.starts.append(time.perf_counter())
 
-    def run_lightning(variant: str) -> list[float]:
+    class LitFSDP(LitGPT):
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    class LitTP(LitGPT):
+        def configure_model(self) -> None:
+            apply_tensor_parallel(self.model, self.device_mesh["tensor_parallel"], model_plan(self.model))
+
+        def on_train_start(self) -> None:  # cross-entropy on sharded logits, forward and backward
+            self._loss_parallel = ExitStack()
+            self._loss_parallel.enter_context(loss_parallel())
+
+        def on_train_end(self) -> None:
+            self._loss_parallel.close()
+
+    def run_trainer(variant: str) -> list[float]:
         pl.seed_everything(0, verbose=False)
         timer = StepTimer()
         options = measuring_trainer_options(world, total_steps, [timer])
-        if variant == "lightning":
+        module = LitGPT(config)
+        if variant == "meshlight":
+            name = ml.PipelineStrategy(pp=world, microbatches=MICROBATCHES) if strategy == "pipeline" else strategy
+            trainer = ml.Trainer(strategy=name, **options)
+        elif strategy == "ddp":
             trainer = pl.Trainer(strategy=LightningDDP(gradient_as_bucket_view=True), **options)
         else:
-            trainer = ml.Trainer(strategy="ddp", **options)
-        trainer.fit(LitGPT(config), data())
+            module = (LitFSDP if strategy == "zero3" else LitTP)(config)
+            size = {"data_parallel_size": world, "tensor_parallel_size": 1} if strategy == "zero3" else {
+                "data_parallel_size": 1, "tensor_parallel_size": world}
+            trainer = pl.Trainer(strategy=ModelParallelStrategy(**size), **options)
+        trainer.fit(module, data())
         return timer.starts
 
     def run_pytorch() -> list[float]:
-        """The same training, written by hand: DDP, DistributedSampler, AdamW groups, schedule, loss logging."""
+        """The same training, written by hand on the same engines."""
         pl.seed_everything(0, verbose=False)
         module = LitGPT(config)  # the same model construction and optimizer recipe, no Trainer
-        ddp = torch.nn.parallel.DistributedDataParallel(module.model, gradient_as_bucket_view=True)
-        matrices = [p for p in ddp.parameters() if p.dim() >= 2]
-        vectors = [p for p in ddp.parameters() if p.dim() < 2]
+        model, forward, context, schedule = module.model, None, nullcontext(), None
+        if strategy == "ddp":
+            forward = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        elif strategy == "zero3":
+            mesh = init_device_mesh("cpu", (world,))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            forward = fully_shard(model, mesh=mesh)
+        elif strategy == "tp":
+            apply_tensor_parallel(model, init_device_mesh("cpu", (world,)), model_plan(model))
+            forward, context = model, loss_parallel()
+        elif strategy == "pipeline":
+            rank = dist.get_rank()
+            (stage,) = split_stages(model, plan_stages(model, "blocks", world), [rank])
+            model = stage  # the optimizer sees this rank's pieces only
+            schedule = Schedule1F1B(PipelineStage(stage, rank, world, torch.device("cpu")),
+                                    n_microbatches=MICROBATCHES, loss_fn=module.model.loss)
+        else:  # moe: experts over ep = world, ZeRO-1 over the dense weights (meshlight's "moe" layout)
+            layout = ParallelLayout.for_world(world, dp_shard="auto", ep=world, zero=1)
+            forward = parallelize(model, layout, build_device_mesh(layout, "cpu"))
+        matrices = [p for p in model.parameters() if p.dim() >= 2]
+        vectors = [p for p in model.parameters() if p.dim() < 2]
         groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
-        from meshlight.demos.lit_gpt import _warmup_cosine
-
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(10, total_steps, 0.1))
         source = data()
         source.setup()
-        sampler = DistributedSampler(source.train_set, shuffle=True, seed=0)
-        loader = DataLoader(source.train_set, batch_size=8, sampler=sampler, drop_last=True)
+        sampler = DistributedSampler(source.train_set, num_replicas=replicas, rank=dist.get_rank() % replicas,
+                                     shuffle=True, seed=0)
+        loader = DataLoader(source.train_set, batch_size=BATCH, sampler=sampler, drop_last=True)
         starts = []
-        for inputs, targets in loader:
-            starts.append(time.perf_counter())
-            loss = module.model.loss(ddp(inputs), targets)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            logged = loss.detach().clone()
-            dist.all_reduce(logged)  # what sync_dist logging does
+        with context:
+            for inputs, targets in loader:
+                starts.append(time.perf_counter())
+                if schedule is not None:
+                    losses: list[torch.Tensor] = []
+                    if dist.get_rank() == 0:
+                        schedule.step(inputs)
+                        loss = torch.zeros(())
+                    else:
+                        schedule.step(target=targets, losses=losses)
+                        loss = torch.stack(losses).mean()
+                else:
+                    loss = module.model.loss(forward(inputs), targets)
+                    loss.backward()
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                logged = loss.detach().clone()
+                dist.all_reduce(logged)  # what sync_dist logging does (the pipeline: the last stage's loss)
         starts.append(time.perf_counter())
         return starts
 
-    step_times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    variants = ("pytorch", "lightning", "meshlight") if strategy in LIGHTNING else ("pytorch", "meshlight")
+    step_times: dict[str, list[float]] = {variant: [] for variant in variants}
     for round_index in range(rounds):
-        order = VARIANTS[round_index % 3:] + VARIANTS[: round_index % 3]
-        for variant in order:
+        shift = round_index % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
             dist.barrier()
-            starts = run_pytorch() if variant == "pytorch" else run_lightning(variant)
+            starts = run_pytorch() if variant == "pytorch" else run_trainer(variant)
             step_times[variant] += [b - a for a, b in zip(starts[WARMUP:], starts[WARMUP + 1:])]
     median = {variant: statistics.median(times) for variant, times in step_times.items()}
-    report({
-        "world": world, "rounds": rounds, "steps_per_round": steps,
-        "median_step_seconds": median,
-        "meshlight_over_pytorch": median["meshlight"] / median["pytorch"],
-        "meshlight_over_lightning": median["meshlight"] / median["lightning"],
-        "lightning_over_pytorch": median["lightning"] / median["pytorch"],
-    })
+    result = {"strategy": strategy, "world": world, "rounds": rounds, "steps_per_round": steps,
+              "median_step_seconds": median, "meshlight_over_pytorch": median["meshlight"] / median["pytorch"]}
+    if "lightning" in median:
+        result["meshlight_over_lightning"] = median["meshlight"] / median["lightning"]
+        result["lightning_over_pytorch"] = median["lightning"] / median["pytorch"]
+    report(result)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
-    print(json.dumps(launch(__file__, args.nprocs, str(args.rounds), str(args.steps)), indent=1))
+    rows = [launch(__file__, args.nprocs, name, str(args.rounds), str(args.steps)) for name in args.strategies]
+    print(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
     import sys
 
-    worker(int(sys.argv[1]), int(sys.argv[2])) if is_worker() else main()
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])) if is_worker() else main()

@@ -14,6 +14,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils._pytree import tree_leaves
 
+from meshlight.callbacks.pipeline_timeline import pipeline_bubble, render_timeline
+
 __all__ = ["ProfileSteps", "TrainingMonitor"]
 
 
@@ -23,7 +25,9 @@ class TrainingMonitor(Callback):
     token × tokens/s per device ÷ the device's dense peak, torchtitan's convention), and
     ``memory/peak_bytes/rank<r>`` for every rank (CUDA: ``max_memory_allocated``; CPU: the process's peak
     resident memory). At the start it writes the layout (and the planner's estimates, when it chose
-    or checked it) as text.
+    or checked it) as text. Under pipeline parallelism it records optimizer step ``timeline_step``: the image
+    ``pipeline/timeline`` shows, per rank (rows, rank 0 on top), when each stage ran forward (blue), backward
+    (orange) and weight gradients (green) — grey is idle — and ``pipeline/bubble`` is the idle share of the step.
 
     Tokens are the elements of the first tensor of each batch, summed over micro-batches and data-parallel
     replicas; FLOPs per token come from the model's own ``flops_per_token()`` when it has one (meshlight's GPT),
@@ -32,9 +36,11 @@ class TrainingMonitor(Callback):
     """
 
     def __init__(self, log_every_n_steps: Optional[int] = None, flops_per_token: Optional[float] = None,
-                 peak_flops: Optional[float] = None) -> None:
+                 peak_flops: Optional[float] = None, timeline_step: Optional[int] = 5) -> None:
         self.log_every_n_steps = log_every_n_steps
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.timeline_step = timeline_step
+        self._timeline_started: Optional[float] = None
         self._tokens = 0
         self._step_started: Optional[float] = None
         self._last_step = -1
@@ -62,8 +68,19 @@ class TrainingMonitor(Callback):
             logger.experiment.add_text("meshlight/layout", text, global_step=trainer.global_step)
         self._step_started, self._last_step = time.perf_counter(), trainer.global_step
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        pipeline = getattr(trainer.strategy, "pipeline", None)
+        if pipeline is not None and trainer.global_step == self.timeline_step and self._timeline_started is None:
+            trainer.strategy.barrier()  # every rank's clock starts together
+            self._timeline_started = time.perf_counter()
+            pipeline.timeline = []
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        pipeline = getattr(trainer.strategy, "pipeline", None)
+        if pipeline is not None and pipeline.timeline is not None:
+            self._log_timeline(trainer, pipeline)
         tensors = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
         self._tokens += tensors[0].numel() if tensors else 0
         if trainer.global_step == self._last_step:
@@ -87,6 +104,25 @@ class TrainingMonitor(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+
+
+    def _log_timeline(self, trainer: pl.Trainer, pipeline: Any) -> None:
+        """The recorded batch's stage compute per rank, as an image and the bubble (collective)."""
+        assert self._timeline_started is not None
+        trainer.strategy.barrier()  # the step ends when the last rank is done
+        seconds = time.perf_counter() - self._timeline_started
+        start = self._timeline_started
+        events = [(kind, stage, begin - start, end - start) for kind, stage, begin, end in pipeline.timeline]
+        pipeline.timeline = None
+        ranks = [None] * trainer.world_size
+        dist.all_gather_object(ranks, events)
+        loggers = _tensorboards(trainer)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({"pipeline/bubble": pipeline_bubble(ranks, seconds)}, step=self.timeline_step)
+        for logger in loggers:
+            logger.experiment.add_image("pipeline/timeline", render_timeline(ranks, seconds), self.timeline_step,
+                                        dataformats="HWC")
 
 
 class ProfileSteps(Callback):

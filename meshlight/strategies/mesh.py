@@ -9,6 +9,7 @@ The mechanics live in :mod:`meshlight.parallel`; this file wires them into Light
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import time
 import warnings
@@ -88,6 +89,10 @@ class MeshStrategy(ParallelStrategy):
         ddp_kwargs: extra arguments for PyTorch DDP when ``zero=0`` (e.g. ``find_unused_parameters=True``).
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
         timeout: collective timeout.
+        gc_every_n_steps: while training, Python's automatic garbage collection is off and a young-generation
+            collection runs every this many batches instead (a full one at the end), as torchtitan does:
+            automatic collections triggered by the many small objects of DTensor dispatch and Lightning's loop
+            cost several percent of a step (``benchmarks/overhead.py``). None keeps Python's automatic GC.
 
     The LightningModule can read the mesh as ``self.device_mesh`` (axes ``pp``, ``dp_replicate``,
     ``dp_shard``, ``tp`` and the flattened ``dp``) in ``configure_model``; if it applies data parallelism
@@ -115,6 +120,7 @@ class MeshStrategy(ParallelStrategy):
         ddp_kwargs: Optional[dict[str, Any]] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        gc_every_n_steps: Optional[int] = 50,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -137,6 +143,11 @@ class MeshStrategy(ParallelStrategy):
         self._pipeline: Optional[PipelineSteps] = None
         self._base_seed: Optional[int] = None
         self._process_group_backend = process_group_backend
+        if gc_every_n_steps is not None and gc_every_n_steps < 1:
+            raise ValueError(f"gc_every_n_steps={gc_every_n_steps} must be >= 1, or None for Python's automatic GC.")
+        self._gc_every_n_steps = gc_every_n_steps
+        self._gc_was_enabled: Optional[bool] = None
+        self._batches = 0
         self._timeout = timeout
         self._layout: Optional[ParallelLayout] = None
         self._device_mesh: Optional[DeviceMesh] = None
@@ -158,6 +169,11 @@ class MeshStrategy(ParallelStrategy):
         if self._layout is None:
             raise RuntimeError("The layout is known once the Trainer knows the world size: create the Trainer first.")
         return self._layout
+
+    @property
+    def pipeline(self) -> Optional[PipelineSteps]:
+        """The steps runner on this rank's pipeline stages (None without pipeline parallelism, or before setup)."""
+        return self._pipeline
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -334,6 +350,36 @@ class MeshStrategy(ParallelStrategy):
         with gradient_accumulation(self.model, self.layout.zero):
             yield
 
+    # ---------------------------------------------------------------- garbage collection while training
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._gc_every_n_steps is not None:
+            self._gc_was_enabled, self._batches = gc.isenabled(), 0
+            gc.disable()
+            gc.collect(1)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._batches += 1
+        if self._gc_every_n_steps is not None and self._batches % self._gc_every_n_steps == 0:
+            gc.collect(1)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._restore_gc()
+
+    def _restore_gc(self) -> None:
+        """Python's automatic GC as it was before training (also after a failed fit: called by teardown)."""
+        if self._gc_was_enabled is not None:
+            gc.collect()
+            if self._gc_was_enabled:
+                gc.enable()
+            self._gc_was_enabled = None
+
     # ---------------------------------------------------------------- steps under pipelining
 
     @override
@@ -401,6 +447,7 @@ class MeshStrategy(ParallelStrategy):
         # `trainer.test` reuses them.
         assert self.cluster_environment is not None and self.accelerator is not None
         self.wait_for_checkpoint()  # a checkpoint still being written is finished and committed
+        self._restore_gc()
         self._contexts.close()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

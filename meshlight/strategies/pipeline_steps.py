@@ -20,6 +20,7 @@ batch of last-stage outputs; its return value (predictions) is broadcast to ever
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -161,6 +162,10 @@ class PipelineSteps:
         self._losses: dict[int, Tensor] = {}
         self._accumulate = 1
         self._scaler: Optional[torch.amp.GradScaler] = None
+        self._logged_layout: Optional[list[Any]] = None  # what the last stage's step logged, values left out
+        #: while a list: each stage compute call is appended as (kind "F"/"B"/"W", stage, start, end) in
+        #: ``time.perf_counter`` seconds (TrainingMonitor's pipeline timeline)
+        self.timeline: Optional[list[tuple[str, int, float, float]]] = None
         # Built now so that a microbatch count the schedule cannot run fails before training.
         self._schedule(training=True, signature=None)
 
@@ -204,7 +209,7 @@ class PipelineSteps:
                 self._stash.append((param, sum(grads[1:], grads[0])))
             param.grad = None
         loss = torch.stack(list(self._losses.values())).mean() if self._losses else None
-        loss, logged = self._from_last_stage((loss, self._recorder.reduced(module)))
+        loss, logged = self._step_results(loss, self._recorder.reduced(module))
         self._recorder.replay(module, logged)
         return loss.to(self.device)
 
@@ -280,11 +285,29 @@ class PipelineSteps:
         if key not in self._schedules:
             stages = [PipelineStage(module, index, self.plan.num_stages, self.device, group=self.group)
                       for module, index in zip(self.stage_modules, self.stage_indices)]
+            for stage in stages:
+                self._time_compute(stage)
             loss_fn = self._loss if training else None
             # A schedule made before the first batch (signature None) serves the first training signature.
             reuse = self._schedules.pop((True, None), None) if training and signature is not None else None
             self._schedules[key] = reuse or build_schedule(stages, self.schedule_name, self.microbatches, loss_fn)
         return self._schedules[key]
+
+    def _time_compute(self, stage: PipelineStage) -> None:
+        """Record ``stage``'s compute calls in :attr:`timeline` while it is a list."""
+        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"), ("W", "backward_weight_one_chunk")):
+            method = getattr(stage, name)
+
+            def timed(*args: Any, _method: Callable[..., Any] = method, _kind: str = kind, **kwargs: Any) -> Any:
+                if self.timeline is None:
+                    return _method(*args, **kwargs)
+                start = time.perf_counter()
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    self.timeline.append((_kind, stage.stage_index, start, time.perf_counter()))
+
+            setattr(stage, name, timed)
 
     def _check_inputs(self, args: tuple, kwargs: dict) -> None:
         """Before anything is sent: the batch divides into microbatches, and (once per input shape) the
@@ -317,6 +340,29 @@ class PipelineSteps:
         box = [_detached_cpu(payload) if self.has_last else None]
         dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.group)
         return box[0]
+
+    def _step_results(self, loss: Optional[Tensor], logged: list[tuple[str, Any, dict]]) -> tuple[Tensor, list]:
+        """The last stage's loss and logged values, on every rank of the pipeline. While the step logs what the
+        one before logged (names, options), a single tensor broadcast carries the values; otherwise the objects
+        are broadcast (pickled: two collectives) and their layout is remembered."""
+        layout = [(name, value if isinstance(value, tuple) else None, kwargs) for name, value, kwargs in logged]
+        if self._logged_layout is not None:
+            values = [loss] + [value for _, value, _ in logged if not isinstance(value, tuple)] if self.has_last else []
+            flat = torch.zeros(2 + sum(entry[1] is None for entry in self._logged_layout), dtype=torch.float64)
+            if self.has_last and layout == self._logged_layout and len(values) == len(flat) - 1:
+                flat[0] = 1.0
+                flat[1:] = torch.stack([v.detach().to(torch.float64).cpu().reshape(()) for v in values])
+            flat = flat.to(self.device)
+            dist.broadcast(flat, src=self.last_stage_rank, group=self.group)
+            if flat[0].item() == 1.0:
+                numbers = iter(flat[1:].cpu().to(torch.float32))
+                loss = next(numbers)
+                return loss, [(name, metric if metric is not None else next(numbers), kwargs)
+                              for name, metric, kwargs in self._logged_layout]
+        loss, logged = self._from_last_stage((loss, logged))
+        self._logged_layout = [(name, value if isinstance(value, tuple) else None, kwargs)
+                               for name, value, kwargs in logged]
+        return loss, logged
 
 
 class _LogRecorder:

@@ -57,6 +57,27 @@ def test_rank_zero_tensorboard_holds_train_and_validation_losses(out, control):
     assert val_loss[-1] == pytest.approx(control["epochs"][-1]["val/loss"], rel=1e-4)
 
 
+def test_rank_zero_tensorboard_shows_the_pipeline_timeline(out):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from meshlight.callbacks.pipeline_timeline import COLORS
+
+    events = EventAccumulator(str(out / "tb" / "version_0"), size_guidance={"images": 0})
+    events.Reload()
+    (timeline,) = events.Images("pipeline/timeline")
+    image = np.asarray(Image.open(io.BytesIO(timeline.encoded_image_string)).convert("RGB"))
+    assert timeline.step == 2 and image.shape == (2 * 30 + 6, 960, 3)  # one row per rank
+    rows = [image[6 + 30 * rank + 12] for rank in range(2)]  # the middle line of each rank's row
+    for row in rows:  # 1F1B on 2 stages: both ranks ran forward and backward chunks, and idled in between
+        colors = {tuple(pixel) for pixel in row}
+        assert {COLORS["F"], COLORS["B"]} <= colors and (236, 236, 236) in colors
+    (bubble,) = events.Scalars("pipeline/bubble")
+    assert 0.0 < bubble.value < 1.0
+
+
 def test_every_rank_of_the_pipeline_gets_the_predictions(ranks, control):
     for rank in ranks:
         assert torch.equal(rank["predictions"], control["predictions"])

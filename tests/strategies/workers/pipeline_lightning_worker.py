@@ -1,5 +1,6 @@
 """torchrun worker: Lightning's features under pp=2 — validation with a torchmetrics metric, sanity checking,
-ModelCheckpoint(monitor="val/loss"), TensorBoard on rank 0, the progress bar, predict, saving and resuming.
+ModelCheckpoint(monitor="val/loss"), TensorBoard on rank 0 (with TrainingMonitor's pipeline timeline), the progress
+bar, predict, saving and resuming.
 Each rank saves what it saw; the test compares ranks with each other and with one process."""
 
 import sys
@@ -15,6 +16,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, DistributedSampler
 
 import meshlight as ml
+from meshlight.callbacks import TrainingMonitor
 from meshlight.demos import AdditionDataModule
 from tests.strategies.parity import SEED, full_weights
 from tests.strategies.workers.pipeline_worker import gpt8
@@ -55,7 +57,7 @@ def run(strategy: Callable[[], Any], devices: int, out: Path) -> dict[str, Any]:
     every = ModelCheckpoint(dirpath=out / "every", every_n_epochs=1, save_top_k=-1)
     trainer = ml.Trainer(strategy=strategy(), devices=devices, accelerator="cpu", max_epochs=EPOCHS,
                          num_sanity_val_steps=2, logger=TensorBoardLogger(out, name="tb"), enable_model_summary=False,
-                         callbacks=[observer, best, every], log_every_n_steps=1)
+                         callbacks=[observer, best, every, TrainingMonitor(timeline_step=2)], log_every_n_steps=1)
     trainer.fit(module, data(control))
     result = {
         "epochs": observer.epochs, "sanity_batches": observer.sanity_batches,
