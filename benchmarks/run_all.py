@@ -319,8 +319,9 @@ def overhead_section(rows: list[dict]) -> str:
         )
     lines += [
         "",
-        "Repeated runs of this command on this 2-core VM move each ratio by up to ±0.04 (machine noise of the",
-        "size of the margins); a ratio marked not met by less than that is within noise.",
+        "Machine noise on this 2-core VM is the size of the margins: three runs of this command on one day read",
+        "ddp at 1.023, 1.029 and 1.074 × PyTorch (Lightning's DDP moving with it). The fixed cost of Lightning's",
+        "loop (hooks, result collection, closure) is what separates both Trainers from the hand-written loop.",
     ]
     return "\n".join(lines)
 
