@@ -1,10 +1,10 @@
 """torchrun worker: resume exactness of DistributedCheckpoint under every strategy.
 
-    full OUT NAMES...   train each strategy 20 steps uninterrupted (checkpoints every 5 steps too); rank 0 writes
-                        {name: {step: loss}} to OUT
     kill DIR NAME       train NAME with checkpoints every 5 steps into DIR/NAME; every rank SIGKILLs itself
                         right after step 12 (the async save of step 10 may still be in flight)
-    resume DIR OUT NAMES...  fit(ckpt_path="last") each to step 20; rank 0 writes the losses of the steps run
+    resume DIR OUT NAMES...  for each: train 20 steps uninterrupted (checkpoints every 5 steps too, into
+                        DIR/full), then fit(ckpt_path="last") from DIR/NAME to step 20; rank 0 writes
+                        {name: ({step: loss} uninterrupted, {step: loss} of the steps resumed)} to OUT
     fault DIR OUT FAULT  under torchrun --max-restarts=1, zero3 on 2 processes, fit(ckpt_path="last") to step 20
                         (synchronous saves); in the first attempt FAULT = "rank": rank 1 SIGKILLs itself after
                         step 12; "save": every rank SIGKILLs itself inside the save of step 10, after the folder
@@ -122,11 +122,11 @@ def main(mode: str, args: list[str]) -> None:
     if mode == "kill":
         train(args[1], Path(args[0]), kill=True)
         return
-    resume = mode == "resume"
-    directory, out, names = (Path(args[0]), Path(args[1]), args[2:]) if resume else (None, Path(args[0]), args[1:])
+    assert mode == "resume", mode
+    directory, out, names = Path(args[0]), Path(args[1]), args[2:]
     results = {}
-    for name in names:
-        results[name] = train(name, directory or out.parent / "full-checkpoints", resume=resume)
+    for name in names:  # one launch for both: every process start costs seconds of imports here
+        results[name] = (train(name, directory / "full"), train(name, directory, resume=True))
     if dist.get_rank() == 0:
         torch.save(results, out)
 
