@@ -105,7 +105,6 @@ class TrainingMonitor(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
-
     def _log_timeline(self, trainer: pl.Trainer, pipeline: Any) -> None:
         """The recorded batch's stage compute per rank, as an image and the bubble (collective)."""
         assert self._timeline_started is not None
