@@ -345,11 +345,10 @@ class PipelineSteps:
         """The last stage's loss and logged values, on every rank of the pipeline. While the step logs what the
         one before logged (names, options), a single tensor broadcast carries the values; otherwise the objects
         are broadcast (pickled: two collectives) and their layout is remembered."""
-        layout = [(name, value if isinstance(value, tuple) else None, kwargs) for name, value, kwargs in logged]
         if self._logged_layout is not None:
-            values = [loss] + [value for _, value, _ in logged if not isinstance(value, tuple)] if self.has_last else []
-            flat = torch.zeros(2 + sum(entry[1] is None for entry in self._logged_layout), dtype=torch.float64)
-            if self.has_last and layout == self._logged_layout and len(values) == len(flat) - 1:
+            flat = torch.zeros(2 + sum(metric is None for _, metric, _ in self._logged_layout), dtype=torch.float64)
+            if self.has_last and _layout(logged) == self._logged_layout:
+                values = [loss] + [value for _, value, _ in logged if not isinstance(value, tuple)]
                 flat[0] = 1.0
                 flat[1:] = torch.stack([v.detach().to(torch.float64).cpu().reshape(()) for v in values])
             flat = flat.to(self.device)
@@ -360,8 +359,7 @@ class PipelineSteps:
                 return loss, [(name, metric if metric is not None else next(numbers), kwargs)
                               for name, metric, kwargs in self._logged_layout]
         loss, logged = self._from_last_stage((loss, logged))
-        self._logged_layout = [(name, value if isinstance(value, tuple) else None, kwargs)
-                               for name, value, kwargs in logged]
+        self._logged_layout = _layout(logged)
         return loss, logged
 
 
@@ -423,6 +421,11 @@ class _LogRecorder:
             else:
                 value = value.to(module.device)
             module.log(name, value, **kwargs)
+
+
+def _layout(logged: list[tuple[str, Any, dict[str, Any]]]) -> list[tuple[str, Any, dict[str, Any]]]:
+    """What was logged without the values: (name, the metric reference or None for a number, options)."""
+    return [(name, value if isinstance(value, tuple) else None, kwargs) for name, value, kwargs in logged]
 
 
 def _signature(args: tuple) -> tuple:
