@@ -2,10 +2,11 @@
 
 from meshlight.callbacks.activation_checkpointing import ActivationCheckpointing
 from meshlight.callbacks.checkpoint import DistributedCheckpoint
+from meshlight.callbacks.compile import Compile
 from meshlight.callbacks.expert_load import ExpertLoadMonitor, load_heatmap
 from meshlight.callbacks.mixed_precision import MixedPrecision, MixedPrecisionError
 from meshlight.callbacks.monitor import ProfileSteps, TrainingMonitor
 from meshlight.callbacks.offload import Offload, OffloadError
 
-__all__ = ["ActivationCheckpointing", "DistributedCheckpoint", "ExpertLoadMonitor", "MixedPrecision",
+__all__ = ["ActivationCheckpointing", "Compile", "DistributedCheckpoint", "ExpertLoadMonitor", "MixedPrecision",
            "MixedPrecisionError", "Offload", "OffloadError", "ProfileSteps", "TrainingMonitor", "load_heatmap"]

@@ -189,6 +189,8 @@ def grouped_matmul(x: Tensor, weights: Tensor, counts: Tensor, grouped_mm: Optio
 def _grouped_mm_runs(x: Tensor, weights: Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0 or x.dtype != weights.dtype:
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # torch 2.13's meta kernel (what torch.compile traces) refuses the fp32 its CPU kernel runs
     aligned = all(size * x.element_size() % 16 == 0 for size in (x.shape[-1], weights.shape[-1]))
     if x.device.type == "cpu":
         return aligned and x.dtype in (torch.float32, torch.bfloat16)

@@ -1,9 +1,9 @@
 """The one place where a model is made parallel, in a fixed order of transforms.
 
 Order on each pipeline stage's module (DESIGN.md): pipeline split → tensor (+ sequence) parallel → expert
-parallel → activation checkpointing → compile → data parallel (DDP / ZeRO). Data parallelism comes last
-because FSDP must see the final parameters (DTensors from tensor parallelism, expert shards) to shard them.
-The pipeline split happens before (per stage, in the strategy).
+parallel → activation checkpointing → compile → activation offload → data parallel (DDP / ZeRO). Data
+parallelism comes last because FSDP must see the final parameters (DTensors from tensor parallelism, expert
+shards) to shard them. The pipeline split happens before (per stage, in the strategy).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from meshlight.parallel.compile import CompilePolicy, apply_compile
 from meshlight.parallel.data_parallel import (
     BlockSelection,
     apply_data_parallel,
@@ -44,6 +45,7 @@ def parallelize(
     recompute: Optional[BlockSelection] = None,
     precision: Optional[PrecisionPolicy] = None,
     offload: Optional[OffloadPolicy] = None,
+    compile: Optional[CompilePolicy] = None,  # noqa: A002 - the transform's name
 ) -> nn.Module:
     """Apply every transform ``layout`` asks for to ``module`` in place; ``module`` becomes the root whose
     forward runs the collectives. ``tp_plan`` (module-name patterns → roles) replaces the automatic
@@ -54,7 +56,8 @@ def parallelize(
     parallelism, DDP or FSDP applied in ``configure_model`` — is not applied again. ``recompute`` chooses the
     blocks whose activations are recomputed in backward (:mod:`meshlight.parallel.recompute`); ``precision``
     makes parameters and compute low-precision with fp32 master weights (:mod:`meshlight.parallel.precision`);
-    ``offload`` moves optimizer state and chosen blocks' activations to host memory (:mod:`meshlight.parallel.offload`).
+    ``offload`` moves optimizer state and chosen blocks' activations to host memory (:mod:`meshlight.parallel.offload`);
+    ``compile`` compiles chosen blocks' forward (:mod:`meshlight.parallel.compile`).
     """
     moe_layers = expert_layers(module)
     if layout.ep > 1 and not moe_layers and layout.pp == 1:
@@ -81,6 +84,8 @@ def parallelize(
         apply_expert_parallel(module, mesh, layout.ep)
     if recompute is not None:
         apply_recompute(module, recompute)
+    if compile is not None:
+        apply_compile(module, compile)
     if offload is not None and offload.activations is not None:
         apply_activation_offload(module, offload.activations, offload.pin_memory)
     cpu_offload = offload.fsdp if offload is not None else None

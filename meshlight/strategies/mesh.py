@@ -62,6 +62,7 @@ from meshlight.parallel.checkpoint import (
     save_checkpoint,
 )
 from meshlight.parallel.clip import clip_grad_norm_
+from meshlight.parallel.compile import CompilePolicy
 from meshlight.parallel.data_parallel import BlockSelection, ddp_engine, gradient_accumulation
 from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh, seed_by_mesh_position
 from meshlight.parallel.offload import OffloadPolicy
@@ -160,6 +161,8 @@ class MeshStrategy(ParallelStrategy):
         self.mixed_precision: Optional[PrecisionPolicy] = None
         #: optimizer state and chosen activations in host memory, set by the Offload callback
         self.offload: Optional[OffloadPolicy] = None
+        #: blocks to compile with torch.compile, set by the Compile callback
+        self.compile: Optional[CompilePolicy] = None
         self.num_nodes = 1
 
     # ---------------------------------------------------------------- layout, mesh, ranks
@@ -289,10 +292,8 @@ class MeshStrategy(ParallelStrategy):
                 plan = model_plan(find_pipelined_module(lightning_module)[1], self._tensor_parallel["tp_plan"])
 
             def parallelize_stage(stage: nn.Module) -> nn.Module:
-                options = {**self._tensor_parallel, "tp_plan": stage_plan(plan, stage) if plan is not None else None,
-                           "recompute": self.recompute, "precision": self.mixed_precision,
-                           "offload": self.offload}
-                return parallelize(stage, self.layout, self.device_mesh, **options)
+                options = {**self._tensor_parallel, "tp_plan": stage_plan(plan, stage) if plan is not None else None}
+                return parallelize(stage, self.layout, self.device_mesh, **options, **self._callback_transforms)
 
             self._pipeline, stages = setup_pipeline(
                 lightning_module, self.layout, self.device_mesh, self._pipeline_options, self.root_device,
@@ -302,8 +303,8 @@ class MeshStrategy(ParallelStrategy):
             _RUNNERS[lightning_module] = runner
         elif runner is None:
             runner = _StepRunner(lightning_module, self.layout)
-            parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs, recompute=self.recompute,
-                        precision=self.mixed_precision, offload=self.offload, **self._tensor_parallel)
+            parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs, **self._tensor_parallel,
+                        **self._callback_transforms)
             _RUNNERS[lightning_module] = runner
         elif runner.layout != self.layout:
             raise RuntimeError(
@@ -312,6 +313,12 @@ class MeshStrategy(ParallelStrategy):
                 " from its weights, save a checkpoint and pass it as `ckpt_path`)."
             )
         return runner
+
+    @property
+    def _callback_transforms(self) -> dict[str, Any]:
+        """The transforms callbacks asked for (recomputation, precision, offload, compilation), for parallelize."""
+        return {"recompute": self.recompute, "precision": self.mixed_precision, "offload": self.offload,
+                "compile": self.compile}
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:

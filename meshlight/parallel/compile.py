@@ -1,0 +1,55 @@
+"""``torch.compile`` of chosen transformer blocks, one block at a time, keeping every parameter's name.
+
+Each chosen block's ``forward`` is replaced by its compiled version (``torch.compile`` of the bound method), as
+torchtitan compiles per block: the blocks of a transformer share their code, so one compilation serves them
+all, and compiling is fast. Patching ``forward`` rather than wrapping the module (``torch.compile(module)``
+returns an ``OptimizedModule`` whose parameters are renamed ``_orig_mod.…``) leaves module and parameter names
+as they were, so checkpoints, optimizer states and tensor-parallel plans see the same model, with or without
+compilation.
+
+In the transform order it comes after tensor and expert parallelism and recomputation, and before activation
+offload and data parallelism: the compiled code sees the block's DTensor parameters and its recomputation
+(``torch.utils.checkpoint`` inside a compiled region is traced as one operator, as torchtitan relies on);
+activation offload's saved-tensor hooks, which cannot be traced, run around the compiled ``forward`` and see the
+tensors the compiled graph saves; DDP's and FSDP2's hooks, registered on the module afterwards, run around it
+too (FSDP2 gathers the parameters before it and frees them after it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshlight.parallel.data_parallel import BlockSelection
+
+__all__ = ["CompilePolicy", "apply_compile"]
+
+
+@dataclass(frozen=True)
+class CompilePolicy:
+    """Which blocks to compile (``blocks``: default every repeated block) and ``torch.compile``'s keyword
+    arguments (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``)."""
+
+    blocks: BlockSelection = field(default_factory=BlockSelection)
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.arguments) - {"backend", "mode", "fullgraph", "dynamic", "options", "disable"}
+        if unknown:
+            raise ValueError(f"Unknown torch.compile arguments {sorted(unknown)}; choose among backend, mode,"
+                             " fullgraph, dynamic, options and disable.")
+
+
+def apply_compile(module: nn.Module, policy: CompilePolicy) -> list[nn.Module]:
+    """Compile the ``forward`` of the blocks ``policy`` selects in ``module``; returns them. Applying it twice
+    to a block is a no-op."""
+    chosen = policy.blocks.select(module)
+    for block in chosen:
+        if not getattr(block, "_meshlight_compiled", False):
+            block.forward = torch.compile(block.forward, **policy.arguments)  # type: ignore[method-assign]
+            block._meshlight_compiled = True
+    return chosen
