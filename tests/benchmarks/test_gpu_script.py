@@ -1,0 +1,27 @@
+"""The GPU benchmark (run when a GPU machine is lent) keeps working: its code, on CPU with a tiny model."""
+
+import json
+import subprocess
+import sys
+
+from tests.launch import REPO
+
+
+def test_gpu_benchmark_runs_every_variant_and_formats(tmp_path):
+    out = tmp_path / "gpu.json"
+    subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--out", str(out)], cwd=REPO, check=True,
+                   capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    assert set(result["speed"]) == {"plain autocast", "plain fsdp2", "meshlight"}
+    assert set(result["memory"]) == {"meshlight", "meshlight recompute", "meshlight offload optimizer",
+                                     "meshlight offload activations"}
+    assert all(row["step_seconds"] > 0 and row["mfu"] > 0 for rows in (result["speed"], result["memory"])
+               for row in rows.values())
+    assert result["command"] == f"python benchmarks/gpu.py --smoke --out {out}"
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import run_all
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    section = run_all.gpu_section(result)
+    assert "| speed | meshlight |" in section and "meshlight / plain fsdp2" in section
