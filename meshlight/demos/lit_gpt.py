@@ -32,6 +32,7 @@ class LitGPT(pl.LightningModule):
         optimizer: ``"adamw"``, ``"sgd"`` (momentum 0.9) or ``"adafactor"``.
         lr, weight_decay: peak learning rate, and decay applied to matrices only (not to biases or norms).
         warmup_steps: linear warmup, then cosine decay to ``min_lr_ratio·lr`` at the last training step.
+        foreach: the optimizer's multi-tensor kernels (None: torch's default — on CUDA, yes).
     """
 
     def __init__(
@@ -43,12 +44,14 @@ class LitGPT(pl.LightningModule):
         weight_decay: float = 0.1,
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
+        foreach: Optional[bool] = None,
     ) -> None:
         super().__init__()
         self.config = config or GPTConfig.tiny()
         self.save_hyperparameters({
             "model": dataclasses.asdict(self.config), "optimizer": optimizer, "lr": lr,
             "weight_decay": weight_decay, "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio,
+            "foreach": foreach,
         })
         self.model = GPT(self.config)
         self.val_accuracy = MulticlassExactMatch(num_classes=self.config.vocab_size, ignore_index=IGNORE_INDEX)
@@ -85,9 +88,9 @@ class LitGPT(pl.LightningModule):
         vectors = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": matrices, "weight_decay": hp.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
         if hp.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=(0.9, 0.95))
+            optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=(0.9, 0.95), foreach=hp.get("foreach"))
         elif hp.optimizer == "sgd":
-            optimizer = torch.optim.SGD(groups, lr=hp.lr, momentum=0.9)
+            optimizer = torch.optim.SGD(groups, lr=hp.lr, momentum=0.9, foreach=hp.get("foreach"))
         elif hp.optimizer == "adafactor":
             optimizer = torch.optim.Adafactor(groups, lr=hp.lr)
         else:

@@ -6,13 +6,21 @@ always spans the sharded dimension. torch 2.13's implementation then applies in-
 (not yet reduced) norm, which DTensor refuses (pytorch#109581). :func:`adapt_optimizer` makes such an
 optimizer step its DTensor parameters with the same algorithm written out of place, so DTensor inserts
 the one all-reduce per factored moment; plain tensors still take torch's own path.
+
+Multi-tensor (``foreach``) and fused kernels refuse a list mixing DTensors and plain tensors ("got mixed
+torch.Tensor and DTensor"). Tensor parallelism without sequence parallelism (or a user plan) leaves norms and
+other small parameters plain, and where no FSDP wraps them (dp = 1, or DDP) a parameter group holds both kinds;
+on CUDA torch picks ``foreach`` by default, so a plain ``AdamW(model.parameters())`` would fail at its first step.
+:func:`adapt_optimizer` runs such groups with the per-parameter implementation instead.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -45,6 +53,19 @@ def adapt_optimizer(optimizer: Optimizer) -> Optimizer:
     """Make ``optimizer`` (the same object: LR schedulers stay attached) able to step DTensor parameters."""
     if type(optimizer) is torch.optim.Adafactor:
         optimizer.__class__ = ShardedAdafactor
+    for index, group in enumerate(optimizer.param_groups):
+        if len({isinstance(p, DTensor) for p in group["params"]}) < 2:
+            continue
+        asked = [flag for flag in ("foreach", "fused") if group.get(flag)]
+        if asked and (not dist.is_initialized() or dist.get_rank() == 0):
+            warnings.warn(
+                f"{type(optimizer).__name__} parameter group {index} mixes DTensor and plain parameters, which"
+                f" {' and '.join(asked)} kernels cannot take: it steps them one at a time instead (tensor"
+                " parallelism left some parameters unsharded, and no ZeRO over data-parallel ranks wraps them).",
+                stacklevel=2)
+        for flag in ("foreach", "fused"):
+            if flag in group:
+                group[flag] = False
     return optimizer
 
 

@@ -30,5 +30,6 @@ def test_adapted_adafactor_equals_torch_bitwise_under_an_lr_scheduler():
 
 
 def test_other_optimizers_are_left_alone():
-    opt = torch.optim.AdamW(_params())
+    opt = torch.optim.AdamW(_params(), foreach=True)
     assert type(adapt_optimizer(opt)) is torch.optim.AdamW
+    assert opt.param_groups[0]["foreach"] is True  # only groups mixing DTensors and plain tensors lose it

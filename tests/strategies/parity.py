@@ -34,6 +34,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "sgd": ({"optimizer": "sgd", "lr": 0.3}, {}),
     "adafactor": ({"optimizer": "adafactor", "lr": 3e-2}, {}),
     "adamw-3e-3": ({"lr": 3e-3}, {}),  # no loss spike: low-precision runs follow the fp32 curve closely
+    "adamw-foreach": ({"foreach": True}, {}),  # multi-tensor kernels, torch's default on CUDA
 }
 
 

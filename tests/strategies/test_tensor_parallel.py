@@ -3,6 +3,7 @@ with and without sequence parallelism, for meshlight's GPT and a Llama-shaped Li
 automatic plan, a dict plan and its own configure_model() — shards its layers to 1/tp per rank, and keeps
 dropout consistent."""
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ def controls() -> dict:
     for model, (factory, _) in tensor_worker.MODELS.items():
         out[(model, "adamw")] = train("adamw", model=LitLlama if factory is LitLlamaParallelizedByUser else factory)
     out[("gpt", "clip")] = train("clip", model=tensor_worker.lit_gpt)
+    out[("gpt", "adamw-foreach")] = train("adamw-foreach", model=functools.partial(tensor_worker.lit_gpt, foreach=True))
     return out
 
 

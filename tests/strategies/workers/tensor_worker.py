@@ -1,5 +1,6 @@
 """torchrun worker: tensor-parallel parity runs, per-rank bytes of the sharded layers, and dropout streams."""
 
+import functools
 import sys
 
 import lightning.pytorch as pl
@@ -12,16 +13,16 @@ from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 from meshlight.parallel.tensor import derive_plan
 from tests.strategies.llama import DICT_PLAN, LitLlama, LitLlamaParallelizedByUser
-from tests.strategies.parity import make_data, train
+from tests.strategies.parity import VARIANTS, make_data, train
 
 # layout name -> (tp, data-parallel size), per world size
 LAYOUTS = {2: {"tp2": (2, 1)}, 4: {"tp4": (4, 1), "tp2xdp2": (2, 2)}}
 
 
-def lit_gpt(dropout: float = 0.0) -> LitGPT:
+def lit_gpt(dropout: float = 0.0, **options: object) -> LitGPT:
     config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_heads=4,
                             bias=False, dropout=dropout)
-    return LitGPT(config, lr=1e-2, warmup_steps=2)
+    return LitGPT(config, **{"lr": 1e-2, "warmup_steps": 2, **options})
 
 
 # model name -> (factory, plan)
@@ -35,6 +36,8 @@ def runs(world: int) -> list[tuple[str, str, bool, str]]:
             if model != "llama-configure-model"]
     if world == 2:  # sequence parallelism is the user's business here; their plan has none
         grid.append(("tp2", "llama-configure-model", False, "adamw"))
+        # norms left plain beside DTensor weights, nothing sharding them over data ranks: multi-tensor AdamW
+        grid.append(("tp2", "gpt", False, "adamw-foreach"))
     if world == 4:
         grid.append(("tp2xdp2", "gpt", True, "clip"))  # global norm over 2-D (dp × tp) and replicated shards
     return grid
@@ -74,6 +77,8 @@ if __name__ == "__main__":
     for layout, model, sp, variant in runs(world):
         tp, dp = LAYOUTS[world][layout]
         factory, plan = MODELS[model]
+        if VARIANTS[variant][0]:  # the variant's LightningModule arguments (the factory makes the model)
+            factory = functools.partial(factory, **VARIANTS[variant][0])
         strategy = ml.TensorParallelStrategy(tp=tp, plan=plan, sequence_parallel=sp)
         result = train(variant, strategy, devices=world, data_parallel=dp, model=factory)
         module = result.pop("module")
