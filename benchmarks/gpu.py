@@ -15,12 +15,13 @@ drift cancels, and the median is reported):
   the fp32 shards and gradients, in host memory) and ``Offload(optimizer=False, activations_every_n_blocks=1)``:
   peak accelerator bytes over the measured steps, bytes resident after a step, and step time.
 
-    python benchmarks/gpu.py [--section speed memory] [--batch 8] [--steps 20] [--warmup 8] [--rounds 2]
+    python benchmarks/gpu.py [--section speed memory] [--batch 8] [--steps 20] [--warmup 8] [--rounds 2] [--out F]
     python benchmarks/gpu.py --smoke        # the same code on CPU with a tiny model and aot_eager (tests)
 
-On a lent GPU machine with PyTorch and Lightning preinstalled: ``PYTHONPATH=. python3 benchmarks/gpu.py --out
-$OUT/gpu_results.json``; commit the file as ``benchmarks/gpu_results.json`` and ``make bench`` formats it into
-RESULTS.md.
+``--out F`` keeps the sections F already holds and replaces those measured now, so the two sections can run as
+two commands (each inside a 10-minute limit). On a lent GPU machine, with its preinstalled PyTorch and
+Lightning: ``PYTHONPATH=. python3 benchmarks/gpu.py --section speed --out benchmarks/gpu_results.json``, then
+``--section memory --rounds 1``; commit the file and ``make bench`` formats it into RESULTS.md.
 
 Prints JSON (and writes it to ``--out`` when given).
 """
@@ -80,16 +81,17 @@ def main() -> None:
         model = GPT(config)
     flops_per_token = model.flops_per_token(args.seq)
     tokens = args.batch * args.seq
-    summary: dict[str, Any] = {
+    # --out: sections measured earlier (another command, e.g. the other section within a 10-minute limit) stay
+    summary: dict[str, Any] = json.loads(open(args.out).read()) if args.out and os.path.exists(args.out) else {}
+    summary.update({
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "peak_flops": hardware.peak_flops, "torch": torch.__version__, "lightning": lightning.__version__,
         "cuda": torch.version.cuda, "date": datetime.date.today().isoformat(),
         "model": {"params": model.num_params(), "non_embedding_params": model.num_params(exclude_embeddings=True),
                   "layers": config.n_layers, "dim": config.dim, "heads": config.n_heads, "seq": args.seq,
                   "batch": args.batch, "flops_per_token": flops_per_token},
-        "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "backend": args.backend,
-        "command": " ".join(["python", "benchmarks/gpu.py", *sys.argv[1:]]),
-    }
+    })
+    sections = summary.setdefault("sections", {})
     for section, variants in runs.items():
         rows = {}
         for variant, results in variants.items():
@@ -101,19 +103,30 @@ def main() -> None:
                 "resident_bytes": max(r["resident_bytes"] for r in results),
                 "rounds": [r["step_seconds"] for r in results],
             }
-        summary[section] = rows
-    if "speed" in summary:
-        speed = summary["speed"]
-        summary["speed_ratios"] = {f"meshlight / {v}": _ratio(speed["meshlight"]["step_seconds"],
-                                                                speed[v]["step_seconds"])
-                                   for v in ("plain autocast", "plain fsdp2")}
-    if "memory" in summary:
-        memory = summary["memory"]
+        sections[section] = {"command": " ".join(["python", "benchmarks/gpu.py", *sys.argv[1:]]),
+                             "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+                             "backend": args.backend, "variants": rows}
+    summary["ratios"] = ratios(sections, summary["model"]["params"])
+    text = json.dumps(summary, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as file:
+            file.write(text + "\n")
+
+
+def ratios(sections: dict[str, Any], params: int) -> dict[str, Any]:
+    """The targets' ratios from the sections measured (None where the device reports no memory: CPU)."""
+    out: dict[str, Any] = {}
+    if "speed" in sections:
+        speed = sections["speed"]["variants"]
+        for other in ("plain autocast", "plain fsdp2"):
+            out[f"meshlight / {other}"] = _ratio(speed["meshlight"]["step_seconds"], speed[other]["step_seconds"])
+    if "memory" in sections:
+        memory = sections["memory"]["variants"]
         base, recompute = memory["meshlight"], memory["meshlight recompute"]
         optimizer, activations = memory["meshlight offload optimizer"], memory["meshlight offload activations"]
-        # AdamW's two fp32 moments (0 where the device reports no memory: no ratio then)
-        optimizer_state = 8 * summary["model"]["params"] * bool(base["peak_bytes"])
-        summary["memory_ratios"] = {  # None where the device reports no memory (CPU)
+        optimizer_state = 8 * params * bool(base["peak_bytes"])  # AdamW's two fp32 moments
+        out.update({
             "recompute: peak / none": _ratio(recompute["peak_bytes"], base["peak_bytes"]),
             "recompute: step / none": _ratio(recompute["step_seconds"], base["step_seconds"]),
             "offload optimizer: resident bytes removed / optimizer state":
@@ -123,12 +136,8 @@ def main() -> None:
             "offload optimizer: step / none": _ratio(optimizer["step_seconds"], base["step_seconds"]),
             "offload activations: peak / none": _ratio(activations["peak_bytes"], base["peak_bytes"]),
             "offload activations: step / none": _ratio(activations["step_seconds"], base["step_seconds"]),
-        }
-    text = json.dumps(summary, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as file:
-            file.write(text + "\n")
+        })
+    return out
 
 
 def _ratio(numerator: float, denominator: float) -> Any:

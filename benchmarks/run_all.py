@@ -28,8 +28,9 @@ COMMANDS = {
     "profile": "python benchmarks/step_profile.py --nprocs 2 4",
 }
 BELOW_1F1B = ("interleaved1f1b", "interleavedzerobubble", "zbvzerobubble")
-#: Run on a GPU machine (`make bench` here has none): `python benchmarks/gpu.py --out benchmarks/gpu_results.json`
-GPU_COMMAND = "python benchmarks/gpu.py --section speed memory --batch 8 --steps 20 --warmup 8 --rounds 2"
+#: Run on a GPU machine (`make bench` here has none); both write benchmarks/gpu_results.json
+GPU_COMMANDS = ("python benchmarks/gpu.py --section speed --rounds 2 --out benchmarks/gpu_results.json",
+                "python benchmarks/gpu.py --section memory --rounds 1 --out benchmarks/gpu_results.json")
 GPU_RESULTS = HERE / "gpu_results.json"
 
 
@@ -365,36 +366,41 @@ def bubble_section(rows: list[dict]) -> str:
 
 
 def gpu_section(result: object) -> str:
-    """The single-accelerator figures, from the JSON `GPU_COMMAND` wrote on a GPU machine (None: not yet)."""
+    """The single-accelerator figures, from the JSON the `GPU_COMMANDS` wrote on a GPU machine (None: not yet)."""
     lines = ["## One GPU: MFU, overhead against a plain PyTorch loop, recomputation and offload", ""]
     if not isinstance(result, dict):
         return "\n".join(lines + [
-            f"Command (on a GPU machine): `{GPU_COMMAND} --out benchmarks/gpu_results.json`, then `make bench` formats",
-            "it here. **Not measured yet**: no GPU has been lent to this project's sessions. The script runs on CPU",
-            "with `--smoke` (a test keeps it working): ~1.1B-parameter GPT, sequence 2048, bf16, per-block",
+            f"Commands (on a GPU machine): `{GPU_COMMANDS[0]}` and `{GPU_COMMANDS[1]}`, then `make bench` formats the",
+            "file here. **Not measured yet**: no GPU has been lent to this project's sessions. The script runs on",
+            "CPU with `--smoke` (a test keeps it working): ~1.1B-parameter GPT, sequence 2048, bf16, per-block",
             "`torch.compile`, through `meshlight.Trainer` and as a hand-written loop; targets MFU ≥ 50% (H100/H200)",
             "and meshlight ≤ 1.03 × the plain loop.",
         ])
     model = result["model"]
     lines += [
-        f"Command: `{result['command']}` — {result['device']}, torch {result['torch']} (CUDA {result['cuda']}),"
-        f" lightning {result['lightning']}, {result['date']}. GPT with {model['params']:,} parameters"
-        f" ({model['non_embedding_params']:,} without embeddings; {model['layers']} blocks of {model['dim']},"
-        f" {model['heads']} heads), sequence {model['seq']}, batch {model['batch']}, bf16, per-block compile"
-        f" ({result['backend']}); step time = mean over {result['steps']} steps after {result['warmup']}, median of"
-        f" {result['rounds']} interleaved rounds. MFU = {model['flops_per_token']:,} FLOPs/token (torchtitan's"
-        f" convention) × tokens/s ÷ {result['peak_flops'] / 1e12:.0f} TFLOP/s dense bf16.",
+        f"{result['device']}, torch {result['torch']} (CUDA {result['cuda']}), lightning {result['lightning']},"
+        f" {result['date']}. GPT with {model['params']:,} parameters ({model['non_embedding_params']:,} without"
+        f" embeddings; {model['layers']} blocks of {model['dim']}, {model['heads']} heads), sequence {model['seq']},"
+        f" batch {model['batch']}, bf16, per-block compile. Step time = mean over the measured steps after the"
+        f" warm-up (compilation) steps, median of interleaved rounds. MFU = {model['flops_per_token']:,} FLOPs per"
+        f" token (torchtitan's convention) × tokens/s ÷ {result['peak_flops'] / 1e12:.0f} TFLOP/s dense bf16.",
         "",
-        "| section | variant | step (s) | tokens/s | MFU | peak memory (GB) | resident after a step (GB) |",
-        "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for section in ("speed", "memory"):
-        for name, r in result.get(section, {}).items():
-            lines.append(f"| {section} | {name} | {r['step_seconds']:.3f} | {r['tokens_per_second']:,.0f} |"
-                         f" {r['mfu']:.1%} | {r['peak_bytes'] / 1e9:.2f} | {r['resident_bytes'] / 1e9:.2f} |")
-    lines += ["", "| ratio | value | target |", "|---|---:|---|"]
+    for run in result["sections"].values():
+        lines += [
+            f"Command: `{run['command']}` ({run['steps']} steps after {run['warmup']}, {run['rounds']} rounds,"
+            f" backend {run['backend']})",
+            "",
+            "| variant | step (s) | tokens/s | MFU | peak memory (GB) | resident after a step (GB) |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, r in run["variants"].items():
+            lines.append(f"| {name} | {r['step_seconds']:.3f} | {r['tokens_per_second']:,.0f} | {r['mfu']:.1%} |"
+                         f" {r['peak_bytes'] / 1e9:.2f} | {r['resident_bytes'] / 1e9:.2f} |")
+        lines.append("")
+    lines += ["| ratio | value | target |", "|---|---:|---|"]
     targets = {"meshlight / plain autocast": 1.03, "meshlight / plain fsdp2": 1.03, "recompute: step / none": 1.4}
-    for name, value in {**result.get("speed_ratios", {}), **result.get("memory_ratios", {})}.items():
+    for name, value in result["ratios"].items():
         shown = "—" if value is None else f"{value:.3f}"
         target = "—"
         if name in targets and value is not None:
@@ -402,7 +408,7 @@ def gpu_section(result: object) -> str:
         elif "removed / optimizer state" in name and value is not None:
             target = f"≥ 1 ({'met' if value >= 1 else '**not met**'})"
         lines.append(f"| {name} | {shown} | {target} |")
-    speed = result.get("speed", {}).get("meshlight")
+    speed = result["sections"].get("speed", {}).get("variants", {}).get("meshlight")
     if speed is not None:
         lines += ["", f"MFU through meshlight: {speed['mfu']:.1%} (target ≥ 50%:"
                   f" {'met' if speed['mfu'] >= 0.5 else '**not met**'})."]
