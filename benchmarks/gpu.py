@@ -1,4 +1,4 @@
-"""One accelerator: a ~1B-parameter GPT (sequence 2048, bf16, fused/flash SDPA, ``torch.compile`` per block)
+"""One accelerator: a 1.02B-parameter GPT (sequence 2048, bf16, fused/flash SDPA, ``torch.compile`` per block)
 trained through ``meshlight.Trainer`` and as the same training written as a plain PyTorch loop; MFU by
 torchtitan's convention (6 × non-embedding parameters + attention FLOPs per token, against the device's dense
 bf16 peak); and what activation checkpointing and offload cost and save in accelerator memory.
@@ -36,6 +36,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 VARIANTS = {
@@ -82,7 +83,7 @@ def main() -> None:
     flops_per_token = model.flops_per_token(args.seq)
     tokens = args.batch * args.seq
     # --out: sections measured earlier (another command, e.g. the other section within a 10-minute limit) stay
-    summary: dict[str, Any] = json.loads(open(args.out).read()) if args.out and os.path.exists(args.out) else {}
+    summary: dict[str, Any] = json.loads(Path(args.out).read_text()) if args.out and Path(args.out).exists() else {}
     summary.update({
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "peak_flops": hardware.peak_flops, "torch": torch.__version__, "lightning": lightning.__version__,
@@ -110,8 +111,7 @@ def main() -> None:
     text = json.dumps(summary, indent=1)
     print(text)
     if args.out:
-        with open(args.out, "w") as file:
-            file.write(text + "\n")
+        Path(args.out).write_text(text + "\n")
 
 
 def ratios(sections: dict[str, Any], params: int) -> dict[str, Any]:
@@ -145,8 +145,8 @@ def _ratio(numerator: float, denominator: float) -> Any:
 
 
 def model_config(seq: int, *, smoke: bool = False):  # noqa: ANN201 - a GPTConfig
-    """~1.1B parameters (0.9B without embeddings): 16 blocks of width 2048, 16 heads of 128, SwiGLU, RMSNorm,
-    rotary positions, untied embeddings (Llama-shaped, GPT-2 vocabulary)."""
+    """1.02B parameters (0.91B without the token embedding): 16 blocks of width 2048, 16 heads of 128, SwiGLU,
+    RMSNorm, rotary positions, untied embedding and head (Llama-shaped, GPT-2 vocabulary)."""
     from meshlight.models import GPTConfig
 
     if smoke:

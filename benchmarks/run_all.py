@@ -372,7 +372,7 @@ def gpu_section(result: object) -> str:
         return "\n".join(lines + [
             f"Commands (on a GPU machine): `{GPU_COMMANDS[0]}` and `{GPU_COMMANDS[1]}`, then `make bench` formats the",
             "file here. **Not measured yet**: no GPU has been lent to this project's sessions. The script runs on",
-            "CPU with `--smoke` (a test keeps it working): ~1.1B-parameter GPT, sequence 2048, bf16, per-block",
+            "CPU with `--smoke` (a test keeps it working): 1.02B-parameter GPT, sequence 2048, bf16, per-block",
             "`torch.compile`, through `meshlight.Trainer` and as a hand-written loop; targets MFU ≥ 50% (H100/H200)",
             "and meshlight ≤ 1.03 × the plain loop.",
         ])
