@@ -43,12 +43,12 @@ def main() -> int:
     })
     sys.stdout.flush()
     sys.stderr.flush()
-    children = {}
+    children = set()
     for rank in range(nprocs):
         pid = os.fork()
         if pid == 0:
             sys.exit(_rank(rank, script, args))  # unwinds out of main(): the child exits as a script would
-        children[pid] = rank
+        children.add(pid)
     return _supervise(children)
 
 
@@ -72,7 +72,7 @@ def _rank(rank: int, script: str, args: list[str]) -> int:
     return code
 
 
-def _supervise(children: dict[int, int]) -> int:
+def _supervise(children: set[int]) -> int:
     """Wait for every rank; once one fails, terminate the others (SIGTERM, then SIGKILL after 30 s)."""
     failed, deadline = False, None
     while children:
@@ -86,7 +86,7 @@ def _supervise(children: dict[int, int]) -> int:
             continue
         if pid not in children:
             continue
-        children.pop(pid)
+        children.remove(pid)
         if os.waitstatus_to_exitcode(status) != 0 and not failed:
             failed, deadline = True, time.monotonic() + 30
             for other in children:

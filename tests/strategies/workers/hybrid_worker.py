@@ -16,15 +16,14 @@ from tests.strategies.parity import train
 SCHEDULES = ("1f1b", "interleaved1f1b")
 
 
-def gpt4() -> LitGPT:
-    config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=4, bias=False)
+def gpt4(**config: object) -> LitGPT:
+    config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=4, bias=False,
+                            **config)
     return LitGPT(config, lr=3e-3, warmup_steps=2)
 
 
 def moe_gpt4() -> LitGPT:
-    config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=4, bias=False,
-                            moe=MoEConfig(num_experts=4), moe_every=2)
-    return LitGPT(config, lr=3e-3, warmup_steps=2)
+    return gpt4(moe=MoEConfig(num_experts=4), moe_every=2)
 
 
 MODELS = {"gpt4": gpt4, "moe": moe_gpt4}
