@@ -27,14 +27,16 @@ head counts in attributes the strategy can scale (``n_heads``, ``num_key_value_h
 from __future__ import annotations
 
 import difflib
-from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Mapping
 from fnmatch import fnmatch
 from typing import Any, Optional, Union
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -47,8 +49,8 @@ from meshlight.parallel.data_parallel import repeated_blocks
 from meshlight.parallel.precision import is_norm
 
 __all__ = [
-    "ROLES", "TensorParallelError", "apply_tensor_parallel", "derive_plan", "model_plan", "resolve_plan",
-    "stage_plan", "validate_plan",
+    "ROLES", "TensorParallelError", "apply_tensor_parallel", "derive_plan", "model_plan", "reduce_partial_gradients",
+    "resolve_plan", "stage_plan", "validate_plan",
 ]
 
 ROLES = ("colwise", "rowwise", "embedding", "head", "norm", "replicate")
@@ -243,6 +245,44 @@ def apply_tensor_parallel(
         for module in modules.values():
             if isinstance(module, nn.Embedding):
                 module.register_forward_pre_hook(_check_sequence_divisible(tp))
+
+
+def reduce_partial_gradients(parameters: Iterable[Tensor]) -> None:
+    """Turn gradients that are partial sums over tp into replicated ones, one all-reduce per mesh and dtype.
+
+    A replicated parameter applied to sharded activations (a norm under sequence parallelism) gets a
+    ``Partial`` gradient: each tp rank holds its share of the sum. Left so, every op that reads it
+    reduces it again — AdamW three times per parameter, the norm for clipping once more. FSDP reduces such
+    gradients itself; where no data-parallel engine wraps the model (dp = 1) the strategy calls this once per
+    optimizer step, after the last backward, as Megatron-LM reduces its sequence-parallel norm gradients.
+    """
+    groups: dict[tuple, list[Tensor]] = defaultdict(list)
+    for param in parameters:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            summed = all(type(p) is Partial and p.reduce_op in ("sum", "avg")
+                         for p in grad.placements if p.is_partial())
+            if summed and grad.to_local().device.type == grad.device_mesh.device_type:
+                groups[(grad.device_mesh, grad.placements, grad.dtype)].append(param)
+            else:  # other reductions, or offloaded gradients: DTensor's own redistribution
+                param.grad = grad.redistribute(grad.device_mesh, _replicated(grad.placements))
+    for (mesh, placements, _), params in groups.items():
+        locals_ = [param.grad.to_local() for param in params]
+        flat = torch.cat([local.reshape(-1) for local in locals_])
+        for dim, placement in enumerate(placements):
+            if placement.is_partial():
+                group = mesh.get_group(dim)
+                dist.all_reduce(flat, group=group)
+                if placement.reduce_op == "avg":
+                    flat /= dist.get_world_size(group)
+        for param, values in zip(params, flat.split([local.numel() for local in locals_])):
+            grad = param.grad
+            param.grad = DTensor.from_local(values.view_as(grad.to_local()), mesh, _replicated(placements),
+                                            run_check=False, shape=grad.shape, stride=grad.stride())
+
+
+def _replicated(placements: tuple) -> tuple:
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
 
 
 class _LMHead(ColwiseParallel):

@@ -14,7 +14,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -71,7 +71,7 @@ from meshlight.parallel.parallelize import parallelize
 from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, validate_schedule
 from meshlight.parallel.precision import MeshGradScaler, PrecisionPolicy
 from meshlight.parallel.sampling import ResumableSampler
-from meshlight.parallel.tensor import model_plan, stage_plan
+from meshlight.parallel.tensor import model_plan, reduce_partial_gradients, stage_plan
 from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps, setup_pipeline
 
 __all__ = ["MeshStrategy"]
@@ -438,6 +438,17 @@ class MeshStrategy(ParallelStrategy):
         ddp = ddp_engine(self.model) if self.model is not None else None
         if ddp is not None and not self.lightning_module.automatic_optimization:
             prepare_for_backward(ddp, closure_loss)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None,
+                       **kwargs: Any) -> Any:
+        def closure_then_reduce() -> Any:
+            result = closure()
+            reduce_partial_gradients(p for group in optimizer.param_groups for p in group["params"])
+            return result
+
+        # Inside the closure, so gradient clipping and on_before_optimizer_step see reduced gradients.
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> Tensor:
         """Clip the optimizer's gradients by their norm over the whole model, however it is sharded."""

@@ -1,7 +1,7 @@
 """Tensor parallelism reproduces single-process training — tp=2 on 2 processes, tp=4 and tp=2 × dp=2 on 4,
 with and without sequence parallelism, for meshlight's GPT and a Llama-shaped LightningModule under the
-automatic plan, a dict plan and its own configure_model() — shards its layers to 1/tp per rank, and keeps
-dropout consistent."""
+automatic plan, a dict plan and its own configure_model() — shards its layers to 1/tp per rank, reduces
+partial-sum gradients once per step, and keeps dropout consistent."""
 
 import functools
 from pathlib import Path
@@ -43,6 +43,20 @@ def distributed(tmp_path_factory) -> dict:
 def test_tensor_parallel_matches_single_process_training(distributed, controls, world, run):
     layout, model, sequence_parallel, variant = run
     assert_parity(distributed[world][run], controls[(model, variant)])
+
+
+@pytest.mark.parametrize(("world", "run"), RUNS, ids=[f"{w}proc-{r[0]}-{r[1]}-{'sp' if r[2] else 'nosp'}-{r[3]}"
+                                                       for w, r in RUNS])
+def test_no_gradient_is_a_partial_sum_when_the_optimizer_steps(distributed, world, run):
+    result = distributed[world][run]
+    assert len(result["partial_gradients"]) == 20 and not any(result["partial_gradients"])
+    if run[3] != "clip":  # then the optimizer reduces nothing: its step is local (clipping sums norms)
+        assert result["step_collectives"] == [0] * 20
+
+
+def test_partial_gradients_are_reduced_as_dtensor_would_in_one_all_reduce_per_dtype_and_reduction(distributed):
+    # cases: sum fp32 (two shapes), average fp32, sum fp64
+    assert distributed[2]["partial_gradient_reduction"] == {"equal": True, "replicated": True, "all_reduce_calls": 3}
 
 
 def test_clipping_engages_in_the_clipped_control(controls):

@@ -6,12 +6,14 @@ import sys
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
-from meshlight.parallel.tensor import derive_plan
+from meshlight.parallel import CollectiveTraffic
+from meshlight.parallel.tensor import derive_plan, reduce_partial_gradients
 from tests.strategies.llama import DICT_PLAN, LitLlama, LitLlamaParallelizedByUser
 from tests.strategies.parity import VARIANTS, make_data, train
 
@@ -53,6 +55,47 @@ def sharded_fraction(module: pl.LightningModule) -> float:
     return local / sum(p.numel() for p in weights)
 
 
+class GradientProbe(pl.Callback):
+    """Whether any gradient is still a partial sum when the optimizer step begins, and the collectives the
+    step itself (clipping and optimizer) issues."""
+
+    def __init__(self) -> None:
+        self.partial, self.traffic, self.step_collectives = [], CollectiveTraffic(), []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: object) -> None:
+        self.partial.append(sorted(name for name, p in module.named_parameters() if isinstance(p.grad, DTensor)
+                                   and any(placement.is_partial() for placement in p.grad.placements)))
+        self.traffic.reset()
+        self.traffic.__enter__()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        self.traffic.__exit__(None, None, None)
+        self.step_collectives.append(sum(kind["calls"] for kind in self.traffic.summary().values()))
+
+
+def partial_gradient_reduction() -> dict[str, bool]:
+    """reduce_partial_gradients against DTensor's own redistribution, for sum and average partials of two
+    shapes and dtypes (one all-reduce per dtype and kind of partial)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    cases = [(Partial("sum"), (3, 5), torch.float32), (Partial("sum"), (7,), torch.float32),
+             (Partial("avg"), (4,), torch.float32), (Partial("sum"), (2, 2), torch.float64)]
+    params, expected = [], []
+    for placement, shape, dtype in cases:
+        param = torch.nn.Parameter(DTensor.from_local(torch.zeros(shape, dtype=dtype), mesh, [Replicate()]))
+        param.grad = DTensor.from_local(torch.randn(shape, generator=generator, dtype=dtype), mesh, [placement])
+        expected.append(param.grad.redistribute(mesh, [Replicate()]).to_local())
+        params.append(param)
+    traffic = CollectiveTraffic()
+    with traffic:
+        reduce_partial_gradients(params)
+    return {
+        "equal": all(torch.equal(p.grad.to_local(), e) for p, e in zip(params, expected)),
+        "replicated": all(p.grad.placements == (Replicate(),) and p.grad.shape == p.shape for p in params),
+        "all_reduce_calls": traffic.summary()["all_reduce"]["calls"],
+    }
+
+
 def dropout_probe(world: int) -> list[torch.Tensor]:
     """The output of the final norm (a replicated region without sequence parallelism) for one fixed input,
     in training mode with dropout, on every rank."""
@@ -80,13 +123,17 @@ if __name__ == "__main__":
         if VARIANTS[variant][0]:  # the variant's LightningModule arguments (the factory makes the model)
             factory = functools.partial(factory, **VARIANTS[variant][0])
         strategy = ml.TensorParallelStrategy(tp=tp, plan=plan, sequence_parallel=sp)
-        result = train(variant, strategy, devices=world, data_parallel=dp, model=factory)
+        probe = GradientProbe()
+        result = train(variant, strategy, devices=world, data_parallel=dp, model=factory, callbacks=[probe])
+        result["partial_gradients"], result["step_collectives"] = probe.partial, probe.step_collectives
         module = result.pop("module")
         if dp == 1 and model != "llama-configure-model":  # the layers meshlight's plan shards
             fractions = [None] * world
             dist.all_gather_object(fractions, sharded_fraction(module))
             result["sharded_fraction"] = fractions
         results[(layout, model, sp, variant)] = result
+    if world == 2:
+        results["partial_gradient_reduction"] = partial_gradient_reduction()
     if world == 4:
         results["dropout"] = dropout_probe(world)
     if dist.get_rank() == 0:
