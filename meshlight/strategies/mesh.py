@@ -27,7 +27,6 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -498,12 +497,26 @@ class MeshStrategy(ParallelStrategy):
         group: Optional[Any] = None,
         reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
-        """Reduce over the whole world by default: ranks of one tensor/pipeline group hold equal values."""
+        """Reduce over the whole world by default: ranks of one tensor/pipeline group hold equal values.
+
+        In place, like Lightning's, but without the barrier Lightning puts before each reduction (an all-reduce
+        synchronizes by itself; on NCCL the barrier also blocks the host on the device every logged step)."""
         if isinstance(tensor, DTensor):  # e.g. a loss computed on vocabulary-sharded logits
             tensor = tensor.full_tensor()
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        group = _group.WORLD if group is None else group
+        reduce_op = "avg" if reduce_op == "mean" else reduce_op
+        average = isinstance(reduce_op, str) and reduce_op.lower() == "avg"
+        if average or reduce_op is None:  # an average as a sum, then a division: gloo has no AVG
+            op = ReduceOp.SUM
+        else:
+            op = getattr(ReduceOp, reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
+        dist.all_reduce(tensor, op=op, group=group)
+        if not average:
+            return tensor
+        size = dist.get_world_size(group)
+        return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
 
     # ---------------------------------------------------------------- checkpoints
 

@@ -45,6 +45,12 @@ def test_synced_epoch_metrics_equal_single_process(ranks, control, strategy):
                 assert _close(got[name], value), (name, got[name], value)
 
 
+def test_reduce_averages_sums_and_takes_maxima_over_the_world_without_a_barrier(ranks):
+    for rank in ranks:  # values rank + 1 = 1, 2
+        assert rank["reductions"] == {"values": {"mean": 1.5, "sum": 3.0, "max": 2.0, None: 3.0,
+                                                 "mean of integers": 1}, "barriers": 0}
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sanity_validation_and_progress_bar(ranks, strategy):
     for rank in ranks:
