@@ -427,7 +427,7 @@ def main() -> None:
         "",
         "Written by `make bench` (`python benchmarks/run_all.py`), which runs each command below and formats its",
         "JSON output; every figure comes from the command beside it. CPU figures are ratios or byte counts, not",
-        "absolute speeds (DESIGN.md, performance doctrine).",
+        "absolute speeds: only ratios measured side by side in one run carry over to other machines.",
         "",
         f"- Date: {datetime.date.today().isoformat()}",
         f"- Machine: {cpu_model()}, {os.cpu_count()} CPU cores, no GPU; gloo backend",

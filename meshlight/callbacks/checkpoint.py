@@ -28,7 +28,9 @@ FOLDER = re.compile(r"^step=(\d+)$")
 class DistributedCheckpoint(Checkpoint):
     """Save sharded checkpoints of everything training needs to continue bit for bit, to any fsspec URL.
 
-    The arguments mean what they mean in Lightning's ``ModelCheckpoint``:
+    The arguments mean what they mean in Lightning's ``ModelCheckpoint``, except that ``save_last`` defaults to
+    True and that without ``monitor`` ``save_top_k`` keeps that many of the newest (Lightning allows only
+    -1, 0 or 1 there); ``keep_last_k`` is meshlight's:
 
     Args:
         dirpath: folder or URL (``/ckpts``, ``memory://ckpts``, ``s3://bucket/run`` with s3fs installed).
@@ -38,7 +40,8 @@ class DistributedCheckpoint(Checkpoint):
         save_last: also keep the newest checkpoint (and save one when training ends), whatever its rank.
         async_save: stage the state in memory and write in the background while training continues (one
             checkpoint in flight: the next save, or the end of training, waits for it).
-        keep_last_k: keep at most this many of the newest checkpoints besides the best ``save_top_k``.
+        keep_last_k: with ``monitor``, keep this many of the newest besides the best ``save_top_k``; without,
+            the newest ``max(save_top_k, keep_last_k)`` stay.
 
     Resume with ``trainer.fit(model, ckpt_path="last")`` (meshlight's Trainer resolves it to the newest
     complete checkpoint here) or with a folder's path. The data position is restored with plain

@@ -1,6 +1,6 @@
 """The one place where a model is made parallel, in a fixed order of transforms.
 
-Order on each pipeline stage's module (DESIGN.md): pipeline split → tensor (+ sequence) parallel → expert
+Order on each pipeline stage's module: pipeline split → tensor (+ sequence) parallel → expert
 parallel → activation checkpointing → compile → activation offload → data parallel (DDP / ZeRO). Data
 parallelism comes last because FSDP must see the final parameters (DTensors from tensor parallelism, expert
 shards) to shard them. The pipeline split happens before (per stage, in the strategy).

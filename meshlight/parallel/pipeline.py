@@ -1,11 +1,11 @@
 """Pipeline parallelism: split a model into stages and run ``torch.distributed.pipelining`` schedules.
 
-The model contract (DESIGN.md): the *pipelined module* owns its blocks in a ``ModuleList``/``ModuleDict``
-and its ``forward`` is a chain — the pieces with parameters registered before the blocks (embeddings) run
-first, then the blocks in order, then the pieces registered after (norm, head), each piece's output being
-the next one's first input. A stage is that same module with the pieces it does not own replaced by
-:class:`PassThrough`; :func:`check_chain` verifies the contract on real inputs without any communication,
-so a model that breaks it fails identically on every rank instead of hanging in a send.
+The model contract (README, "Pipeline parallelism"): the *pipelined module* owns its blocks in a
+``ModuleList``/``ModuleDict`` and its ``forward`` is a chain — the pieces with parameters registered before
+the blocks (embeddings) run first, then the blocks in order, then the pieces registered after (norm, head),
+each piece's output being the next one's first input. A stage is that same module with the pieces it does
+not own replaced by :class:`PassThrough`; :func:`check_chain` verifies the contract on real inputs without
+any communication, so a model that breaks it fails identically on every rank instead of hanging in a send.
 
 Stage balancing: by parameter count (default), by block count, or at explicit split points. Virtual
 stages: "loop" placement puts stage ``s`` on rank ``s % pp``; "v" placement (ZBVZeroBubble, DualPipeV)

@@ -40,7 +40,9 @@ class Hybrid3DStrategy(MeshStrategy):
     Args:
         dp: data-parallel size; ``"auto"``: what the world leaves after ``pp × tp`` (or the planner's choice).
         pp: pipeline stages; tp: tensor-parallel size; ep: expert-parallel size (borrowed from dp).
-        zero: ZeRO stage over the data-parallel ranks (0 = DDP).
+        zero: ZeRO stage over the data-parallel ranks (0 = DDP); ``None``, like any size left out, is the
+            planner's choice — so ``Hybrid3DStrategy(dp=2, pp=2, tp=2)`` still plans ``ep``, ``zero`` and,
+            unless given, the schedule and the microbatches; give ``ep=1, zero=1`` as well to fix them.
         schedule, microbatches, virtual_stages: the pipeline schedule (see
             :class:`~meshlight.strategies.PipelineStrategy`); ``virtual_stages`` default: 1 for gpipe and
             1f1b, 2 for the interleaved and V schedules.

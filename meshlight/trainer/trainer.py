@@ -20,8 +20,8 @@ __all__ = ["Trainer"]
 
 class Trainer(pl.Trainer):
     """``lightning.Trainer`` whose ``strategy`` also accepts ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``,
-    ``"fsdp"`` (= ``"zero3"``), ``"tp"``, ``"pipeline"`` and ``"moe"`` as meshlight strategies, or any strategy
-    instance.
+    ``"fsdp"`` (= ``"zero3"``), ``"tp"``, ``"pipeline"``, ``"moe"`` and ``"3d"`` as meshlight strategies, or any
+    strategy instance.
 
     ``logger=True`` (the default) logs to TensorBoard under ``default_root_dir/lightning_logs``. An
     :class:`~meshlight.callbacks.ExpertLoadMonitor` is added unless ``callbacks`` has one (it does nothing for
