@@ -248,7 +248,7 @@ def apply_tensor_parallel(
 
 
 def reduce_partial_gradients(parameters: Iterable[Tensor]) -> None:
-    """Turn gradients that are partial sums over tp into replicated ones, one all-reduce per mesh and dtype.
+    """Turn gradients that are partial sums over tp into replicated ones, one all-reduce per mesh, placement and dtype.
 
     A replicated parameter applied to sharded activations (a norm under sequence parallelism) gets a
     ``Partial`` gradient: each tp rank holds its share of the sum. Left so, every op that reads it

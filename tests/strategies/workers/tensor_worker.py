@@ -73,7 +73,7 @@ class GradientProbe(pl.Callback):
         self.step_collectives.append(sum(kind["calls"] for kind in self.traffic.summary().values()))
 
 
-def partial_gradient_reduction() -> dict[str, bool]:
+def partial_gradient_reduction() -> dict[str, object]:
     """reduce_partial_gradients against DTensor's own redistribution, for sum and average partials of two
     shapes and dtypes (one all-reduce per dtype and kind of partial)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
