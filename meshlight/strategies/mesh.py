@@ -441,6 +441,9 @@ class MeshStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None,
                        **kwargs: Any) -> Any:
+        if self.layout.tp == 1:  # partial-sum gradients come from tensor parallelism
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
         def closure_then_reduce() -> Any:
             result = closure()
             reduce_partial_gradients(p for group in optimizer.param_groups for p in group["params"])
