@@ -277,8 +277,9 @@ def reduce_partial_gradients(parameters: Iterable[Tensor]) -> None:
                     flat /= dist.get_world_size(group)
         for param, values in zip(params, flat.split([local.numel() for local in locals_])):
             grad = param.grad
+            contiguous = torch.empty(grad.shape, device="meta").stride()  # the buffer's layout, not the old one
             param.grad = DTensor.from_local(values.view_as(grad.to_local()), mesh, _replicated(placements),
-                                            run_check=False, shape=grad.shape, stride=grad.stride())
+                                            run_check=False, shape=grad.shape, stride=contiguous)
 
 
 def _replicated(placements: tuple) -> tuple:

@@ -449,7 +449,8 @@ class MeshStrategy(ParallelStrategy):
             reduce_partial_gradients(p for group in optimizer.param_groups for p in group["params"])
             return result
 
-        # Inside the closure, so gradient clipping and on_before_optimizer_step see reduced gradients.
+        # Inside the closure, so Lightning's clipping and on_before_optimizer_step see reduced gradients (under
+        # manual optimization, what the user does before opt.step() still sees partial sums: correct, slower).
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> Tensor:
@@ -519,7 +520,9 @@ class MeshStrategy(ParallelStrategy):
         if not average:
             return tensor
         size = dist.get_world_size(group)
-        return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
+        if torch.is_floating_point(tensor):
+            return tensor.div_(size)
+        return tensor.div_(size, rounding_mode="trunc")  # exact for integers (no float round trip)
 
     # ---------------------------------------------------------------- checkpoints
 

@@ -48,7 +48,8 @@ def test_synced_epoch_metrics_equal_single_process(ranks, control, strategy):
 def test_reduce_averages_sums_and_takes_maxima_over_the_world_without_a_barrier(ranks):
     for rank in ranks:  # values rank + 1 = 1, 2
         assert rank["reductions"] == {"values": {"mean": 1.5, "sum": 3.0, "max": 2.0, None: 3.0,
-                                                 "mean of integers": 1}, "barriers": 0}
+                                                 "mean of integers": 1, "mean of large integers": 100_000_002},
+                                      "barriers": 0}
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -22,6 +22,8 @@ def reductions() -> dict:
         value = float(dist.get_rank() + 1)
         out = {op: strategy.reduce(torch.tensor(value), reduce_op=op).item() for op in ("mean", "sum", "max", None)}
         out["mean of integers"] = strategy.reduce(torch.tensor(dist.get_rank() + 1), reduce_op="mean").item()
+        large = torch.tensor(100_000_001 + 3 * dist.get_rank())  # beyond float32's exact integers
+        out["mean of large integers"] = strategy.reduce(large, reduce_op="mean").item()
     finally:
         dist.barrier = barrier
     return {"values": out, "barriers": len(barriers)}
