@@ -82,16 +82,18 @@ def main() -> None:
         model = GPT(config)
     flops_per_token = model.flops_per_token(args.seq)
     tokens = args.batch * args.seq
-    # --out: sections measured earlier (another command, e.g. the other section within a 10-minute limit) stay
-    summary: dict[str, Any] = json.loads(Path(args.out).read_text()) if args.out and Path(args.out).exists() else {}
-    summary.update({
+    setup = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "peak_flops": hardware.peak_flops, "torch": torch.__version__, "lightning": lightning.__version__,
-        "cuda": torch.version.cuda, "date": datetime.date.today().isoformat(),
+        "cuda": torch.version.cuda,
         "model": {"params": model.num_params(), "non_embedding_params": model.num_params(exclude_embeddings=True),
                   "layers": config.n_layers, "dim": config.dim, "heads": config.n_heads, "seq": args.seq,
                   "batch": args.batch, "flops_per_token": flops_per_token},
-    })
+    }
+    # --out: sections measured earlier (another command, e.g. the other section within a 10-minute limit) stay,
+    # when they were measured on the same device, versions and model
+    summary = earlier_summary(Path(args.out), setup) if args.out else {}
+    summary.update(setup, date=datetime.date.today().isoformat())
     sections = summary.setdefault("sections", {})
     for section, variants in runs.items():
         rows = {}
@@ -112,6 +114,20 @@ def main() -> None:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+
+
+def earlier_summary(path: Path, setup: dict[str, Any]) -> dict[str, Any]:
+    """What ``path`` holds, if it was measured with the same ``setup`` (device, versions, model); else nothing,
+    with a warning naming what differs (sections from two setups would make meaningless ratios)."""
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    changed = [key for key, value in setup.items() if earlier.get(key) != value]
+    if changed:
+        print(f"{path} was measured with a different {', '.join(changed)}: its sections"
+              f" {sorted(earlier.get('sections', {}))} are replaced, not merged.", file=sys.stderr)
+        return {}
+    return earlier
 
 
 def ratios(sections: dict[str, Any], params: int) -> dict[str, Any]:

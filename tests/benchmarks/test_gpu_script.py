@@ -29,3 +29,19 @@ def test_gpu_benchmark_runs_every_variant_and_formats(tmp_path):
         sys.path.remove(str(REPO / "benchmarks"))
     section = run_all.gpu_section(result)
     assert "| meshlight recompute |" in section and "| meshlight / plain fsdp2 |" in section
+
+
+def test_gpu_benchmark_merges_only_sections_of_the_same_setup(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    setup = {"device": "NVIDIA H100", "torch": "2.13.0", "model": {"params": 10, "seq": 2048}}
+    out = tmp_path / "gpu.json"
+    assert gpu.earlier_summary(out, setup) == {}
+    out.write_text(json.dumps({**setup, "date": "2026-11-20", "sections": {"speed": {"variants": {}}}}))
+    assert gpu.earlier_summary(out, setup)["sections"] == {"speed": {"variants": {}}}
+    out.write_text(json.dumps({**setup, "device": "NVIDIA H200", "sections": {"speed": {"variants": {}}}}))
+    assert gpu.earlier_summary(out, setup) == {}
+    assert "different device: its sections ['speed'] are replaced" in capsys.readouterr().err
