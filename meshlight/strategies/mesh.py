@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
+from torchmetrics import Metric
 from typing_extensions import override
 
 from meshlight.parallel.checkpoint import (
@@ -141,6 +142,7 @@ class MeshStrategy(ParallelStrategy):
         validate_schedule(schedule, pp if isinstance(pp, int) else 1, virtual_stages, microbatches or 1)
         self._pipeline_options = PipelineOptions(schedule, microbatches, virtual_stages, split)
         self._pipeline: Optional[PipelineSteps] = None
+        self._metric_group: Optional[dist.ProcessGroup] = None
         self._base_seed: Optional[int] = None
         self._process_group_backend = process_group_backend
         if gc_every_n_steps is not None and gc_every_n_steps < 1:
@@ -276,6 +278,25 @@ class MeshStrategy(ParallelStrategy):
             self._base_seed = torch.initial_seed()
         separate = self.layout.tp > 1 and self._tensor_parallel["sequence_parallel"]
         seed_by_mesh_position(self.device_mesh, self._base_seed, separate_tensor_ranks=separate)
+        self._count_metric_samples_once()
+
+    def _count_metric_samples_once(self) -> None:
+        """torchmetrics reduce their states over every rank by default; the tensor-parallel ranks of a replica
+        update theirs with the same batch, so counts (``SumMetric``, ``CatMetric``, …) would come out tp times
+        too large. Metrics without their own ``process_group`` reduce over the ranks with this rank's
+        tensor-parallel index instead: each sample once. Under pipelining only the last stage updates metrics
+        (the other stages' empty states add nothing), so their torchmetrics warning that ``compute`` ran
+        before ``update`` is expected there and silenced."""
+        metrics = [m for m in self.lightning_module.modules() if isinstance(m, Metric) and m.process_group is None]
+        if self._pipeline is not None and not self._pipeline.has_last:
+            warnings.filterwarnings("ignore", message=r"The ``compute`` method of metric", category=UserWarning)
+        if self.layout.tp == 1 or not metrics:
+            return
+        if self._metric_group is None:
+            names = [name for name in self.device_mesh.mesh_dim_names if name != "tp"]
+            self._metric_group = self.device_mesh[tuple(names)]._flatten("metrics").get_group()
+        for metric in metrics:
+            metric.process_group = self._metric_group
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:

@@ -1,7 +1,7 @@
 """Hybrid 3-D parallelism reproduces single-process training: (dp, pp, tp) = (2, 2, 2) on 8 processes, (1, 2, 2)
 and (2, 2, 1) on 4, each with ZeRO-1 and ZeRO-3 under 1F1B and Interleaved1F1B (4-block GPT), and an MoE GPT under
 dp=2 × pp=2 × ep=2, and strategy="3d" with no sizes on 4 processes — logged losses and final weights within 1e-4
-over 20 steps."""
+over 20 steps; and torchmetrics under pp=2 × tp=2."""
 
 from pathlib import Path
 
@@ -45,6 +45,14 @@ def test_3d_without_sizes_trains_the_planners_layout(distributed, controls):
     assert planned["plan"].startswith("dp=4 pp=1 tp=1"), planned["plan"]
     assert planned["layout"].startswith("dp=4 "), planned["layout"]  # the strategy trained what it printed
     assert_parity(planned, controls["gpt4"])
+
+
+def test_torchmetrics_count_each_validation_sequence_once_and_stages_without_updates_stay_quiet(distributed):
+    # tensor-parallel ranks see the same batch; pipeline stages before the last never update the metrics
+    ranks = distributed["metrics"]
+    assert [rank["val/sequences"] for rank in ranks] == [32.0] * 4
+    assert len({rank["val/answer_accuracy"] for rank in ranks}) == 1
+    assert [rank["warnings"] for rank in ranks] == [[]] * 4
 
 
 def test_a_given_layout_that_cannot_fit_in_memory_is_refused_before_training():

@@ -1,11 +1,15 @@
 """torchrun worker: 3-D parity runs — (dp, pp, tp) with ZeRO-1 and ZeRO-3 under 1F1B and Interleaved1F1B on a
 4-block GPT (one block per virtual stage), an MoE GPT under dp=2 × pp=2 × ep=2, and strategy="3d" with no sizes
-(the planner's layout) — for the world size it is launched with (4 or 8)."""
+(the planner's layout) — for the world size it is launched with (4 or 8); on 4 also torchmetrics under pp=2 × tp=2.
+"""
 
 import sys
+import warnings
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+import torchmetrics
 
 import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
@@ -27,6 +31,38 @@ def moe_gpt4() -> LitGPT:
 
 
 MODELS = {"gpt4": gpt4, "moe": moe_gpt4}
+
+
+class Counting(LitGPT):
+    """LitGPT that also counts the validation sequences it sees with a SumMetric."""
+
+    def __init__(self) -> None:
+        super().__init__(gpt4().config)
+        self.sequences = torchmetrics.SumMetric()
+
+    def validation_step(self, batch: tuple, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        self.sequences(torch.tensor(float(len(batch[0]))))
+        self.log("val/sequences", self.sequences)
+
+
+def validation_metrics() -> list[dict[str, object]]:
+    """Per rank, under dp=1 × pp=2 × tp=2: the validation metrics logged for 32 sequences (a count and the answer
+    accuracy) and the torchmetrics warnings seen."""
+    pl.seed_everything(0, verbose=False)
+    data = AdditionDataModule(3, batch_size=8, train_size=16, val_size=32)
+    trainer = ml.Trainer(strategy=ml.Hybrid3DStrategy(dp=1, pp=2, tp=2, microbatches=2), devices=4,
+                         accelerator="cpu", max_steps=1, val_check_interval=1, check_val_every_n_epoch=None,
+                         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(Counting(), data)
+    result = {name: float(trainer.callback_metrics[name]) for name in ("val/sequences", "val/answer_accuracy")}
+    result["warnings"] = [str(w.message) for w in seen if "torchmetrics" in w.filename]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    return gathered
 
 
 def runs(world: int) -> list[tuple[int, int, int, int, int, str, str]]:
@@ -55,5 +91,6 @@ if __name__ == "__main__":
         result = train("adamw", strategy, devices=world, model=gpt4)
         result.pop("module")
         results["planned"] = {**result, "layout": strategy.layout.describe(), "plan": strategy.plan[0].describe()}
+        results["metrics"] = validation_metrics()
     if dist.get_rank() == 0:
         torch.save(results, out)
