@@ -319,7 +319,7 @@ class MeshStrategy(ParallelStrategy):
                 lightning_module, self.layout, self.device_mesh, self._pipeline_options, self.root_device,
                 parallelize_stage,
             )
-            runner = _StepRunner(stages, self.layout)
+            runner = _StepRunner(stages, self.layout, self._pipeline, self._pipeline_options)
             _RUNNERS[lightning_module] = runner
         elif runner is None:
             runner = _StepRunner(lightning_module, self.layout)
@@ -332,6 +332,15 @@ class MeshStrategy(ParallelStrategy):
                 f" cannot also run as {self.layout.describe()}. Create a new instance for this Trainer (to continue"
                 " from its weights, save a checkpoint and pass it as `ckpt_path`)."
             )
+        elif runner.pipeline is not None:  # a second Trainer: the stages and their schedules are already built
+            if runner.pipeline_options != self._pipeline_options:
+                raise RuntimeError(
+                    f"This {type(lightning_module).__name__} is already split into pipeline stages with"
+                    f" {runner.pipeline_options}; it cannot also run with {self._pipeline_options}. Give this"
+                    " Trainer's strategy the same pipeline options, or create a new instance (to continue from its"
+                    " weights, save a checkpoint and pass it as `ckpt_path`)."
+                )
+            self._pipeline = runner.pipeline
         return runner
 
     @property
@@ -671,10 +680,12 @@ class _StepRunner(nn.Module):
     does not re-enter them. Its parameters are the LightningModule's, under the ``module.`` prefix.
     """
 
-    def __init__(self, module: LightningModule, layout: ParallelLayout) -> None:
+    def __init__(self, module: nn.Module, layout: ParallelLayout, pipeline: Optional[PipelineSteps] = None,
+                 pipeline_options: Optional[PipelineOptions] = None) -> None:
         super().__init__()
         self.module = module
         self.layout = layout
+        self.pipeline, self.pipeline_options = pipeline, pipeline_options  # under pipelining: module = the stages
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

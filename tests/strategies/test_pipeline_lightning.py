@@ -78,6 +78,12 @@ def test_rank_zero_tensorboard_shows_the_pipeline_timeline(out):
     assert 0.0 < bubble.value < 1.0
 
 
+def test_a_second_trainer_validates_the_same_pipelined_module(ranks, control):
+    for rank in ranks:
+        for name, value in control["validated_again"].items():
+            assert rank["validated_again"][name] == pytest.approx(value, rel=1e-4), name
+
+
 def test_every_rank_of_the_pipeline_gets_the_predictions(ranks, control):
     for rank in ranks:
         assert torch.equal(rank["predictions"], control["predictions"])

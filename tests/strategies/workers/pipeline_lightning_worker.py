@@ -1,6 +1,6 @@
 """torchrun worker: Lightning's features under pp=2 — validation with a torchmetrics metric, sanity checking,
 ModelCheckpoint(monitor="val/loss"), TensorBoard on rank 0 (with TrainingMonitor's pipeline timeline), the progress
-bar, predict, saving and resuming.
+bar, predict, validating with a second Trainer, saving and resuming.
 Each rank saves what it saw; the test compares ranks with each other and with one process."""
 
 import sys
@@ -65,6 +65,10 @@ def run(strategy: Callable[[], Any], devices: int, out: Path) -> dict[str, Any]:
         "weights": full_weights(module) if not control else dict(module.state_dict()),
         "predictions": torch.cat(trainer.predict(module, datamodule=data(control))),
     }
+    # a second Trainer with the same module reuses its stages
+    again = ml.Trainer(strategy=strategy(), devices=devices, accelerator="cpu", logger=False,
+                       enable_progress_bar=False, enable_model_summary=False)
+    result["validated_again"] = again.validate(module, data(control), verbose=False)[0]
     trainer.save_checkpoint(out / "final.ckpt")
     pl.seed_everything(SEED, verbose=False)
     resumed = gpt8()
