@@ -42,6 +42,7 @@ from torch.distributed.utils import _sync_params_and_buffers
 from torch.nn.parallel import DistributedDataParallel
 
 from meshlight.parallel.expert import expert_data_mesh
+from meshlight.parallel.layout import axis
 from meshlight.parallel.precision import PrecisionPolicy
 
 __all__ = [
@@ -98,10 +99,10 @@ def data_parallel_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:
     """The mesh data parallelism runs on: flattened ``dp`` for DDP; ``dp_shard`` (or the 2-D hybrid
     ``dp_replicate × dp_shard`` when replicating too) for ZeRO."""
     if zero == 0:
-        return mesh["dp"]
-    if mesh["dp_replicate"].size() > 1:
+        return axis(mesh, "dp")
+    if axis(mesh, "dp_replicate").size() > 1:
         return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+    return axis(mesh, "dp_shard")
 
 
 def apply_data_parallel(
@@ -131,7 +132,7 @@ def apply_data_parallel(
     """
     policies: dict[str, Any] = {"offload_policy": cpu_offload} if cpu_offload is not None else {}
     on_fsdp = precision is not None or cpu_offload is not None
-    if mesh["dp"].size() == 1 and not on_fsdp:
+    if axis(mesh, "dp").size() == 1 and not on_fsdp:
         return module  # nothing to replicate or shard over; FSDP on one rank would only add copies
     ignored = _expert_data_parallel(experts, mesh, zero, on_fsdp,
                                     {**policies, **({"mp_policy": precision.fsdp} if precision else {})})

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from meshlight.nn.moe import GroupedExperts, MoE
+from meshlight.parallel.layout import axis
 
 __all__ = ["AllToAllDispatcher", "apply_expert_parallel", "expert_data_mesh", "expert_layers", "sharded_experts"]
 
@@ -39,7 +40,7 @@ def expert_data_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:
     ``dp_replicate`` for hybrid sharding) under ZeRO; ``edp_replicate × dp_shard`` (shard size 1) under DDP."""
     if zero == 0:
         return mesh["edp_replicate", "dp_shard"]
-    if mesh["dp_replicate"].size() > 1:
+    if axis(mesh, "dp_replicate").size() > 1:
         return mesh["dp_replicate", "edp_shard"]
     return mesh["edp_shard"]
 
@@ -48,7 +49,7 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int) -> None:
     """Split every MoE layer's experts over the mesh's ``ep`` axis in place (when ``ep > 1``), and tell every
     MoE layer the data-parallel group its expert loads add up over (for balancing and telemetry)."""
     layers = expert_layers(module)
-    data_group = mesh["dp"].get_group()
+    data_group = axis(mesh, "dp").get_group()
     for layer in layers:
         layer.data_parallel_group = data_group
     if ep == 1:

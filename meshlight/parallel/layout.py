@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MESH_AXES", "ParallelLayout", "build_device_mesh", "seed_by_mesh_position"]
+__all__ = ["MESH_AXES", "ParallelLayout", "axis", "build_device_mesh", "seed_by_mesh_position"]
 
 #: Axes of the device mesh, outermost first: pipeline stages span the slowest links, tensor
 #: parallelism the fastest. :func:`build_device_mesh` adds two flattened axes: ``"dp"`` (replicate ×
@@ -166,12 +166,20 @@ def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     return mesh
 
 
+def axis(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The 1-D axis ``name`` of a mesh from :func:`build_device_mesh`, including the axes it flattened (``dp``,
+    ``stage``, an expert-borrowed data axis): those are the meshes ``_flatten`` kept on the root mesh, since
+    slicing a flattened axis from the root is deprecated in PyTorch."""
+    flattened = mesh._get_root_mesh()._flatten_mapping.get(name)
+    return flattened if flattened is not None else mesh[name]
+
+
 def seed_by_mesh_position(mesh: DeviceMesh, seed: int, *, separate_tensor_ranks: bool) -> None:
     """Seed this rank's RNG so that data-parallel replicas and pipeline stages draw different random numbers
     (dropout masks) while the tensor-parallel ranks of one replica draw the same ones — required where they
     hold replicated activations. With sequence parallelism those ranks hold different tokens instead, so
     ``separate_tensor_ranks`` gives them separate streams too."""
-    stream = mesh["dp"].get_local_rank() * mesh["pp"].size() + mesh["pp"].get_local_rank()
+    stream = axis(mesh, "dp").get_local_rank() * mesh["pp"].size() + mesh["pp"].get_local_rank()
     if separate_tensor_ranks:
         stream = stream * mesh["tp"].size() + mesh["tp"].get_local_rank()
     torch.manual_seed(seed + stream)

@@ -24,7 +24,7 @@ from meshlight.parallel.data_parallel import (
     is_data_parallel,
 )
 from meshlight.parallel.expert import apply_expert_parallel, expert_layers, sharded_experts
-from meshlight.parallel.layout import ParallelLayout
+from meshlight.parallel.layout import ParallelLayout, axis
 from meshlight.parallel.offload import OffloadPolicy, apply_activation_offload
 from meshlight.parallel.precision import PrecisionPolicy
 from meshlight.parallel.recompute import apply_recompute
@@ -74,7 +74,7 @@ def parallelize(
         return module
     # Every transform starts from the same weights on every rank (DDP would broadcast; FSDP and TP do not).
     # Shards of a model the user split in configure_model are copied only among ranks holding the same shard.
-    broadcast_module_states(module, mesh["stage"].get_group(), shard_group=mesh["dp"].get_group())
+    broadcast_module_states(module, axis(mesh, "stage").get_group(), shard_group=axis(mesh, "dp").get_group())
     if layout.tp > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):
         plan = model_plan(module, tp_plan)
         validate_plan(module, plan, layout.tp, layout.world_size)

@@ -64,7 +64,7 @@ from meshlight.parallel.checkpoint import (
 from meshlight.parallel.clip import clip_grad_norm_
 from meshlight.parallel.compile import CompilePolicy
 from meshlight.parallel.data_parallel import BlockSelection, ddp_engine, gradient_accumulation
-from meshlight.parallel.layout import ParallelLayout, Size, build_device_mesh, seed_by_mesh_position
+from meshlight.parallel.layout import ParallelLayout, Size, axis, build_device_mesh, seed_by_mesh_position
 from meshlight.parallel.offload import OffloadPolicy
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
@@ -204,7 +204,7 @@ class MeshStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Data is split by data-parallel rank: all ranks of one tensor/pipeline group read the same batch.
-        dp_mesh = self.device_mesh["dp"]
+        dp_mesh = axis(self.device_mesh, "dp")
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     @property
