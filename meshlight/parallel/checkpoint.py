@@ -95,6 +95,11 @@ def save_checkpoint(
     if write_metadata:
         fs.makedirs(root, exist_ok=True)
         fs.pipe_file(_join(root, INCOMPLETE_MARKER), b"")
+        # Saving over an earlier checkpoint (Lightning's "last.ckpt"): drop its DCP metadata, shards and RNG states,
+        # so none of them (those of a larger world among them) is read with the new ones.
+        stale = [f for f in fs.ls(root, detail=False) if _is_earlier_save(f.rstrip("/").rsplit("/", 1)[-1])]
+        if stale:
+            fs.rm(stale)
     _barrier()  # no rank writes into the folder before it is marked incomplete
     if rng_state is not None:
         with fs.open(_join(root, RNG_FILENAME.format(rank=_rank())), "wb") as f:
@@ -214,6 +219,11 @@ def _read(state: dict[str, Any], path: PathLike, *, no_dist: bool = False) -> No
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _is_earlier_save(name: str) -> bool:
+    return (name == ".metadata" or name.endswith((".distcp", ".metadata"))
+            or (name.startswith("rng-") and name.endswith(".pt")))
 
 
 def _barrier() -> None:

@@ -219,3 +219,27 @@ def test_the_job_restarts_from_the_last_complete_checkpoint_and_ends_with_the_sa
     assert reference["weights"].keys() == restarted["weights"].keys()
     for name, tensor in reference["weights"].items():
         assert torch.equal(tensor, restarted["weights"][name]), name
+
+
+def test_saving_over_a_checkpoint_replaces_its_files(tmp_path, recwarn):
+    import warnings
+
+    from torch import nn
+
+    from meshlight.parallel.checkpoint import load_checkpoint, save_checkpoint
+
+    path = tmp_path / "last.ckpt"
+    model = nn.Linear(3, 2)
+    save_checkpoint(path, {"state_dict": model.state_dict(), "step": 1}, write_metadata=True, rng_state={})
+    (path / "__7_0.distcp").write_bytes(b"a shard of an earlier, larger world")
+    (path / "rng-7.pt").write_bytes(b"")
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    expected = model.weight.clone()
+    warnings.simplefilter("always")
+    save_checkpoint(path, {"state_dict": model.state_dict(), "step": 2}, write_metadata=True, rng_state={})
+    assert not [w for w in recwarn if "existing checkpoint" in str(w.message)]  # DCP's overwrite warning
+    assert not (path / "__7_0.distcp").exists() and not (path / "rng-7.pt").exists()
+    fresh = nn.Linear(3, 2)
+    assert load_checkpoint(path, fresh)["step"] == 2
+    assert torch.equal(fresh.weight, expected)
