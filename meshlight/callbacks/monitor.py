@@ -180,6 +180,6 @@ def _peak_memory_per_rank(device: torch.device) -> list[float]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [peak]
     local = torch.tensor([peak], dtype=torch.float64, device=device)
-    gathered = torch.empty(dist.get_world_size(), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(gathered, local)
-    return gathered.tolist()
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)  # all_gather_into_tensor is deprecated in torch 2.13, its successor new
+    return torch.cat(gathered).tolist()
