@@ -169,8 +169,10 @@ def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
 def axis(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """The 1-D axis ``name`` of a mesh from :func:`build_device_mesh`, including the axes it flattened (``dp``,
     ``stage``, an expert-borrowed data axis): those are the meshes ``_flatten`` kept on the root mesh, since
-    slicing a flattened axis from the root is deprecated in PyTorch."""
-    flattened = mesh._get_root_mesh()._flatten_mapping.get(name)
+    slicing a flattened axis from the root is deprecated in PyTorch (older versions keep them elsewhere and slice
+    them without a warning)."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    flattened = getattr(root, "_flatten_mapping", {}).get(name)
     return flattened if flattened is not None else mesh[name]
 
 
