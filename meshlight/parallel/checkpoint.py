@@ -222,8 +222,7 @@ def _rank() -> int:
 
 
 def _is_earlier_save(name: str) -> bool:
-    return (name == ".metadata" or name.endswith((".distcp", ".metadata"))
-            or (name.startswith("rng-") and name.endswith(".pt")))
+    return name.endswith((".distcp", ".metadata")) or (name.startswith("rng-") and name.endswith(".pt"))
 
 
 def _barrier() -> None:

@@ -20,10 +20,13 @@ from tests.strategies.parity import train
 SCHEDULES = ("1f1b", "interleaved1f1b")
 
 
+def gpt4_config(**config: object) -> GPTConfig:
+    return GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=4, bias=False,
+                          **config)
+
+
 def gpt4(**config: object) -> LitGPT:
-    config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=4, bias=False,
-                            **config)
-    return LitGPT(config, lr=3e-3, warmup_steps=2)
+    return LitGPT(gpt4_config(**config), lr=3e-3, warmup_steps=2)
 
 
 def moe_gpt4() -> LitGPT:
@@ -37,7 +40,7 @@ class Counting(LitGPT):
     """LitGPT that also counts the validation sequences it sees with a SumMetric."""
 
     def __init__(self) -> None:
-        super().__init__(gpt4().config)
+        super().__init__(gpt4_config())
         self.sequences = torchmetrics.SumMetric()
 
     def validation_step(self, batch: tuple, batch_idx: int) -> None:
