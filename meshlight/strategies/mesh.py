@@ -38,7 +38,6 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
@@ -72,6 +71,7 @@ from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, valida
 from meshlight.parallel.precision import MeshGradScaler, PrecisionPolicy
 from meshlight.parallel.sampling import ResumableSampler
 from meshlight.parallel.tensor import model_plan, reduce_partial_gradients, stage_plan
+from meshlight.strategies.launcher import ForkingScriptLauncher
 from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps, setup_pipeline
 
 __all__ = ["MeshStrategy"]
@@ -219,11 +219,15 @@ class MeshStrategy(ParallelStrategy):
 
     def set_world_ranks(self) -> None:
         """Called by the Trainer at construction, before any process is launched: resolves the layout."""
+        self._set_ranks()
+        self._layout = self._resolve_layout()
+
+    def _set_ranks(self) -> None:
+        """This process's ranks, from its cluster environment (again in a rank the launcher forked)."""
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        self._layout = self._resolve_layout()
 
     def _resolve_layout(self) -> Optional[ParallelLayout]:
         """The layout for this world (None while it cannot be known yet: a planner waiting for the model)."""
@@ -233,7 +237,9 @@ class MeshStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = ForkingScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes, self.root_device, self._set_ranks
+            )
 
     @override
     def setup_environment(self) -> None:

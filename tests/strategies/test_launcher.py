@@ -1,0 +1,41 @@
+"""A script started as users start one (no torchrun, devices=2): on this CPU machine meshlight forks the second
+rank from the first at `fit` instead of re-running the script (meshlight/strategies/launcher.py). The forked
+job trains bit for bit as Lightning's re-run launcher does, and a rank that fails ends the whole job."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.launch import REPO
+
+WORKER = Path(__file__).parent / "workers" / "launch_worker.py"
+
+
+def _run(mode: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(WORKER), mode], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **env})
+
+
+def _ranks(result: subprocess.CompletedProcess) -> dict[str, str]:
+    assert result.returncode == 0, result.stderr[-4000:]
+    return dict(re.findall(r"^rank (\d/2 local \d) in process \d+: (.*)$", result.stdout, re.MULTILINE))
+
+
+def test_forked_ranks_train_exactly_as_re_run_ranks():
+    forked, re_run = _run("ok"), _run("ok", MESHLIGHT_FORK="0")
+    assert forked.stdout.count("script start") == 1  # the second rank inherited the script's start
+    assert re_run.stdout.count("script start") == 2  # Lightning's launcher ran the script again
+    ranks = _ranks(forked)
+    assert sorted(ranks) == ["0/2 local 0", "1/2 local 1"]
+    assert ranks["0/2 local 0"].endswith("LOCAL_RANK=0") and ranks["1/2 local 1"].endswith("LOCAL_RANK=1")
+    weights = {text.split(" env")[0] for text in ranks.values()}
+    assert len(weights) == 1  # data-parallel replicas agree
+    assert _ranks(re_run) == ranks  # and equal, bit for bit, those of a re-run rank (one thread per rank in both)
+
+
+def test_a_failing_forked_rank_ends_the_job():
+    result = _run("fail")
+    assert result.returncode != 0
+    assert "rank 1 fails on purpose" in result.stderr
