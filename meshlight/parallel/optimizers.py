@@ -5,7 +5,8 @@ its factored second moment averages squared gradients over rows and over columns
 always spans the sharded dimension. torch 2.13's implementation then applies in-place ops to a partial
 (not yet reduced) norm, which DTensor refuses (pytorch#109581). :func:`adapt_optimizer` makes such an
 optimizer step its DTensor parameters with the same algorithm written out of place, so DTensor inserts
-the one all-reduce per factored moment; plain tensors still take torch's own path.
+the one all-reduce per factored moment, and with the two norms per parameter (of the parameter and of its
+update) taken for all parameters at once; plain tensors still take torch's own path.
 
 Multi-tensor (``foreach``) and fused kernels refuse a list mixing DTensors and plain tensors ("got mixed
 torch.Tensor and DTensor"). Tensor parallelism without sequence parallelism (or a user plan) leaves norms and
@@ -43,9 +44,8 @@ class ShardedAdafactor(torch.optim.Adafactor):
         sharded_lists: tuple[list, ...] = tuple([] for _ in lists)
         super()._init_group({**group, "params": sharded}, *sharded_lists)
         eps1, eps2 = group["eps"]
-        for values in zip(*sharded_lists):
-            _adafactor_step(*values, d=group["d"], lr=group["lr"], beta2_decay=group["beta2_decay"],
-                            weight_decay=group["weight_decay"], eps1=eps1, eps2=eps2, maximize=group["maximize"])
+        _adafactor_steps(*sharded_lists, d=group["d"], lr=group["lr"], beta2_decay=group["beta2_decay"],
+                         weight_decay=group["weight_decay"], eps1=eps1, eps2=eps2, maximize=group["maximize"])
         return has_complex
 
 
@@ -69,13 +69,13 @@ def adapt_optimizer(optimizer: Optimizer) -> Optimizer:
     return optimizer
 
 
-def _adafactor_step(
-    param: Tensor,
-    grad: Tensor,
-    row_var: Optional[Tensor],
-    col_var: Optional[Tensor],
-    variance: Optional[Tensor],
-    step: Tensor,
+def _adafactor_steps(
+    params: list[Tensor],
+    grads: list[Tensor],
+    row_vars: list[Optional[Tensor]],
+    col_vars: list[Optional[Tensor]],
+    variances: list[Optional[Tensor]],
+    steps: list[Tensor],
     *,
     d: float,
     lr: float,
@@ -85,29 +85,59 @@ def _adafactor_step(
     eps2: float,
     maximize: bool,
 ) -> None:
-    """torch 2.13's single-tensor Adafactor update; reductions that may be partial are never updated in place."""
+    """torch 2.13's single-tensor Adafactor update of DTensor parameters. Reductions that may be partial are never
+    updated in place; the two norms each parameter's update needs (its own and its update's) are taken for all
+    parameters together, one all-reduce per sharded mesh dimension (:func:`_norms`) instead of one per parameter.
+    The updates wait for their norms together: one more copy of the local shards while stepping, as in torch's
+    multi-tensor (``foreach``) optimizers."""
     lr = float(lr)
-    grad = -grad if maximize else grad
-    eps1 = torch.finfo(param.dtype).eps if eps1 is None else eps1
-    step += 1
-    step_float = step.item()
-    one_minus_beta2 = step_float**beta2_decay
-    rho = min(lr, 1 / step_float**0.5)
-    alpha = max(eps2, _item(param.norm(2)) / param.numel() ** 0.5) * rho
-    if weight_decay != 0:
-        param.mul_(1 - lr * weight_decay)
-    if grad.dim() > 1:
-        assert row_var is not None and col_var is not None
-        row_var.lerp_(torch.norm(grad, dim=-1, keepdim=True).square().div(grad.size(-1)), one_minus_beta2)
-        col_var.lerp_(torch.norm(grad, dim=-2, keepdim=True).square().div(grad.size(-2)), one_minus_beta2)
-        estimate = (row_var @ col_var).div(row_var.mean(dim=-2, keepdim=True).clamp(min=eps1))
-    else:
-        assert variance is not None
-        variance.lerp_(grad * grad, one_minus_beta2)
-        estimate = variance.clone()
-    update = estimate.clamp(min=eps1 * eps1).rsqrt().mul(grad)
-    denom = max(1.0, _item(update.norm(2)) / (update.numel() ** 0.5 * d))
-    param.add_(update, alpha=-alpha / denom)
+    updates = []
+    for param, grad, row_var, col_var, variance, step, norm in zip(
+        params, grads, row_vars, col_vars, variances, steps, _norms(params)
+    ):
+        grad = -grad if maximize else grad
+        eps = torch.finfo(param.dtype).eps if eps1 is None else eps1
+        step += 1
+        step_float = step.item()
+        one_minus_beta2 = step_float**beta2_decay
+        rho = min(lr, 1 / step_float**0.5)
+        alpha = max(eps2, norm / param.numel() ** 0.5) * rho
+        if weight_decay != 0:
+            param.mul_(1 - lr * weight_decay)
+        if grad.dim() > 1:
+            assert row_var is not None and col_var is not None
+            row_var.lerp_(torch.norm(grad, dim=-1, keepdim=True).square().div(grad.size(-1)), one_minus_beta2)
+            col_var.lerp_(torch.norm(grad, dim=-2, keepdim=True).square().div(grad.size(-2)), one_minus_beta2)
+            estimate = (row_var @ col_var).div(row_var.mean(dim=-2, keepdim=True).clamp(min=eps))
+        else:
+            assert variance is not None
+            variance.lerp_(grad * grad, one_minus_beta2)
+            estimate = variance.clone()
+        updates.append((estimate.clamp(min=eps * eps).rsqrt().mul(grad), alpha))
+    for param, (update, alpha), norm in zip(params, updates, _norms([update for update, _ in updates])):
+        denom = max(1.0, norm / (update.numel() ** 0.5 * d))
+        param.add_(update, alpha=-alpha / denom)
+
+
+def _norms(tensors: list[Tensor]) -> list[float]:
+    """The 2-norm of each tensor as ``tensor.norm(2).item()`` gives it, in its dtype: for DTensors sharded alike
+    (same mesh, sharded mesh dimensions and dtype) from one all-reduce of their shards' sums of squares per
+    sharded dimension. Partial DTensors reduce on their own."""
+    norms: list[float] = [0.0] * len(tensors)
+    alike: dict[tuple, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, DTensor) or any(p.is_partial() for p in tensor.placements):
+            norms[index] = _item(tensor.norm(2))
+            continue
+        sharded = tuple(dim for dim, p in enumerate(tensor.placements) if not p.is_replicate())  # Shard, _StridedShard
+        alike.setdefault((tensor.device_mesh, sharded, tensor.dtype), []).append(index)
+    for (mesh, sharded, dtype), indices in alike.items():
+        squares = torch.stack([tensors[i].to_local().detach().float().square().sum() for i in indices])
+        for dim in sharded:
+            dist.all_reduce(squares, group=mesh.get_group(dim))
+        for index, norm in zip(indices, squares.sqrt().to(dtype).tolist()):
+            norms[index] = norm
+    return norms
 
 
 def _item(value: Tensor) -> float:

@@ -1,7 +1,7 @@
 """Tensor parallelism reproduces single-process training — tp=2 on 2 processes, tp=4 and tp=2 × dp=2 on 4,
 with and without sequence parallelism, for meshlight's GPT and a Llama-shaped LightningModule under the
-automatic plan, a dict plan and its own configure_model() — shards its layers to 1/tp per rank, reduces
-partial-sum gradients once per step, and keeps dropout consistent."""
+automatic plan, a dict plan and its own configure_model(), and Adafactor over tp × dp shards — shards its
+layers to 1/tp per rank, reduces partial-sum gradients once per step, and keeps dropout consistent."""
 
 import functools
 from pathlib import Path
@@ -11,7 +11,7 @@ import torch
 
 from tests.launch import torchrun
 from tests.strategies.llama import LitLlama, LitLlamaParallelizedByUser
-from tests.strategies.parity import assert_parity, train
+from tests.strategies.parity import VARIANTS, assert_parity, train
 from tests.strategies.workers import bad_tp_worker, tensor_worker
 
 WORKER = Path(tensor_worker.__file__)
@@ -24,6 +24,8 @@ def controls() -> dict:
     for model, (factory, _) in tensor_worker.MODELS.items():
         out[(model, "adamw")] = train("adamw", model=LitLlama if factory is LitLlamaParallelizedByUser else factory)
     out[("gpt", "clip")] = train("clip", model=tensor_worker.lit_gpt)
+    adafactor_gpt = functools.partial(tensor_worker.lit_gpt, **VARIANTS["adafactor"][0])
+    out[("gpt", "adafactor")] = train("adafactor", model=adafactor_gpt)
     out[("gpt", "adamw-foreach")] = train("adamw-foreach", model=functools.partial(tensor_worker.lit_gpt, foreach=True))
     return out
 
@@ -50,7 +52,11 @@ def test_tensor_parallel_matches_single_process_training(distributed, controls, 
 def test_no_gradient_is_a_partial_sum_when_the_optimizer_steps(distributed, world, run):
     result = distributed[world][run]
     assert len(result["partial_gradients"]) == 20 and not any(result["partial_gradients"])
-    if run[3] != "clip":  # then the optimizer reduces nothing: its step is local (clipping sums norms)
+    if run[3] == "adafactor":  # the norms of all parameters, then of all updates: 3 all-reduces each (those
+        # sharded over dp and tp, those over dp only); the rest DTensor's, for the factored moments. With one
+        # norm per parameter the step issued 88 (32 more than now).
+        assert result["step_collectives"] == [56] * 20
+    elif run[3] != "clip":  # then the optimizer reduces nothing: its step is local (clipping sums norms)
         assert result["step_collectives"] == [0] * 20
 
 

@@ -42,6 +42,7 @@ def runs(world: int) -> list[tuple[str, str, bool, str]]:
         grid.append(("tp2", "gpt", False, "adamw-foreach"))
     if world == 4:
         grid.append(("tp2xdp2", "gpt", True, "clip"))  # global norm over 2-D (dp × tp) and replicated shards
+        grid.append(("tp2xdp2", "gpt", True, "adafactor"))  # norms and factored moments over 2-D shards
     return grid
 
 
