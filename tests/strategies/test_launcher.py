@@ -24,7 +24,7 @@ def _ranks(result: subprocess.CompletedProcess) -> dict[str, str]:
 
 
 def test_forked_ranks_train_exactly_as_re_run_ranks():
-    forked, re_run = _run("ok"), _run("ok", MESHLIGHT_FORK="0")
+    forked, re_run = _run("ok", MESHLIGHT_FORK="1"), _run("ok", MESHLIGHT_FORK="0")
     assert forked.stdout.count("script start") == 1  # the second rank inherited the script's start
     assert re_run.stdout.count("script start") == 2  # Lightning's launcher ran the script again
     ranks = _ranks(forked)
@@ -36,6 +36,6 @@ def test_forked_ranks_train_exactly_as_re_run_ranks():
 
 
 def test_a_failing_forked_rank_ends_the_job():
-    result = _run("fail")
+    result = _run("fail", MESHLIGHT_FORK="1")
     assert result.returncode != 0
     assert "rank 1 fails on purpose" in result.stderr
