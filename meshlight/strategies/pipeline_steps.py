@@ -190,6 +190,7 @@ class PipelineSteps:
         carried = {} if clear_gradients else {id(p): p.grad for p in module.parameters() if p.grad is not None}
         for param in module.parameters():
             param.grad = None
+        self._sync_training_mode(training=True)
         args, kwargs = self._capture(module.training_step, batch, batch_idx)
         self._check_inputs(args, kwargs)
         chunks = self._split(batch)
@@ -199,7 +200,6 @@ class PipelineSteps:
         self._scaler = scaler
         self._recorder.clear()
         schedule = self._schedule(training=True, signature=_signature(args))
-        self._sync_training_mode()
         target = torch.arange(self.microbatches, device=self.device) if self.has_last else None
         schedule.step(*(args if self.has_first else ()), target=target, **(kwargs if self.has_first else {}))
         self._stash = []
@@ -235,10 +235,10 @@ class PipelineSteps:
 
     def evaluation_step(self, step: Callable[..., Any], batch: Any, batch_idx: int, *args: Any) -> Any:
         module = self.lightning_module
+        self._sync_training_mode(training=False)
         captured_args, kwargs = self._capture(step, batch, batch_idx, *args)
         self._check_inputs(captured_args, kwargs)
         schedule = self._schedule(training=False, signature=_signature(captured_args))
-        self._sync_training_mode()
         self._recorder.clear()
         with torch.no_grad():
             output = schedule.eval(*(captured_args if self.has_first else ()), **(kwargs if self.has_first else {}))
@@ -331,10 +331,22 @@ class PipelineSteps:
         return [tree_unflatten([p[i] if p is not None else leaf for p, leaf in zip(pieces, leaves)], spec)
                 for i in range(self.microbatches)]
 
-    def _sync_training_mode(self) -> None:
-        # Lightning switches modes on the strategy's model (`trainer.model.eval()`), which holds the stages, not
-        # the LightningModule: the LightningModule (and pieces of other stages it holds) follow the stages.
-        self.lightning_module.train(self.stage_modules[0].training)
+    def _sync_training_mode(self, training: bool) -> None:
+        """Make the stages and the LightningModule agree on every module's mode. Lightning switches evaluation on
+        the strategy's model (``trainer.model.eval()``), which holds the stages: for an evaluation step the
+        LightningModule (with the pieces of other stages it holds) follows them. Afterwards Lightning restores the
+        modes of the LightningModule's own modules, by name, and not those of the stages' shallow copies (a
+        stage's root, its block list) or wrappers: for a training step these take their modes from the
+        LightningModule, so that training after a validation keeps dropout and vocabulary-sharded logits."""
+        if not training:
+            self.lightning_module.train(self.stage_modules[0].training)
+            return
+        shared = {id(module) for module in self.lightning_module.modules()}
+        modes = {name: module.training for name, module in self.pipelined.named_modules()}
+        for stage in self.stage_modules:
+            for name, module in stage.named_modules():
+                if id(module) not in shared:
+                    module.training = modes.get(name, self.pipelined.training)
 
     def _from_last_stage(self, payload: Any) -> Any:
         box = [_detached_cpu(payload) if self.has_last else None]

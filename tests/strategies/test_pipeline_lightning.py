@@ -45,6 +45,14 @@ def test_sanity_validation_runs_and_the_progress_bar_shows_the_loss(ranks):
         assert {"train/loss", "val/loss", "val/answer_accuracy"} <= set(rank["progress_bar"])
 
 
+def test_stages_train_in_training_mode_after_validation_and_evaluate_in_eval_mode(ranks, control):
+    # Lightning restores the LightningModule's modes after validation, not the stages' own copies: training
+    # after the sanity check once ran every stage in eval mode (no dropout, gathered logits under tp).
+    for rank in [*ranks, control]:
+        assert rank["wrong_modes"] == []
+        assert rank["forwards"][True] > 0 and rank["forwards"][False] > 0
+
+
 def test_model_checkpoint_monitoring_val_loss_saves_the_same_best_everywhere(ranks, control):
     assert ranks[0]["best"] == ranks[1]["best"] == control["best"]
 

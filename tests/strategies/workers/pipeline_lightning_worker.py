@@ -25,11 +25,28 @@ BATCH, EPOCHS = 16, 2
 
 
 class Observer(Callback):
-    """Per epoch: the logged validation metrics and the last training loss; sanity batches seen."""
+    """Per epoch: the logged validation metrics and the last training loss; sanity batches seen; modules of the
+    strategy's model (the stages) that ran forward in the wrong mode (eval while training, train while evaluating)."""
 
     def __init__(self) -> None:
         self.epochs: list[dict[str, float]] = []
         self.sanity_batches = 0
+        self.wrong_modes: set[str] = set()
+        self.forwards: dict[bool, int] = {True: 0, False: 0}  # by mode
+        self.handles: list[Any] = []
+
+    def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
+        def check(mod: torch.nn.Module, *_: Any) -> None:
+            evaluating = trainer.sanity_checking or trainer.validating or trainer.predicting
+            self.forwards[mod.training] += 1
+            if mod.training == evaluating:
+                self.wrong_modes.add(f"{type(mod).__name__} training={mod.training} in {trainer.state.stage}")
+
+        self.handles = [mod.register_forward_pre_hook(check) for mod in trainer.strategy.model.modules()]
+
+    def teardown(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
+        for handle in self.handles:
+            handle.remove()
 
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.sanity_batches += int(trainer.sanity_checking)
@@ -61,6 +78,7 @@ def run(strategy: Callable[[], Any], devices: int, out: Path) -> dict[str, Any]:
     trainer.fit(module, data(control))
     result = {
         "epochs": observer.epochs, "sanity_batches": observer.sanity_batches,
+        "wrong_modes": sorted(observer.wrong_modes), "forwards": observer.forwards,
         "progress_bar": sorted(trainer.progress_bar_metrics), "best": Path(best.best_model_path).name,
         "weights": full_weights(module) if not control else dict(module.state_dict()),
         "predictions": torch.cat(trainer.predict(module, datamodule=data(control))),
