@@ -17,10 +17,11 @@ An analytic model, per rank, of what each candidate layout costs:
   without pipelining, gradients reduce-scattered per micro-batch under ZeRO-2) overlapped with backward compute
   except the last bucket (as Megatron-Core overlaps it; meshlight's pipeline schedules still reduce after the
   last microbatch);
-  expert all_to_all (4 exchanges of the routed tokens per MoE layer and micro-batch); and a fixed latency per
-  collective, message and pipeline action (what makes many tiny microbatches slow). Links: a group within
-  one node uses the intra-node bandwidth, otherwise the inter-node one (mesh order pp, dp, ep, tp: tp
-  innermost).
+  expert all_to_all (4 exchanges of the routed tokens per MoE layer and micro-batch); and latencies: a fixed
+  one per p2p message and pipeline action (what makes many tiny microbatches slow), and for each TP and DP
+  collective NCCL's ring model — a base plus one hop per ring step, inter-node hops slower (what makes ZeRO-3
+  over hundreds of ranks latency-bound). Links: a group within one node uses the intra-node bandwidth,
+  otherwise the inter-node one (mesh order pp, dp, ep, tp: tp innermost).
 
 :func:`plan` ranks every valid candidate; :func:`format_plan` prints the best ones and why the winner won.
 The assumptions are deliberately few; ``benchmarks/planner.py`` measures how far they are from published
@@ -154,6 +155,9 @@ class Hardware:
     param_bytes: int = 2  # compute copy (bf16); 4 = fp32 training
     activation_bytes: int = 2
     latency: float = 2e-5  # seconds per collective, p2p message or pipeline action, whatever its size
+    # and per step of a ring collective, within a node and between nodes (NCCL's ring/Simple figures)
+    hop_latency_intra: float = 3.4e-6
+    hop_latency_inter: float = 9.6e-6
 
     def replace(self, **changes: Any) -> Hardware:
         return dataclasses.replace(self, **changes)
@@ -168,8 +172,9 @@ HARDWARE: dict[str, Hardware] = {
     "mi300x": Hardware("AMD MI300X 192GB", 192 * GB, 1307e12, 448 * GB, 50 * GB),
     # torchtitan's published Llama 3 runs: H100 with 96 GB HBM2e capped at 500 W (peak scaled by power)
     "h100-96gb-500w": Hardware("NVIDIA H100 96GB HBM2e, 500 W cap", 96 * GB, 989e12 * 500 / 700, 450 * GB, 50 * GB),
+    # gloo processes on one host: one latency per collective, whatever the group (NCCL's hops do not apply)
     "cpu": Hardware("CPU process (gloo)", 4 * GB, 50e9, 2 * GB, 1 * GB, devices_per_node=64, param_bytes=4,
-                    activation_bytes=4, latency=2e-3),
+                    activation_bytes=4, latency=2e-3, hop_latency_intra=0.0, hop_latency_inter=0.0),
 }
 
 
@@ -418,7 +423,7 @@ def estimate(
     if tp > 1:
         collectives = 6 if recompute else 4
         messages = layers_per_stage * microbatches * collectives
-        tp_time = messages * (2 * (tp - 1) / tp * activation / _bandwidth(hw, tp, 1) + hw.latency)
+        tp_time = messages * (2 * (tp - 1) / tp * activation / _bandwidth(hw, tp, 1) + _ring_latency(hw, tp, 1))
     p2p = 0.0
     if pp > 1:  # activations forward and gradients back, and the schedule's actions, per microbatch and stage
         actions = 2 * microbatches * virtual_stages
@@ -429,7 +434,9 @@ def estimate(
     reductions = microbatches if zero >= 2 and pp == 1 else 1  # pipeline schedules reduce once per step
     dp_bytes = (gathers * param_bytes + reductions * grad_bytes * (1 if zero else 2)) * (dp - 1) / dp
     dp_messages = (layers_per_stage + 1) * (gathers + reductions)  # one collective per block and direction
-    dp_time = dp_bytes / _bandwidth(hw, dp, tp) + dp_messages * hw.latency if dp > 1 else 0.0
+    # an all-reduce (zero=0) is a reduce-scatter then an all-gather: twice the ring's steps
+    dp_latency = dp_messages * _ring_latency(hw, dp, tp) * (1 if zero else 2)
+    dp_time = dp_bytes / _bandwidth(hw, dp, tp) + dp_latency if dp > 1 else 0.0
     # reduced bucket by bucket during backward (2/3 of compute); the last bucket is exposed
     dp_exposed = max(0.0, dp_time - compute * 2 / 3) + dp_time / max(layers_per_stage, 1)
     ep_time = 0.0
@@ -465,6 +472,15 @@ def _bandwidth(hw: Hardware, size: int, stride: int) -> float:
     """Per-device bandwidth of a group of ``size`` ranks ``stride`` apart in the rank order."""
     span = size * stride
     return hw.intra_bandwidth if hw.devices_per_node % span == 0 else hw.inter_bandwidth
+
+
+def _ring_latency(hw: Hardware, size: int, stride: int) -> float:
+    """Latency of one all-gather or reduce-scatter over a ring of ``size`` ranks ``stride`` apart, as NCCL's
+    tuning model has it: a base plus one hop latency per step (``size − 1`` steps, ``nodes − 1`` of them
+    between nodes). It grows with the group, which is what makes ZeRO-3 over hundreds of ranks latency-bound."""
+    per_node = max(1, min(size, hw.devices_per_node // stride))
+    nodes = -(-size // per_node)
+    return hw.latency + (size - nodes) * hw.hop_latency_intra + (nodes - 1) * hw.hop_latency_inter
 
 
 def _divisors(n: int) -> list[int]:

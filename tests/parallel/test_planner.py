@@ -14,6 +14,7 @@ from meshlight.parallel.planner import (
     HARDWARE,
     MODELS,
     PlanError,
+    _ring_latency,
     best_per_layout,
     detect_hardware,
     model_spec_of,
@@ -56,12 +57,25 @@ def test_model_view_from_structure_when_there_is_no_config():
 
 def test_published_layouts_rank_among_the_best():
     # Megatron-Core weak scaling on H100 (benchmarks/planner.py has all 13 published runs): up to 32B the
-    # published tensor-parallel layout is the planner's first choice; 462B's TP8 × PP16 among its three best.
+    # published tensor-parallel layout is the planner's first choice; 119B's and 462B's 3-D layouts among its
+    # three best (119B only once ZeRO-3 over 192 nodes pays its ring latency).
     for name, world, batch, published, within in (("megatron-7.1b", 96, 192, (48, 1, 2), 1),
                                                   ("megatron-32b", 384, 192, (48, 1, 8), 1),
+                                                  ("megatron-119b", 1536, 768, (48, 4, 8), 3),
                                                   ("megatron-462b", 6144, 3072, (48, 16, 8), 3)):
         best = [c.layout[:3] for c in best_per_layout(plan(MODELS[name], HARDWARE["h100"], world, batch))]
         assert published in best[:within], (name, best[:3])
+
+
+def test_collective_latency_follows_the_ring_as_nccl_models_it():
+    h100 = HARDWARE["h100"]
+    # a base, then one hop per ring step: 7 NVLink hops within a node; across 192 nodes (one rank each: stride
+    # 8) 191 network hops; 2 ranks per node on 64 nodes: 64 NVLink and 63 network hops
+    assert _ring_latency(h100, 8, 1) == pytest.approx(h100.latency + 7 * h100.hop_latency_intra)
+    assert _ring_latency(h100, 192, 8) == pytest.approx(h100.latency + 191 * h100.hop_latency_inter)
+    assert _ring_latency(h100, 128, 4) == pytest.approx(h100.latency + 64 * h100.hop_latency_intra
+                                                        + 63 * h100.hop_latency_inter)
+    assert _ring_latency(HARDWARE["cpu"], 8, 1) == HARDWARE["cpu"].latency  # gloo on one host: the base alone
 
 
 def test_fixed_sizes_that_cannot_work_fail_naming_the_constraints():
