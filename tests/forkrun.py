@@ -4,16 +4,24 @@ imported torch, Lightning and meshlight and forks the ranks.
 Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``,
 ``TORCHELASTIC_RUN_ID``, … — Lightning detects a torchelastic launch, as under torchrun) and runs the script as
 ``__main__`` with its arguments; as with torchrun, the first rank to fail has the others terminated, and the exit
-status is 0 only when every rank succeeded. What it saves: each rank's ~3.5 s of imports (torch, Lightning —
+status is 0 only when every rank succeeded. What it saves: each rank's ~4 s of imports (torch, Lightning —
 which imports Dynamo — and meshlight), a third to a half of a short multi-process test on this 2-core machine.
 Restarts (``--max-restarts``) are not handled here: tests that need them run the real torchrun.
 
     python tests/forkrun.py NPROCS SCRIPT [ARGS...]
+    python tests/forkrun.py --serve      # a fork server: one launch per request, without importing again
+
+The fork server (what ``tests/launch.py`` uses) imports once for the whole test session and reads one JSON
+request per line on stdin — ``{"nprocs", "script", "args", "env", "cwd", "stdout", "stderr"}`` — forks a launcher
+for it (its own process group, its output to the files named, the environment given) and answers two lines on
+stdout: ``{"pid": …}`` at once, ``{"returncode": …}`` when the launch is over. It never computes anything
+itself, so no thread pool exists when it forks.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import runpy
 import signal
@@ -27,11 +35,21 @@ PRELOAD = ("torch", "torch.distributed.pipelining", "torch.distributed.checkpoin
 
 
 def main() -> int:
-    nprocs, script, args = int(sys.argv[1]), os.path.abspath(sys.argv[2]), sys.argv[3:]
+    _preload()
+    if sys.argv[1] == "--serve":
+        return serve()
+    return launch(int(sys.argv[1]), os.path.abspath(sys.argv[2]), sys.argv[3:])
+
+
+def _preload() -> None:
     import importlib
 
     for name in PRELOAD:  # before any thread exists: forking then is safe
         importlib.import_module(name)
+
+
+def launch(nprocs: int, script: str, args: list[str]) -> int:
+    """Fork ``nprocs`` ranks running ``script`` with torchrun's environment; the job's exit status."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -52,12 +70,16 @@ def main() -> int:
     return _supervise(children)
 
 
-def _rank(rank: int, script: str, args: list[str]) -> int:
-    """Run ``script`` as rank ``rank`` in this (forked) process; its exit status."""
-    try:  # die with the launcher (a test's timeout kills the launcher)
+def _die_with_parent() -> None:
+    try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def _rank(rank: int, script: str, args: list[str]) -> int:
+    """Run ``script`` as rank ``rank`` in this (forked) process; its exit status."""
+    _die_with_parent()  # a test's timeout kills the launcher
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)})
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(script))
@@ -92,6 +114,53 @@ def _supervise(children: set[int]) -> int:
             for other in children:
                 os.kill(other, signal.SIGTERM)
     return 1 if failed else 0
+
+
+def serve() -> int:
+    """Answer launch requests from stdin until it closes (see the module docstring)."""
+    answers = os.fdopen(os.dup(1), "w")
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(_launch_request(request, answers))
+        answers.write(json.dumps({"pid": pid}) + "\n")
+        answers.flush()
+        _, status = os.waitpid(pid, 0)
+        answers.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        answers.flush()
+    return 0
+
+
+def _launch_request(request: dict, answers: object) -> int:
+    """In the server's forked child: become the launcher of one request."""
+    code, launcher = 1, os.getpid()
+    try:
+        os.setpgrp()  # the client kills the whole launch (this launcher and its ranks) on a timeout
+        _die_with_parent()
+        answers.close()  # type: ignore[attr-defined]
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out, fd)
+            os.close(out)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        code = launch(request["nprocs"], os.path.abspath(request["script"]), request["args"])
+    except SystemExit:
+        if os.getpid() != launcher:
+            raise  # a rank, leaving launch() through sys.exit: it exits as a script does (atexit handlers run)
+    except BaseException:  # noqa: BLE001 - report in the launch's stderr
+        import traceback
+
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
 
 
 if __name__ == "__main__":
