@@ -211,10 +211,34 @@ def _read(state: dict[str, Any], path: PathLike, *, no_dist: bool = False) -> No
         failures = getattr(error, "failures", None)  # rank -> the exception it raised
         rank, cause = next(iter(failures.items())) if failures else (_rank(), error)
         cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its frames)
+        short = _short_shards(path)
+        which = ("; ".join(f"{name!r} is {problem}" for name, problem in short) if short
+                 else "a shard file (*.distcp) is damaged")
         raise CheckpointError(
-            f"The checkpoint {str(path)!r} cannot be read: a shard file (*.distcp) is damaged or truncated"
+            f"The checkpoint {str(path)!r} cannot be read: {which}"
             f" (rank {rank}: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})."
+            " Resume from another checkpoint; this one is left as it is."
         ) from error
+
+
+def _short_shards(path: PathLike) -> list[tuple[str, str]]:
+    """The shard files that are missing or shorter than DCP's metadata says they are: (file, what is wrong)."""
+    try:
+        stored = _storage(path).read_metadata().storage_data
+    except Exception:  # noqa: BLE001 - unreadable metadata: nothing more precise to say
+        return []
+    needed: dict[str, int] = {}
+    for info in stored.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    fs, root = fsspec.core.url_to_fs(str(path))
+    short = []
+    for name, size in sorted(needed.items()):
+        file = _join(root, name)
+        if not fs.exists(file):
+            short.append((_join(str(path), name), "missing"))
+        elif (actual := fs.size(file)) < size:
+            short.append((_join(str(path), name), f"truncated ({actual:,} of {size:,} bytes)"))
+    return short
 
 
 def _rank() -> int:

@@ -82,6 +82,37 @@ def test_recomputing_blocks_keeps_far_fewer_activations(every, at_most):
     assert ratio <= at_most, ratio
 
 
+def test_recomputing_chosen_module_types_keeps_their_activations_only_and_changes_no_gradient():
+    from meshlight.models import GPT
+    from meshlight.models.gpt import MLP, Attention
+
+    torch.manual_seed(0)
+    config = GPTConfig.tiny(vocab_size=256, max_seq_len=64, dim=64, n_layers=4)
+    plain, mlps, blocks = GPT(config), GPT(config), GPT(config)
+    mlps.load_state_dict(plain.state_dict())
+    blocks.load_state_dict(plain.state_dict())
+    chosen = apply_recompute(mlps, BlockSelection(module_types=(MLP,)))
+    apply_recompute(blocks, BlockSelection())
+    assert chosen == [block.mlp for block in mlps.blocks]
+    assert not any(getattr(m, "_meshlight_recompute", False) for m in mlps.modules() if isinstance(m, Attention))
+    assert [name for name, _ in mlps.named_parameters()] == [name for name, _ in plain.named_parameters()]
+    inputs = torch.randint(0, 256, (4, 64))
+    kept = {name: _saved_bytes(model, inputs) for name, model in (("plain", plain), ("mlp", mlps),
+                                                                   ("blocks", blocks))}
+    assert kept["blocks"] < kept["mlp"] < kept["plain"]  # the MLPs' insides go; the attention's stay
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(mlps.parameters(), plain.parameters()))
+
+
+def test_recomputing_module_types_under_a_strategy_changes_no_bit_of_training():
+    from meshlight.callbacks import ActivationCheckpointing
+    from meshlight.models.gpt import Attention
+
+    plain_losses, plain_weights = _train([])
+    losses, weights = _train([ActivationCheckpointing(module_types=[Attention])])
+    assert losses == plain_losses
+    assert all(torch.equal(weights[k], plain_weights[k]) for k in plain_weights)
+
+
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory) -> dict:
     from pathlib import Path

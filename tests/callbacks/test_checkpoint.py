@@ -1,7 +1,10 @@
 """DistributedCheckpoint: a run SIGKILLed after step 12 and resumed from "last" (the step-10 checkpoint, written
 asynchronously, mid-epoch) reproduces every loss of an uninterrupted 20-step run bit for bit, under every
-strategy; plus atomic commit, retention and the errors for partial or damaged checkpoints."""
+strategy (3-D as dp=2 × pp=2 × tp=2, whose checkpoint also resumes under ddp, zero3 and in one process); plus
+asynchronous writes, atomic commit, retention, restarts after faults under torchrun, and the errors for partial
+or damaged checkpoints."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,21 +14,18 @@ from tests.callbacks.workers import resume_worker
 from tests.launch import torchrun
 
 WORKER = Path(resume_worker.__file__)
-BY_WORLD = {world: [n for n, (w, _, _) in resume_worker.STRATEGIES.items() if w == world] for world in (2, 4)}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("resume")
-    results = {}
-    for world, names in BY_WORLD.items():
-        for name in names:
-            killed = torchrun(WORKER, world, "kill", str(root / "ckpt"), name, timeout=600, check=False)
-            assert killed.returncode != 0, f"{name}: the run was meant to be killed after step 12"
-        torchrun(WORKER, world, "resume", str(root / "ckpt"), str(root / f"resumed-{world}.pt"), *names, timeout=1200)
-        runs = torch.load(root / f"resumed-{world}.pt")
-        results.update({name: (*runs[name], root / "ckpt" / name) for name in names})
-    return results
+    names, world = list(resume_worker.STRATEGIES), resume_worker.WORLD
+    for name in names:
+        killed = torchrun(WORKER, world, "kill", str(root / "ckpt"), name, timeout=600, check=False)
+        assert killed.returncode != 0, f"{name}: the run was meant to be killed after step 12"
+    torchrun(WORKER, world, "resume", str(root / "ckpt"), str(root / "resumed.pt"), *names, timeout=1200)
+    runs = torch.load(root / "resumed.pt")
+    return {name: (*runs[name], root / "ckpt" / name) for name in names}
 
 
 @pytest.mark.parametrize("name", list(resume_worker.STRATEGIES))
@@ -43,15 +43,16 @@ def test_resume_after_sigkill_reproduces_every_loss_bitwise(runs, name):
 # ---------------------------------------------------------------- one process: commit, retention, errors
 
 
-def _fit(tmp_path, dirpath, *, max_steps=10, ckpt_path=None, callbacks=(), batch_size=4, **checkpoint_args):
+def _fit(tmp_path, dirpath, *, max_steps=10, ckpt_path=None, callbacks=(), batch_size=4, data=None,
+         **checkpoint_args):
     import meshlight as ml
     from meshlight.callbacks import DistributedCheckpoint
 
     checkpoint = DistributedCheckpoint(dirpath, **{"every_n_train_steps": 2, **checkpoint_args})
     trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=max_steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         default_root_dir=tmp_path, callbacks=[checkpoint, *callbacks])
-    trainer.fit(resume_worker.model(0), _data(batch_size), ckpt_path=ckpt_path)
+                         default_root_dir=tmp_path, callbacks=[*callbacks, checkpoint])
+    trainer.fit(resume_worker.model(0), data or _data(batch_size), ckpt_path=ckpt_path)
     return trainer, checkpoint
 
 
@@ -59,6 +60,79 @@ def _data(batch_size=4):
     from meshlight.demos import AdditionDataModule
 
     return AdditionDataModule(3, batch_size=batch_size, train_size=batch_size * 6)
+
+
+def test_training_goes_on_while_a_checkpoint_is_written_and_one_write_is_in_flight_at_most(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from lightning.pytorch.callbacks import Callback
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    writes, lock = {"now": 0, "most": 0}, threading.Lock()
+    write_data = FileSystemWriter.write_data
+
+    def slow_write_data(self, plan, planner):  # a slow file system: each save's shards take 1.5 s more
+        with lock:
+            writes["now"] += 1
+            writes["most"] = max(writes["most"], writes["now"])
+        time.sleep(1.5)
+        try:
+            return write_data(self, plan, planner)
+        finally:
+            with lock:
+                writes["now"] -= 1
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", slow_write_data)
+
+    class Visible(Callback):  # the complete checkpoints after each step, before that step's own save
+        def __init__(self):
+            self.after = {}
+
+        def on_train_batch_end(self, trainer, *args):
+            self.after[trainer.global_step] = trainer.checkpoint_callback.complete_steps()
+
+    visible = Visible()
+    _, checkpoint = _fit(tmp_path, tmp_path / "ckpt", max_steps=6, keep_last_k=3, callbacks=[visible])
+    assert visible.after[3] == []  # step 3 trained while step 2's checkpoint was still being written
+    assert visible.after[5] == [2]  # the save of step 4 waited for step 2's to commit; step 4's is in flight
+    assert checkpoint.complete_steps() == [2, 4, 6] and writes["most"] == 1
+
+
+class _Counting(torch.utils.data.Dataset):
+    """A dataset that records the index of every sample it loads."""
+
+    def __init__(self, base):
+        self.base, self.loaded = base, []
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        self.loaded.append(index)
+        return self.base[index]
+
+
+def _counting_data(batch_size=4):
+    from meshlight.demos import AdditionDataModule
+
+    class CountingData(AdditionDataModule):
+        def setup(self, stage=None):
+            super().setup(stage)
+            if not isinstance(self.train_set, _Counting):
+                self.train_set = _Counting(self.train_set)
+
+    return CountingData(3, batch_size=batch_size, train_size=batch_size * 8)  # 8-step epochs
+
+
+def test_resuming_mid_epoch_loads_only_the_samples_still_to_come(tmp_path):
+    full, first, resumed = _counting_data(), _counting_data(), _counting_data()
+    _fit(tmp_path, tmp_path / "full", max_steps=6, data=full, async_save=False)
+    _fit(tmp_path, tmp_path / "ckpt", max_steps=4, data=first, async_save=False)
+    _fit(tmp_path, tmp_path / "ckpt", max_steps=6, data=resumed, async_save=False, ckpt_path="last")
+    assert len(full.train_set.loaded) == 6 * 4
+    # steps 5 and 6 read exactly the uninterrupted run's samples; the 16 of steps 1-4 were skipped unread
+    assert resumed.train_set.loaded == full.train_set.loaded[4 * 4:]
 
 
 def test_refuses_strategies_that_are_not_meshlights(tmp_path):
@@ -108,12 +182,15 @@ def test_partial_and_damaged_checkpoints_fail_naming_the_file(tmp_path):
     shard = next(p for p in folder.iterdir() if p.suffix == ".distcp")
     (folder / "meta.pt").write_bytes(before["meta.pt"])
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match=r"step=000000002' cannot be read"):
+    damaged = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(CheckpointError, match=rf"'{re.escape(str(shard))}' is truncated \(100 of [\d,]+ bytes\)"):
         _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == damaged  # a failed resume writes nothing
     (folder / ".metadata").unlink()
     with pytest.raises(CheckpointError, match=r"\.metadata' is missing"):
         _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
-    assert {p.name for p in folder.iterdir()} == set(before) - {".metadata"}  # nothing overwritten by a failure
+    assert {p.name for p in folder.iterdir()} == set(before) - {".metadata"}
+    assert not (tmp_path / "other").exists()  # no run that failed to resume saved anything
 
 
 def test_writes_to_an_fsspec_url_and_ranks_by_a_monitored_metric(tmp_path):
@@ -144,7 +221,7 @@ def test_writes_to_an_fsspec_url_and_ranks_by_a_monitored_metric(tmp_path):
     assert ranked.complete_steps() == [4, 8]  # the best and, with save_last, the newest
 
 
-# ---------------------------------------------------------------- resharding
+# ---------------------------------------------------------------- 3-D: exact resume, resharding
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +230,21 @@ def resharded(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("reshard")
     worker = Path(reshard_worker.__file__)
-    torchrun(worker, 8, "save", str(root / "ckpt"), str(root / "3d.pt"), timeout=900)
-    results = {"3d": torch.load(root / "3d.pt"), "directory": root / "ckpt"}
+    killed = torchrun(worker, 8, "kill", str(root), timeout=600, check=False)
+    assert killed.returncode != 0, "the 3-D run was meant to be killed after step 12"
+    torchrun(worker, 8, "save", str(root), str(root / "3d.pt"), timeout=900)
+    results = {"3d": torch.load(root / "3d.pt"), "directory": root / "full"}
     for name, world in (("ddp", 4), ("zero3", 2), ("single", 1)):
-        torchrun(worker, world, "resume", str(root / "ckpt"), str(root / f"{name}.pt"), name, timeout=600)
+        torchrun(worker, world, "resume", str(root), str(root / f"{name}.pt"), name, timeout=600)
         results[name] = torch.load(root / f"{name}.pt")
     return results
+
+
+def test_resume_after_sigkill_reproduces_every_loss_bitwise_under_dp2_pp2_tp2(resharded):
+    full, resumed = resharded["3d"]["losses"], resharded["3d"]["resumed"]
+    first = min(resumed)  # from step 10, or step 5 if step 10's background write was still in flight
+    assert first in (6, 11) and sorted(resumed) == list(range(first, 21)), sorted(resumed)
+    assert {step: full[step] for step in resumed} == resumed  # exact float equality
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero3", "single"])
@@ -167,9 +253,9 @@ def test_a_3d_checkpoint_resumes_under_another_layout(resharded, name):
     assert saved["weights"].keys() == resumed["weights"].keys()
     for key, tensor in saved["weights"].items():
         assert torch.equal(tensor, resumed["weights"][key]), key
-    assert sorted(resumed["losses"]) == sorted(saved["losses"]) == list(range(6, 11))
-    for step, loss in saved["losses"].items():
-        assert resumed["losses"][step] == pytest.approx(loss, rel=1e-5), step
+    assert sorted(resumed["losses"]) == list(range(11, 16))
+    for step, loss in resumed["losses"].items():
+        assert loss == pytest.approx(saved["losses"][step], rel=0, abs=1e-5), step
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
@@ -180,7 +266,7 @@ def test_consolidate_writes_the_3d_checkpoint_as_one_full_state_dict(resharded, 
     from tests.launch import REPO
 
     out = tmp_path / f"model{suffix}"
-    ckpt = resharded["directory"] / "step=000000005"
+    ckpt = resharded["directory"] / "step=000000010"
     result = subprocess.run([sys.executable, "-m", "meshlight.cli", "consolidate", str(ckpt), str(out)], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -211,10 +297,13 @@ def faults(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("kind", ["rank", "save"])
 def test_the_job_restarts_from_the_last_complete_checkpoint_and_ends_with_the_same_weights(faults, kind):
-    # "rank": one rank SIGKILLed after step 12; "save": every rank killed inside the save of step 10, which
-    # must then be ignored (the restart resumes from step 5) and written again
+    # "rank": one rank SIGKILLed after step 12; "save": every rank killed inside the save of step 10, with all
+    # its files written but not committed, which must then be ignored (the restart resumes from step 5, whose
+    # files the crash left as they were) and written again
     reference, restarted = faults["none"], faults[kind]
     assert reference["restarts"] == 0 and restarted["restarts"] == 1
+    assert reference["resumed_from"] == 0 and restarted["resumed_from"] == {"rank": 10, "save": 5}[kind]
+    assert restarted["step5_intact"] is (True if kind == "save" else None)
     assert restarted["steps"] == reference["steps"] == [15, 20]
     assert reference["weights"].keys() == restarted["weights"].keys()
     for name, tensor in reference["weights"].items():

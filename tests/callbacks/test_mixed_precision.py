@@ -1,6 +1,7 @@
-"""MixedPrecision under every kind of layout (2 processes): low-precision Linears, fp32 norms and routers, fp32
-master weights and gradients, losses within 2% of fp32; fp16 loss scaling skips overflowing steps on every rank
-and never leaves inf/NaN in the weights; misuse fails with a message that says what to change."""
+"""MixedPrecision under every kind of layout (2 processes, and pp=2 × tp=2 on 4): low-precision Linears, fp32
+norms and routers, fp32 master weights and gradients, losses within 2% of fp32; fp16 loss scaling skips
+overflowing steps on every rank and never leaves inf/NaN in any rank's weights after any step; misuse fails with
+a message that says what to change."""
 
 from pathlib import Path
 
@@ -18,6 +19,7 @@ LOW_PRECISION_RUNS = {  # run -> (reference run, compute dtype)
     "bf16 tp": ("fp32", "torch.bfloat16"),
     "fp16 pipeline": ("fp32", "torch.float16"),
     "moe bf16": ("moe fp32", "torch.bfloat16"),
+    "bf16 3d": ("fp32 3d", "torch.bfloat16"),  # pp=2 × tp=2 on 4 processes
 }
 
 
@@ -26,9 +28,12 @@ def runs(tmp_path_factory) -> dict:
     from tests.callbacks.workers import precision_worker
     from tests.launch import torchrun
 
-    out = tmp_path_factory.mktemp("precision") / "runs.pt"
-    torchrun(Path(precision_worker.__file__), 2, str(out), timeout=600)
-    return torch.load(out, weights_only=False)
+    results = {}
+    for world in (2, 4):
+        out = tmp_path_factory.mktemp("precision") / f"{world}.pt"
+        torchrun(Path(precision_worker.__file__), world, str(out), timeout=600)
+        results.update(torch.load(out, weights_only=False))
+    return results
 
 
 @pytest.mark.parametrize("run", list(LOW_PRECISION_RUNS))

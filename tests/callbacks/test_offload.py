@@ -68,6 +68,28 @@ def test_offloaded_activations_leave_each_block_and_come_back_ahead(monkeypatch)
     assert offloader.prefetches == 3 * 18  # what blocks 0–2 saved came back while the block after them ran backward
 
 
+def test_activation_offload_by_module_type_moves_only_those_modules_activations(monkeypatch):
+    from meshlight.models.gpt import MLP
+
+    monkeypatch.setattr(offload, "_offloadable", lambda tensor: True)
+    config = GPTConfig.tiny(vocab_size=256, max_seq_len=64, dim=64, n_layers=4)
+    torch.manual_seed(0)
+    plain, mlps, blocks = GPT(config), GPT(config), GPT(config)
+    mlps.load_state_dict(plain.state_dict())
+    blocks.load_state_dict(plain.state_dict())
+    chosen = offload.apply_activation_offload(mlps, BlockSelection(module_types=(MLP,)))
+    offload.apply_activation_offload(blocks, BlockSelection(every_n_blocks=1))
+    inputs = torch.randint(0, 256, (4, 64))
+    _, grads_plain = _saved(plain, inputs)
+    _, grads = _saved(mlps, inputs)
+    _saved(blocks, inputs)
+    assert chosen == [block.mlp for block in mlps.blocks]
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_plain))
+    moved, moved_by_blocks = mlps._meshlight_offloader.offloaded_bytes, blocks._meshlight_offloader.offloaded_bytes
+    assert 0 < moved < moved_by_blocks  # the MLPs' activations, not the attention's
+    assert mlps._meshlight_offloader.prefetches > 0
+
+
 def test_optimizer_offload_needs_a_meshlight_strategy():
     import lightning.pytorch as pl
 

@@ -1,6 +1,6 @@
 """Checkpoints are portable: saved under ZeRO-3 on 4 processes, they load under DDP on 2 processes, under
-tensor parallelism and in a single process with equal weights, and training resumes from them. Bad input
-fails on every rank, fast."""
+tensor parallelism and in a single process with equal weights, and training resumes from them under DDP and
+under pipeline parallelism. Bad input fails on every rank, fast."""
 
 from pathlib import Path
 
@@ -44,15 +44,28 @@ def test_zero3_checkpoint_loads_in_a_single_process(saved):
         assert torch.equal(weight, reference[name]), name
 
 
-def test_zero3_checkpoint_loads_under_tensor_parallelism_and_back_into_one_process(saved):
-    torchrun(WORKER, 2, "tp", str(saved))
-    reference = torch.load(saved / "save.pt", weights_only=False)["first_epoch_weights"]
-    for name, weight in torch.load(saved / "tp.pt", weights_only=False)["weights"].items():
+@pytest.fixture(scope="module")
+def other_layouts(saved) -> Path:
+    torchrun(WORKER, 2, "layouts", str(saved))
+    return saved
+
+
+def test_zero3_checkpoint_loads_under_tensor_parallelism_and_back_into_one_process(other_layouts):
+    reference = torch.load(other_layouts / "save.pt", weights_only=False)["first_epoch_weights"]
+    for name, weight in torch.load(other_layouts / "tp_weights.pt").items():
         assert torch.equal(weight, reference[name]), name
     module = checkpoint_worker.model()
-    load_model_weights(module, saved / "from_tp.ckpt")
+    load_model_weights(module, other_layouts / "from_tp.ckpt")
     for name, weight in module.state_dict().items():
         assert torch.equal(weight, reference[name]), name
+
+
+def test_zero3_checkpoint_resumes_under_pipeline_parallelism(other_layouts):
+    # weights, Adam moments and the LR schedule split into pipeline stages: the second epoch trains as under ZeRO-3
+    reference = torch.load(other_layouts / "save.pt", weights_only=False)
+    pipelined = torch.load(other_layouts / "layouts.pt", weights_only=False)
+    assert len(pipelined["losses"]) == checkpoint_worker.STEPS_PER_EPOCH
+    assert_parity(pipelined, reference)
 
 
 def test_mismatched_names_fail_in_a_single_process_with_the_names(saved):

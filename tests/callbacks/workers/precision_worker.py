@@ -1,7 +1,9 @@
-"""torchrun worker (2 processes): the parity experiment under MixedPrecision for each kind of layout, plus fp16
-overflow handling; rank 0 writes {run: result} to OUT (losses, full weights, the dtypes seen in forward, loss
-scales and which steps changed the weights)."""
+"""torchrun worker: the parity experiment under MixedPrecision — on 2 processes for each kind of layout, plus fp16
+overflow handling; on 4 under pp=2 × tp=2 — rank 0 writes {run: result} to OUT (losses, full weights, the dtypes
+seen in forward, loss scales and which steps changed the weights).
+"""
 
+import os
 import sys
 from typing import Any
 
@@ -23,13 +25,15 @@ from tests.strategies.workers.hybrid_worker import moe_gpt4
 
 class Probe(Callback):
     """On the first batch: the (input dtype, weight dtype) each Linear, norm and router sees in forward; after
-    every step: the loss scale, whether the weights changed, and the dtypes of the stored weights and gradients."""
+    every step: the loss scale, whether the weights changed, whether every rank's weights are finite, and the
+    dtypes of the stored weights and gradients."""
 
     def __init__(self, inject_inf_at: int = -1) -> None:
         self.seen: dict[str, set[tuple[str, str]]] = {}
         self.scales: list[float] = []
         self.changed: list[bool] = []
         self.stored: set[str] = set()
+        self.finite: list[bool] = []  # after each step, on every rank
         self.inject_inf_at = inject_inf_at
         self._handles: list[Any] = []
 
@@ -62,6 +66,9 @@ class Probe(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.scales.append(scaler.get_scale() if scaler is not None else 0.0)
         self.changed.append(any(not torch.equal(_local(p), b) for p, b in zip(module.parameters(), self._before)))
+        finite = torch.tensor(float(all(torch.isfinite(_local(p)).all() for p in module.parameters())))
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank's shards and stages
+        self.finite.append(bool(finite))
         self.stored |= {f"{_local(p).dtype}/{_local(p.grad).dtype if p.grad is not None else None}"
                         for p in module.parameters()}
 
@@ -75,17 +82,24 @@ def run(strategy: Any, precision: Any, probe: Probe = None, **options: Any) -> d
     callbacks = [probe] + ([MixedPrecision(**precision)] if isinstance(precision, dict) else [])
     # Lightning's own fp16 plugin ("16-mixed" becomes bf16 on CPU, so it is passed as the plugin itself)
     trainer_args = {"plugins": [LightningMixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed" else {}
-    result = train("adamw-3e-3", strategy, devices=2, callbacks=callbacks, **options, **trainer_args)
+    result = train("adamw-3e-3", strategy, callbacks=callbacks, **{"devices": 2, **options, **trainer_args})
     result.pop("module")
-    finite = all(torch.isfinite(w).all() for w in result["weights"].values())
+    finite = len(probe.finite) == 20 and all(probe.finite)
     return {**result, "finite": finite, "seen": probe.seen, "scales": probe.scales, "changed": probe.changed,
             "stored": probe.stored}
 
 
-if __name__ == "__main__":
+def runs(world: int) -> dict[str, Any]:
+    """{run: result} for this world size: 2 processes, each kind of layout; 4, pp=2 × tp=2."""
+    if world == 4:
+        def layout() -> ml.Hybrid3DStrategy:
+            return ml.Hybrid3DStrategy(dp=1, pp=2, tp=2, ep=1, zero=1, microbatches=4)
+
+        return {"fp32 3d": run(layout(), None, data_parallel=1, devices=4),
+                "bf16 3d": run(layout(), {"dtype": "bf16"}, data_parallel=1, devices=4)}
     tp = ml.TensorParallelStrategy(tp=2)
     pipeline = ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4)
-    results = {
+    return {
         "fp32": run("zero2", None),
         "bf16 zero2": run("zero2", {"dtype": "bf16"}),
         "bf16 ddp": run("ddp", {"dtype": "bf16"}),
@@ -98,5 +112,9 @@ if __name__ == "__main__":
         "moe fp32": run(ml.MoEStrategy(ep=2, zero=1), None, model=moe_gpt4),
         "moe bf16": run(ml.MoEStrategy(ep=2, zero=1), {"dtype": "bf16"}, model=moe_gpt4),
     }
+
+
+if __name__ == "__main__":
+    results = runs(int(os.environ["WORLD_SIZE"]))
     if dist.get_rank() == 0:
         torch.save(results, sys.argv[1])

@@ -1,9 +1,15 @@
-"""torchrun worker: a checkpoint saved under (dp, pp, tp) = (2, 2, 2) resumes under other layouts.
+"""torchrun worker: 3-D training under (dp, pp, tp) = (2, 2, 2) resumes exactly after a SIGKILL, and its
+checkpoint resumes under other layouts.
 
-    save DIR OUT        8 processes: train 10 steps under "3d" (2, 2, 2), checkpoint at step 5; rank 0 writes the
-                        full weights at step 5 and the losses of steps 6–10
-    resume DIR OUT NAME resume DIR's step-5 checkpoint under NAME (ddp, zero3 or single) to step 10; rank 0
-                        writes the full weights right after loading and the losses of steps 6–10
+    kill DIR            8 processes: train under "3d" with asynchronous checkpoints every 5 steps into DIR/killed;
+                        every rank SIGKILLs itself right after step 12
+    save DIR OUT        8 processes: train 20 steps uninterrupted (synchronous checkpoints every 5 steps, all
+                        kept, into DIR/full), then fit(ckpt_path="last") from DIR/killed to step 20; rank 0 writes
+                        the full weights at step 10, the uninterrupted losses and those of the resumed steps
+    resume DIR OUT NAME resume DIR/full's step-10 checkpoint under NAME (ddp, zero3 or single) to step 15; rank 0
+                        writes the full weights right after loading and the losses of steps 11–15
+
+Epochs are 8 steps long (as in resume_worker), so step 10 is mid-epoch.
 """
 
 import os
@@ -17,48 +23,73 @@ from lightning.pytorch.callbacks import Callback
 
 import meshlight as ml
 from meshlight.callbacks import DistributedCheckpoint
-from meshlight.demos import AdditionDataModule
-from tests.callbacks.workers.resume_worker import GLOBAL_BATCH, STEPS_PER_EPOCH, model
+from tests.callbacks.workers.resume_worker import GLOBAL_BATCH, KILL_AFTER, MAX_STEPS, STEPS_PER_EPOCH, Losses, model
 from tests.strategies.parity import full_weights
 
-SAVE_AT, MAX_STEPS = 5, 10
+EVERY, RESHARD_AT, RESHARD_TO = 5, 10, 15
+STRATEGIES = {"3d": lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, zero=1), "ddp": lambda: "ddp",
+              "zero3": lambda: "zero3", "single": lambda: "ddp"}
 
 
-class Record(Callback):
-    def __init__(self, weights_at: int) -> None:
-        self.weights_at, self.weights, self.losses = weights_at, {}, {}
+class Weights(Callback):
+    """The full weights at step ``at``: right after loading a checkpoint of that step, or after training it."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.weights = at, {}
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        if trainer.global_step == self.weights_at:
+        if trainer.global_step == self.at:
             self.weights = full_weights(module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
-        self.losses[trainer.global_step] = float(trainer.callback_metrics["train/loss"])
-        if trainer.global_step == self.weights_at:
+        if trainer.global_step == self.at:
             self.weights = full_weights(module)
 
 
-def main(mode: str, directory: Path, out: Path, name: str = "3d") -> None:
+class StopAfter(Callback):
+    """Ends training after step ``step`` (``max_steps`` stays, and with it the learning-rate schedule)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        trainer.should_stop = trainer.should_stop or trainer.global_step >= self.step
+
+
+def train(name: str, checkpoint: DistributedCheckpoint = None, *, stop_after: int = MAX_STEPS, ckpt_path: str = None,
+          kill: bool = False) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     world = int(os.environ["WORLD_SIZE"])
-    strategy = {"3d": lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, zero=1), "ddp": lambda: "ddp",
-                "zero3": lambda: "zero3", "single": lambda: "ddp"}[name]()
     dp = 2 if name == "3d" else world
     pl.seed_everything(0, verbose=False)
-    record = Record(SAVE_AT)
-    callbacks = [record]
-    if mode == "save":
-        callbacks.append(DistributedCheckpoint(directory, every_n_train_steps=SAVE_AT, save_top_k=-1,
-                                               async_save=False))
-    trainer = ml.Trainer(strategy=strategy, devices=world, accelerator="cpu", max_steps=MAX_STEPS, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         enable_checkpointing=mode == "save", callbacks=callbacks)
-    data = AdditionDataModule(3, batch_size=GLOBAL_BATCH // dp, train_size=GLOBAL_BATCH * STEPS_PER_EPOCH)
-    ckpt = None if mode == "save" else str(directory / f"step={SAVE_AT:09d}")
-    trainer.fit(model(0), data, ckpt_path=ckpt)
-    if dist.get_rank() == 0:
-        losses = {step: loss for step, loss in record.losses.items() if step > SAVE_AT}
-        torch.save({"weights": record.weights, "losses": losses}, out)
+    losses, weights = Losses(kill), Weights(RESHARD_AT)
+    trainer = ml.Trainer(strategy=STRATEGIES[name](), devices=world, accelerator="cpu", max_steps=MAX_STEPS,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         enable_checkpointing=checkpoint is not None,
+                         callbacks=[losses, weights, StopAfter(stop_after)] + ([checkpoint] if checkpoint else []))
+    data = ml.demos.AdditionDataModule(3, batch_size=GLOBAL_BATCH // dp, train_size=GLOBAL_BATCH * STEPS_PER_EPOCH)
+    trainer.fit(model(0), data, ckpt_path=ckpt_path)
+    return losses.losses, weights.weights
 
+
+def main(mode: str, directory: Path, out: str = "", name: str = "3d") -> None:
+    if mode == "kill":
+        train("3d", DistributedCheckpoint(directory / "killed", every_n_train_steps=EVERY, keep_last_k=2), kill=True)
+        return
+    if mode == "save":
+        losses, weights = train("3d", DistributedCheckpoint(directory / "full", every_n_train_steps=EVERY,
+                                                            save_top_k=-1, async_save=False))
+        resumed, _ = train("3d", DistributedCheckpoint(directory / "killed", every_n_train_steps=EVERY, keep_last_k=2),
+                           ckpt_path="last")
+        result = {"weights": weights, "losses": losses, "resumed": resumed}
+    else:
+        saved = directory / "full" / f"step={RESHARD_AT:09d}"
+        losses, weights = train(name, stop_after=RESHARD_TO, ckpt_path=str(saved))
+        result = {"weights": weights, "losses": losses}
+    if dist.get_rank() == 0:
+        torch.save(result, out)
+
+
+assert KILL_AFTER > RESHARD_AT  # the killed run has committed step 10 (or at least step 5) when it dies
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), *sys.argv[4:])
+    main(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:])

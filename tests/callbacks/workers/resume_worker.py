@@ -1,4 +1,5 @@
-"""torchrun worker: resume exactness of DistributedCheckpoint under every strategy.
+"""torchrun worker: resume exactness of DistributedCheckpoint under every strategy on 2 processes (3-D: reshard_worker),
+and restarts after faults.
 
     kill DIR NAME       train NAME with checkpoints every 5 steps into DIR/NAME; every rank SIGKILLs itself
                         right after step 12 (the async save of step 10 may still be in flight)
@@ -7,9 +8,10 @@
                         {name: ({step: loss} uninterrupted, {step: loss} of the steps resumed)} to OUT
     fault DIR OUT FAULT  under torchrun --max-restarts=1, zero3 on 2 processes, fit(ckpt_path="last") to step 20
                         (synchronous saves); in the first attempt FAULT = "rank": rank 1 SIGKILLs itself after
-                        step 12; "save": every rank SIGKILLs itself inside the save of step 10, after the folder
-                        is marked incomplete; "none": no fault. Rank 0 writes the final full weights and the
-                        restart count
+                        step 12; "save": every rank SIGKILLs itself inside the save of step 10, once its shards
+                        and DCP's metadata are written but before the folder is committed; "none": no fault.
+                        Rank 0 writes the final full weights, the restart count, the step the last attempt
+                        resumed from, and whether the step-5 checkpoint's files were unchanged by the fault
 
 Epochs are 8 steps long, so step 10 is mid-epoch: the resumed data position comes from the sampler skipping
 what the epoch consumed.
@@ -34,17 +36,17 @@ from tests.strategies.parity import full_weights
 
 GLOBAL_BATCH, STEPS_PER_EPOCH, MAX_STEPS, KILL_AFTER = 16, 8, 20, 12
 
-# name -> (world size, strategy factory, experts)
+# name -> (strategy factory, experts), each on WORLD processes
+WORLD = 2
 STRATEGIES = {
-    "ddp": (2, lambda: "ddp", 0),
-    "zero1": (2, lambda: "zero1", 0),
-    "zero2": (2, lambda: "zero2", 0),
-    "zero3": (2, lambda: "zero3", 0),
-    "tp": (2, lambda: "tp", 0),
-    "pipeline": (2, lambda: "pipeline", 0),
-    "moe": (2, lambda: "moe", 4),
-    "3d": (4, lambda: ml.Hybrid3DStrategy(dp=1, pp=2, tp=2, ep=1, zero=1), 0),
-}
+    "ddp": (lambda: "ddp", 0),
+    "zero1": (lambda: "zero1", 0),
+    "zero2": (lambda: "zero2", 0),
+    "zero3": (lambda: "zero3", 0),
+    "tp": (lambda: "tp", 0),
+    "pipeline": (lambda: "pipeline", 0),
+    "moe": (lambda: "moe", 4),
+}  # and "3d", (dp, pp, tp) = (2, 2, 2) on 8 processes: reshard_worker
 
 
 def model(experts: int) -> LitGPT:
@@ -65,9 +67,10 @@ class Losses(Callback):
 
 
 def train(name: str, directory: Path, *, kill: bool = False, resume: bool = False) -> dict[int, float]:
-    world, strategy, experts = STRATEGIES[name]
+    strategy, experts = STRATEGIES[name]
+    world = WORLD
     pl.seed_everything(0, verbose=False)
-    dp = world // {"tp": 2, "pipeline": 2, "3d": 4}.get(name, 1)
+    dp = world // {"tp": 2, "pipeline": 2}.get(name, 1)
     data = AdditionDataModule(3, batch_size=GLOBAL_BATCH // dp, train_size=GLOBAL_BATCH * STEPS_PER_EPOCH)
     losses = Losses(kill)
     checkpoint = DistributedCheckpoint(directory / name, every_n_train_steps=5, keep_last_k=2)
@@ -81,9 +84,13 @@ def train(name: str, directory: Path, *, kill: bool = False, resume: bool = Fals
 def fault(directory: Path, out: Path, kind: str) -> None:
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     rank = int(os.environ["RANK"])
-    step = {"now": 0}
+    step = {"now": 0, "resumed_from": None}
+    before_fault = Path(f"{out}.step5")
 
     class Fault(Callback):
+        def on_train_start(self, trainer: pl.Trainer, *args: object) -> None:
+            step["resumed_from"] = trainer.global_step
+
         def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
             step["now"] = trainer.global_step
             if first_attempt and kind == "rank" and rank == 1 and trainer.global_step == KILL_AFTER:
@@ -95,11 +102,18 @@ def fault(directory: Path, out: Path, kind: str) -> None:
         real_save = checkpoint_module.dcp.save
 
         def crashing_save(*args: object, **kwargs: object) -> object:
-            if step["now"] == 10:  # the folder is marked incomplete, meta.pt is written, no shard yet
+            written = real_save(*args, **kwargs)
+            if step["now"] == 10:  # every shard and DCP's .metadata written, the folder still marked incomplete
+                if rank == 0:
+                    torch.save(_digests(directory / "step=000000005"), before_fault)
+                dist.barrier()
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real_save(*args, **kwargs)
+            return written
 
         checkpoint_module.dcp.save = crashing_save
+    intact = None
+    if not first_attempt and rank == 0 and before_fault.exists():
+        intact = torch.load(before_fault) == _digests(directory / "step=000000005")
 
     pl.seed_everything(0, verbose=False)
     data = AdditionDataModule(3, batch_size=GLOBAL_BATCH // 2, train_size=GLOBAL_BATCH * STEPS_PER_EPOCH)
@@ -112,7 +126,15 @@ def fault(directory: Path, out: Path, kind: str) -> None:
     weights = full_weights(module)
     if rank == 0:
         torch.save({"weights": weights, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                    "steps": checkpoint.complete_steps()}, out)
+                    "steps": checkpoint.complete_steps(), "resumed_from": step["resumed_from"],
+                    "step5_intact": intact}, out)
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file in ``folder``."""
+    import hashlib
+
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir())}
 
 
 def main(mode: str, args: list[str]) -> None:

@@ -2,7 +2,9 @@
 
     save DIR      train 2 epochs under ZeRO-3, checkpoint every epoch; rank 0 writes weights and losses
     load DIR      load the first epoch's checkpoint under DDP, then resume from it; rank 0 writes the same
-    tp DIR        load it under tensor parallelism (tp=2) and save it again from there
+    layouts DIR   load it under tensor parallelism (tp=2) and save it again from there; then resume training
+                  from it under pipeline parallelism (pp=2); rank 0 writes the weights tp=2 loaded, and the
+                  pipeline's losses and final weights
     mismatch DIR  load that checkpoint into a model with other parameter names: must fail on every rank
     badlayout     a layout that does not fit the world: must fail on every rank before any collective
 """
@@ -67,12 +69,19 @@ def main(mode: str, out: Path) -> None:
         module = model()
         every_epoch = ModelCheckpoint(dirpath=out / "ckpt", every_n_epochs=1, save_top_k=-1)
         trainer("zero3", world, callbacks=[every_epoch, record]).fit(module, data(world))
-    elif mode == "tp":
+    elif mode == "layouts":
         module = model()
         first_epoch = sorted((out / "ckpt").glob("epoch=0-*.ckpt"))[0]
         tensor_parallel = trainer(ml.TensorParallelStrategy(tp=world), world, enable_checkpointing=False)
         tensor_parallel.validate(module, data(1), ckpt_path=first_epoch, verbose=False)
         tensor_parallel.save_checkpoint(out / "from_tp.ckpt")
+        loaded = full_weights(module)
+        if dist.get_rank() == 0:
+            torch.save(loaded, out / "tp_weights.pt")
+        module = model()  # every rank reads the whole batch: the second epoch sees what ZeRO-3's did
+        pipelined = trainer(ml.PipelineStrategy(pp=world, microbatches=4), world, callbacks=[record],
+                            enable_checkpointing=False)
+        pipelined.fit(module, data(1), ckpt_path=first_epoch)
     else:
         module = model(n_layers=3 if mode == "mismatch" else 2)
         first_epoch = sorted((out / "ckpt").glob("epoch=0-*.ckpt"))[0]
