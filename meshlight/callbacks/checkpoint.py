@@ -74,6 +74,7 @@ class DistributedCheckpoint(Checkpoint):
         self.scores: dict[int, float] = {}  # step -> monitored value, for the checkpoints that have one
         self.last_saved_step: Optional[int] = None
         self.global_batch: Optional[int] = None  # samples per optimizer step, as saved and as now
+        self.max_steps: Optional[int] = None  # the Trainer's, as saved and as now
 
     # ---------------------------------------------------------------- what resume and the user see
 
@@ -111,6 +112,15 @@ class DistributedCheckpoint(Checkpoint):
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        saved_steps, self.max_steps = self.max_steps, trainer.max_steps
+        if saved_steps is not None and saved_steps != self.max_steps:
+            rank_zero_warn(
+                f"Resuming with max_steps={self.max_steps}; the checkpoint was saved by a run with max_steps="
+                f"{saved_steps}. A learning-rate schedule that configure_optimizers builds from max_steps (or"
+                " trainer.estimated_stepping_batches) is not in the checkpoint: after one step at the saved rate"
+                f" it follows the schedule of {self.max_steps} steps, not the interrupted run's. Keep max_steps to"
+                " resume exactly; to train longer on purpose, make the schedule's length a hyper-parameter."
+            )
         saved, self.global_batch = self.global_batch, _global_batch(trainer)
         if saved is not None and self.global_batch is not None and saved != self.global_batch:
             rank_zero_warn(
@@ -152,13 +162,14 @@ class DistributedCheckpoint(Checkpoint):
 
     def state_dict(self) -> dict[str, Any]:
         return {"scores": dict(self.scores), "last_saved_step": self.last_saved_step, "dirpath": self.dirpath,
-                "global_batch": self.global_batch}
+                "global_batch": self.global_batch, "max_steps": self.max_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("dirpath") == self.dirpath:
             self.scores = {int(k): v for k, v in state_dict.get("scores", {}).items()}
             self.last_saved_step = state_dict.get("last_saved_step")
         self.global_batch = state_dict.get("global_batch")
+        self.max_steps = state_dict.get("max_steps")
 
     # ---------------------------------------------------------------- how
 

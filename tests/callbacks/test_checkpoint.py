@@ -152,6 +152,21 @@ def test_resuming_with_another_global_batch_warns(tmp_path):
         _fit(tmp_path, tmp_path / "ckpt", max_steps=4, ckpt_path="last", batch_size=8)
 
 
+def test_resuming_with_another_max_steps_warns(tmp_path, recwarn):
+    import warnings
+
+    warnings.simplefilter("always")
+    _fit(tmp_path, tmp_path / "ckpt", max_steps=2, async_save=False)
+    _fit(tmp_path, tmp_path / "ckpt", max_steps=4, async_save=False, ckpt_path="last")
+    (warning,) = [w for w in recwarn if "max_steps" in str(w.message)]
+    assert "Resuming with max_steps=4; the checkpoint was saved by a run with max_steps=2" in str(warning.message)
+    recwarn.clear()
+    _fit(tmp_path, tmp_path / "same", max_steps=4, async_save=False, keep_last_k=2)  # fresh: nothing to compare
+    _fit(tmp_path, tmp_path / "same", max_steps=4, async_save=False, ckpt_path=str(tmp_path / "same" /
+                                                                                    "step=000000002"))
+    assert not [w for w in recwarn if "max_steps" in str(w.message)]
+
+
 def test_keeps_the_newest_k_and_resumes_from_the_newest_complete(tmp_path):
     from meshlight.parallel.checkpoint import INCOMPLETE_MARKER
 
