@@ -5,6 +5,7 @@
     python examples/train_gpt.py --strategy zero3 --devices 4
     python examples/train_gpt.py --strategy moe --experts 8         # mixture of experts, split over 2 ranks
     python examples/train_gpt.py --digits 3 --max-steps 1500 --strategy zero1   # a harder sum, longer
+    python examples/train_gpt.py --profile-steps 50 52              # + a profiler trace of steps 50-52 per rank
     torchrun --nproc-per-node 8 examples/train_gpt.py --devices 8   # processes started by torchrun
 
 The model sees ``12+34=`` and must write the sum; the answer accuracy (exact match of all digits) is logged
@@ -23,7 +24,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import meshlight as ml
-from meshlight.callbacks import TrainingMonitor
+from meshlight.callbacks import ProfileSteps, TrainingMonitor
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 from meshlight.nn import MoEConfig
@@ -51,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--val-every", type=int, default=100, help="validate every N training steps")
     parser.add_argument("--out", type=Path, default=Path("runs/train_gpt"), help="logs and checkpoints")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"),
+                        help="write a torch.profiler trace of these optimizer steps per rank to <log dir>/profile")
     return parser.parse_args(argv)
 
 
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         dirpath=args.out / "checkpoints", monitor="val/answer_accuracy", mode="max", save_last=True,
         filename="step={step}-accuracy={val/answer_accuracy:.3f}", auto_insert_metric_name=False,
     )
+    first, last = args.profile_steps or (0, -1)
+    profile = [ProfileSteps(steps=range(first, last + 1))] if args.profile_steps else []
     trainer = ml.Trainer(
         strategy=strategy,
         devices=args.devices,
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         check_val_every_n_epoch=None,
         log_every_n_steps=10,
         default_root_dir=args.out,
-        callbacks=[checkpoint, TrainingMonitor()],  # + tokens/s, MFU, step time, peak memory per rank, layout
+        callbacks=[checkpoint, TrainingMonitor()] + profile,  # + tokens/s, MFU, step time, memory, layout
     )
     start = time.perf_counter()
     trainer.fit(model, data)

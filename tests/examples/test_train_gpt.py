@@ -1,5 +1,6 @@
 """examples/train_gpt.py runs under Lightning's own launcher (devices=2, no torchrun), logs the losses and
-the answer accuracy to TensorBoard, writes a sharded checkpoint, and says where both are."""
+the answer accuracy to TensorBoard, writes a sharded checkpoint and, with --profile-steps, a profiler trace per
+rank, and says where the logs and checkpoints are."""
 
 import os
 import subprocess
@@ -13,7 +14,7 @@ from tests.launch import REPO
 
 def test_example_trains_logs_and_checkpoints(tmp_path):
     command = [sys.executable, "examples/train_gpt.py", "--strategy", "zero2", "--devices", "2", "--max-steps", "40",
-               "--val-every", "20", "--dim", "32", "--out", str(tmp_path)]
+               "--val-every", "20", "--dim", "32", "--profile-steps", "30", "31", "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr[-4000:]
@@ -27,6 +28,9 @@ def test_example_trains_logs_and_checkpoints(tmp_path):
     assert {"train/loss", "val/loss", "val/answer_accuracy"} <= set(scalars)
     train_loss = [e.value for e in events.Scalars("train/loss")]
     assert len(train_loss) == 4 and train_loss[-1] < train_loss[0]
+
+    traces = sorted(p.name.split(".")[0] for p in (log_dir / "profile").glob("*.pt.trace.json"))
+    assert traces == ["rank0", "rank1"]  # --profile-steps: one trace per rank, in the log dir
 
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert f"Last checkpoint:  {last}" in result.stdout
