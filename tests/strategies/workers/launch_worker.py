@@ -32,6 +32,9 @@ if __name__ == "__main__":
                          limit_val_batches=0, callbacks=[FailOnRank1()] if sys.argv[1] == "fail" else [])
     trainer.fit(module, data)
     checksum = sum(p.detach().double().sum().item() for p in module.parameters())
-    print(f"rank {trainer.global_rank}/{trainer.world_size} local {trainer.local_rank} in process {os.getpid()}:"
-          f" weights {checksum:.10f} env LOCAL_RANK={os.environ['LOCAL_RANK']}", flush=True)
+    # one write per line: with PYTHONUNBUFFERED print writes the text and its newline separately, and the ranks'
+    # lines (sharing one pipe) could interleave between the two
+    sys.stdout.write(f"rank {trainer.global_rank}/{trainer.world_size} local {trainer.local_rank} in process"
+                     f" {os.getpid()}: weights {checksum:.10f} env LOCAL_RANK={os.environ['LOCAL_RANK']}\n")
+    sys.stdout.flush()
     torch.distributed.barrier()
