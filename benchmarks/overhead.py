@@ -19,11 +19,14 @@ moe       ``meshlight.parallel.parallelize`` (ep = 2, the    —
           same dispatch, ZeRO-1) + a plain loop
 ========= ================================================== =============================================
 
-DDP keeps meshlight's ``gradient_as_bucket_view=True`` in all three. The variants of a strategy run interleaved
-in one launch, in rotating order, so drift of the machine cancels; a step is the wall time between the starts
-of consecutive training steps, the median over all measured steps is reported.
+DDP keeps meshlight's ``gradient_as_bucket_view=True`` in all three. The hand-written loops manage Python's garbage
+collector as meshlight does (and torchtitan): automatic collection off while training, generation 1 collected
+every 50 steps; Lightning keeps the automatic one, its default. The variants of a strategy run interleaved in one
+launch, in rotating order (``--rounds`` a multiple of the variant count puts each first equally often), so drift
+of the machine cancels; a step is the wall time between the starts of consecutive training steps. Reported: the
+median over all measured steps, and per round the ratio of the rounds' medians (its spread is the noise).
 
-    python benchmarks/overhead.py [--nprocs 2] [--strategies ddp zero3 tp pipeline moe] [--rounds 5] [--steps 12]
+    python benchmarks/overhead.py [--nprocs 2] [--strategies ddp zero3 tp pipeline moe] [--rounds 6] [--steps 10]
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ LIGHTNING = ("ddp", "zero3", "tp")  # where Lightning has a built-in strategy fo
 WARMUP = 3
 BATCH = 8  # sequences per data-parallel replica
 MICROBATCHES = 4  # pipeline, 1F1B
+GC_EVERY_N_STEPS = 50  # meshlight's default
 
 
 def worker(strategy: str, rounds: int, steps: int) -> None:
+    import gc
     import time
     from contextlib import ExitStack, nullcontext
 
@@ -159,9 +164,13 @@ def worker(strategy: str, rounds: int, steps: int) -> None:
                                      shuffle=True, seed=0)
         loader = DataLoader(source.train_set, batch_size=BATCH, sampler=sampler, drop_last=True)
         starts = []
+        gc.disable()  # as meshlight (and torchtitan) do while training
+        gc.collect(1)
         with context:
             for inputs, targets in loader:
                 starts.append(time.perf_counter())
+                if len(starts) % GC_EVERY_N_STEPS == 0:
+                    gc.collect(1)
                 if schedule is not None:
                     losses: list[torch.Tensor] = []
                     if dist.get_rank() == 0:
@@ -179,22 +188,32 @@ def worker(strategy: str, rounds: int, steps: int) -> None:
                 logged = loss.detach().clone()
                 dist.all_reduce(logged)  # what sync_dist logging does (the pipeline: the last stage's loss)
         starts.append(time.perf_counter())
+        gc.collect()
+        gc.enable()
         return starts
 
     variants = ("pytorch", "lightning", "meshlight") if strategy in LIGHTNING else ("pytorch", "meshlight")
     step_times: dict[str, list[float]] = {variant: [] for variant in variants}
+    round_medians: list[dict[str, float]] = []
     for round_index in range(rounds):
         shift = round_index % len(variants)
+        medians = {}
         for variant in variants[shift:] + variants[:shift]:
             dist.barrier()
             starts = run_pytorch() if variant == "pytorch" else run_trainer(variant)
-            step_times[variant] += [b - a for a, b in zip(starts[WARMUP:], starts[WARMUP + 1:])]
+            times = [b - a for a, b in zip(starts[WARMUP:], starts[WARMUP + 1:])]
+            step_times[variant] += times
+            medians[variant] = statistics.median(times)
+        round_medians.append(medians)
     median = {variant: statistics.median(times) for variant, times in step_times.items()}
     result = {"strategy": strategy, "world": world, "rounds": rounds, "steps_per_round": steps,
-              "median_step_seconds": median, "meshlight_over_pytorch": median["meshlight"] / median["pytorch"]}
-    if "lightning" in median:
-        result["meshlight_over_lightning"] = median["meshlight"] / median["lightning"]
-        result["lightning_over_pytorch"] = median["lightning"] / median["pytorch"]
+              "median_step_seconds": median, "round_ratios": {}}
+    for over in variants[:-1]:  # meshlight ÷ each other variant, and Lightning ÷ PyTorch
+        for numerator in ("meshlight", "lightning"):
+            if numerator in median and numerator != over:
+                name = f"{numerator}_over_{over}"
+                result[name] = median[numerator] / median[over]
+                result["round_ratios"][name] = [r[numerator] / r[over] for r in round_medians]
     report(result)
 
 
@@ -202,8 +221,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     rows = [launch(__file__, args.nprocs, name, str(args.rounds), str(args.steps)) for name in args.strategies]
     print(json.dumps(rows, indent=1))

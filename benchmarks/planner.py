@@ -46,6 +46,10 @@ PUBLISHED = [
 ]
 
 
+#: torchtitan's own 2-D and 3-D runs, both Float8 + compile (Dec 2024): (preset, tokens/s/GPU) of Table 4 (70B,
+#: FSDP 32 × TP 8) and Table 5 (405B, FSDP 8 × TP 8 × PP 8, Interleaved1F1B, also async TP)
+TORCHTITAN_2D, TORCHTITAN_3D = ("llama3-70b", 829), ("llama3-405b", 128)
+
 CPU_LAYOUTS = {4: [(1, 2, 2), (2, 2, 1)], 8: [(2, 2, 2)]}  # world -> (dp, pp, tp)
 
 
@@ -123,8 +127,17 @@ def published() -> list[dict]:
             "ratio": predicted / bf16_published,
             "predicted_config": chosen.describe(), "fits": chosen.fits, "rank": rank,
             "best": [c.describe() for c in ranked[:3]],
+            "best_over_published_layout": ranked[0].tokens_per_second_per_device / tokens,
         })
     return rows
+
+
+def torchtitan_2d_over_3d() -> float:
+    """Model FLOP/s per GPU of torchtitan's 2-D 70B run ÷ its 3-D 405B run (both Float8 + compile)."""
+    from meshlight.parallel.planner import MODELS
+
+    (two_d, two_d_tokens), (three_d, three_d_tokens) = TORCHTITAN_2D, TORCHTITAN_3D
+    return (two_d_tokens * MODELS[two_d].flops_per_token()) / (three_d_tokens * MODELS[three_d].flops_per_token())
 
 
 def main() -> None:
@@ -136,7 +149,8 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, nargs="*", default=[4, 8])
     args = parser.parse_args()
     memory = [row for n in args.nprocs for row in launch(__file__, n)]
-    print(json.dumps({"published": published(), "memory": memory}, indent=1))
+    print(json.dumps({"published": published(), "torchtitan_2d_over_3d_flops": torchtitan_2d_over_3d(),
+                      "memory": memory}, indent=1))
 
 
 if __name__ == "__main__":
