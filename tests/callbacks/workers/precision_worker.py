@@ -80,8 +80,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def run(strategy: Any, precision: Any, probe: Probe = None, **options: Any) -> dict[str, Any]:
     probe = probe or Probe()
     callbacks = [probe] + ([MixedPrecision(**precision)] if isinstance(precision, dict) else [])
-    # Lightning's own fp16 plugin ("16-mixed" becomes bf16 on CPU, so it is passed as the plugin itself)
-    trainer_args = {"plugins": [LightningMixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed" else {}
+    # Lightning's own flags; its fp16 plugin is passed as the plugin itself ("16-mixed" becomes bf16 on CPU)
+    trainer_args = ({"plugins": [LightningMixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed"
+                    else {"precision": precision} if isinstance(precision, str) else {})
     result = train("adamw-3e-3", strategy, callbacks=callbacks, **{"devices": 2, **options, **trainer_args})
     result.pop("module")
     finite = len(probe.finite) == 20 and all(probe.finite)
@@ -96,7 +97,8 @@ def runs(world: int) -> dict[str, Any]:
             return ml.Hybrid3DStrategy(dp=1, pp=2, tp=2, ep=1, zero=1, microbatches=4)
 
         return {"fp32 3d": run(layout(), None, data_parallel=1, devices=4),
-                "bf16 3d": run(layout(), {"dtype": "bf16"}, data_parallel=1, devices=4)}
+                "bf16 3d": run(layout(), {"dtype": "bf16"}, data_parallel=1, devices=4),
+                "bf16-mixed 3d": run(layout(), "bf16-mixed", data_parallel=1, devices=4)}
     tp = ml.TensorParallelStrategy(tp=2)
     pipeline = ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4)
     return {
@@ -111,6 +113,12 @@ def runs(world: int) -> dict[str, Any]:
         "16-mixed zero2 inf": run("zero2", "16-mixed", Probe(inject_inf_at=3)),
         "moe fp32": run(ml.MoEStrategy(ep=2, zero=1), None, model=moe_gpt4),
         "moe bf16": run(ml.MoEStrategy(ep=2, zero=1), {"dtype": "bf16"}, model=moe_gpt4),
+        # Lightning's flags: autocast over fp32 weights; bf16 weights
+        "bf16-mixed tp": run(ml.TensorParallelStrategy(tp=2), "bf16-mixed", data_parallel=1),
+        "bf16-mixed pipeline": run(ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), "bf16-mixed",
+                                   data_parallel=1),
+        "bf16-mixed moe": run(ml.MoEStrategy(ep=2, zero=1), "bf16-mixed", model=moe_gpt4),
+        "bf16-true zero3": run("zero3", "bf16-true"),
     }
 
 
