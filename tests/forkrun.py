@@ -47,9 +47,6 @@ def _preload() -> None:
 
     for name in PRELOAD:  # before any thread exists: forking then is safe
         importlib.import_module(name)
-    # What the imports made lives as long as the process: out of the collector's sight, full collections in the
-    # ranks skip it, and the forked ranks do not touch (and copy) its memory pages by traversing it.
-    gc.freeze()
 
 
 def launch(nprocs: int, script: str, args: list[str]) -> int:
@@ -122,6 +119,10 @@ def _supervise(children: set[int]) -> int:
 
 def serve() -> int:
     """Answer launch requests from stdin until it closes (see the module docstring)."""
+    # What the imports made lives as long as the test session: out of the collector's sight, full collections in
+    # the ranks skip it, and the forked ranks do not touch (and copy) its memory pages by traversing it. (Only
+    # here: a single launch, as benchmarks make them, keeps the collector as a user's process has it.)
+    gc.freeze()
     answers = os.fdopen(os.dup(1), "w")
     for line in sys.stdin:
         request = json.loads(line)
