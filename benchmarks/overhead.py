@@ -17,6 +17,9 @@ pipeline  meshlight's split + ``PipelineStage`` +            —
           ``Schedule1F1B`` (4 microbatches)
 moe       ``meshlight.parallel.parallelize`` (ep = 2, the    —
           same dispatch, ZeRO-1) + a plain loop
+loop      as ddp, on a 1-block GPT of dim 16 (seq 16,        as ddp
+          batch 4): a step that is almost all loop, whose
+          differences are the loops' own cost per step
 ========= ================================================== =============================================
 
 DDP keeps meshlight's ``gradient_as_bucket_view=True`` in all three. The hand-written loops manage Python's garbage
@@ -26,7 +29,7 @@ launch, in rotating order (``--rounds`` a multiple of the variant count puts eac
 of the machine cancels; a step is the wall time between the starts of consecutive training steps. Reported: the
 median over all measured steps, and per round the ratio of the rounds' medians (its spread is the noise).
 
-    python benchmarks/overhead.py [--nprocs 2] [--strategies ddp zero3 tp pipeline moe] [--rounds 6] [--steps 10]
+    python benchmarks/overhead.py [--nprocs 2] [--strategies ddp zero3 tp pipeline moe loop] [--rounds 6] [--steps 10]
 """
 
 from __future__ import annotations
@@ -37,15 +40,15 @@ import statistics
 
 from common import is_worker, launch, report
 
-STRATEGIES = ("ddp", "zero3", "tp", "pipeline", "moe")
-LIGHTNING = ("ddp", "zero3", "tp")  # where Lightning has a built-in strategy for it
+STRATEGIES = ("ddp", "zero3", "tp", "pipeline", "moe", "loop")
+LIGHTNING = ("ddp", "zero3", "tp", "loop")  # where Lightning has a built-in strategy for it
 WARMUP = 3
 BATCH = 8  # sequences per data-parallel replica
 MICROBATCHES = 4  # pipeline, 1F1B
 GC_EVERY_N_STEPS = 50  # meshlight's default
 
 
-def worker(strategy: str, rounds: int, steps: int) -> None:
+def worker(name: str, rounds: int, steps: int) -> None:
     import gc
     import time
     from contextlib import ExitStack, nullcontext
@@ -72,16 +75,19 @@ def worker(strategy: str, rounds: int, steps: int) -> None:
     from meshlight.parallel.pipeline import plan_stages, split_stages
     from meshlight.parallel.tensor import apply_tensor_parallel, model_plan
 
+    strategy = "ddp" if name == "loop" else name  # the engines; "loop" measures them on a tiny model
     moe = MoEConfig(num_experts=4) if strategy == "moe" else None
-    config = GPTConfig(vocab_size=256, max_seq_len=128, n_layers=4, n_heads=8, dim=192, moe=moe)
+    vocab, seq, batch, shape = (64, 16, 4, dict(n_layers=1, n_heads=2, dim=16)) if name == "loop" else (
+        256, 128, BATCH, dict(n_layers=4, n_heads=8, dim=192))
+    config = GPTConfig(vocab_size=vocab, max_seq_len=seq, moe=moe, **shape)
     dist.init_process_group("gloo")  # the hand-written loops need it first; the Trainers reuse it
     world = dist.get_world_size()
     replicas = 1 if strategy in ("tp", "pipeline") else world
     total_steps = WARMUP + steps
 
     def data() -> RandomTokensDataModule:
-        return RandomTokensDataModule(vocab_size=256, seq_len=128, batch_size=BATCH,
-                                      train_size=BATCH * replicas * total_steps)
+        return RandomTokensDataModule(vocab_size=vocab, seq_len=seq, batch_size=batch,
+                                      train_size=batch * replicas * total_steps)
 
     class StepTimer(Callback):
         def __init__(self) -> None:
@@ -117,8 +123,8 @@ def worker(strategy: str, rounds: int, steps: int) -> None:
         options = measuring_trainer_options(world, total_steps, [timer])
         module = LitGPT(config)
         if variant == "meshlight":
-            name = ml.PipelineStrategy(pp=world, microbatches=MICROBATCHES) if strategy == "pipeline" else strategy
-            trainer = ml.Trainer(strategy=name, **options)
+            chosen = ml.PipelineStrategy(pp=world, microbatches=MICROBATCHES) if strategy == "pipeline" else strategy
+            trainer = ml.Trainer(strategy=chosen, **options)
         elif strategy == "ddp":
             trainer = pl.Trainer(strategy=LightningDDP(gradient_as_bucket_view=True), **options)
         else:
@@ -162,7 +168,7 @@ def worker(strategy: str, rounds: int, steps: int) -> None:
         source.setup()
         sampler = DistributedSampler(source.train_set, num_replicas=replicas, rank=dist.get_rank() % replicas,
                                      shuffle=True, seed=0)
-        loader = DataLoader(source.train_set, batch_size=BATCH, sampler=sampler, drop_last=True)
+        loader = DataLoader(source.train_set, batch_size=batch, sampler=sampler, drop_last=True)
         starts = []
         gc.disable()  # as meshlight (and torchtitan) do while training
         gc.collect(1)
@@ -192,7 +198,7 @@ def worker(strategy: str, rounds: int, steps: int) -> None:
         gc.enable()
         return starts
 
-    variants = ("pytorch", "lightning", "meshlight") if strategy in LIGHTNING else ("pytorch", "meshlight")
+    variants = ("pytorch", "lightning", "meshlight") if name in LIGHTNING else ("pytorch", "meshlight")
     step_times: dict[str, list[float]] = {variant: [] for variant in variants}
     round_medians: list[dict[str, float]] = []
     for round_index in range(rounds):
@@ -206,7 +212,7 @@ def worker(strategy: str, rounds: int, steps: int) -> None:
             medians[variant] = statistics.median(times)
         round_medians.append(medians)
     median = {variant: statistics.median(times) for variant, times in step_times.items()}
-    result = {"strategy": strategy, "world": world, "rounds": rounds, "steps_per_round": steps,
+    result = {"strategy": name, "world": world, "rounds": rounds, "steps_per_round": steps,
               "median_step_seconds": median, "round_ratios": {}}
     for over in variants[:-1]:  # meshlight ÷ each other variant, and Lightning ÷ PyTorch
         for numerator in ("meshlight", "lightning"):
