@@ -29,7 +29,7 @@ launch, in rotating order (``--rounds`` a multiple of the variant count puts eac
 of the machine cancels; a step is the wall time between the starts of consecutive training steps. Reported: the
 median over all measured steps, and per round the ratio of the rounds' medians (its spread is the noise).
 
-    python benchmarks/overhead.py [--nprocs 2] [--strategies ddp zero3 tp pipeline moe loop] [--rounds 6] [--steps 10]
+    python benchmarks/overhead.py [--nprocs 2] [--strategies ddp zero3 tp pipeline moe loop] [--rounds 6] [--steps 8]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from common import is_worker, launch, report
 
 STRATEGIES = ("ddp", "zero3", "tp", "pipeline", "moe", "loop")
 LIGHTNING = ("ddp", "zero3", "tp", "loop")  # where Lightning has a built-in strategy for it
-WARMUP = 3
+WARMUP = 2  # steps before the measured ones (the first builds lazily initialized state)
 BATCH = 8  # sequences per data-parallel replica
 MICROBATCHES = 4  # pipeline, 1F1B
 GC_EVERY_N_STEPS = 50  # meshlight's default
@@ -228,7 +228,7 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     rows = [launch(__file__, args.nprocs, name, str(args.rounds), str(args.steps)) for name in args.strategies]
     print(json.dumps(rows, indent=1))
