@@ -7,16 +7,20 @@ reported; the figure is the worst layer's max / mean, 1.0 being perfect balance;
 steps of each step's own max / mean is reported beside it). Variants: no balancing, the auxiliary loss
 (coefficient 1e-2), and aux-loss-free expert bias (``--bias-rate``) with sigmoid router scores as in
 DeepSeek-V3. Routing over 200 steps is chaotic — one seed's figure moves with the machine's float rounding —
-so each variant trains with ``--seeds`` seeds and the median is the figure.
+so each variant trains with ``--seeds`` seeds and the median is the figure. The runs are independent: ``--jobs``
+processes (one per CPU core by default, each with its share of the cores' threads) train them side by side.
 
-    python benchmarks/balance.py [--steps 200] [--window 20] [--seeds 3] [--bias-rate 1e-2]   # prints JSON
+    python benchmarks/balance.py [--steps 200] [--window 20] [--seeds 3] [--bias-rate 1e-2] [--jobs 2]  # prints JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import statistics
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 VARIANTS = {
@@ -67,6 +71,12 @@ def train(options: dict[str, Any], steps: int, window: int, seed: int = 0) -> di
             "final_loss": float(trainer.callback_metrics["train/loss"])}
 
 
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
@@ -74,14 +84,20 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--bias-rate", type=float, default=1e-2)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs trained side by side")
     args = parser.parse_args()
-    rows = []
-    for name, options in ((name, VARIANTS[name]) for name in args.variants):
-        options = {k: (args.bias_rate if v is None else v) for k, v in options.items()}
-        runs = [train(options, args.steps, args.window, seed) for seed in range(args.seeds)]
-        rows.append({"variant": name, "options": options, "steps": args.steps, "window": args.window, "runs": runs,
-                     **{key: statistics.median(run[key] for run in runs)
-                        for key in ("worst", "mean_step_imbalance", "final_loss")}})
+    options = {name: {k: (args.bias_rate if v is None else v) for k, v in VARIANTS[name].items()}
+               for name in args.variants}
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    with ProcessPoolExecutor(args.jobs, multiprocessing.get_context("spawn"), _set_threads, (threads,)) as pool:
+        pending = {name: [pool.submit(train, options[name], args.steps, args.window, seed)
+                          for seed in range(args.seeds)] for name in args.variants}
+        rows = []
+        for name, futures in pending.items():
+            runs = [future.result() for future in futures]
+            rows.append({"variant": name, "options": options[name], "steps": args.steps, "window": args.window,
+                         "runs": runs, **{key: statistics.median(run[key] for run in runs)
+                                          for key in ("worst", "mean_step_imbalance", "final_loss")}})
     print(json.dumps(rows, indent=1))
 
 

@@ -25,11 +25,13 @@ loop      as ddp, on a 1-block GPT of dim 16 (seq 16,        as ddp
 DDP keeps meshlight's ``gradient_as_bucket_view=True`` in all three. The hand-written loops manage Python's garbage
 collector as meshlight does (and torchtitan): automatic collection off while training, generation 1 collected
 every 50 steps; Lightning keeps the automatic one, its default. The variants of a strategy run interleaved in one
-launch, in rotating order (``--rounds`` a multiple of the variant count puts each first equally often), so drift
-of the machine cancels; a step is the wall time between the starts of consecutive training steps. Reported: the
-median over all measured steps, and per round the ratio of the rounds' medians (its spread is the noise).
+launch: a round runs each once, back to back, and the order rotates so that over ``--rotations`` each variant has
+run first that many times (2 or 3 variants: rounds = rotations × variants). A step is the wall time between the
+starts of consecutive training steps. Reported per variant the median over all measured steps; per pair the ratio
+of the two variants' medians in each round (paired in time, so the machine's drift cancels) and the median of those
+ratios, the figure; their spread is the machine's noise.
 
-    python benchmarks/overhead.py [--nprocs 2] [--strategies ddp zero3 tp pipeline moe loop] [--rounds 6] [--steps 8]
+    python benchmarks/overhead.py [--nprocs 2] [--strategies ddp zero3 tp pipeline moe loop] [--rotations 2] [--steps 8]
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ MICROBATCHES = 4  # pipeline, 1F1B
 GC_EVERY_N_STEPS = 50  # meshlight's default
 
 
-def worker(name: str, rounds: int, steps: int) -> None:
+def worker(name: str, rotations: int, steps: int) -> None:
     import gc
     import time
     from contextlib import ExitStack, nullcontext
@@ -201,6 +203,7 @@ def worker(name: str, rounds: int, steps: int) -> None:
     variants = ("pytorch", "lightning", "meshlight") if name in LIGHTNING else ("pytorch", "meshlight")
     step_times: dict[str, list[float]] = {variant: [] for variant in variants}
     round_medians: list[dict[str, float]] = []
+    rounds = rotations * len(variants)
     for round_index in range(rounds):
         shift = round_index % len(variants)
         medians = {}
@@ -212,14 +215,14 @@ def worker(name: str, rounds: int, steps: int) -> None:
             medians[variant] = statistics.median(times)
         round_medians.append(medians)
     median = {variant: statistics.median(times) for variant, times in step_times.items()}
-    result = {"strategy": name, "world": world, "rounds": rounds, "steps_per_round": steps,
+    result = {"strategy": name, "world": world, "rotations": rotations, "rounds": rounds, "steps_per_round": steps,
               "median_step_seconds": median, "round_ratios": {}}
     for over in variants[:-1]:  # meshlight ÷ each other variant, and Lightning ÷ PyTorch
         for numerator in ("meshlight", "lightning"):
             if numerator in median and numerator != over:
                 name = f"{numerator}_over_{over}"
-                result[name] = median[numerator] / median[over]
-                result["round_ratios"][name] = [r[numerator] / r[over] for r in round_medians]
+                ratios = [r[numerator] / r[over] for r in round_medians]
+                result[name], result["round_ratios"][name] = statistics.median(ratios), ratios
     report(result)
 
 
@@ -227,10 +230,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rotations", type=int, default=2, help="times each variant runs first")
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
-    rows = [launch(__file__, args.nprocs, name, str(args.rounds), str(args.steps)) for name in args.strategies]
+    rows = [launch(__file__, args.nprocs, name, str(args.rotations), str(args.steps)) for name in args.strategies]
     print(json.dumps(rows, indent=1))
 
 

@@ -2,7 +2,9 @@
 backward (distinct storages autograd holds when the forward ends, parameters excluded) and forward+backward
 time, without and with recomputation of every block (``ActivationCheckpointing()``) and of every second block.
 
-Interleaved rounds in one process (drift cancels); the median step of each variant is reported.
+Interleaved rounds in one process, each running every variant once in rotating order: the median step of each
+variant, and its time ÷ no recomputation as the median over rounds of that ratio within a round (paired in time,
+so drift cancels), with the lowest and highest round's.
 
     python benchmarks/recompute.py [--seq 128] [--batch 1] [--rounds 3]      # prints JSON
 """
@@ -68,10 +70,13 @@ def main() -> None:
         for name in order:
             seconds, saved[name] = step(models[name])
             times[name].append(seconds)
-    base_time, base_bytes = statistics.median(times["none"]), saved["none"]
-    rows = [{"recompute": name, "activation_bytes": saved[name], "activation_ratio": saved[name] / base_bytes,
-             "step_seconds": statistics.median(times[name]),
-             "time_ratio": statistics.median(times[name]) / base_time} for name in models]
+    base_bytes = saved["none"]
+    rows = []
+    for name in models:
+        ratios = [mine / base for mine, base in zip(times[name], times["none"])]  # round by round
+        rows.append({"recompute": name, "activation_bytes": saved[name], "activation_ratio": saved[name] / base_bytes,
+                     "step_seconds": statistics.median(times[name]), "time_ratio": statistics.median(ratios),
+                     "time_ratio_range": [min(ratios), max(ratios)]})
     print(json.dumps({"model": "GPT-2 small (124M)", "seq": args.seq, "batch": args.batch,
                       "threads": torch.get_num_threads(), "rows": rows}, indent=1))
 

@@ -20,11 +20,11 @@ REPO = HERE.parent
 COMMANDS = {
     "comm": "python benchmarks/comm.py --nprocs 2 4",
     "memory": "python benchmarks/memory.py --nprocs 2 4",
-    "overhead": "python benchmarks/overhead.py --nprocs 2 --rounds 6 --steps 8",  # ddp zero3 tp pipeline moe loop
+    "overhead": "python benchmarks/overhead.py --nprocs 2 --rotations 2 --steps 8",  # ddp zero3 tp pipeline moe loop
     "bubble": "python benchmarks/bubble.py --nprocs 2 4 --microbatches 4 8 16",
-    "balance": "python benchmarks/balance.py --steps 200 --window 20 --seeds 3",
+    "balance": "python benchmarks/balance.py --steps 200 --window 20 --seeds 3 --jobs 2",
     "planner": "python benchmarks/planner.py --nprocs 4 8",
-    "recompute": "python benchmarks/recompute.py --seq 128 --batch 1 --rounds 7",
+    "recompute": "python benchmarks/recompute.py --seq 128 --batch 1 --rounds 6",
     "profile": "python benchmarks/step_profile.py --nprocs 2 4",
 }
 BELOW_1F1B = ("interleaved1f1b", "interleavedzerobubble", "zbvzerobubble")
@@ -123,12 +123,13 @@ def balance_section(rows: list[dict]) -> str:
         "## Expert balance (mixture of experts)",
         "",
         f"Command: `{COMMANDS['balance']}` — the demo task (addition, the example's 2-block dim-128 GPT with",
-        "every MLP a mixture of 8 top-2 experts, batch 64, one process) trained for 200 steps; an expert's load is",
+        "every MLP a mixture of 8 top-2 experts, batch 64; one process per run, two runs side by side with one",
+        "thread each) trained for 200 steps; an expert's load is",
         "the token assignments routed to it over the last 20 steps. Figure: max / mean load of the worst layer",
         f"(1.0 = perfect balance), the median over {seeds} seeds (routing over 200 steps is chaotic: one seed's",
-        "figure moves with the machine's float rounding); target ≤ 1.3 with the auxiliary loss and with",
-        "aux-loss-free expert bias. Beside it, each seed's figure, and the median over seeds of the mean over the",
-        "window's steps of each step's own max / mean.",
+        "figure moves with float rounding, e.g. with the number of threads); target ≤ 1.3 with the auxiliary",
+        "loss and with aux-loss-free expert bias. Beside it, each seed's figure, and the median over seeds of the",
+        "mean over the window's steps of each step's own max / mean.",
         "",
         "| balancing | options | worst max/mean (median) | seeds | per-step max/mean | final loss | target |",
         "|---|---|---:|---|---:|---:|---|",
@@ -216,11 +217,12 @@ def recompute_section(result: dict) -> str:
         "",
         f"Command: `{COMMANDS['recompute']}` — {result['model']}, sequence {result['seq']}, batch {result['batch']},",
         f"one process ({result['threads']} threads): bytes autograd keeps for backward when the forward ends",
-        "(parameters excluded) and forward+backward time (median of interleaved rounds), each ÷ no recomputation.",
+        "(parameters excluded) and forward+backward time (median of interleaved rounds), each ÷ no recomputation;",
+        "the time ratio is the median over rounds of the ratio within a round, beside the lowest and highest.",
         "Targets for recomputing every block: activations ≤ 0.50, time ≤ 1.40.",
         "",
-        "| recompute | activation bytes | ÷ none | step (s) | ÷ none | target |",
-        "|---|---:|---:|---:|---:|---|",
+        "| recompute | activation bytes | ÷ none | step (s) | ÷ none | rounds | target |",
+        "|---|---:|---:|---:|---:|---|---|",
     ]
     for r in result["rows"]:
         target = "—"
@@ -228,7 +230,8 @@ def recompute_section(result: dict) -> str:
             met = r["activation_ratio"] <= 0.5 and r["time_ratio"] <= 1.4
             target = "met" if met else "**not met**"
         lines.append(f"| {r['recompute']} | {r['activation_bytes']:,} | {r['activation_ratio']:.3f} |"
-                     f" {r['step_seconds']:.3f} | {r['time_ratio']:.3f} | {target} |")
+                     f" {r['step_seconds']:.3f} | {r['time_ratio']:.3f} |"
+                     f" {r['time_ratio_range'][0]:.3f}–{r['time_ratio_range'][1]:.3f} | {target} |")
     lines += ["", "What stays with every block recomputed is mostly the LM head's logits and their softmax"
               " (sequence × 50,304 vocabulary), outside the blocks."]
     return "\n".join(lines)
@@ -324,12 +327,14 @@ def overhead_section(rows: list[dict]) -> str:
         "meshlight's TP plan through `parallelize_module` with loss parallelism; meshlight's stage split driven",
         "by `PipelineStage` + `Schedule1F1B` (4 microbatches); `meshlight.parallel.parallelize` (ep 2, ZeRO-1)",
         "for moe. Lightning: `DDPStrategy`; `ModelParallelStrategy` with the same `fully_shard` calls or TP plan",
-        "in `configure_model`. Variants interleaved in one launch per strategy, "
-        f"{rows[0]['rounds']} rounds of {rows[0]['steps_per_round']} measured steps in rotating order (each",
-        "variant first equally often). meshlight and the hand-written loops turn Python's automatic garbage",
-        "collection off while training and collect every 50 steps (as torchtitan does); Lightning keeps the",
-        "automatic one. A ratio is of the medians over all measured steps; beside it, the lowest and highest ratio",
-        "of single rounds (each round runs the variants back to back): the noise of this machine.",
+        "in `configure_model`. Variants interleaved in one launch per strategy: a round runs each once, back to",
+        f"back ({rows[0]['steps_per_round']} measured steps), in an order that rotates until each has run first"
+        f" {rows[0]['rotations']} times.",
+        "meshlight and the hand-written loops turn Python's automatic garbage collection off while training and",
+        "collect every 50 steps (as torchtitan does); Lightning keeps the automatic one. Milliseconds are medians",
+        "over all measured steps; a ratio is the median over rounds of the two variants' ratio within a round",
+        "(paired in time, so drift cancels), and beside it the lowest and highest round's ratio: the noise of",
+        "this machine.",
         "",
         "| strategy | PyTorch (ms) | Lightning (ms) | meshlight (ms) | meshlight ÷ PyTorch (≤ 1.05) | rounds |"
         " meshlight ÷ Lightning (≤ 1.02) | rounds | Lightning ÷ PyTorch |",
