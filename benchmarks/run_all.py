@@ -365,9 +365,20 @@ def overhead_section(rows: list[dict]) -> str:
             f" through Lightning, {ms['meshlight']:.1f} ms through meshlight:",
             f"meshlight's loop costs {extra:.1f} ms per step more than the hand-written one,"
             f" {100 * extra / max(steps):.1f}–{100 * extra / min(steps):.1f}% of the steps above.",
-            "Ratios further from 1 than that move with the machine's load: see each row's spread over rounds.",
         ]
+        above = [r["strategy"] for r in rows if r["strategy"] != "loop"
+                 and min(r["round_ratios"]["meshlight_over_pytorch"]) > 1.05]
+        if above:
+            lines.append(f"Above 1.05 × PyTorch in every round: {', '.join(above)}; more than the loop's cost and this"
+                         " machine's noise.")
+        lines.append(f"{'Other ratios' if above else 'Ratios'} further from 1 than the loop's share move with the"
+                     " machine's load: see each row's spread over rounds.")
     lines += [
+        "",
+        "Besides Lightning's loop, meshlight's pipeline step runs outside the schedule: the capture of the stage-0",
+        "inputs (the user's `training_step` up to the pipelined module), a broadcast of the loss and logged values",
+        "from the last stage to every stage (a collective the hand-written loop does without: it all-reduces the",
+        "last stage's loss directly), and their replay through `self.log(..., sync_dist=True)`.",
         "",
         "Under tensor parallelism with dp = 1 meshlight reduces the sequence-parallel norms' partial gradients once",
         "per step, where the hand-written loop and Lightning leave DTensor re-reducing them in each optimizer op",
