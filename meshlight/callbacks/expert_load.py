@@ -24,7 +24,8 @@ class ExpertLoadMonitor(Callback):
     After every optimizer step, for each layer ``moe/<layer>/``: ``imbalance`` (max / mean expert load; 1 is
     even), ``dropped`` (fraction of assignments over capacity), ``aux_loss`` and ``z_loss`` (without their
     coefficients), and with ``per_expert`` each expert's share of the assignments ``expert_<i>`` — logged with
-    ``self.log``, so loggers receive them every ``Trainer(log_every_n_steps)``. Values are summed over the
+    ``self.log`` on the steps whose values Lightning's loggers write (every ``Trainer(log_every_n_steps)``; on
+    other steps logging would cost time and reach no logger). Values are summed over the
     data-parallel ranks and identical on every rank (under pipelining, gathered from every stage). Every
     ``heatmap_every_n_steps``, each layer's load over the last ``heatmap_window`` steps goes to TensorBoard as
     an image: one row per expert, one column per step, red above an even share, blue below (full colour at 2×
@@ -56,14 +57,19 @@ class ExpertLoadMonitor(Callback):
             return  # no optimizer step in this batch (accumulating), or nothing to report
         self._last_step = step
         loads = _gather_over_stages(trainer, {name: m.last_step for name, m in self._layers.items() if m.last_step})
+        # Lightning's loggers write a step's values only every log_every_n_steps, and self.log is slow: the
+        # 4 x 8 values of a 4-layer, 4-expert GPT took 16 ms, 5% of its 0.3 s CPU step, on every step.
+        writes = getattr(trainer._logger_connector, "should_update_logs", True) or trainer.fast_dev_run
         for name, load in sorted(loads.items()):
+            self.history[name] = [*self.history[name][-self.heatmap_window + 1:], load.fraction]
+            if not writes:
+                continue
             values = {"imbalance": load.imbalance, "dropped": load.dropped_fraction, "aux_loss": load.aux_loss,
                       "z_loss": load.z_loss}
             if self.per_expert:
                 values.update({f"expert_{i}": share for i, share in enumerate(load.fraction.tolist())})
             pl_module.log_dict({f"moe/{name}/{key}": value for key, value in values.items()}, on_step=True,
                                on_epoch=False)
-            self.history[name] = [*self.history[name][-self.heatmap_window + 1:], load.fraction]
         if step % self.heatmap_every_n_steps == 0:
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
