@@ -25,8 +25,8 @@ class ExpertLoadMonitor(Callback):
     even), ``dropped`` (fraction of assignments over capacity), ``aux_loss`` and ``z_loss`` (without their
     coefficients), and with ``per_expert`` each expert's share of the assignments ``expert_<i>`` — logged with
     ``self.log`` on the steps whose values Lightning's loggers write (every ``Trainer(log_every_n_steps)``; on
-    other steps logging would cost time and reach no logger). Values are summed over the
-    data-parallel ranks and identical on every rank (under pipelining, gathered from every stage). Every
+    other steps logging would cost time and reach no logger). Values are summed over the data-parallel ranks
+    and identical on every rank (under pipelining, gathered from every stage). Every
     ``heatmap_every_n_steps``, each layer's load over the last ``heatmap_window`` steps goes to TensorBoard as
     an image: one row per expert, one column per step, red above an even share, blue below (full colour at 2×
     and ½×).
