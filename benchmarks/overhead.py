@@ -220,9 +220,9 @@ def worker(name: str, rotations: int, steps: int) -> None:
     for over in variants[:-1]:  # meshlight ÷ each other variant, and Lightning ÷ PyTorch
         for numerator in ("meshlight", "lightning"):
             if numerator in median and numerator != over:
-                name = f"{numerator}_over_{over}"
+                key = f"{numerator}_over_{over}"
                 ratios = [r[numerator] / r[over] for r in round_medians]
-                result[name], result["round_ratios"][name] = statistics.median(ratios), ratios
+                result[key], result["round_ratios"][key] = statistics.median(ratios), ratios
     report(result)
 
 
