@@ -8,8 +8,12 @@ stage  reshard_after_forward     while accumulating gradients (no optimizer step
 0      — (DDP, ``replicate``)    gradients kept locally, no all-reduce              all-reduce P
 1      False                     full gradients kept locally, no reduce-scatter     gather P + reduce-scatter P
 2      False                     gradients reduce-scattered every micro-batch       gather P + reduce-scatter P
-3      True                      (as 2) and parameters re-gathered in backward      gather 2P + reduce-scatter P
+3      True                      (as 2) and parameters re-gathered in backward      gather 2P − root
+                                                                                    + reduce-scatter P
 ====== ========================= ================================================ =========================
+
+Under ZeRO-3 the root unit (what no block holds: embedding, head, final norm) is not resharded after forward,
+as FSDP2 does by default for a root (its backward follows at once), so it is gathered once per step.
 
 Every stage shards optimizer state; the optimizer steps each rank's shard and the next forward gathers
 the updated parameters, so stages 1 and 2 move exactly DDP's 2·P·(N−1)/N bytes. DDP over a model that
@@ -150,7 +154,10 @@ def apply_data_parallel(
         shard = functools.partial(shard, mp_policy=precision.fsdp)
     for block in repeated_blocks(module) if blocks is None else blocks:
         shard(block)
-    shard(module)
+    # ZeRO-3's root (embedding, head, final norm): FSDP2's own default keeps it gathered from forward to backward,
+    # which follows at once; resharding it would gather it a second time every step. A pipeline stage's root is
+    # resharded like its blocks: the schedule runs several forwards before their backwards.
+    shard(module, reshard_after_forward=None if zero == 3 and not pipelined else zero == 3)
     return module
 
 

@@ -13,7 +13,8 @@ An analytic model, per rank, of what each candidate layout costs:
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak (recomputation adds a
   forward), stretched by the pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives
   of the activations per layer and micro-batch, 6 with recomputation) not overlapped; pipeline p2p; data
-  parallel traffic (2·P, 3·P for ZeRO-3, parameters gathered again for every micro-batch under ZeRO-3 and,
+  parallel traffic (2·P, 3·P for ZeRO-3 less the root unit — embedding and head, kept gathered from forward to
+  backward without pipelining — parameters gathered again for every micro-batch under ZeRO-3 and,
   without pipelining, gradients reduce-scattered per micro-batch under ZeRO-2) overlapped with backward compute
   except the last bucket (as Megatron-Core overlaps it; meshlight's pipeline schedules still reduce after the
   last microbatch);
@@ -411,8 +412,10 @@ def estimate(
         activations += 34 * s * micro_batch * h * hw.activation_bytes / 2 / tp
     # fp32 logits and their gradient, on the last stage; added to the first stage's activations (a bound)
     activations += 2 * s * micro_batch * model.vocab * 4 / tp
-    if zero == 3:  # a block gathered for compute, and the next one prefetched
-        activations += 2 * model.block_params / model.layers / tp * hw.param_bytes
+    # ZeRO-3 without pipelining keeps the root unit (embedding and head) gathered from forward to backward
+    root = model.embedding_params + model.head_params if pp == 1 else 0
+    if zero == 3:  # a block gathered for compute, and the next one prefetched; and the root
+        activations += (2 * model.block_params / model.layers + root) / tp * hw.param_bytes
     # --- time
     tokens = global_batch * s
     flops = tokens * (model.flops_per_token() + (model.recompute_flops_per_token() if recompute else 0)) / world
@@ -432,7 +435,9 @@ def estimate(
     param_bytes = (dense + experts) * hw.param_bytes
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * microbatches}[zero]
     reductions = microbatches if zero >= 2 and pp == 1 else 1  # pipeline schedules reduce once per step
-    dp_bytes = (gathers * param_bytes + reductions * grad_bytes * (1 if zero else 2)) * (dp - 1) / dp
+    regathered_root = microbatches * root / tp * hw.param_bytes if zero == 3 else 0.0  # not gathered again
+    dp_bytes = (gathers * param_bytes - regathered_root + reductions * grad_bytes * (1 if zero else 2)) * (
+        dp - 1) / dp
     dp_messages = (layers_per_stage + 1) * (gathers + reductions)  # one collective per block and direction
     # an all-reduce (zero=0) is a reduce-scatter then an all-gather: twice the ring's steps
     dp_latency = dp_messages * _ring_latency(hw, dp, tp) * (1 if zero else 2)

@@ -36,3 +36,16 @@ def test_clipping_is_engaged_in_the_control(controls):
 def test_strategy_matches_single_process_training(distributed, controls, run):
     strategy, variant = run
     assert_parity(distributed[f"{strategy}/{variant}"], controls[variant])
+
+
+def test_zero3_gathers_the_blocks_twice_and_the_root_once_per_step(distributed):
+    # The root unit (embedding, head, final norm) stays gathered from forward to the backward that follows
+    # at once, as FSDP2 keeps a root by default; resharding it would gather it again every step.
+    result, world = distributed["zero3/adamw"], distributed["world"]
+    gathers = result["traffic"]["all_gather"]
+    assert gathers["calls"] == 2 * result["blocks"] + 1
+    root_bytes = result["param_bytes"] - result["block_bytes"]
+    expected = (2 * result["block_bytes"] + root_bytes) * (world - 1) / world
+    assert gathers["bytes_sent"] == pytest.approx(expected)
+    reduced = result["traffic"]["reduce_scatter"]["bytes_sent"]
+    assert reduced == pytest.approx(result["param_bytes"] * (world - 1) / world)
