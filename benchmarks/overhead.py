@@ -29,7 +29,10 @@ launch: a round runs each once, back to back, and the order rotates so that over
 run first that many times (2 or 3 variants: rounds = rotations × variants). A step is the wall time between the
 starts of consecutive training steps. Reported per variant the median over all measured steps; per pair the ratio
 of the two variants' medians in each round (paired in time, so the machine's drift cancels) and the median of those
-ratios, the figure; their spread is the machine's noise.
+ratios, the figure; their spread is the machine's noise. Beside it, the ratio of the two variants' lower deciles
+over all their measured steps: load from outside the benchmark (this VM's neighbours) only ever adds time, so the
+fastest tenth of steps shows what each variant costs on a quiet machine, and what is ours (a per-step cost) is in
+every step, the fastest included.
 
     python benchmarks/overhead.py [--nprocs 2] [--strategies ddp zero3 tp pipeline moe loop] [--rotations 2] [--steps 8]
 """
@@ -216,13 +219,15 @@ def worker(name: str, rotations: int, steps: int) -> None:
         round_medians.append(medians)
     median = {variant: statistics.median(times) for variant, times in step_times.items()}
     result = {"strategy": name, "world": world, "rotations": rotations, "rounds": rounds, "steps_per_round": steps,
-              "median_step_seconds": median, "round_ratios": {}}
+              "median_step_seconds": median, "round_ratios": {}, "lower_decile_ratios": {}}
+    lower_decile = {variant: statistics.quantiles(times, n=10)[0] for variant, times in step_times.items()}
     for over in variants[:-1]:  # meshlight ÷ each other variant, and Lightning ÷ PyTorch
         for numerator in ("meshlight", "lightning"):
             if numerator in median and numerator != over:
                 key = f"{numerator}_over_{over}"
                 ratios = [r[numerator] / r[over] for r in round_medians]
                 result[key], result["round_ratios"][key] = statistics.median(ratios), ratios
+                result["lower_decile_ratios"][key] = lower_decile[numerator] / lower_decile[over]
     report(result)
 
 
