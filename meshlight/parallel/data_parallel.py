@@ -154,10 +154,11 @@ def apply_data_parallel(
         shard = functools.partial(shard, mp_policy=precision.fsdp)
     for block in repeated_blocks(module) if blocks is None else blocks:
         shard(block)
-    # ZeRO-3's root (embedding, head, final norm): FSDP2's own default keeps it gathered from forward to backward,
-    # which follows at once; resharding it would gather it a second time every step. A pipeline stage's root is
-    # resharded like its blocks: the schedule runs several forwards before their backwards.
-    shard(module, reshard_after_forward=None if zero == 3 and not pipelined else zero == 3)
+    # ZeRO-3's root (embedding, head, final norm) stays gathered from forward to the backward that follows at once,
+    # as FSDP2 keeps a root by default (torch < 2.8 always did; since, an explicit True reshards it too, which
+    # would gather it a second time every step). A pipeline stage's root is resharded like its blocks: the
+    # schedule runs several forwards before their backwards.
+    shard(module, reshard_after_forward=zero == 3 and pipelined)
     return module
 
 
