@@ -267,7 +267,10 @@ def profile_section(rows: list[dict]) -> str:
         "Cut from ours, found here: under tensor parallelism at dp = 1, AdamW re-reduced the sequence-parallel",
         "norms' partial gradients in each of its ops; reduced once per step since, this command's tp step fell",
         "from 0.446 to 0.352 s and the 3d step from 0.612 to 0.375 s of self CPU time (runs of 2026-11-21, before",
-        "and after).",
+        "and after). Under ZeRO-3 meshlight resharded the root unit (embedding, head, final norm) after forward and",
+        "gathered it again for the backward that follows at once: one all-gather per step more than the",
+        "hand-written `fully_shard` loop, found by diffing the two loops' profiled steps (gather counts per FSDP",
+        "unit); the root stays gathered since (2026-11-24; the communication table's zero3 rows).",
     ]
     return "\n".join(lines)
 
