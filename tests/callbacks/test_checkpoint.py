@@ -236,6 +236,15 @@ def test_writes_to_an_fsspec_url_and_ranks_by_a_monitored_metric(tmp_path):
     assert ranked.complete_steps() == [4, 8]  # the best and, with save_last, the newest
 
 
+def test_a_zero3_checkpoint_saved_right_after_validation_resumes_bitwise(tmp_path):
+    # After a validation forward ZeRO-3's root unit (embedding, head) is still gathered, as FSDP2 keeps a root
+    # until its backward; a checkpoint written then must hold the sharded state like any other.
+    torchrun(WORKER, 2, "validated", str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), timeout=600)
+    full, resumed = torch.load(tmp_path / "out.pt")
+    assert sorted(resumed) == list(range(7, 13))
+    assert {step: full[step] for step in resumed} == resumed  # exact float equality
+
+
 # ---------------------------------------------------------------- 3-D: exact resume, resharding
 
 

@@ -12,6 +12,9 @@ and restarts after faults.
                         and DCP's metadata are written but before the folder is committed; "none": no fault.
                         Rank 0 writes the final full weights, the restart count, the step the last attempt
                         resumed from, and whether the step-5 checkpoint's files were unchanged by the fault
+    validated DIR OUT   zero3 on 2 processes, validating every 3 steps and saving when the validation loss
+                        improves (so after a validation, when ZeRO-3's root unit is still gathered), 12 steps;
+                        then from the step-6 checkpoint to step 12. Rank 0 writes both runs' {step: loss} to OUT
 
 Epochs are 8 steps long, so step 10 is mid-epoch: the resumed data position comes from the sampler skipping
 what the epoch consumed.
@@ -130,6 +133,24 @@ def fault(directory: Path, out: Path, kind: str) -> None:
                     "step5_intact": intact}, out)
 
 
+def validated(directory: Path, out: Path) -> None:
+    def run(ckpt_path: object) -> dict[int, float]:
+        pl.seed_everything(0, verbose=False)
+        data = AdditionDataModule(3, batch_size=GLOBAL_BATCH // 2, train_size=GLOBAL_BATCH * STEPS_PER_EPOCH,
+                                  val_size=32)
+        losses = Losses()
+        checkpoint = DistributedCheckpoint(directory, monitor="val/loss", save_top_k=4, async_save=False)
+        trainer = ml.Trainer(strategy="zero3", devices=2, accelerator="cpu", max_steps=KILL_AFTER, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, val_check_interval=3,
+                             limit_val_batches=2, num_sanity_val_steps=0, callbacks=[losses, checkpoint])
+        trainer.fit(model(0), data, ckpt_path=ckpt_path)
+        return losses.losses
+
+    results = (run(None), run(directory / "step=000000006"))
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+
+
 def _digests(folder: Path) -> dict[str, str]:
     """SHA-256 of every file in ``folder``."""
     import hashlib
@@ -140,6 +161,9 @@ def _digests(folder: Path) -> dict[str, str]:
 def main(mode: str, args: list[str]) -> None:
     if mode == "fault":
         fault(Path(args[0]), Path(args[1]), args[2])
+        return
+    if mode == "validated":
+        validated(Path(args[0]), Path(args[1]))
         return
     if mode == "kill":
         train(args[1], Path(args[0]), kill=True)
