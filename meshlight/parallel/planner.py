@@ -435,9 +435,8 @@ def estimate(
     param_bytes = (dense + experts) * hw.param_bytes
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * microbatches}[zero]
     reductions = microbatches if zero >= 2 and pp == 1 else 1  # pipeline schedules reduce once per step
-    regathered_root = microbatches * root / tp * hw.param_bytes if zero == 3 else 0.0  # not gathered again
-    dp_bytes = (gathers * param_bytes - regathered_root + reductions * grad_bytes * (1 if zero else 2)) * (
-        dp - 1) / dp
+    kept_root = microbatches * root / tp * hw.param_bytes if zero == 3 else 0.0  # not gathered again in backward
+    dp_bytes = (gathers * param_bytes - kept_root + reductions * grad_bytes * (1 if zero else 2)) * (dp - 1) / dp
     dp_messages = (layers_per_stage + 1) * (gathers + reductions)  # one collective per block and direction
     # an all-reduce (zero=0) is a reduce-scatter then an all-gather: twice the ring's steps
     dp_latency = dp_messages * _ring_latency(hw, dp, tp) * (1 if zero else 2)
