@@ -12,7 +12,15 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
-from meshlight.parallel.planner import HARDWARE, MODELS, PlanError, best_per_layout, format_plan, plan
+from meshlight.parallel.planner import (
+    HARDWARE,
+    MODELS,
+    PlanError,
+    best_per_layout,
+    format_plan,
+    more_devices_hint,
+    plan,
+)
 
 __all__ = ["main"]
 
@@ -65,6 +73,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{model.name} (seq {model.seq_len}, global batch {global_batch}) on {args.gpus} × {hardware.name},"
               f" {hardware.devices_per_node} per node:")
         print(format_plan(candidates, top=args.top))
+        if not candidates[0].fits:
+            print(more_devices_hint(model, hardware, args.gpus, global_batch))
     return 0
 
 

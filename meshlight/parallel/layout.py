@@ -49,11 +49,7 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
             _check_size(name, getattr(self, name))
-        if self.zero not in _ZERO_STAGES:
-            raise ValueError(
-                f"zero={self.zero!r} is not a ZeRO stage: choose 0 (plain data parallel), 1 (shard optimizer state),"
-                " 2 (also gradients) or 3 (also parameters)."
-            )
+        _check_zero(self.zero)
         if self.zero == 0 and self.dp_shard > 1:
             raise ValueError(
                 f"dp_shard={self.dp_shard} shards nothing with zero=0: set zero to 1, 2 or 3, or move those ranks to"
@@ -192,8 +188,18 @@ def _check_size(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r} is not a valid size: every parallel size must be an integer >= 1.")
 
 
+def _check_zero(zero: object) -> None:
+    if zero not in _ZERO_STAGES or isinstance(zero, bool):
+        raise ValueError(
+            f"zero={zero!r} is not a ZeRO stage: choose 0 (plain data parallel), 1 (shard optimizer state),"
+            " 2 (also gradients) or 3 (also parameters)."
+        )
+
+
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending (pairs up to its square root: planning walks worlds of thousands)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _product_text(sizes: dict[str, int], pp: int, tp: int) -> str:

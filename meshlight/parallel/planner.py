@@ -31,20 +31,22 @@ large-scale runs and from the model state meshlight actually holds.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from meshlight.parallel.layout import _check_size, _check_zero, _divisors
+from meshlight.parallel.presets import GB, HARDWARE, MODELS, Hardware, ModelSpec
+
 __all__ = [
     "ACHIEVABLE_FRACTION", "HARDWARE", "MODELS", "Candidate", "Hardware", "ModelSpec", "PlanError", "best_per_layout",
-    "detect_hardware", "estimate", "explain", "format_plan", "model_spec_of", "model_state_bytes",
-    "nearest_fitting", "plan",
+    "detect_hardware", "estimate", "explain", "fewest_devices", "format_plan", "model_spec_of", "model_state_bytes",
+    "more_devices_hint", "nearest_fitting", "plan",
 ]
 
 #: Fraction of the dense peak that large transformer matmuls reach end to end (Megatron-Core's weak-scaling
@@ -52,159 +54,12 @@ __all__ = [
 ACHIEVABLE_FRACTION = 0.5
 #: Share of device memory the planner lets a layout use (the rest: allocator fragmentation, buffers, CUDA context).
 MEMORY_HEADROOM = 0.9
+#: How many times the devices at hand :func:`fewest_devices` looks up to, for a model that fits on none.
+DEVICE_REACH = 64
 
 
 class PlanError(ValueError):
     """No candidate layout fits; the message names the closest ones and what to change."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape of a decoder-only transformer, as the planner needs it."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    vocab: int
-    seq_len: int
-    swiglu: bool = True
-    experts: int = 0
-    top_k: int = 1
-    moe_every: int = 1
-    tie_embeddings: bool = False
-    name: str = "model"
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def moe_layers(self) -> int:
-        return self.layers // self.moe_every if self.experts else 0
-
-    @property
-    def mlp_params(self) -> int:
-        return (3 if self.swiglu else 2) * self.hidden * self.ffn_hidden
-
-    @property
-    def attention_params(self) -> int:
-        q = self.heads * self.head_dim
-        return 2 * self.hidden * q + 2 * self.hidden * self.kv_heads * self.head_dim
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def head_params(self) -> int:
-        return 0 if self.tie_embeddings else self.vocab * self.hidden
-
-    @property
-    def expert_params(self) -> int:
-        return self.moe_layers * self.experts * self.mlp_params
-
-    @property
-    def block_params(self) -> int:
-        """Dense (non-expert) parameters of all blocks: attention, norms, dense MLPs and routers."""
-        dense_mlps = (self.layers - self.moe_layers) * self.mlp_params
-        return self.layers * (self.attention_params + 2 * self.hidden) + dense_mlps + self.moe_layers * (
-            self.hidden * self.experts)
-
-    @property
-    def params(self) -> int:
-        return self.block_params + self.expert_params + self.embedding_params + self.head_params + self.hidden
-
-    @property
-    def active_params(self) -> int:
-        """Non-embedding parameters one token uses (``top_k`` of the experts)."""
-        return self.params - self.embedding_params - self.expert_params + self.moe_layers * self.top_k * (
-            self.mlp_params)
-
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token, the PaLM/torchtitan MFU convention (as :meth:`GPT.flops_per_token`)."""
-        return 6 * self.active_params + 12 * self.layers * self.heads * self.head_dim * self.seq_len
-
-    def recompute_flops_per_token(self) -> float:
-        """The forward again, with full activation recomputation."""
-        return 2 * self.active_params + 4 * self.layers * self.heads * self.head_dim * self.seq_len
-
-    @classmethod
-    def from_gpt_config(cls, config: Any, seq_len: Optional[int] = None) -> ModelSpec:
-        moe = config.moe
-        return cls(layers=config.n_layers, hidden=config.dim, heads=config.n_heads, kv_heads=config.kv_heads,
-                   ffn_hidden=config.ffn_dim, vocab=config.vocab_size, seq_len=seq_len or config.max_seq_len,
-                   swiglu=config.mlp == "swiglu", experts=moe.num_experts if moe else 0,
-                   top_k=moe.top_k if moe else 1, moe_every=config.moe_every, tie_embeddings=config.tie_embeddings,
-                   name="GPT")
-
-    def replace(self, **changes: Any) -> ModelSpec:
-        return dataclasses.replace(self, **changes)
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One kind of device and the links between them."""
-
-    name: str
-    memory: float  # bytes per device
-    peak_flops: float  # dense bf16 (fp32 on CPU) FLOP/s per device
-    intra_bandwidth: float  # bytes/s one device sends within a node (NVLink)
-    inter_bandwidth: float  # bytes/s one device sends to other nodes (its NIC)
-    devices_per_node: int = 8
-    param_bytes: int = 2  # compute copy (bf16); 4 = fp32 training
-    activation_bytes: int = 2
-    latency: float = 2e-5  # seconds per collective, p2p message or pipeline action, whatever its size
-    # and per step of a ring collective, within a node and between nodes (NCCL's ring/Simple figures)
-    hop_latency_intra: float = 3.4e-6
-    hop_latency_inter: float = 9.6e-6
-
-    def replace(self, **changes: Any) -> Hardware:
-        return dataclasses.replace(self, **changes)
-
-
-GB = 1e9
-HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware("NVIDIA H100 SXM 80GB", 80 * GB, 989e12, 450 * GB, 50 * GB),
-    "h200": Hardware("NVIDIA H200 SXM 141GB", 141 * GB, 989e12, 450 * GB, 50 * GB),
-    "a100": Hardware("NVIDIA A100 SXM 80GB", 80 * GB, 312e12, 300 * GB, 25 * GB),
-    "b200": Hardware("NVIDIA B200 192GB", 192 * GB, 2250e12, 900 * GB, 50 * GB),
-    "mi300x": Hardware("AMD MI300X 192GB", 192 * GB, 1307e12, 448 * GB, 50 * GB),
-    # torchtitan's published Llama 3 runs: H100 with 96 GB HBM2e capped at 500 W (peak scaled by power)
-    "h100-96gb-500w": Hardware("NVIDIA H100 96GB HBM2e, 500 W cap", 96 * GB, 989e12 * 500 / 700, 450 * GB, 50 * GB),
-    # gloo processes on one host: one latency per collective, whatever the group (NCCL's hops do not apply)
-    "cpu": Hardware("CPU process (gloo)", 4 * GB, 50e9, 2 * GB, 1 * GB, devices_per_node=64, param_bytes=4,
-                    activation_bytes=4, latency=2e-3, hop_latency_intra=0.0, hop_latency_inter=0.0),
-}
-
-
-def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, name: str) -> ModelSpec:
-    return ModelSpec(layers, hidden, heads, kv, ffn, vocab=128256, seq_len=8192, name=name)
-
-
-def _megatron(layers: int, hidden: int, heads: int, name: str) -> ModelSpec:
-    return ModelSpec(layers, hidden, heads, heads, 4 * hidden, vocab=131072, seq_len=4096, swiglu=False, name=name)
-
-
-MODELS: dict[str, ModelSpec] = {
-    "llama3-8b": _llama(32, 4096, 32, 8, 14336, "Llama 3 8B"),
-    "llama3-70b": _llama(80, 8192, 64, 8, 28672, "Llama 3 70B"),
-    "llama3-405b": _llama(126, 16384, 128, 8, 53248, "Llama 3.1 405B"),
-    "mixtral-8x7b": ModelSpec(32, 4096, 32, 8, 14336, vocab=32000, seq_len=4096, experts=8, top_k=2,
-                              name="Mixtral 8x7B"),
-    "gpt3-175b": ModelSpec(96, 12288, 96, 96, 4 * 12288, vocab=50257, seq_len=2048, swiglu=False, name="GPT-3 175B"),
-    # Megatron-Core's weak-scaling models (GPT, vocabulary 131,072, sequence 4,096)
-    "megatron-1.7b": _megatron(24, 2048, 16, "Megatron 1.7B"),
-    "megatron-7.1b": _megatron(30, 4096, 32, "Megatron 7.1B"),
-    "megatron-16b": _megatron(32, 6144, 48, "Megatron 16B"),
-    "megatron-32b": _megatron(48, 7168, 56, "Megatron 32B"),
-    "megatron-70b": _megatron(84, 8192, 64, "Megatron 70B"),
-    "megatron-119b": _megatron(92, 10240, 80, "Megatron 119B"),
-    "megatron-177b": _megatron(96, 12288, 96, "Megatron 177B"),
-    "megatron-314b": _megatron(96, 16384, 128, "Megatron 314B"),
-    "megatron-462b": _megatron(112, 18432, 144, "Megatron 462B"),
-}
 
 
 @dataclass(frozen=True)
@@ -346,13 +201,14 @@ def plan(
     kept fixed."""
     if (global_batch is None) == (local_batch is None):
         raise ValueError("Give exactly one of global_batch and local_batch.")
+    _check_request(world, global_batch, local_batch, dp=dp, pp=pp, tp=tp, ep=ep, zero=zero)
     candidates = [
         estimate(model, hardware, world, global_batch or local_batch * layout[0], *layout)
         for layout in _layouts(model, hardware, world, global_batch, local_batch, dp, pp, tp, ep, zero, recompute,
                                schedules)
     ]
     if not candidates:
-        message = _no_layout_message(model, world, global_batch or local_batch, dp, pp, tp, ep)
+        message = _no_layout_message(model, hardware, world, global_batch, local_batch, dp, pp, tp, ep)
         nearest = nearest_fitting(model, hardware, world, global_batch, local_batch=local_batch,
                                   given={"dp": dp, "pp": pp, "tp": tp, "ep": ep})
         if nearest:
@@ -375,6 +231,38 @@ def nearest_fitting(
         return []
     return sorted(best_per_layout(c for c in free if c.fits), key=lambda c: sum(
         abs(math.log2(getattr(c, k) / v)) for k, v in given.items() if v is not None))[:count]
+
+
+def fewest_devices(
+    model: ModelSpec, hardware: Hardware, world: int, global_batch: Optional[int] = None, *,
+    local_batch: Optional[int] = None, reach: int = DEVICE_REACH,
+) -> Optional[Candidate]:
+    """The best layout on the fewest devices, more than ``world`` and at most ``reach`` times as many, on which
+    one fits in memory (device counts a quarter octave apart, whole nodes past one); None when none does."""
+    node = hardware.devices_per_node
+    counts = {math.ceil(world * 2 ** (k / 4)) for k in range(1, 4 * int(math.log2(reach)) + 1)}
+    for devices in sorted({n if n <= node else -(-n // node) * node for n in counts}):
+        try:
+            best = plan(model, hardware, devices, global_batch, local_batch=local_batch)[0]
+        except PlanError:
+            continue
+        if best.fits:
+            return best
+    return None
+
+
+def more_devices_hint(
+    model: ModelSpec, hardware: Hardware, world: int, global_batch: Optional[int] = None, *,
+    local_batch: Optional[int] = None,
+) -> str:
+    """A sentence for when nothing fits on ``world`` devices: how many would, with which layout."""
+    best = fewest_devices(model, hardware, world, global_batch, local_batch=local_batch)
+    if best is None:
+        batch = "batch per replica" if local_batch is not None else "global batch"
+        return (f"No layout fits on up to {DEVICE_REACH * world:,} devices either: use a smaller {batch}, a shorter"
+                f" sequence or devices with more memory.")
+    return (f"{model.name} fits from {best.world:,} devices: {best.describe()}"
+            f" ({_format_bytes(best.memory_bytes)} of {_format_bytes(best.memory_limit)} usable).")
 
 
 def best_per_layout(candidates: Iterable[Candidate]) -> list[Candidate]:
@@ -487,10 +375,6 @@ def _ring_latency(hw: Hardware, size: int, stride: int) -> float:
     return hw.latency + (size - nodes) * hw.hop_latency_intra + (nodes - 1) * hw.hop_latency_inter
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _layouts(
     model: ModelSpec, hw: Hardware, world: int, global_batch: Optional[int], local_batch: Optional[int],
     dp: Optional[int], pp: Optional[int], tp: Optional[int], ep: Optional[int], zero: Optional[int],
@@ -534,16 +418,56 @@ def _microbatch_choices(replica_batch: int, pp: int, virtual_stages: int) -> lis
             if m >= pp * virtual_stages and (virtual_stages == 1 or m % pp == 0)]
 
 
-def _no_layout_message(model: ModelSpec, world: int, batch: int, *sizes: Optional[int]) -> str:
+def _check_request(world: int, global_batch: Optional[int], local_batch: Optional[int],
+                   **sizes: Optional[int]) -> None:
+    """Refuse sizes no layout could have, naming the bad value."""
+    for name, value, unit in (("world", world, "device"), ("global_batch", global_batch, "sequence"),
+                              ("local_batch", local_batch, "sequence")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise PlanError(f"{name}={value!r}: a layout needs a whole number of {unit}s, at least one.")
+    try:
+        for name, value in sizes.items():
+            if value is not None:
+                _check_zero(value) if name == "zero" else _check_size(name, value)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+
+
+def _no_layout_message(model: ModelSpec, hw: Hardware, world: int, global_batch: Optional[int],
+                       local_batch: Optional[int], *sizes: Optional[int]) -> str:
+    """Which constraints a world (and the sizes given) failed, and the nearest worlds and global batches that
+    have a layout."""
     dp, pp, tp, ep = sizes
     given = ", ".join(f"{n}={v}" for n, v in zip(("dp", "pp", "tp", "ep"), sizes) if v is not None)
     hints = [f"tp must divide heads={model.heads}, kv_heads={model.kv_heads} and the MLP width"
              f" {model.ffn_hidden}, and stay within a node", f"pp ≤ layers={model.layers}",
-             f"dp must divide the global batch and the microbatches a replica's batch ({batch})"]
+             f"dp must divide the global batch and the microbatches a replica's batch"
+             f" ({global_batch or local_batch})"]
     if model.experts:
         hints.append(f"ep must divide experts={model.experts} and dp")
-    return (f"No layout of {world} devices{' with ' + given if given else ''} suits {model.name}: "
-            + "; ".join(hints) + ".")
+    message = (f"No layout of {world} devices{' with ' + given if given else ''} suits {model.name}: "
+               + "; ".join(hints) + ".")
+
+    def valid(devices: int, batch: Optional[int]) -> bool:
+        layouts = _layouts(model, hw, devices, batch, local_batch, dp, pp, tp, ep, None, False, (1,))
+        return next(iter(layouts), None) is not None
+
+    worlds = _nearest(world, lambda w: valid(w, global_batch))
+    if worlds:
+        message += f" {' or '.join(f'{w:,}' for w in worlds)} devices would have one"
+        message += " with this batch." if global_batch else "."
+    if global_batch is not None:
+        batches = _nearest(global_batch, lambda b: valid(world, b))
+        if batches:
+            message += f" A global batch of {' or '.join(f'{b:,}' for b in batches)} would on {world:,} devices."
+    return message
+
+
+def _nearest(n: int, works: Callable[[int], bool]) -> list[int]:
+    """The nearest values below and above ``n`` (within a factor of two) for which ``works`` holds."""
+    below = next((m for m in range(n - 1, n // 2, -1) if works(m)), None)
+    above = next((m for m in range(n + 1, 2 * n + 1) if works(m)), None)
+    return [m for m in (below, above) if m is not None]
 
 
 def explain(candidates: Sequence[Candidate]) -> str:
@@ -571,6 +495,8 @@ def explain(candidates: Sequence[Candidate]) -> str:
 
 def format_plan(candidates: Sequence[Candidate], top: int = 5) -> str:
     """A short table of the best layouts with their estimates, and why the winner won."""
+    if not any(c.fits for c in candidates):  # the nearest misses, not the fastest
+        candidates = sorted(candidates, key=lambda c: c.memory_bytes)
     rows = best_per_layout(candidates)[:top]
     lines = [f"{'layout':<56} {'memory/rank':>12} {'step':>10} {'tokens/s/dev':>13} {'MFU':>6}  {'fits':>4}"]
     for c in rows:

@@ -17,6 +17,7 @@ from meshlight.parallel.planner import (
     explain,
     format_plan,
     model_spec_of,
+    more_devices_hint,
     nearest_fitting,
     plan,
 )
@@ -116,21 +117,23 @@ class Hybrid3DStrategy(MeshStrategy):
                 f"{layout.describe()} is not expected to fit {model.name} in {hardware.name} memory"
                 f" ({self.world_size} processes, batch {batch} per replica): {explain(self.plan)}"
                 + (" Nearest layouts that fit: " + "; ".join(c.describe() for c in nearest) + "." if nearest else
-                   " No layout of this world fits: use more devices or a smaller batch per replica.")
+                   " No layout of this world fits. "
+                   + more_devices_hint(model, hardware, self.world_size, local_batch=batch))
             )
 
     def _choose_layout(self) -> None:
         hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)
         model = model_spec_of(self.lightning_module, self._seq_len)
         requested = {k: v for k, v in self._requested.items() if v is not None}
-        self.plan = plan(model, hardware, self.world_size, local_batch=_replica_batch(self.lightning_module),
-                         **requested)
+        batch = _replica_batch(self.lightning_module)
+        self.plan = plan(model, hardware, self.world_size, local_batch=batch, **requested)
         rank_zero_info(f"meshlight layout planner, {self.world_size} × {hardware.name}, {model.name}:\n"
                        + format_plan(self.plan))
         best = self.plan[0]
         if not best.fits:
+            more = more_devices_hint(model, hardware, self.world_size, local_batch=batch)
             raise PlanError(f"No layout of {self.world_size} processes fits {model.name} in {hardware.name} memory. "
-                            f"{explain(self.plan)} Use more devices, a smaller batch per replica, or fix sizes.")
+                            f"{explain(self.plan)} {more}")
         self._sizes.update(_data_sizes(best.dp, best.zero), pp=best.pp, tp=best.tp, ep=best.ep, zero=best.zero)
         options = self._pipeline_options
         schedule = self._schedule_given or best.schedule

@@ -17,6 +17,8 @@ from meshlight.parallel.planner import (
     _ring_latency,
     best_per_layout,
     detect_hardware,
+    fewest_devices,
+    format_plan,
     model_spec_of,
     model_state_bytes,
     plan,
@@ -84,9 +86,49 @@ def test_fixed_sizes_that_cannot_work_fail_naming_the_constraints():
     assert "Nearest layouts that work: dp=6 pp=1 tp=4" in str(error.value), str(error.value)
 
 
-def test_nothing_fitting_is_reported_not_chosen():
-    candidates = plan(MODELS["llama3-405b"], HARDWARE["h100"], 8, 8)
+@pytest.mark.parametrize("request_, message", [
+    ({"world": 0}, "world=0: a layout needs a whole number of devices"),
+    ({"global_batch": 0}, "global_batch=0: a layout needs a whole number of sequences"),
+    ({"tp": 0}, "tp=0 is not a valid size"),
+    ({"zero": 4}, "zero=4 is not a ZeRO stage: choose 0"),
+])
+def test_sizes_no_layout_could_have_fail_naming_the_value(request_, message):
+    arguments = {"world": 16, "global_batch": 32, **request_}
+    with pytest.raises(PlanError, match=message):
+        plan(MODELS["llama3-8b"], HARDWARE["h100"], arguments.pop("world"), arguments.pop("global_batch"),
+             **arguments)
+
+
+def test_a_world_without_a_layout_names_the_nearest_worlds_and_batches():
+    # 1000 = 8·125: no tp·pp·dp split has dp dividing 512 with pp ≤ 80
+    model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]
+    with pytest.raises(PlanError) as error:
+        plan(model, h100, 1000, 512)
+    assert ("992 or 1,008 devices would have one with this batch. A global batch of 510 or 515 would on 1,000"
+            " devices.") in str(error.value), str(error.value)
+    for world, batch in ((992, 512), (1008, 512), (1000, 510), (1000, 515)):
+        assert plan(model, h100, world, batch)
+
+
+def test_nothing_fitting_is_reported_not_chosen_and_the_fewest_devices_that_fit_named(capsys):
+    model, h100 = MODELS["llama3-405b"], HARDWARE["h100"]
+    candidates = plan(model, h100, 8, 512)
     assert not any(c.fits for c in candidates)
+    # the table shows the nearest misses: smallest memory first
+    table = format_plan(candidates, top=3).splitlines()
+    assert table[1].startswith(min(candidates, key=lambda c: c.memory_bytes).describe())
+    fewest = fewest_devices(model, h100, 8, 512)
+    assert fewest.fits and fewest.world == 112, fewest.describe()
+
+    def fits(world):
+        try:
+            return plan(model, h100, world, 512)[0].fits
+        except PlanError:
+            return False
+
+    assert not any(fits(world) for world in range(16, 112, 8))  # whole nodes below it: none fits
+    assert main(["plan", "--model", "llama3-405b", "--gpus", "8", "--global-batch", "512"]) == 0
+    assert f"Llama 3.1 405B fits from 112 devices: {fewest.describe()}" in capsys.readouterr().out
 
 
 def test_cpu_hardware_shares_the_node_memory():

@@ -1,0 +1,160 @@
+"""What the layout planner plans for: a decoder-only transformer's shape (:class:`ModelSpec`) and a device's
+memory, peak and links (:class:`Hardware`), with presets for published models (Llama 3, Mixtral, GPT-3,
+Megatron-Core's weak-scaling GPTs) and common accelerators — the names ``meshlight plan --model/--gpu`` takes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["GB", "HARDWARE", "MODELS", "Hardware", "ModelSpec"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder-only transformer, as the planner needs it."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    seq_len: int
+    swiglu: bool = True
+    experts: int = 0
+    top_k: int = 1
+    moe_every: int = 1
+    tie_embeddings: bool = False
+    name: str = "model"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers // self.moe_every if self.experts else 0
+
+    @property
+    def mlp_params(self) -> int:
+        return (3 if self.swiglu else 2) * self.hidden * self.ffn_hidden
+
+    @property
+    def attention_params(self) -> int:
+        q = self.heads * self.head_dim
+        return 2 * self.hidden * q + 2 * self.hidden * self.kv_heads * self.head_dim
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        return 0 if self.tie_embeddings else self.vocab * self.hidden
+
+    @property
+    def expert_params(self) -> int:
+        return self.moe_layers * self.experts * self.mlp_params
+
+    @property
+    def block_params(self) -> int:
+        """Dense (non-expert) parameters of all blocks: attention, norms, dense MLPs and routers."""
+        dense_mlps = (self.layers - self.moe_layers) * self.mlp_params
+        return self.layers * (self.attention_params + 2 * self.hidden) + dense_mlps + self.moe_layers * (
+            self.hidden * self.experts)
+
+    @property
+    def params(self) -> int:
+        return self.block_params + self.expert_params + self.embedding_params + self.head_params + self.hidden
+
+    @property
+    def active_params(self) -> int:
+        """Non-embedding parameters one token uses (``top_k`` of the experts)."""
+        return self.params - self.embedding_params - self.expert_params + self.moe_layers * self.top_k * (
+            self.mlp_params)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, the PaLM/torchtitan MFU convention (as :meth:`GPT.flops_per_token`)."""
+        return 6 * self.active_params + 12 * self.layers * self.heads * self.head_dim * self.seq_len
+
+    def recompute_flops_per_token(self) -> float:
+        """The forward again, with full activation recomputation."""
+        return 2 * self.active_params + 4 * self.layers * self.heads * self.head_dim * self.seq_len
+
+    @classmethod
+    def from_gpt_config(cls, config: Any, seq_len: Optional[int] = None) -> ModelSpec:
+        moe = config.moe
+        return cls(layers=config.n_layers, hidden=config.dim, heads=config.n_heads, kv_heads=config.kv_heads,
+                   ffn_hidden=config.ffn_dim, vocab=config.vocab_size, seq_len=seq_len or config.max_seq_len,
+                   swiglu=config.mlp == "swiglu", experts=moe.num_experts if moe else 0,
+                   top_k=moe.top_k if moe else 1, moe_every=config.moe_every, tie_embeddings=config.tie_embeddings,
+                   name="GPT")
+
+    def replace(self, **changes: Any) -> ModelSpec:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of device and the links between them."""
+
+    name: str
+    memory: float  # bytes per device
+    peak_flops: float  # dense bf16 (fp32 on CPU) FLOP/s per device
+    intra_bandwidth: float  # bytes/s one device sends within a node (NVLink)
+    inter_bandwidth: float  # bytes/s one device sends to other nodes (its NIC)
+    devices_per_node: int = 8
+    param_bytes: int = 2  # compute copy (bf16); 4 = fp32 training
+    activation_bytes: int = 2
+    latency: float = 2e-5  # seconds per collective, p2p message or pipeline action, whatever its size
+    # and per step of a ring collective, within a node and between nodes (NCCL's ring/Simple figures)
+    hop_latency_intra: float = 3.4e-6
+    hop_latency_inter: float = 9.6e-6
+
+    def replace(self, **changes: Any) -> Hardware:
+        return dataclasses.replace(self, **changes)
+
+
+GB = 1e9
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware("NVIDIA H100 SXM 80GB", 80 * GB, 989e12, 450 * GB, 50 * GB),
+    "h200": Hardware("NVIDIA H200 SXM 141GB", 141 * GB, 989e12, 450 * GB, 50 * GB),
+    "a100": Hardware("NVIDIA A100 SXM 80GB", 80 * GB, 312e12, 300 * GB, 25 * GB),
+    "b200": Hardware("NVIDIA B200 192GB", 192 * GB, 2250e12, 900 * GB, 50 * GB),
+    "mi300x": Hardware("AMD MI300X 192GB", 192 * GB, 1307e12, 448 * GB, 50 * GB),
+    # torchtitan's published Llama 3 runs: H100 with 96 GB HBM2e capped at 500 W (peak scaled by power)
+    "h100-96gb-500w": Hardware("NVIDIA H100 96GB HBM2e, 500 W cap", 96 * GB, 989e12 * 500 / 700, 450 * GB, 50 * GB),
+    # gloo processes on one host: one latency per collective, whatever the group (NCCL's hops do not apply)
+    "cpu": Hardware("CPU process (gloo)", 4 * GB, 50e9, 2 * GB, 1 * GB, devices_per_node=64, param_bytes=4,
+                    activation_bytes=4, latency=2e-3, hop_latency_intra=0.0, hop_latency_inter=0.0),
+}
+
+
+def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, name: str) -> ModelSpec:
+    return ModelSpec(layers, hidden, heads, kv, ffn, vocab=128256, seq_len=8192, name=name)
+
+
+def _megatron(layers: int, hidden: int, heads: int, name: str) -> ModelSpec:
+    return ModelSpec(layers, hidden, heads, heads, 4 * hidden, vocab=131072, seq_len=4096, swiglu=False, name=name)
+
+
+MODELS: dict[str, ModelSpec] = {
+    "llama3-8b": _llama(32, 4096, 32, 8, 14336, "Llama 3 8B"),
+    "llama3-70b": _llama(80, 8192, 64, 8, 28672, "Llama 3 70B"),
+    "llama3-405b": _llama(126, 16384, 128, 8, 53248, "Llama 3.1 405B"),
+    "mixtral-8x7b": ModelSpec(32, 4096, 32, 8, 14336, vocab=32000, seq_len=4096, experts=8, top_k=2,
+                              name="Mixtral 8x7B"),
+    "gpt3-175b": ModelSpec(96, 12288, 96, 96, 4 * 12288, vocab=50257, seq_len=2048, swiglu=False, name="GPT-3 175B"),
+    # Megatron-Core's weak-scaling models (GPT, vocabulary 131,072, sequence 4,096)
+    "megatron-1.7b": _megatron(24, 2048, 16, "Megatron 1.7B"),
+    "megatron-7.1b": _megatron(30, 4096, 32, "Megatron 7.1B"),
+    "megatron-16b": _megatron(32, 6144, 48, "Megatron 16B"),
+    "megatron-32b": _megatron(48, 7168, 56, "Megatron 32B"),
+    "megatron-70b": _megatron(84, 8192, 64, "Megatron 70B"),
+    "megatron-119b": _megatron(92, 10240, 80, "Megatron 119B"),
+    "megatron-177b": _megatron(96, 12288, 96, "Megatron 177B"),
+    "megatron-314b": _megatron(96, 16384, 128, "Megatron 314B"),
+    "megatron-462b": _megatron(112, 18432, 144, "Megatron 462B"),
+}
