@@ -1,6 +1,7 @@
 """The ``meshlight`` command line.
 
     meshlight plan --model llama3-70b --gpus 1024 --gpu h100 --seq 8192     # layouts for a cluster you plan
+    meshlight plan --gpus 64 --layers 48 --hidden 6144 --heads 48 --vocab 32000   # ... for a model of your own
     meshlight consolidate runs/ckpt/step=000001000 model.safetensors         # one full state dict, for inference
 """
 
@@ -15,16 +16,26 @@ from typing import Optional
 from meshlight.parallel.planner import (
     HARDWARE,
     MODELS,
+    Hardware,
+    ModelSpec,
     PlanError,
     best_per_layout,
     format_plan,
     more_devices_hint,
     plan,
 )
+from meshlight.parallel.presets import GB
 
 __all__ = ["main"]
 
 TOKENS_PER_STEP = 4 * 2**20  # default global batch: about 4M tokens, as large pretraining runs use
+#: ``meshlight plan``'s model-shape flags: the ModelSpec field each sets, and what it means
+SHAPE_FIELDS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv-heads": "kv_heads",
+                "ffn": "ffn_hidden", "vocab": "vocab", "experts": "experts", "top-k": "top_k", "seq": "seq_len"}
+SHAPE_FLAGS = {"layers": "transformer blocks", "hidden": "model width", "heads": "attention heads",
+               "kv-heads": "key/value heads (default: --heads)", "ffn": "MLP width (default: 4 × --hidden)",
+               "vocab": "vocabulary size", "experts": "experts per MoE layer (default 0: dense)",
+               "top-k": "experts per token (default 2 with --experts)"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -34,11 +45,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "plan", help="rank parallel layouts for a model on a cluster (no devices needed)",
         description="Estimate per-device memory and step time of every valid (dp, pp, tp, ep, zero, microbatches,"
                     " virtual stages, recomputation) and print the best layouts.")
-    planner.add_argument("--model", required=True, choices=sorted(MODELS), help="model preset")
+    planner.add_argument("--model", choices=sorted(MODELS),
+                         help="model preset; or give your model's shape with the flags below (they also override a"
+                              " preset's)")
+    shape = planner.add_argument_group("model shape (your own model, or changes to a preset)")
+    for flag, meaning in SHAPE_FLAGS.items():
+        shape.add_argument(f"--{flag}", type=int, help=meaning)
+    shape.add_argument("--mlp", choices=("swiglu", "gelu"), help="MLP kind (default: the preset's; custom: gelu)")
     planner.add_argument("--gpus", type=int, required=True, help="number of devices")
     planner.add_argument("--gpu", default="h100", choices=sorted(HARDWARE), help="device preset (default h100)")
     planner.add_argument("--gpus-per-node", type=int, help="devices per node (default: the preset's)")
-    planner.add_argument("--seq", type=int, help="sequence length (default: the model preset's)")
+    planner.add_argument("--gpu-memory", type=float, help="GB of memory per device (default: the preset's)")
+    planner.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (default: the preset's)")
+    planner.add_argument("--seq", type=int, help="sequence length (default: the model preset's; custom: 4096)")
     planner.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: ~4M tokens)")
     for size in ("dp", "pp", "tp", "ep", "zero"):
         planner.add_argument(f"--{size}", type=int, help=f"fix {size} instead of planning it")
@@ -54,8 +73,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "consolidate":
         return _consolidate(args)
-    model = MODELS[args.model].replace(**({"seq_len": args.seq} if args.seq else {}))
-    hardware = HARDWARE[args.gpu].replace(**({"devices_per_node": args.gpus_per_node} if args.gpus_per_node else {}))
+    try:
+        model, hardware = _model_of(args), _hardware_of(args)
+    except ValueError as error:
+        planner.error(str(error))
     global_batch = args.global_batch or max(TOKENS_PER_STEP // model.seq_len, 1)
     try:
         candidates = plan(model, hardware, args.gpus, global_batch, dp=args.dp, pp=args.pp, tp=args.tp, ep=args.ep,
@@ -76,6 +97,58 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not candidates[0].fits:
             print(more_devices_hint(model, hardware, args.gpus, global_batch))
     return 0
+
+
+def _model_of(args: argparse.Namespace) -> ModelSpec:
+    """The preset named by ``--model`` with the shape flags given applied, or a model made of those flags."""
+    changes = {field: getattr(args, flag.replace("-", "_")) for flag, field in SHAPE_FIELDS.items()}
+    changes = {field: value for field, value in changes.items() if value is not None}
+    if args.mlp:
+        changes["swiglu"] = args.mlp == "swiglu"
+    if args.model:
+        base = MODELS[args.model]
+    else:
+        missing = [f"--{flag}" for flag in ("layers", "hidden", "heads", "vocab") if SHAPE_FIELDS[flag] not in changes]
+        if missing:
+            raise ValueError(f"give --model, or your model's shape: {', '.join(missing)} missing (--kv-heads,"
+                             " --ffn, --experts, --top-k, --mlp and --seq are optional)")
+        hidden, heads = changes["hidden"], changes["heads"]
+        base = ModelSpec(changes["layers"], hidden, heads, heads, 4 * hidden, changes["vocab"], seq_len=4096,
+                         swiglu=False, name=f"custom {changes['layers']}×{hidden}")
+    if changes.get("experts") and "top_k" not in changes and not base.experts:
+        changes["top_k"] = 2
+    changed = [f"{field}={value}" for field, value in changes.items() if field != "seq_len"]
+    if args.model and changed:
+        changes["name"] = f"{base.name} with {', '.join(changed)}"
+    model = base.replace(**changes)
+    for flag, field in SHAPE_FIELDS.items():
+        value = getattr(model, field)
+        if value < (0 if field == "experts" else 1):
+            raise ValueError(f"--{flag} {value}: give a whole number ≥ {0 if field == 'experts' else 1}")
+    if model.hidden % model.heads or model.heads % model.kv_heads:
+        raise ValueError(f"--heads {model.heads} must divide --hidden {model.hidden}, and --kv-heads"
+                         f" {model.kv_heads} must divide --heads")
+    if model.experts and model.top_k > model.experts:
+        raise ValueError(f"--top-k {model.top_k} is more than --experts {model.experts}")
+    return model
+
+
+def _hardware_of(args: argparse.Namespace) -> Hardware:
+    """The device preset named by ``--gpu``, with the memory, peak and node size given."""
+    preset, changes, changed = HARDWARE[args.gpu], {}, []
+    for flag, field, value, scale, unit in (("gpus-per-node", "devices_per_node", args.gpus_per_node, 1, ""),
+                                            ("gpu-memory", "memory", args.gpu_memory, GB, "GB"),
+                                            ("peak-tflops", "peak_flops", args.peak_tflops, 1e12, "TFLOP/s")):
+        if value is None:
+            continue
+        if value <= 0:
+            raise ValueError(f"--{flag} {value:g}: give a number > 0")
+        changes[field] = value * scale
+        if unit:
+            changed.append(f"{value:g} {unit}")
+    if changed:
+        changes["name"] = f"{preset.name} with {', '.join(changed)}"
+    return preset.replace(**changes)
 
 
 def _consolidate(args: argparse.Namespace) -> int:

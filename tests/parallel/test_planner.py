@@ -144,3 +144,28 @@ def test_command_line(capsys):
     assert len(rows) == 3 and all(r["fits"] for r in rows)
     assert main(["plan", "--model", "llama3-70b", "--gpus", "24", "--tp", "3"]) == 2
     assert "tp must divide" in capsys.readouterr().err
+
+
+def test_command_line_plans_a_model_given_by_its_shape_as_it_plans_the_same_preset(capsys):
+    llama = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--ffn", "14336",
+             "--vocab", "128256", "--mlp", "swiglu", "--seq", "8192"]
+    runs = []
+    for model in (["--model", "llama3-8b"], llama):
+        assert main(["plan", *model, "--gpus", "16", "--json", "--top", "4"]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0] == runs[1]
+    # flags change a preset (and its name says so); device memory and peak are flags too
+    assert main(["plan", "--model", "llama3-8b", "--layers", "64", "--gpus", "16", "--gpu-memory", "24",
+                 "--peak-tflops", "165", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Llama 3 8B with layers=64 (seq 8192, global batch 512) on 16 × NVIDIA H100 SXM 80GB"
+                          " with 24 GB, 165 TFLOP/s"), out
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu-memory", "24", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)  # what fits, fits in 24 GB (less the planner's headroom)
+    assert rows and all(r["memory_bytes"] <= 0.9 * 24e9 for r in rows if r["fits"])
+    for argv, message in ((["--layers", "8"], "--hidden, --heads, --vocab missing"),
+                          (["--model", "llama3-8b", "--heads", "30"], "--heads 30 must divide --hidden 4096"),
+                          (["--model", "llama3-8b", "--gpu-memory", "0"], "--gpu-memory 0: give a number > 0")):
+        with pytest.raises(SystemExit):
+            main(["plan", *argv, "--gpus", "8"])
+        assert message in capsys.readouterr().err
