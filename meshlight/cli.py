@@ -19,10 +19,10 @@ from meshlight.parallel.planner import (
     Hardware,
     ModelSpec,
     PlanError,
-    best_per_layout,
     format_plan,
     more_devices_hint,
     plan,
+    shown_layouts,
 )
 from meshlight.parallel.presets import GB
 
@@ -88,7 +88,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows = [{"layout": c.describe(), **c.strategy_arguments(), "recompute": c.recompute,
                  "memory_bytes": c.memory_bytes, "fits": c.fits, "step_seconds": c.step_time,
                  "tokens_per_second_per_device": c.tokens_per_second_per_device, "mfu": c.mfu, "times": c.times}
-                for c in best_per_layout(candidates)[: args.top]]
+                for c in shown_layouts(candidates, args.top)]
         print(json.dumps(rows, indent=1))
     else:
         print(f"{model.name} (seq {model.seq_len}, global batch {global_batch}) on {args.gpus} × {hardware.name},"

@@ -46,7 +46,7 @@ from meshlight.parallel.presets import GB, HARDWARE, MODELS, Hardware, ModelSpec
 __all__ = [
     "ACHIEVABLE_FRACTION", "HARDWARE", "MODELS", "Candidate", "Hardware", "ModelSpec", "PlanError", "best_per_layout",
     "detect_hardware", "estimate", "explain", "fewest_devices", "format_plan", "model_spec_of", "model_state_bytes",
-    "more_devices_hint", "nearest_fitting", "plan",
+    "more_devices_hint", "nearest_fitting", "plan", "shown_layouts",
 ]
 
 #: Fraction of the dense peak that large transformer matmuls reach end to end (Megatron-Core's weak-scaling
@@ -493,11 +493,16 @@ def explain(candidates: Sequence[Candidate]) -> str:
             f" (the winner {winner.times[cost] / winner.step_time:.0%}).{note}")
 
 
+def shown_layouts(candidates: Sequence[Candidate], top: int = 5) -> list[Candidate]:
+    """The layouts worth showing: the ``top`` fastest, or when none fits the ``top`` nearest misses."""
+    if not any(c.fits for c in candidates):
+        candidates = sorted(candidates, key=lambda c: c.memory_bytes)
+    return best_per_layout(candidates)[:top]
+
+
 def format_plan(candidates: Sequence[Candidate], top: int = 5) -> str:
     """A short table of the best layouts with their estimates, and why the winner won."""
-    if not any(c.fits for c in candidates):  # the nearest misses, not the fastest
-        candidates = sorted(candidates, key=lambda c: c.memory_bytes)
-    rows = best_per_layout(candidates)[:top]
+    rows = shown_layouts(candidates, top)
     lines = [f"{'layout':<56} {'memory/rank':>12} {'step':>10} {'tokens/s/dev':>13} {'MFU':>6}  {'fits':>4}"]
     for c in rows:
         lines.append(f"{c.describe():<56} {_format_bytes(c.memory_bytes):>12} {c.step_time * 1e3:>8.1f}ms "
