@@ -463,10 +463,11 @@ def _no_layout_message(model: ModelSpec, hw: Hardware, world: int, global_batch:
     return message
 
 
-def _nearest(n: int, works: Callable[[int], bool]) -> list[int]:
-    """The nearest values below and above ``n`` (within a factor of two) for which ``works`` holds."""
-    below = next((m for m in range(n - 1, n // 2, -1) if works(m)), None)
-    above = next((m for m in range(n + 1, 2 * n + 1) if works(m)), None)
+def _nearest(n: int, works: Callable[[int], bool], reach: int = 4096) -> list[int]:
+    """The nearest values below and above ``n`` (within a factor of two, and ``reach``) for which ``works``
+    holds."""
+    below = next((m for m in range(n - 1, max(n // 2, n - reach - 1), -1) if works(m)), None)
+    above = next((m for m in range(n + 1, min(2 * n, n + reach) + 1) if works(m)), None)
     return [m for m in (below, above) if m is not None]
 
 

@@ -84,6 +84,9 @@ def test_fixed_sizes_that_cannot_work_fail_naming_the_constraints():
     with pytest.raises(PlanError, match="tp must divide heads=64") as error:
         plan(MODELS["llama3-70b"], HARDWARE["h100"], 24, 48, tp=3)
     assert "Nearest layouts that work: dp=6 pp=1 tp=4" in str(error.value), str(error.value)
+    # the search for a batch that would work stays near the one given (a minute per 10⁷ without the bound)
+    with pytest.raises(PlanError, match="tp must divide heads=64"):
+        plan(MODELS["llama3-70b"], HARDWARE["h100"], 24, 10**7, tp=3)
 
 
 @pytest.mark.parametrize("request_, message", [
