@@ -30,12 +30,14 @@ __all__ = ["main"]
 
 TOKENS_PER_STEP = 4 * 2**20  # default global batch: about 4M tokens, as large pretraining runs use
 #: ``meshlight plan``'s model-shape flags: the ModelSpec field each sets, and what it means
-SHAPE_FIELDS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv-heads": "kv_heads",
-                "ffn": "ffn_hidden", "vocab": "vocab", "experts": "experts", "top-k": "top_k", "seq": "seq_len"}
-SHAPE_FLAGS = {"layers": "transformer blocks", "hidden": "model width", "heads": "attention heads",
-               "kv-heads": "key/value heads (default: --heads)", "ffn": "MLP width (default: 4 × --hidden)",
-               "vocab": "vocabulary size", "experts": "experts per MoE layer (default 0: dense)",
-               "top-k": "experts per token (default 2 with --experts)"}
+SHAPE_FLAGS = {
+    "layers": ("layers", "transformer blocks"), "hidden": ("hidden", "model width"),
+    "heads": ("heads", "attention heads"), "kv-heads": ("kv_heads", "key/value heads (default: --heads)"),
+    "ffn": ("ffn_hidden", "MLP width (default: 4 × --hidden)"), "vocab": ("vocab", "vocabulary size"),
+    "experts": ("experts", "experts per MoE layer (default 0: dense)"),
+    "top-k": ("top_k", "experts per token (default 2 with --experts)"),
+    "seq": ("seq_len", "sequence length (default: the preset's; custom: 4096)"),
+}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -49,7 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          help="model preset; or give your model's shape with the flags below (they also override a"
                               " preset's)")
     shape = planner.add_argument_group("model shape (your own model, or changes to a preset)")
-    for flag, meaning in SHAPE_FLAGS.items():
+    for flag, (_, meaning) in SHAPE_FLAGS.items():
         shape.add_argument(f"--{flag}", type=int, help=meaning)
     shape.add_argument("--mlp", choices=("swiglu", "gelu"), help="MLP kind (default: the preset's; custom: gelu)")
     planner.add_argument("--gpus", type=int, required=True, help="number of devices")
@@ -57,7 +59,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner.add_argument("--gpus-per-node", type=int, help="devices per node (default: the preset's)")
     planner.add_argument("--gpu-memory", type=float, help="GB of memory per device (default: the preset's)")
     planner.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (default: the preset's)")
-    planner.add_argument("--seq", type=int, help="sequence length (default: the model preset's; custom: 4096)")
     planner.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: ~4M tokens)")
     for size in ("dp", "pp", "tp", "ep", "zero"):
         planner.add_argument(f"--{size}", type=int, help=f"fix {size} instead of planning it")
@@ -101,14 +102,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _model_of(args: argparse.Namespace) -> ModelSpec:
     """The preset named by ``--model`` with the shape flags given applied, or a model made of those flags."""
-    changes = {field: getattr(args, flag.replace("-", "_")) for flag, field in SHAPE_FIELDS.items()}
+    changes = {field: getattr(args, flag.replace("-", "_")) for flag, (field, _) in SHAPE_FLAGS.items()}
     changes = {field: value for field, value in changes.items() if value is not None}
     if args.mlp:
         changes["swiglu"] = args.mlp == "swiglu"
     if args.model:
         base = MODELS[args.model]
     else:
-        missing = [f"--{flag}" for flag in ("layers", "hidden", "heads", "vocab") if SHAPE_FIELDS[flag] not in changes]
+        required = ("layers", "hidden", "heads", "vocab")
+        missing = [f"--{flag}" for flag in required if SHAPE_FLAGS[flag][0] not in changes]
         if missing:
             raise ValueError(f"give --model, or your model's shape: {', '.join(missing)} missing (--kv-heads,"
                              " --ffn, --experts, --top-k, --mlp and --seq are optional)")
@@ -121,7 +123,7 @@ def _model_of(args: argparse.Namespace) -> ModelSpec:
     if args.model and changed:
         changes["name"] = f"{base.name} with {', '.join(changed)}"
     model = base.replace(**changes)
-    for flag, field in SHAPE_FIELDS.items():
+    for flag, (field, _) in SHAPE_FLAGS.items():
         value = getattr(model, field)
         if value < (0 if field == "experts" else 1):
             raise ValueError(f"--{flag} {value}: give a whole number ≥ {0 if field == 'experts' else 1}")

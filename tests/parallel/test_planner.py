@@ -14,6 +14,7 @@ from meshlight.parallel.planner import (
     HARDWARE,
     MODELS,
     PlanError,
+    _nearest,
     _ring_latency,
     best_per_layout,
     detect_hardware,
@@ -84,9 +85,12 @@ def test_fixed_sizes_that_cannot_work_fail_naming_the_constraints():
     with pytest.raises(PlanError, match="tp must divide heads=64") as error:
         plan(MODELS["llama3-70b"], HARDWARE["h100"], 24, 48, tp=3)
     assert "Nearest layouts that work: dp=6 pp=1 tp=4" in str(error.value), str(error.value)
-    # the search for a batch that would work stays near the one given (a minute per 10⁷ without the bound)
-    with pytest.raises(PlanError, match="tp must divide heads=64"):
-        plan(MODELS["llama3-70b"], HARDWARE["h100"], 24, 10**7, tp=3)
+    # the searches for a device count or batch that would work stay near the value given: a global batch of
+    # 10⁷ with an impossible tp tried 1.5·10⁷ batches before the bound
+    tried = []
+    assert _nearest(10**7, lambda n: tried.append(n) and False) == []
+    assert min(tried) == 10**7 - 4096 and max(tried) == 10**7 + 4096 and len(tried) == 2 * 4096
+    assert _nearest(10, lambda n: n % 4 == 0) == [8, 12]
 
 
 @pytest.mark.parametrize("request_, message", [
