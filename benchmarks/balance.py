@@ -5,9 +5,10 @@ top-2 experts trains on the addition task for ``--steps`` steps, one process, gl
 an expert is the number of token assignments routed to it over the last ``--window`` steps (all layers
 reported; the figure is the worst layer's max / mean, 1.0 being perfect balance; the mean over the window's
 steps of each step's own max / mean is reported beside it). Variants: no balancing, the auxiliary loss
-(coefficient 1e-2), and aux-loss-free expert bias (``--bias-rate``) with sigmoid router scores as in
-DeepSeek-V3. Routing over 200 steps is chaotic — one seed's figure moves with the machine's float rounding —
-so each variant trains with ``--seeds`` seeds and the median is the figure. The runs are independent: ``--jobs``
+(coefficient 1e-2, MoE's default, and 1e-1), and aux-loss-free expert bias (``--bias-rate``) with sigmoid
+router scores as in DeepSeek-V3, moved by the rate's sign (DeepSeek-V3) or in proportion to the load's
+error. Routing over 200 steps is chaotic — one seed's figure moves with the machine's float rounding — so
+each variant trains with ``--seeds`` seeds and the median is the figure. The runs are independent: ``--jobs``
 processes (one per CPU core by default, each with its share of the cores' threads) train them side by side.
 
     python benchmarks/balance.py [--steps 200] [--window 20] [--seeds 3] [--bias-rate 1e-2] [--jobs 2]  # prints JSON
@@ -23,10 +24,13 @@ import statistics
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+BIAS = {"aux_loss_coeff": 0.0, "score": "sigmoid", "expert_bias_rate": None}  # rate: --bias-rate
 VARIANTS = {
     "no balancing": {"aux_loss_coeff": 0.0},
-    "aux loss": {"aux_loss_coeff": 1e-2},
-    "expert bias": {"aux_loss_coeff": 0.0, "score": "sigmoid", "expert_bias_rate": None},  # rate: --bias-rate
+    "aux loss": {"aux_loss_coeff": 1e-2},  # MoE's default coefficient
+    "aux loss, stronger": {"aux_loss_coeff": 1e-1},
+    "expert bias, sign": {**BIAS, "expert_bias_update": "sign"},  # DeepSeek-V3's rule, MoE's default
+    "expert bias, proportional": {**BIAS, "expert_bias_update": "proportional"},
 }
 
 

@@ -16,7 +16,8 @@ In the order a token meets it:
   (:mod:`meshlight.parallel.expert`) installs an all-to-all one.
 - **Balancing**: the Switch/GShard auxiliary loss ``E·Σ_e f_e·P_e`` (per sequence, averaged), the router
   z-loss ``mean(logsumexp(logits)²)``, and aux-loss-free expert bias moved against each expert's load
-  after every optimizer step (the step's own load, ready for the next forward). The losses reach the
+  after every optimizer step (the step's own load, ready for the next forward; by a fixed step or in
+  proportion to the load's error). The losses reach the
   router's gradient through autograd — the training loss needs no change — and are reported with the
   expert load in :attr:`MoE.last_step`.
 """
@@ -60,6 +61,7 @@ class MoEConfig:
     aux_loss_coeff: float = 1e-2
     z_loss_coeff: float = 0.0
     expert_bias_rate: float = 0.0
+    expert_bias_update: Literal["sign", "proportional"] = "sign"
     grouped_mm: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -82,6 +84,9 @@ class MoEConfig:
         for name in ("aux_loss_coeff", "z_loss_coeff", "expert_bias_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 turns it off).")
+        if self.expert_bias_update not in ("sign", "proportional"):
+            raise ValueError(f"expert_bias_update={self.expert_bias_update!r}; choose 'sign' (DeepSeek-V3) or"
+                             " 'proportional'.")
 
     @property
     def normalizes(self) -> bool:
@@ -214,9 +219,14 @@ class MoE(nn.Module):
         aux_loss_coeff: weight of the load-balancing loss (0 = off).
         z_loss_coeff: weight of the router z-loss (0 = off).
         expert_bias_rate: aux-loss-free balancing — after each optimizer step every expert's bias moves
-            by this much against its load in that step (0 = off; DeepSeek-V3 uses 1e-3). Use it with
+            against its load in that step (0 = off; DeepSeek-V3 uses 1e-3). Use it with
             ``score="sigmoid"``, as DeepSeek-V3 does: softmax scores of an untrained router differ across
             tokens by less than one bias step, so each step moves whole batches between experts.
+        expert_bias_update: how far the bias moves. ``"sign"`` (DeepSeek-V3, Megatron-Core, torchtitan): by
+            ``expert_bias_rate`` whatever the load's error, so near balance the biases keep stepping by the
+            full rate. ``"proportional"``: by ``expert_bias_rate · (mean − load) / mean``, the full rate for an
+            idle expert and less the nearer an expert is to its even share (overloaded experts may move
+            more: twice the rate at twice the mean load).
         grouped_mm: use ``torch._grouped_mm`` (None: where it runs), or a loop over experts (False).
         init_std: standard deviation of the initial weights.
 
@@ -240,6 +250,7 @@ class MoE(nn.Module):
         aux_loss_coeff: float = 1e-2,
         z_loss_coeff: float = 0.0,
         expert_bias_rate: float = 0.0,
+        expert_bias_update: Literal["sign", "proportional"] = "sign",
         grouped_mm: Optional[bool] = None,
         init_std: float = 0.02,
     ) -> None:
@@ -248,7 +259,7 @@ class MoE(nn.Module):
             raise ValueError(f"activation={activation!r}; choose 'swiglu' or 'gelu'.")
         self.config = MoEConfig(
             num_experts, top_k, hidden_dim, score, normalize_top_k, capacity_factor, min_capacity,
-            aux_loss_coeff, z_loss_coeff, expert_bias_rate, grouped_mm,
+            aux_loss_coeff, z_loss_coeff, expert_bias_rate, expert_bias_update, grouped_mm,
         )
         self.num_experts, self.top_k, self.init_std = num_experts, top_k, init_std
         self.router = Router(dim, num_experts, top_k, score, self.config.normalizes)
@@ -348,8 +359,11 @@ class MoE(nn.Module):
         tokens, (dropped, assigned, aux, z, forwards) = stats[: self.num_experts], stats[self.num_experts:].tolist()
         self.last_step = ExpertLoad(tokens.float().cpu(), dropped / max(assigned, 1), aux / forwards, z / forwards)
         if self.config.expert_bias_rate > 0:
+            mean = tokens.mean()  # a step without tokens (mean 0) moves nothing
+            step = (mean - tokens).sign() if self.config.expert_bias_update == "sign" else (
+                (mean - tokens) / mean.clamp_min(1e-12))
             with torch.no_grad():
-                self.router.expert_bias += self.config.expert_bias_rate * torch.sign(tokens.mean() - tokens).float()
+                self.router.expert_bias += self.config.expert_bias_rate * step.float()
         self._pending = None
 
 

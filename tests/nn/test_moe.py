@@ -153,6 +153,16 @@ def test_expert_bias_moves_against_the_load_before_each_optimizer_step_and_only_
     assert routing.weights.item() == pytest.approx(logits.softmax(-1)[0, 3].item())  # the unbiased score
 
 
+def test_proportional_expert_bias_moves_by_the_loads_error_relative_to_the_mean():
+    moe = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, expert_bias_update="proportional", aux_loss_coeff=0.0)
+    optimizer = torch.optim.SGD(moe.parameters(), lr=0.0)
+    x = hand_picked_router(moe, [[1.0, 0, 0, 0]] * 5 + [[0, 1.0, 0, 0]] * 2 + [[0, 0, 1.0, 0]])  # 5, 2, 1, 0; mean 2
+    moe(x).sum().backward()
+    optimizer.step()
+    # (mean − load) / mean = −1.5, 0, 0.5, 1: the idle expert moves by the whole rate, the even one not at all
+    assert moe.router.expert_bias.tolist() == pytest.approx([-0.15, 0.0, 0.05, 0.1])
+
+
 def test_step_statistics_cover_every_training_forward_of_a_step_and_reset():
     torch.manual_seed(0)
     moe = MoE(8, 16, 4, top_k=2, capacity_factor=0.5, min_capacity=1)
@@ -178,6 +188,8 @@ def test_step_statistics_cover_every_training_forward_of_a_step_and_reset():
     (dict(num_experts=0), "num_experts=0 must be a positive integer"),
     (dict(num_experts=4, score="relu"), "score='relu'; choose 'softmax' or 'sigmoid'"),
     (dict(num_experts=4, aux_loss_coeff=-1.0), "aux_loss_coeff=-1.0 must be >= 0"),
+    (dict(num_experts=4, expert_bias_update="linear"),
+     "expert_bias_update='linear'; choose 'sign' (DeepSeek-V3) or 'proportional'"),
 ])
 def test_bad_options_are_refused_when_the_layer_is_made(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
