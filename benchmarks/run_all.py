@@ -195,7 +195,12 @@ def planner_section(result: dict) -> str:
                f" Table 4) reaches {result['torchtitan_2d_over_3d_flops']:.2f}× the model FLOP/s per GPU of its 3-D"
                " 405B run (Float8 and async TP, Table 5). The published 405B layout is the one torchtitan measured,"
                " not one measured against a 2-D layout of the same model; a 2-D 405B run would settle it."
-               if "405" in r["model"] else ""),
+               if "405" in r["model"] else "")
+            + (" Megatron-Core ran it without recomputation; in meshlight its activations need more memory (PyTorch's"
+               " sequence parallelism keeps the gathered projection inputs that Megatron-Core gathers again in"
+               " backward: 2·h values per token and block, whatever tp), so the planner recomputes or picks a"
+               " deeper pipeline there, and prices meshlight, not Megatron-Core."
+               if r["model"].startswith("Megatron") else ""),
         ]
     lines += [
         "",

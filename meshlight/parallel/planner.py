@@ -7,8 +7,11 @@ An analytic model, per rank, of what each candidate layout costs:
   gathered parameters beside the fp32 shard, stage 1 keeps whole gradients; inside a pipeline schedule every
   stage peaks as stage 1 does, since PyTorch's schedules keep the parameters gathered and the gradients whole
   until the schedule's last backward), plus activations: per layer and
-  micro-batch ``34·s·b·h`` bytes at 2 bytes per value (flash attention keeps no score matrix), divided by tp
-  with sequence parallelism, ``2·s·b·h`` with full recomputation; a 1F1B stage holds ``pp`` micro-batches
+  micro-batch what autograd saves in meshlight's blocks (:meth:`ModelSpec.activation_values_per_token`,
+  checked against saved-tensor hooks in the tests; about ``2·h + 20·h/tp`` values per token for Llama shapes:
+  PyTorch's sequence parallelism keeps the gathered inputs of the column-parallel projections whole, where
+  Megatron-Core gathers them again in backward), the block's input (``h/tp``) with full recomputation plus one
+  block's activations while it is recomputed; a 1F1B stage holds ``pp`` micro-batches
   in flight (interleaving multiplies that by ``1 + (pp−1)/(pp·v)``); the last stage also holds fp32 logits.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak (recomputation adds a
   forward), stretched by the pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives
@@ -289,15 +292,15 @@ def estimate(
     model_state = (model_state_bytes(dense, dp, zero, hw, pipelined=pp > 1)
                    + model_state_bytes(experts, dp // ep, zero, hw, pipelined=pp > 1))
     # --- activations of the first stage: micro-batches in flight × layers × per-layer bytes
-    per_layer = (2 if recompute else 34) * s * micro_batch * h * hw.activation_bytes / 2 / tp
-    if model.experts:
-        per_layer += 2 * s * micro_batch * model.top_k * h * hw.activation_bytes * (model.moe_layers / model.layers)
+    layer_activations = model.activation_values_per_token(tp) * s * micro_batch * hw.activation_bytes
+    # with recomputation a block keeps only its input: the residual stream, split over the sequence under tp
+    per_layer = s * micro_batch * h * hw.activation_bytes / tp if recompute else layer_activations
     # 1F1B: the first stage holds pp microbatches of its layers; interleaving adds (pp−1)/(pp·v) (Korthikanti)
     interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1
     in_flight = min(microbatches, pp) * interleave
     activations = per_layer * layers_per_stage * in_flight
     if recompute:  # one layer's full activations during its recomputation
-        activations += 34 * s * micro_batch * h * hw.activation_bytes / 2 / tp
+        activations += layer_activations
     # fp32 logits and their gradient, on the last stage; added to the first stage's activations (a bound)
     activations += 2 * s * micro_batch * model.vocab * 4 / tp
     # ZeRO-3 without pipelining keeps the root unit (embedding and head) gathered from forward to backward

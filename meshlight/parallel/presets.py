@@ -28,6 +28,7 @@ class ModelSpec:
     moe_every: int = 1
     tie_embeddings: bool = False
     name: str = "model"
+    rmsnorm: bool = True  # False: LayerNorm (what a norm keeps for backward differs)
 
     @property
     def head_dim(self) -> int:
@@ -75,6 +76,22 @@ class ModelSpec:
         return self.params - self.embedding_params - self.expert_params + self.moe_layers * self.top_k * (
             self.mlp_params)
 
+    def activation_values_per_token(self, tp: int) -> float:
+        """Values one block's backward keeps per token (no recomputation), as autograd saves them in meshlight's
+        blocks under PyTorch's tensor and sequence parallelism (measured by saved-tensor hooks, in the tests):
+        the inputs of the q/k/v and first MLP projections gathered over the whole sequence (2·h, whatever tp);
+        and split over tp: each norm's input and, for RMSNorm, its normalized output (4·h, LayerNorm 2·h), q
+        and the attention output (2·h), k and v (2·kv), and the MLP's hidden values — GELU's input and output
+        (2·ffn), SwiGLU's two projections, their product's factors and the product (4·ffn); ``top_k`` of them
+        in a MoE layer, beside each routed token's copy and its expert's output (2·top_k·h). Flash attention
+        keeps no score matrix; no dropout."""
+        kv = self.kv_heads * self.head_dim
+        mlp = (4 if self.swiglu else 2) * self.ffn_hidden
+        moe_share = self.moe_layers / self.layers
+        mlp = mlp * (1 - moe_share) + (mlp + 2 * self.hidden) * self.top_k * moe_share
+        norms = (4 if self.rmsnorm else 2) * self.hidden
+        return 2 * self.hidden + (norms + 2 * self.hidden + 2 * kv + mlp) / tp
+
     def flops_per_token(self) -> float:
         """Training FLOPs per token, the PaLM/torchtitan MFU convention (as :meth:`GPT.flops_per_token`)."""
         return 6 * self.active_params + 12 * self.layers * self.heads * self.head_dim * self.seq_len
@@ -90,7 +107,7 @@ class ModelSpec:
                    ffn_hidden=config.ffn_dim, vocab=config.vocab_size, seq_len=seq_len or config.max_seq_len,
                    swiglu=config.mlp == "swiglu", experts=moe.num_experts if moe else 0,
                    top_k=moe.top_k if moe else 1, moe_every=config.moe_every, tie_embeddings=config.tie_embeddings,
-                   name="GPT")
+                   name="GPT", rmsnorm=config.norm == "rmsnorm")
 
     def replace(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)
@@ -137,7 +154,8 @@ def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, name: str) -
 
 
 def _megatron(layers: int, hidden: int, heads: int, name: str) -> ModelSpec:
-    return ModelSpec(layers, hidden, heads, heads, 4 * hidden, vocab=131072, seq_len=4096, swiglu=False, name=name)
+    return ModelSpec(layers, hidden, heads, heads, 4 * hidden, vocab=131072, seq_len=4096, swiglu=False, name=name,
+                     rmsnorm=False)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -146,7 +164,8 @@ MODELS: dict[str, ModelSpec] = {
     "llama3-405b": _llama(126, 16384, 128, 8, 53248, "Llama 3.1 405B"),
     "mixtral-8x7b": ModelSpec(32, 4096, 32, 8, 14336, vocab=32000, seq_len=4096, experts=8, top_k=2,
                               name="Mixtral 8x7B"),
-    "gpt3-175b": ModelSpec(96, 12288, 96, 96, 4 * 12288, vocab=50257, seq_len=2048, swiglu=False, name="GPT-3 175B"),
+    "gpt3-175b": ModelSpec(96, 12288, 96, 96, 4 * 12288, vocab=50257, seq_len=2048, swiglu=False, name="GPT-3 175B",
+                           rmsnorm=False),
     # Megatron-Core's weak-scaling models (GPT, vocabulary 131,072, sequence 4,096)
     "megatron-1.7b": _megatron(24, 2048, 16, "Megatron 1.7B"),
     "megatron-7.1b": _megatron(30, 4096, 32, "Megatron 7.1B"),

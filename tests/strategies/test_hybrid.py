@@ -60,12 +60,12 @@ def test_a_given_layout_that_cannot_fit_in_memory_is_refused_before_training():
     from meshlight.demos import AdditionDataModule, LitGPT
     from meshlight.parallel.planner import HARDWARE, PlanError
 
-    small = HARDWARE["cpu"].replace(memory=2e6)  # bytes: below the tiny GPT's AdamW state; tp=4 fits
+    small = HARDWARE["cpu"].replace(memory=2e6)  # bytes: below the tiny GPT's AdamW state; 4 devices fit
     strategy = ml.Hybrid3DStrategy(dp=1, pp=1, tp=1, ep=1, zero=1, hardware=small)
     trainer = ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False)
     module = LitGPT()
     with pytest.raises(PlanError, match=r"dp=1 \(.*\) · pp=1 · tp=1 · ep=1 is not expected to fit GPT.* needs "
-                                        r".* No layout of this world fits\. GPT fits from 4 devices: dp=1 pp=1 tp=4"):
+                                        r".* No layout of this world fits\. GPT fits from 4 devices: dp=2 pp=2 tp=1"):
         trainer.fit(module, AdditionDataModule(batch_size=4, train_size=16))
     assert trainer.global_step == 0

@@ -46,6 +46,46 @@ def runs(world: int) -> list[tuple[str, str, bool, str]]:
     return grid
 
 
+#: block shapes whose saved activations are measured: Llama-like (SwiGLU, grouped-query) and GPT-2-like (GELU)
+ACTIVATION_CONFIGS = {
+    "swiglu-gqa": dict(n_heads=8, n_kv_heads=2, dim=256, hidden_dim=768, mlp="swiglu", norm="rmsnorm",
+                       positions="rotary", bias=False),
+    "gelu": dict(n_heads=8, dim=256, mlp="gelu", bias=False),
+}
+
+
+def saved_activation_values(name: str, tp: int) -> tuple[float, GPTConfig]:
+    """Values autograd keeps for one block's backward (storages of saved tensors other than parameters, each
+    counted once), per token, over the block's width — under tensor and sequence parallelism over all ranks
+    when ``tp > 1``; and the model's config."""
+    from meshlight.models import GPT
+    from meshlight.parallel.tensor import apply_tensor_parallel, model_plan
+
+    config = GPTConfig(vocab_size=512, max_seq_len=64, n_layers=2, **ACTIVATION_CONFIGS[name])
+    torch.manual_seed(0)
+    model = GPT(config)
+    if tp > 1:
+        apply_tensor_parallel(model, init_device_mesh("cpu", (tp,)), model_plan(model))
+
+    def storage(t: torch.Tensor) -> int:
+        return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+
+    seen, saved = {storage(p) for p in model.parameters()}, []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if storage(t) not in seen:
+            seen.add(storage(t))
+            saved.append((t.to_local() if isinstance(t, DTensor) else t).numel())
+        return t
+
+    block, tokens = model.blocks[1], torch.randint(0, config.vocab_size, (2, 64))
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    block.register_forward_pre_hook(lambda *_: hooks.__enter__())
+    block.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
+    model(tokens)
+    return sum(saved) / (tokens.numel() * config.dim), config
+
+
 def sharded_fraction(module: pl.LightningModule) -> float:
     """This rank's bytes of the weights tensor parallelism shards, over their total bytes."""
     modules = dict(module.named_modules())
@@ -135,6 +175,8 @@ if __name__ == "__main__":
         results[(layout, model, sp, variant)] = result
     if world == 2:
         results["partial_gradient_reduction"] = partial_gradient_reduction()
+        results["saved_activations"] = {name: saved_activation_values(name, world)[0]
+                                        for name in ACTIVATION_CONFIGS}
     if world == 4:
         results["dropout"] = dropout_probe(world)
     if dist.get_rank() == 0:
