@@ -17,9 +17,8 @@ In the order a token meets it:
 - **Balancing**: the Switch/GShard auxiliary loss ``E·Σ_e f_e·P_e`` (per sequence, averaged), the router
   z-loss ``mean(logsumexp(logits)²)``, and aux-loss-free expert bias moved against each expert's load
   after every optimizer step (the step's own load, ready for the next forward; by a fixed step or in
-  proportion to the load's error). The losses reach the
-  router's gradient through autograd — the training loss needs no change — and are reported with the
-  expert load in :attr:`MoE.last_step`.
+  proportion to the load's error). The losses reach the router's gradient through autograd — the training
+  loss needs no change — and are reported with the expert load in :attr:`MoE.last_step`.
 """
 
 from __future__ import annotations

@@ -83,8 +83,8 @@ class ModelSpec:
         and split over tp: each norm's input and, for RMSNorm, its normalized output (4·h, LayerNorm 2·h), q
         and the attention output (2·h), k and v (2·kv), and the MLP's hidden values — GELU's input and output
         (2·ffn), SwiGLU's two projections, their product's factors and the product (4·ffn); ``top_k`` of them
-        in a MoE layer, beside each routed token's copy and its expert's output (2·top_k·h). Flash attention
-        keeps no score matrix; no dropout."""
+        in a MoE layer, beside each routed token's copy and its expert's output (2·top_k·h; MoE layers are
+        estimated, not measured). Flash attention keeps no score matrix; no dropout."""
         kv = self.kv_heads * self.head_dim
         mlp = (4 if self.swiglu else 2) * self.ffn_hidden
         moe_share = self.moe_layers / self.layers
