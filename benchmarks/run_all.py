@@ -196,10 +196,10 @@ def planner_section(result: dict) -> str:
                " 405B run (Float8 and async TP, Table 5). The published 405B layout is the one torchtitan measured,"
                " not one measured against a 2-D layout of the same model; a 2-D 405B run would settle it."
                if "405" in r["model"] else "")
-            + (" Megatron-Core ran it without recomputation; in meshlight its activations need more memory (PyTorch's"
-               " sequence parallelism keeps the gathered projection inputs that Megatron-Core gathers again in"
-               " backward: 2·h values per token and block, whatever tp), so the planner recomputes or picks a"
-               " deeper pipeline there, and prices meshlight, not Megatron-Core."
+            + (" Under Megatron-Core's activation memory (it gathers each sequence-parallel input again in backward)"
+               " the published layout fits without recomputation; meshlight keeps those gathered inputs (PyTorch's"
+               " autograd saves them: 2·h values per token and block, whatever tp), so the planner recomputes or"
+               " picks a deeper pipeline there: it prices meshlight, not Megatron-Core."
                if r["model"].startswith("Megatron") else ""),
         ]
     lines += [

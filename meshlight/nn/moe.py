@@ -225,7 +225,7 @@ class MoE(nn.Module):
             ``expert_bias_rate`` whatever the load's error, so near balance the biases keep stepping by the
             full rate. ``"proportional"``: by ``expert_bias_rate · (mean − load) / mean``, the full rate for an
             idle expert and less the nearer an expert is to its even share (overloaded experts may move
-            more: twice the rate at twice the mean load).
+            more: twice the rate at three times the mean load).
         grouped_mm: use ``torch._grouped_mm`` (None: where it runs), or a loop over experts (False).
         init_std: standard deviation of the initial weights.
 

@@ -70,10 +70,10 @@ def test_published_layouts_rank_among_the_best():
 
 
 def test_a_deep_tensor_parallel_pipeline_needs_recomputation_where_megatron_does_not():
-    # Megatron 462B's published layout (dp=48 pp=16 tp=8, 16 microbatches in flight on the first stage) ran
-    # without recomputation: Megatron-Core keeps each sequence-parallel input split and gathers it again in
-    # backward. PyTorch's sequence parallelism keeps it gathered: 2·h of the 3.75·h values per token a block
-    # keeps at tp=8, so in meshlight the layout only fits with recomputation.
+    # Megatron 462B's published layout (dp=48 pp=16 tp=8, 16 microbatches in flight on the first stage) fits
+    # without recomputation under Megatron-Core's memory, which keeps each sequence-parallel input split and
+    # gathers it again in backward. PyTorch's sequence parallelism keeps it gathered: 2·h of the 3.75·h values
+    # per token a block keeps at tp=8, so in meshlight the layout only fits with recomputation.
     model, h100 = MODELS["megatron-462b"], HARDWARE["h100"]
     kept = plan(model, h100, 6144, 3072, dp=48, pp=16, tp=8, recompute=False)
     assert not any(c.fits for c in kept), kept[0].describe()

@@ -11,9 +11,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
-from meshlight.models import GPTConfig
+from meshlight.models import GPT, GPTConfig
 from meshlight.parallel import CollectiveTraffic
-from meshlight.parallel.tensor import derive_plan, reduce_partial_gradients
+from meshlight.parallel.tensor import apply_tensor_parallel, derive_plan, model_plan, reduce_partial_gradients
 from tests.strategies.llama import DICT_PLAN, LitLlama, LitLlamaParallelizedByUser
 from tests.strategies.parity import VARIANTS, make_data, train
 
@@ -58,9 +58,6 @@ def saved_activation_values(name: str, tp: int) -> tuple[float, GPTConfig]:
     """Values autograd keeps for one block's backward (storages of saved tensors other than parameters, each
     counted once), per token, over the block's width — under tensor and sequence parallelism over all ranks
     when ``tp > 1``; and the model's config."""
-    from meshlight.models import GPT
-    from meshlight.parallel.tensor import apply_tensor_parallel, model_plan
-
     config = GPTConfig(vocab_size=512, max_seq_len=64, n_layers=2, **ACTIVATION_CONFIGS[name])
     torch.manual_seed(0)
     model = GPT(config)
