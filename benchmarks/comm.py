@@ -10,7 +10,10 @@ users get it today) is measured against the same 2·P·(N−1)/N.
 
 Tensor parallelism (tp = N, no data parallelism): per transformer block, forward and backward each move two
 all-reduces of the B·S·H activations (without sequence parallelism), or the same bytes as all-gathers and
-reduce-scatters (with it): 4 · 2·A·(N−1)/N per block, A = activation bytes. Per-block bytes are measured as
+reduce-scatters (with it): 4 · 2·A·(N−1)/N per block, A = activation bytes. With sequence parallelism
+meshlight by default gathers the two projection groups' inputs again in backward rather than keeping them
+(Megatron-LM's trade): 2 · A·(N−1)/N more per block; ``keep_gathered_inputs=True`` is measured against the
+plain 4 · 2·A·(N−1)/N. Per-block bytes are measured as
 the difference between the same model with 4 and with 2 blocks, halved, so the embedding, the LM head and
 the loss (which add two more such all-reduces and a few B·S-sized ones per step) cancel out; the whole
 step is also reported against (4·blocks + 2) · 2·A·(N−1)/N.
@@ -29,6 +32,11 @@ from __future__ import annotations
 from common import is_worker, main_over_world_sizes, report
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "lightning-ddp+ZeroRedundancyOptimizer")
+TP_VARIANTS = {
+    "tp, sequence parallel": dict(sequence_parallel=True, keep_gathered_inputs=False),
+    "tp, sequence parallel, gathered inputs kept": dict(sequence_parallel=True, keep_gathered_inputs=True),
+    "tp": dict(sequence_parallel=False, keep_gathered_inputs=False),
+}
 MEASURED_STEP = 2  # after DDP's bucket rebuild and FSDP's lazy initialization
 BATCH, SEQ = 4, 64
 
@@ -89,19 +97,21 @@ def worker() -> None:
     config = bench_config()
     activation_bytes = BATCH * SEQ * config.dim * 4
     all_reduce = 2 * activation_bytes * (world - 1) / world
-    for sequence_parallel in (True, False):
+    for name, options in TP_VARIANTS.items():
         traffic_by_blocks = {}
         for blocks in (4, 2):
             pl.seed_everything(0, verbose=False)
             module = LitGPT(config.replace(n_layers=blocks))
-            strategy = ml.TensorParallelStrategy(tp=world, sequence_parallel=sequence_parallel)
+            strategy = ml.TensorParallelStrategy(tp=world, **options)
             traffic_by_blocks[blocks] = step_traffic(module, strategy)
         per_block = (traffic_by_blocks[4].bytes_sent - traffic_by_blocks[2].bytes_sent) / 2
-        step, step_theory = traffic_by_blocks[4].bytes_sent, (4 * 4 + 2) * all_reduce
+        regathers = 2 * all_reduce / 2 if options["sequence_parallel"] and not options["keep_gathered_inputs"] else 0
+        per_block_theory = 4 * all_reduce + regathers
+        step, step_theory = traffic_by_blocks[4].bytes_sent, (4 * 4 + 2) * all_reduce + 4 * regathers
         results.append({
-            "strategy": "tp, sequence parallel" if sequence_parallel else "tp", "world": world,
-            "activation_bytes": activation_bytes, "per_block_bytes": per_block, "per_block_theory": 4 * all_reduce,
-            "ratio": per_block / (4 * all_reduce), "step_bytes": step, "step_theory": step_theory,
+            "strategy": name, "world": world,
+            "activation_bytes": activation_bytes, "per_block_bytes": per_block, "per_block_theory": per_block_theory,
+            "ratio": per_block / per_block_theory, "step_bytes": step, "step_theory": step_theory,
             "step_ratio": step / step_theory, "by_collective": traffic_by_blocks[4].summary(),
         })
     results.append(expert_parallel_row(world, step_traffic))

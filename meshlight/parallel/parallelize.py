@@ -42,6 +42,7 @@ def parallelize(
     tp_plan: Optional[Mapping[str, Union[str, ParallelStyle]]] = None,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
+    keep_gathered_inputs: bool = False,
     recompute: Optional[BlockSelection] = None,
     precision: Optional[PrecisionPolicy] = None,
     offload: Optional[OffloadPolicy] = None,
@@ -79,7 +80,7 @@ def parallelize(
         plan = model_plan(module, tp_plan)
         validate_plan(module, plan, layout.tp, layout.world_size)
         apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=sequence_parallel,
-                              loss_parallel=loss_parallel)
+                              loss_parallel=loss_parallel, keep_gathered_inputs=keep_gathered_inputs)
     if moe_layers:
         apply_expert_parallel(module, mesh, layout.ep)
     if recompute is not None:

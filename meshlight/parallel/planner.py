@@ -8,9 +8,9 @@ An analytic model, per rank, of what each candidate layout costs:
   stage peaks as stage 1 does, since PyTorch's schedules keep the parameters gathered and the gradients whole
   until the schedule's last backward), plus activations: per layer and
   micro-batch what autograd saves in meshlight's blocks (:meth:`ModelSpec.activation_values_per_token`,
-  checked against saved-tensor hooks in the tests; about ``2·h + 20·h/tp`` values per token for Llama shapes:
-  PyTorch's sequence parallelism keeps the gathered inputs of the column-parallel projections whole, where
-  Megatron-Core gathers them again in backward), the block's input (``h/tp``) with full recomputation plus one
+  checked against saved-tensor hooks in the tests; about ``22·h/tp`` values per token for Llama shapes: the
+  inputs of the column-parallel projections are kept split and gathered again in backward, as in
+  Megatron-Core), the block's input (``h/tp``) with full recomputation plus one
   block's activations while it is recomputed; a 1F1B stage holds ``pp`` micro-batches
   in flight (interleaving multiplies that by ``1 + (pp−1)/(pp·v)``); the last stage also holds fp32 logits.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak (recomputation adds a

@@ -29,6 +29,8 @@ class ModelSpec:
     tie_embeddings: bool = False
     name: str = "model"
     rmsnorm: bool = True  # False: LayerNorm (what a norm keeps for backward differs)
+    #: tensor parallelism's ``keep_gathered_inputs``: the projections' gathered inputs stay whole for backward
+    keep_gathered_inputs: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -78,19 +80,21 @@ class ModelSpec:
 
     def activation_values_per_token(self, tp: int) -> float:
         """Values one block's backward keeps per token (no recomputation), as autograd saves them in meshlight's
-        blocks under PyTorch's tensor and sequence parallelism (measured by saved-tensor hooks, in the tests):
-        the inputs of the q/k/v and first MLP projections gathered over the whole sequence (2·h, whatever tp);
-        and split over tp: each norm's input and, for RMSNorm, its normalized output (4·h, LayerNorm 2·h), q
-        and the attention output (2·h), k and v (2·kv), and the MLP's hidden values — GELU's input and output
-        (2·ffn), SwiGLU's two projections, their product's factors and the product (4·ffn); ``top_k`` of them
-        in a MoE layer, beside each routed token's copy and its expert's output (2·top_k·h; MoE layers are
-        estimated, not measured). Flash attention keeps no score matrix; no dropout."""
+        blocks under tensor and sequence parallelism (measured by saved-tensor hooks, in the tests), all split
+        over tp: the inputs of the q/k/v and first MLP projections, kept as this rank's share of the sequence and
+        gathered again in backward (2·h, as Megatron-LM); each norm's input and, for RMSNorm, its normalized
+        output (4·h, LayerNorm 2·h); q and the attention output (2·h), k and v (2·kv); and the MLP's hidden
+        values — GELU's input and output (2·ffn), SwiGLU's two projections, their product's factors and the
+        product (4·ffn); ``top_k`` of them in a MoE layer, beside each routed token's copy and its expert's
+        output (2·top_k·h; MoE layers are estimated, not measured). Flash attention keeps no score matrix; no
+        dropout. With ``keep_gathered_inputs`` the projections' inputs stay whole: 2·h, whatever tp."""
         kv = self.kv_heads * self.head_dim
         mlp = (4 if self.swiglu else 2) * self.ffn_hidden
         moe_share = self.moe_layers / self.layers
         mlp = mlp * (1 - moe_share) + (mlp + 2 * self.hidden) * self.top_k * moe_share
         norms = (4 if self.rmsnorm else 2) * self.hidden
-        return 2 * self.hidden + (norms + 2 * self.hidden + 2 * kv + mlp) / tp
+        gathered = 2 * self.hidden * (1 - 1 / tp) if self.keep_gathered_inputs else 0.0
+        return (norms + 4 * self.hidden + 2 * kv + mlp) / tp + gathered
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token, the PaLM/torchtitan MFU convention (as :meth:`GPT.flops_per_token`)."""

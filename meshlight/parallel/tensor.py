@@ -14,9 +14,11 @@ role            what it does
                 under sequence parallelism, e.g. learned positions)
 =============== =========================================================================================
 
-Per block the traffic is the minimum (Megatron-LM): the input of each colwise group is gathered once — an
-all-gather of the sequence with sequence parallelism, nothing otherwise — and its gradient reduced once;
-each rowwise output is reduce-scattered over the sequence (or all-reduced without sequence parallelism).
+Per block the traffic is Megatron-LM's: the input of each colwise group is gathered once — an all-gather of
+the sequence with sequence parallelism, nothing otherwise — and its gradient reduced once; each rowwise output
+is reduce-scattered over the sequence (or all-reduced without sequence parallelism). As in Megatron-LM,
+backward keeps a colwise group's input as this rank's share of the sequence and gathers it again
+(:mod:`meshlight.parallel.sequence_gather`).
 
 Plans come from :func:`derive_plan` (structure: inside each repeated block, the Linears that read the
 hidden state are colwise and the one that writes back to it is rowwise) or from a user dict of
@@ -47,6 +49,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshlight.parallel.data_parallel import repeated_blocks
 from meshlight.parallel.precision import is_norm
+from meshlight.parallel.sequence_gather import register_sequence_gather
 
 __all__ = [
     "ROLES", "TensorParallelError", "apply_tensor_parallel", "derive_plan", "model_plan", "reduce_partial_gradients",
@@ -215,8 +218,11 @@ def apply_tensor_parallel(
     *,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
+    keep_gathered_inputs: bool = False,
 ) -> None:
-    """Shard ``model`` in place over the 1-D ``mesh`` (the tp axis) following ``plan`` (name → role or style)."""
+    """Shard ``model`` in place over the 1-D ``mesh`` (the tp axis) following ``plan`` (name → role or style).
+    ``keep_gathered_inputs``: backward keeps each colwise group's sequence-gathered input whole rather than
+    gathering it again (more memory, one all-gather fewer per group)."""
     tp = mesh.size()
     modules = dict(model.named_modules())
     styles: dict[str, ParallelStyle] = {}
@@ -238,7 +244,8 @@ def apply_tensor_parallel(
             styles[name] = _SequenceSlicedEmbedding()
     parallelize_module(model, mesh, styles)
     for parent in _colwise_parents(plan):
-        modules[parent].register_forward_pre_hook(_gather_input(mesh, sequence_parallel))
+        register_sequence_gather(modules[parent], mesh, sequence_parallel=sequence_parallel,
+                                 keep_gathered=keep_gathered_inputs)
     for parent_name, attribute, count in _head_counts(model, plan):
         setattr(modules[parent_name], attribute, count // tp)
     if sequence_parallel:
@@ -326,23 +333,6 @@ class _SequenceSlicedEmbedding(ParallelStyle):
             return output.redistribute(mesh, [Shard(output.dim() - 2)]).to_local()
 
         return distribute_module(module, device_mesh, replicate_params, inputs_replicated, output_sliced)
-
-
-def _gather_input(mesh: DeviceMesh, sequence_parallel: bool):  # noqa: ANN202 - a forward pre-hook
-    """Make the first input of a colwise group one replicated DTensor (an all-gather of the sequence under
-    sequence parallelism). It stays a DTensor, so the gradients of all colwise Linears reading it accumulate
-    as one partial sum and are reduced once."""
-    layout = Shard(1) if sequence_parallel else Replicate()
-
-    def hook(module: nn.Module, args: tuple) -> tuple:
-        if not args or not isinstance(args[0], Tensor):
-            return args
-        hidden = args[0]
-        if not isinstance(hidden, DTensor):
-            hidden = DTensor.from_local(hidden, mesh, [layout], run_check=False)
-        return (hidden.redistribute(mesh, [Replicate()]), *args[1:])
-
-    return hook
 
 
 def _check_sequence_divisible(tp: int):  # noqa: ANN202 - a forward pre-hook

@@ -12,6 +12,7 @@ from meshlight.parallel.pipeline import SINGLE_STAGE
 from meshlight.parallel.planner import (
     Candidate,
     Hardware,
+    ModelSpec,
     PlanError,
     detect_hardware,
     explain,
@@ -105,7 +106,7 @@ class Hybrid3DStrategy(MeshStrategy):
         hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)
         batch = _replica_batch(self.lightning_module)
         try:
-            model = model_spec_of(self.lightning_module, self._seq_len)
+            model = self._model_spec()
             self.plan = plan(model, hardware, self.world_size, local_batch=batch, dp=layout.dp, pp=layout.pp,
                              tp=layout.tp, ep=layout.ep, zero=layout.zero)
         except PlanError:
@@ -121,9 +122,13 @@ class Hybrid3DStrategy(MeshStrategy):
                    + more_devices_hint(model, hardware, self.world_size, local_batch=batch))
             )
 
+    def _model_spec(self) -> ModelSpec:
+        model = model_spec_of(self.lightning_module, self._seq_len)
+        return model.replace(keep_gathered_inputs=self._tensor_parallel["keep_gathered_inputs"])
+
     def _choose_layout(self) -> None:
         hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)
-        model = model_spec_of(self.lightning_module, self._seq_len)
+        model = self._model_spec()
         requested = {k: v for k, v in self._requested.items() if v is not None}
         batch = _replica_batch(self.lightning_module)
         self.plan = plan(model, hardware, self.world_size, local_batch=batch, **requested)

@@ -85,6 +85,9 @@ class MeshStrategy(ParallelStrategy):
         tp_plan, sequence_parallel, loss_parallel: tensor parallelism (see :mod:`meshlight.parallel.tensor`):
             a dict of module-name patterns to roles replacing the automatic plan; sequence parallelism of
             norms and dropout between blocks; vocabulary-sharded logits for the loss while training.
+        keep_gathered_inputs: under sequence parallelism, backward keeps the sequence-gathered inputs of the
+            q/k/v and first MLP projections whole instead of this rank's share, gathered again (Megatron-LM's
+            way, the default): 2·h more values per token and block at tp > 1, one all-gather fewer per group.
         schedule, microbatches, virtual_stages, split: pipeline parallelism (see
             :class:`~meshlight.strategies.PipelineStrategy`).
         ddp_kwargs: extra arguments for PyTorch DDP when ``zero=0`` (e.g. ``find_unused_parameters=True``).
@@ -114,6 +117,7 @@ class MeshStrategy(ParallelStrategy):
         tp_plan: Optional[Mapping[str, Union[str, ParallelStyle]]] = None,
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
+        keep_gathered_inputs: bool = False,
         schedule: str = "1f1b",
         microbatches: Optional[int] = None,
         virtual_stages: int = 1,
@@ -137,7 +141,8 @@ class MeshStrategy(ParallelStrategy):
         )
         self._sizes: dict[str, Any] = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, tp=tp, ep=ep, zero=zero)
         self._ddp_kwargs = ddp_kwargs or {}
-        self._tensor_parallel = dict(tp_plan=tp_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        self._tensor_parallel = dict(tp_plan=tp_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                                     keep_gathered_inputs=keep_gathered_inputs)
         self._contexts = ExitStack()  # held from setup to teardown (loss parallelism)
         validate_schedule(schedule, pp if isinstance(pp, int) else 1, virtual_stages, microbatches or 1)
         self._pipeline_options = PipelineOptions(schedule, microbatches, virtual_stages, split)

@@ -65,17 +65,20 @@ def test_partial_gradients_are_reduced_as_dtensor_would_in_one_all_reduce_per_dt
     assert distributed[2]["partial_gradient_reduction"] == {"equal": True, "replicated": True, "all_reduce_calls": 3}
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["gathered-again", "kept-gathered"])
 @pytest.mark.parametrize("name", list(tensor_worker.ACTIVATION_CONFIGS))
-def test_the_planners_activation_memory_is_what_autograd_saves_per_block(distributed, name):
-    # PyTorch's sequence parallelism keeps the gathered inputs of the column-parallel projections whole
+def test_the_planners_activation_memory_is_what_autograd_saves_per_block(distributed, name, keep):
+    # by default the column-parallel projections' inputs are kept as this rank's share and gathered again in
+    # backward; with keep_gathered_inputs they stay whole
     from meshlight.parallel.planner import ModelSpec
 
     for tp in (1, 2):
         if tp == 1:
             measured, config = tensor_worker.saved_activation_values(name, 1)
         else:
-            measured = distributed[2]["saved_activations"][name]
-        predicted = ModelSpec.from_gpt_config(config).activation_values_per_token(tp) / config.dim
+            measured = distributed[2]["saved_activations"][(name, keep)]
+        spec = ModelSpec.from_gpt_config(config).replace(keep_gathered_inputs=keep)
+        predicted = spec.activation_values_per_token(tp) / config.dim
         # the formula leaves out what is per token and head rather than per value (norm scales, softmax sums)
         assert predicted == pytest.approx(measured, rel=0.02), (tp, predicted, measured)
 

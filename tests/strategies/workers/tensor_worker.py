@@ -54,7 +54,7 @@ ACTIVATION_CONFIGS = {
 }
 
 
-def saved_activation_values(name: str, tp: int) -> tuple[float, GPTConfig]:
+def saved_activation_values(name: str, tp: int, keep_gathered_inputs: bool = False) -> tuple[float, GPTConfig]:
     """Values autograd keeps for one block's backward (storages of saved tensors other than parameters, each
     counted once), per token, over the block's width — under tensor and sequence parallelism over all ranks
     when ``tp > 1``; and the model's config."""
@@ -62,7 +62,8 @@ def saved_activation_values(name: str, tp: int) -> tuple[float, GPTConfig]:
     torch.manual_seed(0)
     model = GPT(config)
     if tp > 1:
-        apply_tensor_parallel(model, init_device_mesh("cpu", (tp,)), model_plan(model))
+        apply_tensor_parallel(model, init_device_mesh("cpu", (tp,)), model_plan(model),
+                              keep_gathered_inputs=keep_gathered_inputs)
 
     def storage(t: torch.Tensor) -> int:
         return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
@@ -172,8 +173,8 @@ if __name__ == "__main__":
         results[(layout, model, sp, variant)] = result
     if world == 2:
         results["partial_gradient_reduction"] = partial_gradient_reduction()
-        results["saved_activations"] = {name: saved_activation_values(name, world)[0]
-                                        for name in ACTIVATION_CONFIGS}
+        results["saved_activations"] = {(name, keep): saved_activation_values(name, world, keep)[0]
+                                        for name in ACTIVATION_CONFIGS for keep in (False, True)}
     if world == 4:
         results["dropout"] = dropout_probe(world)
     if dist.get_rank() == 0:

@@ -1,0 +1,47 @@
+"""Backward gathers a column-parallel group's sequence-parallel input again from this rank's share (Megatron-LM's
+way) and computes exactly what keeping the gathered input computes: 2 processes, tp=2, a 2-block Llama-shaped
+GPT whose attention reads its input with 3 projections and whose SwiGLU MLP with 2."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import torchrun
+from tests.parallel.workers import sequence_gather_worker as worker
+
+BLOCKS, GROUPS = worker.CONFIG.n_layers, 2  # column-parallel groups per block: attention, MLP
+TOKENS, HIDDEN, TP = worker.BATCH * worker.CONFIG.max_seq_len, worker.CONFIG.dim, 2
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("sequence_gather") / "results.pt"
+    torchrun(Path(worker.__file__), TP, str(out))
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("mode", worker.MODES)
+def test_gathering_again_gives_the_gradients_of_keeping_the_gathered_input_bit_for_bit(results, mode):
+    kept, gathered_again = results[(True, mode)]["grads"], results[(False, mode)]["grads"]
+    assert kept.keys() == gathered_again.keys()
+    assert all(torch.equal(kept[name], gathered_again[name]) for name in kept)
+
+
+@pytest.mark.parametrize("mode", worker.MODES)
+def test_each_group_gathers_once_more_per_backward(results, mode):
+    backwards = 2 if mode == "two backwards" else 1
+    extra = results[(False, mode)]["backward_all_gathers"] - results[(True, mode)]["backward_all_gathers"]
+    assert extra == BLOCKS * GROUPS * backwards
+
+
+def test_outer_hooks_keep_each_groups_share_once_instead_of_every_projections_gathered_input(results):
+    # kept gathered, the outer hooks keep the whole sequence once per projection reading it (3 + 2 per block);
+    # gathered again, they keep this rank's share once per group
+    kept, gathered_again = (results[(keep, "outer hooks")]["outer_values"] for keep in (True, False))
+    assert kept - gathered_again == BLOCKS * (5 * TOKENS * HIDDEN - GROUPS * TOKENS * HIDDEN // TP)
+
+
+def test_no_saved_tensor_hooks_outlive_a_forward(results):
+    assert not any(r["hooks_left"] for key, r in results.items() if isinstance(key, tuple))
+    assert results["clean after failure"]

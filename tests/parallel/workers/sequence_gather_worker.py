@@ -1,0 +1,86 @@
+"""torchrun worker (2 processes): a column-parallel group's input kept as this rank's share and gathered again in
+backward, against keeping it gathered — alone, under recomputation, under outer saved-tensor hooks and through
+two backwards of one graph."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
+
+from meshlight.models import GPT, GPTConfig
+from meshlight.parallel import CollectiveTraffic
+from meshlight.parallel.data_parallel import BlockSelection
+from meshlight.parallel.recompute import apply_recompute
+from meshlight.parallel.tensor import apply_tensor_parallel, model_plan
+
+CONFIG = GPTConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=4, n_kv_heads=2, dim=32, mlp="swiglu",
+                   positions="rotary", bias=False)
+BATCH = 2
+MODES = ("plain", "recompute", "outer hooks", "two backwards")
+
+
+class CountingHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Outer saved-tensor hooks that count the values they are given to keep."""
+
+    def __init__(self) -> None:
+        self.values = 0
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            self.values += tensor.numel()
+            return tensor.detach()
+
+        super().__init__(pack, lambda tensor: tensor)
+
+
+def run(keep: bool, mode: str) -> dict:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), model_plan(model), keep_gathered_inputs=keep)
+    if mode == "recompute":
+        apply_recompute(model, BlockSelection())
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.max_seq_len), generator=generator)
+    outer = CountingHooks()
+    with loss_parallel():
+        if mode == "outer hooks":
+            with outer:
+                logits = model(tokens)
+        else:
+            logits = model(tokens)
+        hooks_left = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+        traffic = CollectiveTraffic()
+        with traffic:
+            loss.backward(retain_graph=mode == "two backwards")
+            if mode == "two backwards":
+                loss.backward()
+    grads = {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
+    return {"grads": grads, "backward_all_gathers": traffic.summary().get("all_gather", {}).get("calls", 0),
+            "outer_values": outer.values, "hooks_left": hooks_left}
+
+
+def no_hooks_left_after_a_failed_forward() -> bool:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), model_plan(model))
+
+    def fail(*_: object) -> None:
+        raise RuntimeError("stop")
+
+    model.blocks[0].attn.wo.register_forward_pre_hook(fail)
+    try:
+        model(torch.zeros(BATCH, CONFIG.max_seq_len, dtype=torch.long))
+    except RuntimeError:
+        pass
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    results = {(keep, mode): run(keep, mode) for keep in (True, False) for mode in MODES}
+    results["clean after failure"] = no_hooks_left_after_a_failed_forward()
+    if dist.get_rank() == 0:
+        torch.save(results, out)
