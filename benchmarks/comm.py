@@ -105,7 +105,8 @@ def worker() -> None:
             strategy = ml.TensorParallelStrategy(tp=world, **options)
             traffic_by_blocks[blocks] = step_traffic(module, strategy)
         per_block = (traffic_by_blocks[4].bytes_sent - traffic_by_blocks[2].bytes_sent) / 2
-        regathers = 2 * all_reduce / 2 if options["sequence_parallel"] and not options["keep_gathered_inputs"] else 0
+        # two all-gathers again in backward, A·(N−1)/N each: an all-reduce's bytes
+        regathers = all_reduce if options["sequence_parallel"] and not options["keep_gathered_inputs"] else 0
         per_block_theory = 4 * all_reduce + regathers
         step, step_theory = traffic_by_blocks[4].bytes_sent, (4 * 4 + 2) * all_reduce + 4 * regathers
         results.append({

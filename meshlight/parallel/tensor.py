@@ -14,11 +14,12 @@ role            what it does
                 under sequence parallelism, e.g. learned positions)
 =============== =========================================================================================
 
-Per block the traffic is Megatron-LM's: the input of each colwise group is gathered once — an all-gather of
-the sequence with sequence parallelism, nothing otherwise — and its gradient reduced once; each rowwise output
-is reduce-scattered over the sequence (or all-reduced without sequence parallelism). As in Megatron-LM,
-backward keeps a colwise group's input as this rank's share of the sequence and gathers it again
-(:mod:`meshlight.parallel.sequence_gather`).
+Per block the traffic is Megatron-LM's: in forward the input of each colwise group is gathered once — an
+all-gather of the sequence with sequence parallelism, nothing otherwise — and in backward its gradient is
+reduced once; each rowwise output is reduce-scattered over the sequence (or all-reduced without sequence
+parallelism). Backward keeps a colwise group's input as this rank's share of the sequence and gathers it
+once more, as Megatron-LM does (:mod:`meshlight.parallel.sequence_gather`; ``keep_gathered_inputs`` keeps it
+whole instead).
 
 Plans come from :func:`derive_plan` (structure: inside each repeated block, the Linears that read the
 hidden state are colwise and the one that writes back to it is rowwise) or from a user dict of

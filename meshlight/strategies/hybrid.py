@@ -15,6 +15,7 @@ from meshlight.parallel.planner import (
     ModelSpec,
     PlanError,
     detect_hardware,
+    estimate,
     explain,
     format_plan,
     model_spec_of,
@@ -49,6 +50,10 @@ class Hybrid3DStrategy(MeshStrategy):
             :class:`~meshlight.strategies.PipelineStrategy`); ``virtual_stages`` default: 1 for gpipe and
             1f1b, 2 for the interleaved and V schedules.
         sequence_parallel: tensor parallelism also splits norms and dropout along the sequence.
+        keep_gathered_inputs: whether backward keeps the sequence-gathered inputs of the q/k/v and first MLP
+            projections whole (see :class:`MeshStrategy`) or this rank's share, gathered again; ``"auto"``:
+            kept when the planner estimates the layout still fits with them (one all-gather fewer per group),
+            else gathered again; gathered again when the planner cannot read the model.
         hardware: the :class:`~meshlight.parallel.planner.Hardware` the planner assumes (default: detected).
         seq_len: sequence length the planner assumes (default: the model config's).
         **kwargs: passed to :class:`MeshStrategy` (``tp_plan``, ``loss_parallel``, ``split``, …).
@@ -71,6 +76,7 @@ class Hybrid3DStrategy(MeshStrategy):
         microbatches: Optional[int] = None,
         virtual_stages: Optional[int] = None,
         sequence_parallel: bool = True,
+        keep_gathered_inputs: Union[bool, Literal["auto"]] = "auto",
         hardware: Optional[Hardware] = None,
         seq_len: Optional[int] = None,
         **kwargs: Any,
@@ -79,13 +85,15 @@ class Hybrid3DStrategy(MeshStrategy):
         self._planning = any(v is None for k, v in self._requested.items() if k != "dp")
         self._hardware, self._seq_len = hardware, seq_len
         self._schedule_given, self._virtual_given = schedule, virtual_stages
+        self._keep_gathered = keep_gathered_inputs
         self.plan: Optional[list[Candidate]] = None  # the planner's ranking, once it ran
         schedule = schedule or "1f1b"
         zero = 1 if zero is None else zero
         super().__init__(**_data_sizes(dp, zero), pp=pp or 1, tp=tp or 1, ep=ep or 1, zero=zero,
                          schedule=schedule, microbatches=microbatches,
                          virtual_stages=_virtual_stages(schedule, pp or 1, virtual_stages),
-                         sequence_parallel=sequence_parallel, **kwargs)
+                         sequence_parallel=sequence_parallel, keep_gathered_inputs=keep_gathered_inputs is True,
+                         **kwargs)
 
     def _resolve_layout(self) -> Optional[ParallelLayout]:
         if not self._planning:
@@ -121,10 +129,25 @@ class Hybrid3DStrategy(MeshStrategy):
                    " No layout of this world fits. "
                    + more_devices_hint(model, hardware, self.world_size, local_batch=batch))
             )
+        self._settle_gathered_inputs(model, hardware, self.plan[0])
 
     def _model_spec(self) -> ModelSpec:
         model = model_spec_of(self.lightning_module, self._seq_len)
-        return model.replace(keep_gathered_inputs=self._tensor_parallel["keep_gathered_inputs"])
+        return model.replace(keep_gathered_inputs=self._keep_gathered is True)
+
+    def _settle_gathered_inputs(self, model: ModelSpec, hardware: Hardware, best: Candidate) -> None:
+        """``keep_gathered_inputs="auto"``: keep the projections' gathered inputs when ``best`` still fits with
+        them — planned, like every layout, with them gathered again."""
+        if self._keep_gathered != "auto" or best.tp == 1 or not self._tensor_parallel["sequence_parallel"]:
+            return
+        kept = estimate(model.replace(keep_gathered_inputs=True), hardware, self.world_size,
+                        best.tokens_per_step // model.seq_len, best.dp, best.pp, best.tp, best.ep, best.zero,
+                        best.microbatches, best.virtual_stages, best.recompute)
+        self._tensor_parallel["keep_gathered_inputs"] = kept.fits
+        rank_zero_info("Sequence-parallel projection inputs: "
+                       + ("kept whole for backward (the layout fits with them)." if kept.fits else
+                          f"gathered again in backward (kept whole: {kept.memory_bytes / 2**30:.1f} GiB of"
+                          f" {kept.memory_limit / 2**30:.1f} GiB usable)."))
 
     def _choose_layout(self) -> None:
         hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)
@@ -139,6 +162,7 @@ class Hybrid3DStrategy(MeshStrategy):
             more = more_devices_hint(model, hardware, self.world_size, local_batch=batch)
             raise PlanError(f"No layout of {self.world_size} processes fits {model.name} in {hardware.name} memory. "
                             f"{explain(self.plan)} {more}")
+        self._settle_gathered_inputs(model, hardware, best)
         self._sizes.update(_data_sizes(best.dp, best.zero), pp=best.pp, tp=best.tp, ep=best.ep, zero=best.zero)
         options = self._pipeline_options
         schedule = self._schedule_given or best.schedule

@@ -180,6 +180,12 @@ class MeshStrategy(ParallelStrategy):
         return self._layout
 
     @property
+    def keep_gathered_inputs(self) -> bool:
+        """Whether backward keeps the projections' sequence-gathered inputs whole (``Hybrid3DStrategy``'s
+        ``"auto"`` is settled at fit start)."""
+        return self._tensor_parallel["keep_gathered_inputs"]
+
+    @property
     def pipeline(self) -> Optional[PipelineSteps]:
         """The steps runner on this rank's pipeline stages (None without pipeline parallelism, or before setup)."""
         return self._pipeline

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import meshlight as ml
 from tests.launch import torchrun
 from tests.strategies.parity import assert_parity, train
 from tests.strategies.workers import hybrid_worker
@@ -37,6 +38,31 @@ IDS = [f"dp{r[0]}-pp{r[1]}-tp{r[2]}-ep{r[3]}-zero{r[4]}-{r[5]}-{r[6]}" for _, r 
 @pytest.mark.parametrize(("world", "run"), RUNS, ids=IDS)
 def test_3d_matches_single_process_training(distributed, controls, world, run):
     assert_parity(distributed[run], controls[run[6]])
+
+
+def test_3d_keeps_the_gathered_inputs_where_the_layout_fits_with_them_unless_told_not_to(distributed):
+    # tiny models on CPU fit either way: "auto" (ZeRO-1 runs) keeps them; the ZeRO-3 runs asked to gather again
+    runs = [(run, result) for run, result in distributed.items() if isinstance(run, tuple) and run[2] > 1]
+    assert runs
+    for run, result in runs:
+        assert result["keep_gathered_inputs"] is (run[4] == 1), run  # run[4]: the ZeRO stage
+
+
+def test_auto_gathers_again_where_keeping_the_gathered_inputs_would_not_fit():
+    from types import SimpleNamespace
+
+    from meshlight.parallel.planner import HARDWARE, MODELS, plan
+
+    h100 = HARDWARE["h100"]
+    # Megatron 462B's published layout fits only gathered again (tests/parallel/test_planner.py); 32B's either way
+    for name, world, batch, (dp, pp, tp), kept in (("megatron-462b", 6144, 3072, (48, 16, 8), False),
+                                                   ("megatron-32b", 384, 192, (48, 1, 8), True)):
+        model = MODELS[name]
+        best = plan(model, h100, world, batch, dp=dp, pp=pp, tp=tp, recompute=False)[0]
+        strategy = SimpleNamespace(_keep_gathered="auto", world_size=world,
+                                   _tensor_parallel={"sequence_parallel": True, "keep_gathered_inputs": False})
+        ml.Hybrid3DStrategy._settle_gathered_inputs(strategy, model, h100, best)
+        assert strategy._tensor_parallel["keep_gathered_inputs"] is kept, name
 
 
 def test_3d_without_sizes_trains_the_planners_layout(distributed, controls):
