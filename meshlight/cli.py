@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
+from meshlight.parallel.pipeline import SCHEDULES
 from meshlight.parallel.planner import (
     HARDWARE,
     MODELS,
@@ -62,6 +63,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: ~4M tokens)")
     for size in ("dp", "pp", "tp", "ep", "zero"):
         planner.add_argument(f"--{size}", type=int, help=f"fix {size} instead of planning it")
+    planner.add_argument("--schedule", choices=list(SCHEDULES), help="fix the pipeline schedule")
+    planner.add_argument("--virtual-stages", type=int, help="fix the pipeline stages per rank")
+    planner.add_argument("--microbatches", type=int, help="fix the microbatches of a pipelined replica's batch")
+    planner.add_argument("--recompute", choices=("yes", "no"), help="fix whether every block recomputes its"
+                                                                     " activations in backward")
+    planner.add_argument("--keep-gathered-inputs", action="store_true",
+                         help="keep the sequence-gathered inputs of the tensor-parallel projections for backward"
+                              " (default: gathered again, as Megatron-LM does)")
     planner.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
     planner.add_argument("--json", action="store_true", help="print the best layouts as JSON")
     merge = commands.add_parser(
@@ -81,7 +90,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     global_batch = args.global_batch or max(TOKENS_PER_STEP // model.seq_len, 1)
     try:
         candidates = plan(model, hardware, args.gpus, global_batch, dp=args.dp, pp=args.pp, tp=args.tp, ep=args.ep,
-                          zero=args.zero)
+                          zero=args.zero, schedule=args.schedule, virtual_stages=args.virtual_stages,
+                          microbatches=args.microbatches,
+                          recompute=None if args.recompute is None else args.recompute == "yes")
     except PlanError as error:
         print(f"meshlight plan: {error}", file=sys.stderr)
         return 2
@@ -122,7 +133,7 @@ def _model_of(args: argparse.Namespace) -> ModelSpec:
     changed = [f"{field}={value}" for field, value in changes.items() if field != "seq_len"]
     if args.model and changed:
         changes["name"] = f"{base.name} with {', '.join(changed)}"
-    model = base.replace(**changes)
+    model = base.replace(**changes, keep_gathered_inputs=args.keep_gathered_inputs)
     for flag, (field, _) in SHAPE_FLAGS.items():
         value = getattr(model, field)
         if value < (0 if field == "experts" else 1):

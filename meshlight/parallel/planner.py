@@ -12,7 +12,8 @@ An analytic model, per rank, of what each candidate layout costs:
   inputs of the column-parallel projections are kept split and gathered again in backward, as in
   Megatron-Core), the block's input (``h/tp``) with full recomputation plus one
   block's activations while it is recomputed; a 1F1B stage holds ``pp`` micro-batches
-  in flight (interleaving multiplies that by ``1 + (pp−1)/(pp·v)``); the last stage also holds fp32 logits.
+  in flight (interleaving multiplies that by ``1 + (pp−1)/(pp·v)``; GPipe and looped BFS hold all of them); the
+  last stage also holds fp32 logits.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak (recomputation adds a
   forward), stretched by the pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives
   of the activations per layer and micro-batch, 6 with recomputation) not overlapped; pipeline p2p; data
@@ -44,6 +45,7 @@ import torch
 from torch import nn
 
 from meshlight.parallel.layout import _check_size, _check_zero, _divisors
+from meshlight.parallel.pipeline import SCHEDULES, SINGLE_STAGE
 from meshlight.parallel.presets import GB, HARDWARE, MODELS, Hardware, ModelSpec
 
 __all__ = [
@@ -57,6 +59,8 @@ __all__ = [
 ACHIEVABLE_FRACTION = 0.5
 #: Share of device memory the planner lets a layout use (the rest: allocator fragmentation, buffers, CUDA context).
 MEMORY_HEADROOM = 0.9
+#: Schedules that run every microbatch's forward before any backward: a stage holds all their activations.
+ALL_FORWARDS_FIRST = ("gpipe", "loopedbfs")
 #: How many times the devices at hand :func:`fewest_devices` looks up to, for a model that fits on none.
 DEVICE_REACH = 64
 
@@ -77,6 +81,7 @@ class Candidate:
     microbatches: int
     virtual_stages: int
     recompute: bool
+    schedule: str  # the pipeline schedule (see meshlight.parallel.pipeline.SCHEDULES)
     model_state_bytes: float
     activation_bytes: float
     memory_limit: float
@@ -105,10 +110,6 @@ class Candidate:
     @property
     def mfu(self) -> float:
         return self.tokens_per_second_per_device * self.flops_per_token / self.peak_flops
-
-    @property
-    def schedule(self) -> str:
-        return "1f1b" if self.virtual_stages == 1 else "interleaved1f1b"
 
     @property
     def layout(self) -> tuple[int, int, int, int]:
@@ -196,22 +197,27 @@ def plan(
     ep: Optional[int] = None,
     zero: Optional[int] = None,
     recompute: Optional[bool] = None,
-    schedules: Sequence[int] = (1, 2),
+    schedule: Optional[str] = None,
+    virtual_stages: Optional[int] = None,
+    microbatches: Optional[int] = None,
 ) -> list[Candidate]:
     """Every valid candidate for ``world`` devices, highest throughput first, those that fit in memory before
     those that do not. The batch is ``global_batch`` sequences per optimizer step, or ``local_batch`` per data
     replica (as a LightningModule's DataLoader gives it: the global batch then grows with dp). Sizes given are
-    kept fixed."""
+    kept fixed, and so are, for pipelined candidates, the ``schedule``, ``virtual_stages`` and ``microbatches``
+    given (otherwise 1F1B or Interleaved1F1B with 2 virtual stages, and the best microbatch count)."""
     if (global_batch is None) == (local_batch is None):
         raise ValueError("Give exactly one of global_batch and local_batch.")
-    _check_request(world, global_batch, local_batch, dp=dp, pp=pp, tp=tp, ep=ep, zero=zero)
+    _check_request(world, global_batch, local_batch, schedule, dp=dp, pp=pp, tp=tp, ep=ep, zero=zero,
+                   virtual_stages=virtual_stages, microbatches=microbatches)
+    pipelines = _pipeline_choices(schedule, virtual_stages, microbatches)
     candidates = [
         estimate(model, hardware, world, global_batch or local_batch * layout[0], *layout)
         for layout in _layouts(model, hardware, world, global_batch, local_batch, dp, pp, tp, ep, zero, recompute,
-                               schedules)
+                               pipelines)
     ]
     if not candidates:
-        message = _no_layout_message(model, hardware, world, global_batch, local_batch, dp, pp, tp, ep)
+        message = _no_layout_message(model, hardware, world, global_batch, local_batch, pipelines, dp, pp, tp, ep)
         nearest = nearest_fitting(model, hardware, world, global_batch, local_batch=local_batch,
                                   given={"dp": dp, "pp": pp, "tp": tp, "ep": ep})
         if nearest:
@@ -278,9 +284,11 @@ def best_per_layout(candidates: Iterable[Candidate]) -> list[Candidate]:
 
 def estimate(
     model: ModelSpec, hw: Hardware, world: int, global_batch: int, dp: int, pp: int, tp: int, ep: int, zero: int,
-    microbatches: int, virtual_stages: int, recompute: bool,
+    microbatches: int, virtual_stages: int, recompute: bool, schedule: Optional[str] = None,
 ) -> Candidate:
-    """Per-rank memory and step time of one layout (see the module docstring for the model)."""
+    """Per-rank memory and step time of one layout (see the module docstring for the model). ``schedule``
+    default: 1F1B, interleaved with more than one virtual stage."""
+    schedule = schedule or ("1f1b" if virtual_stages == 1 else "interleaved1f1b")
     s, h = model.seq_len, model.hidden
     micro_batch = global_batch // dp // microbatches
     layers_per_stage = math.ceil(model.layers / pp)
@@ -295,9 +303,10 @@ def estimate(
     layer_activations = model.activation_values_per_token(tp) * s * micro_batch * hw.activation_bytes
     # with recomputation a block keeps only its input: the residual stream, split over the sequence under tp
     per_layer = s * micro_batch * h * hw.activation_bytes / tp if recompute else layer_activations
-    # 1F1B: the first stage holds pp microbatches of its layers; interleaving adds (pp−1)/(pp·v) (Korthikanti)
+    # 1F1B: the first stage holds pp microbatches of its layers; interleaving adds (pp−1)/(pp·v) (Korthikanti);
+    # GPipe and looped BFS run every forward first and hold them all
     interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1
-    in_flight = min(microbatches, pp) * interleave
+    in_flight = microbatches if schedule in ALL_FORWARDS_FIRST else min(microbatches, pp) * interleave
     activations = per_layer * layers_per_stage * in_flight
     if recompute:  # one layer's full activations during its recomputation
         activations += layer_activations
@@ -340,7 +349,7 @@ def estimate(
         exchanges = 5 * model.moe_layers / pp * microbatches  # counts, then tokens out and back, both directions
         ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / _bandwidth(hw, ep, tp)
     times = {"compute": compute, "bubble": bubble, "tp": tp_time, "p2p": p2p, "dp": dp_exposed, "ep": ep_time}
-    return Candidate(dp, pp, tp, ep, zero, microbatches, virtual_stages, recompute, model_state, activations,
+    return Candidate(dp, pp, tp, ep, zero, microbatches, virtual_stages, recompute, schedule, model_state, activations,
                      hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(), hw.peak_flops)
 
 
@@ -381,9 +390,9 @@ def _ring_latency(hw: Hardware, size: int, stride: int) -> float:
 def _layouts(
     model: ModelSpec, hw: Hardware, world: int, global_batch: Optional[int], local_batch: Optional[int],
     dp: Optional[int], pp: Optional[int], tp: Optional[int], ep: Optional[int], zero: Optional[int],
-    recompute: Optional[bool], schedules: Sequence[int],
-) -> Iterable[tuple[int, ...]]:
-    """(dp, pp, tp, ep, zero, microbatches, virtual stages, recompute) of every valid candidate."""
+    recompute: Optional[bool], pipelines: _Pipelines,
+) -> Iterable[tuple[Any, ...]]:
+    """(dp, pp, tp, ep, zero, microbatches, virtual stages, recompute, schedule) of every valid candidate."""
     for t, p in itertools.product(_divisors(world), repeat=2):
         d = world // t // p if world % (t * p) == 0 else 0
         fixed = all(given is None or given == size for given, size in ((tp, t), (pp, p), (dp, d)))
@@ -393,16 +402,44 @@ def _layouts(
             continue
         replica_batch = local_batch if global_batch is None else global_batch // d
         experts = [e for e in _divisors(d) if model.experts % e == 0] if model.experts else [1]
-        for e, z, v, r in itertools.product(
-            experts if ep is None else [ep], (0, 1, 2, 3) if zero is None else [zero], schedules if p > 1 else [1],
-            (False, True) if recompute is None else [recompute],
+        for e, z, (s, v), r in itertools.product(
+            experts if ep is None else [ep], (0, 1, 2, 3) if zero is None else [zero],
+            pipelines.schedules if p > 1 else [("1f1b", 1)], (False, True) if recompute is None else [recompute],
         ):
             if p * v > model.layers or (model.experts and (model.experts % e or d % e)):
                 continue
             # without pipelining, microbatches are gradient accumulation: the trainer's when it gives the batch
             accumulate = p == 1 and local_batch is not None
-            for m in [1] if accumulate else _microbatch_choices(replica_batch, p, v):
-                yield d, p, t, e, z, m, v, r
+            for m in [1] if accumulate else pipelines.microbatch_choices(replica_batch, p, v):
+                yield d, p, t, e, z, m, v, r, s
+
+
+@dataclass(frozen=True)
+class _Pipelines:
+    """What a pipelined candidate may run: (schedule, virtual stages) pairs, and a fixed microbatch count
+    (None: any that suits the replica's batch)."""
+
+    schedules: tuple[tuple[str, int], ...]
+    microbatches: Optional[int] = None
+
+    def microbatch_choices(self, replica_batch: int, pp: int, virtual_stages: int) -> list[int]:
+        if pp > 1 and self.microbatches is not None:
+            return [self.microbatches] if replica_batch % self.microbatches == 0 else []
+        return _microbatch_choices(replica_batch, pp, virtual_stages)
+
+
+def _pipeline_choices(schedule: Optional[str], virtual_stages: Optional[int],
+                      microbatches: Optional[int]) -> _Pipelines:
+    """The schedules a pipelined candidate may run: the one given (virtual stages: those given, else 1 for
+    single-stage schedules and 2 for the rest), else 1F1B and Interleaved1F1B with 2 virtual stages (or those
+    given)."""
+    if schedule is not None:
+        choices = [(schedule, virtual_stages or (1 if schedule in SINGLE_STAGE else 2))]
+    elif virtual_stages is None:
+        choices = [("1f1b", 1), ("interleaved1f1b", 2)]
+    else:
+        choices = [("1f1b", 1) if virtual_stages == 1 else ("interleaved1f1b", virtual_stages)]
+    return _Pipelines(tuple(choices), microbatches)
 
 
 def _tp_fits(model: ModelSpec, hw: Hardware, tp: int) -> bool:
@@ -421,13 +458,16 @@ def _microbatch_choices(replica_batch: int, pp: int, virtual_stages: int) -> lis
             if m >= pp * virtual_stages and (virtual_stages == 1 or m % pp == 0)]
 
 
-def _check_request(world: int, global_batch: Optional[int], local_batch: Optional[int],
-                   **sizes: Optional[int]) -> None:
+def _check_request(world: int, global_batch: Optional[int], local_batch: Optional[int], schedule: Optional[str],
+                   *, virtual_stages: Optional[int], microbatches: Optional[int], **sizes: Optional[int]) -> None:
     """Refuse sizes no layout could have, naming the bad value."""
-    for name, value, unit in (("world", world, "device"), ("global_batch", global_batch, "sequence"),
-                              ("local_batch", local_batch, "sequence")):
+    if schedule is not None and schedule not in SCHEDULES:
+        raise PlanError(f"Unknown pipeline schedule {schedule!r}; choose one of {list(SCHEDULES)}.")
+    for name, value, units in (("world", world, "devices"), ("global_batch", global_batch, "sequences"),
+                               ("local_batch", local_batch, "sequences"), ("virtual_stages", virtual_stages, "stages"),
+                               ("microbatches", microbatches, "microbatches")):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise PlanError(f"{name}={value!r}: a layout needs a whole number of {unit}s, at least one.")
+            raise PlanError(f"{name}={value!r}: a layout needs a whole number of {units}, at least one.")
     try:
         for name, value in sizes.items():
             if value is not None:
@@ -437,7 +477,7 @@ def _check_request(world: int, global_batch: Optional[int], local_batch: Optiona
 
 
 def _no_layout_message(model: ModelSpec, hw: Hardware, world: int, global_batch: Optional[int],
-                       local_batch: Optional[int], *sizes: Optional[int]) -> str:
+                       local_batch: Optional[int], pipelines: _Pipelines, *sizes: Optional[int]) -> str:
     """Which constraints a world (and the sizes given) failed, and the nearest worlds and global batches that
     have a layout."""
     dp, pp, tp, ep = sizes
@@ -446,13 +486,16 @@ def _no_layout_message(model: ModelSpec, hw: Hardware, world: int, global_batch:
              f" {model.ffn_hidden}, and stay within a node", f"pp ≤ layers={model.layers}",
              f"dp must divide the global batch and the microbatches a replica's batch"
              f" ({global_batch or local_batch})"]
+    if pipelines.microbatches is not None:
+        hints.append(f"microbatches={pipelines.microbatches} must divide a pipelined replica's batch")
     if model.experts:
         hints.append(f"ep must divide experts={model.experts} and dp")
     message = (f"No layout of {world} devices{' with ' + given if given else ''} suits {model.name}: "
                + "; ".join(hints) + ".")
 
     def valid(devices: int, batch: Optional[int]) -> bool:
-        layouts = _layouts(model, hw, devices, batch, local_batch, dp, pp, tp, ep, None, False, (1,))
+        pipelined = _Pipelines(pipelines.schedules[:1], pipelines.microbatches)
+        layouts = _layouts(model, hw, devices, batch, local_batch, dp, pp, tp, ep, None, False, pipelined)
         return next(iter(layouts), None) is not None
 
     worlds = _nearest(world, lambda w: valid(w, global_batch))

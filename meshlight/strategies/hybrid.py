@@ -7,6 +7,8 @@ from typing import Any, Literal, Optional, Union
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from meshlight.callbacks.activation_checkpointing import ActivationCheckpointing
+from meshlight.parallel.data_parallel import BlockSelection
 from meshlight.parallel.layout import ParallelLayout
 from meshlight.parallel.pipeline import SINGLE_STAGE
 from meshlight.parallel.planner import (
@@ -48,7 +50,11 @@ class Hybrid3DStrategy(MeshStrategy):
             unless given, the schedule and the microbatches; give ``ep=1, zero=1`` as well to fix them.
         schedule, microbatches, virtual_stages: the pipeline schedule (see
             :class:`~meshlight.strategies.PipelineStrategy`); ``virtual_stages`` default: 1 for gpipe and
-            1f1b, 2 for the interleaved and V schedules.
+            1f1b, 2 for the interleaved and V schedules. Those given are what the planner estimates with.
+        recompute: whether every block recomputes its activations in backward (what
+            :class:`~meshlight.callbacks.ActivationCheckpointing` does); ``"auto"``: as the planner chose for
+            the layout (it recomputes only where that is the fastest way to fit), or as an
+            ``ActivationCheckpointing`` callback asks when the Trainer has one.
         sequence_parallel: tensor parallelism also splits norms and dropout along the sequence.
         keep_gathered_inputs: whether backward keeps the sequence-gathered inputs of the q/k/v and first MLP
             projections whole (see :class:`MeshStrategy`) or this rank's share, gathered again; ``"auto"``:
@@ -77,6 +83,7 @@ class Hybrid3DStrategy(MeshStrategy):
         virtual_stages: Optional[int] = None,
         sequence_parallel: bool = True,
         keep_gathered_inputs: Union[bool, Literal["auto"]] = "auto",
+        recompute: Union[bool, Literal["auto"]] = "auto",
         hardware: Optional[Hardware] = None,
         seq_len: Optional[int] = None,
         **kwargs: Any,
@@ -86,6 +93,9 @@ class Hybrid3DStrategy(MeshStrategy):
         self._hardware, self._seq_len = hardware, seq_len
         self._schedule_given, self._virtual_given = schedule, virtual_stages
         self._keep_gathered = keep_gathered_inputs
+        if recompute not in (True, False, "auto"):
+            raise ValueError(f"recompute={recompute!r}: give True, False or 'auto' (the planner's choice).")
+        self._recompute = recompute
         self.plan: Optional[list[Candidate]] = None  # the planner's ranking, once it ran
         schedule = schedule or "1f1b"
         zero = 1 if zero is None else zero
@@ -113,10 +123,11 @@ class Hybrid3DStrategy(MeshStrategy):
         own checks (they name the valid sizes)."""
         hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)
         batch = _replica_batch(self.lightning_module)
+        self._asked_recompute()  # refuse conflicting requests even where the planner cannot read the model
         try:
             model = self._model_spec()
             self.plan = plan(model, hardware, self.world_size, local_batch=batch, dp=layout.dp, pp=layout.pp,
-                             tp=layout.tp, ep=layout.ep, zero=layout.zero)
+                             tp=layout.tp, ep=layout.ep, zero=layout.zero, **self._run_options(layout))
         except PlanError:
             return
         if not self.plan[0].fits:
@@ -129,20 +140,60 @@ class Hybrid3DStrategy(MeshStrategy):
                    " No layout of this world fits. "
                    + more_devices_hint(model, hardware, self.world_size, local_batch=batch))
             )
-        self._settle_gathered_inputs(model, hardware, self.plan[0])
+        self._settle(model, hardware, self.plan[0])
 
     def _model_spec(self) -> ModelSpec:
         model = model_spec_of(self.lightning_module, self._seq_len)
         return model.replace(keep_gathered_inputs=self._keep_gathered is True)
 
-    def _settle_gathered_inputs(self, model: ModelSpec, hardware: Hardware, best: Candidate) -> None:
-        """``keep_gathered_inputs="auto"``: keep the projections' gathered inputs when ``best`` still fits with
-        them — planned, like every layout, with them gathered again."""
+    def _run_options(self, layout: Optional[ParallelLayout] = None) -> dict[str, Any]:
+        """What the planner takes as given instead of choosing: the pipeline schedule, virtual stages and
+        microbatches given (for a ``layout`` given whole, those the strategy runs) and the recomputation asked for
+        (a partial ``ActivationCheckpointing`` policy counts as full: the memory check refuses only what cannot
+        fit)."""
+        options = self._pipeline_options
+        if layout is None:
+            pipeline = dict(schedule=self._schedule_given, virtual_stages=self._virtual_given,
+                            microbatches=options.microbatches)
+        else:
+            pipeline = dict(schedule=options.schedule, virtual_stages=options.virtual_stages,
+                            microbatches=options.microbatches or layout.pp * options.virtual_stages)
+        return {**pipeline, "recompute": self._asked_recompute()[0]}
+
+    def _asked_recompute(self) -> tuple[Optional[bool], bool]:
+        """Whether recomputation was asked for (None: the planner chooses), by this strategy's ``recompute`` or an
+        ``ActivationCheckpointing`` callback, and whether of every block."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        callbacks = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, ActivationCheckpointing)]
+        if callbacks and self._recompute != "auto":
+            raise ValueError(f"Hybrid3DStrategy(recompute={self._recompute}) and an ActivationCheckpointing callback"
+                             " both choose what to recompute: keep one of them.")
+        if callbacks:
+            policy = callbacks[-1].policy
+            return True, policy.every_n_blocks == 1 and not policy.module_types
+        return None if self._recompute == "auto" else self._recompute, True
+
+    def _settle(self, model: ModelSpec, hardware: Hardware, best: Candidate) -> None:
+        """Apply what the planner chose for ``best`` beyond the sizes: recomputation, and whether the projections'
+        gathered inputs are kept."""
+        asked, every_block = self._asked_recompute()
+        if self._recompute is True or (asked is None and best.recompute):
+            self.recompute = BlockSelection()
+        if asked is None and best.recompute:
+            rank_zero_info("Every block recomputes its activations in backward, as planned for this layout"
+                           " (recompute=False, or an ActivationCheckpointing callback, to choose otherwise).")
+        # a callback recomputing some blocks keeps more than full recomputation: judge the gathered inputs without
+        self._settle_gathered_inputs(model, hardware, best, best.recompute and every_block)
+
+    def _settle_gathered_inputs(self, model: ModelSpec, hardware: Hardware, best: Candidate,
+                                recompute: bool) -> None:
+        """``keep_gathered_inputs="auto"``: keep the projections' gathered inputs when ``best`` (with
+        ``recompute``) still fits with them — planned, like every layout, with them gathered again."""
         if self._keep_gathered != "auto" or best.tp == 1 or not self._tensor_parallel["sequence_parallel"]:
             return
         kept = estimate(model.replace(keep_gathered_inputs=True), hardware, self.world_size,
                         best.tokens_per_step // model.seq_len, best.dp, best.pp, best.tp, best.ep, best.zero,
-                        best.microbatches, best.virtual_stages, best.recompute)
+                        best.microbatches, best.virtual_stages, recompute, best.schedule)
         self._tensor_parallel["keep_gathered_inputs"] = kept.fits
         rank_zero_info("Sequence-parallel projection inputs: "
                        + ("kept whole for backward (the layout fits with them)." if kept.fits else
@@ -154,15 +205,18 @@ class Hybrid3DStrategy(MeshStrategy):
         model = self._model_spec()
         requested = {k: v for k, v in self._requested.items() if v is not None}
         batch = _replica_batch(self.lightning_module)
-        self.plan = plan(model, hardware, self.world_size, local_batch=batch, **requested)
+        fixed = {k: v for k, v in self._run_options().items() if v is not None}
+        self.plan = plan(model, hardware, self.world_size, local_batch=batch, **requested, **fixed)
         rank_zero_info(f"meshlight layout planner, {self.world_size} × {hardware.name}, {model.name}:\n"
                        + format_plan(self.plan))
         best = self.plan[0]
         if not best.fits:
-            more = more_devices_hint(model, hardware, self.world_size, local_batch=batch)
+            free = plan(model, hardware, self.world_size, local_batch=batch, **requested)[0] if fixed else best
+            more = (f"It fits as {free.describe()}: leave {', '.join(fixed)} to the planner." if free.fits else
+                    more_devices_hint(model, hardware, self.world_size, local_batch=batch))
             raise PlanError(f"No layout of {self.world_size} processes fits {model.name} in {hardware.name} memory. "
                             f"{explain(self.plan)} {more}")
-        self._settle_gathered_inputs(model, hardware, best)
+        self._settle(model, hardware, best)
         self._sizes.update(_data_sizes(best.dp, best.zero), pp=best.pp, tp=best.tp, ep=best.ep, zero=best.zero)
         options = self._pipeline_options
         schedule = self._schedule_given or best.schedule

@@ -108,8 +108,29 @@ def test_fixed_sizes_that_cannot_work_fail_naming_the_constraints():
     assert _nearest(10, lambda n: n % 4 == 0) == [8, 12]
 
 
+def test_the_schedule_virtual_stages_and_microbatches_given_are_what_it_plans_with():
+    model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]
+    free = plan(model, h100, 64, 128, pp=4, tp=8)
+    assert {(c.schedule, c.virtual_stages) for c in free} == {("1f1b", 1), ("interleaved1f1b", 2)}
+    assert len({c.microbatches for c in free}) > 1
+    for given, pairs in (({"schedule": "gpipe"}, {("gpipe", 1)}), ({"virtual_stages": 4}, {("interleaved1f1b", 4)}),
+                         ({"schedule": "zbvzerobubble"}, {("zbvzerobubble", 2)})):
+        assert {(c.schedule, c.virtual_stages) for c in plan(model, h100, 64, 128, pp=4, tp=8, **given)} == pairs
+    assert {c.microbatches for c in plan(model, h100, 64, 128, pp=4, tp=8, microbatches=8)} == {8}
+    # GPipe runs all forwards first: its first stage holds every microbatch's activations, 1F1B's only pp of them
+    one_f_one_b, gpipe = (plan(model, h100, 64, 128, pp=4, tp=8, zero=1, recompute=False, microbatches=16,
+                               schedule=schedule)[0] for schedule in ("1f1b", "gpipe"))
+    # less the last stage's fp32 logits (and their gradient), the same for both: micro-batch 128 / dp 2 / 16 = 4
+    logits = 2 * model.seq_len * 4 * model.vocab * 4 / 8
+    assert (gpipe.activation_bytes - logits) == pytest.approx(4 * (one_f_one_b.activation_bytes - logits))
+    with pytest.raises(PlanError, match="microbatches=3 must divide a pipelined replica's batch"):
+        plan(model, h100, 64, 128, pp=4, tp=8, microbatches=3)
+
+
 @pytest.mark.parametrize("request_, message", [
     ({"world": 0}, "world=0: a layout needs a whole number of devices"),
+    ({"microbatches": 0}, "microbatches=0: a layout needs a whole number of microbatches"),
+    ({"schedule": "dualpipe"}, "Unknown pipeline schedule 'dualpipe'; choose one of"),
     ({"global_batch": 0}, "global_batch=0: a layout needs a whole number of sequences"),
     ({"tp": 0}, "tp=0 is not a valid size"),
     ({"zero": 4}, "zero=4 is not a ZeRO stage: choose 0"),
@@ -166,6 +187,17 @@ def test_command_line(capsys):
     assert len(rows) == 3 and all(r["fits"] for r in rows)
     assert main(["plan", "--model", "llama3-70b", "--gpus", "24", "--tp", "3"]) == 2
     assert "tp must divide" in capsys.readouterr().err
+    # what the run will use is fixed too: the schedule, microbatches and recomputation
+    pipelined = ["plan", "--model", "llama3-70b", "--gpus", "64", "--pp", "4", "--tp", "8", "--json"]
+    assert main([*pipelined, "--schedule", "gpipe", "--microbatches", "16", "--recompute", "no"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["schedule"], r["microbatches"], r["recompute"]) for r in rows} == {("gpipe", 16, False)}
+    fixed = [*pipelined, "--zero", "1", "--microbatches", "16", "--recompute", "no", "--virtual-stages", "1"]
+    assert main(fixed) == 0
+    (gathered_again,) = json.loads(capsys.readouterr().out)
+    assert main([*fixed, "--keep-gathered-inputs"]) == 0
+    (kept,) = json.loads(capsys.readouterr().out)
+    assert kept["layout"] == gathered_again["layout"] and kept["memory_bytes"] > gathered_again["memory_bytes"]
 
 
 def test_command_line_plans_a_model_given_by_its_shape_as_it_plans_the_same_preset(capsys):

@@ -61,7 +61,7 @@ def test_auto_gathers_again_where_keeping_the_gathered_inputs_would_not_fit():
         best = plan(model, h100, world, batch, dp=dp, pp=pp, tp=tp, recompute=False)[0]
         strategy = SimpleNamespace(_keep_gathered="auto", world_size=world,
                                    _tensor_parallel={"sequence_parallel": True, "keep_gathered_inputs": False})
-        ml.Hybrid3DStrategy._settle_gathered_inputs(strategy, model, h100, best)
+        ml.Hybrid3DStrategy._settle_gathered_inputs(strategy, model, h100, best, best.recompute)
         assert strategy._tensor_parallel["keep_gathered_inputs"] is kept, name
 
 
@@ -95,3 +95,57 @@ def test_a_given_layout_that_cannot_fit_in_memory_is_refused_before_training():
                                         r".* No layout of this world fits\. GPT fits from 4 devices: dp=2 pp=2 tp=1"):
         trainer.fit(module, AdditionDataModule(batch_size=4, train_size=16))
     assert trainer.global_step == 0
+
+
+def _fit_on_one_process(strategy, callbacks=()):
+    from meshlight.demos import AdditionDataModule, LitGPT
+
+    trainer = ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=list(callbacks))
+    module = LitGPT()
+    trainer.fit(module, AdditionDataModule(batch_size=4, train_size=16))
+    return trainer, module
+
+
+def test_the_recomputation_the_layout_was_planned_with_is_what_runs(caplog):
+    from meshlight.parallel.data_parallel import repeated_blocks
+    from meshlight.parallel.planner import HARDWARE, PlanError
+
+    # 7 MB: the tiny GPT's AdamW state and activations fit on one process only when its blocks recompute
+    small = HARDWARE["cpu"].replace(memory=7e6)
+    for sizes in ({}, {"dp": 1, "pp": 1, "tp": 1, "ep": 1, "zero": 0}):  # planned, and a layout given whole
+        strategy = ml.Hybrid3DStrategy(hardware=small, **sizes)
+        with caplog.at_level("INFO"):
+            trainer, module = _fit_on_one_process(strategy)
+        assert strategy.plan[0].recompute, strategy.plan[0].describe()
+        assert all(block._meshlight_recompute for block in repeated_blocks(module)), sizes
+        assert trainer.global_step == 1
+        assert "Every block recomputes its activations in backward, as planned" in caplog.text
+        caplog.clear()
+    # told not to recompute: refused before training, naming what would fit
+    with pytest.raises(PlanError, match=r"It fits as dp=1 pp=1 tp=1 zero=\d recompute: leave recompute to the"
+                                        r" planner\."):
+        _fit_on_one_process(ml.Hybrid3DStrategy(hardware=small, recompute=False))
+    with pytest.raises(PlanError, match=r"dp=1 .* is not expected to fit .* Nearest layouts that fit: dp=1 pp=1 tp=1"
+                                        r" zero=\d recompute"):
+        _fit_on_one_process(ml.Hybrid3DStrategy(dp=1, pp=1, tp=1, ep=1, zero=0, recompute=False, hardware=small))
+
+
+def test_an_activation_checkpointing_callback_is_what_the_planner_plans_with():
+    from meshlight.callbacks import ActivationCheckpointing
+    from meshlight.parallel.data_parallel import repeated_blocks
+    from meshlight.parallel.planner import HARDWARE
+
+    small = HARDWARE["cpu"].replace(memory=7e6)
+    # every second block: the memory check counts it as full recomputation (it refuses only what cannot fit)
+    strategy = ml.Hybrid3DStrategy(hardware=small)
+    trainer, module = _fit_on_one_process(strategy, [ActivationCheckpointing(every_n_blocks=2)])
+    assert strategy.plan[0].recompute and trainer.global_step == 1
+    assert [getattr(block, "_meshlight_recompute", False) for block in repeated_blocks(module)] == [False, True]
+    # with plenty of memory the planner would not recompute, but the callback asked for it
+    strategy = ml.Hybrid3DStrategy()
+    _fit_on_one_process(strategy, [ActivationCheckpointing()])
+    assert all(c.recompute for c in strategy.plan)
+    with pytest.raises(ValueError, match=r"recompute=False\) and an ActivationCheckpointing callback both choose"):
+        _fit_on_one_process(ml.Hybrid3DStrategy(recompute=False), [ActivationCheckpointing()])
