@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
+import torch
+
 from meshlight.parallel.pipeline import SCHEDULES
 from meshlight.parallel.planner import (
     HARDWARE,
@@ -23,12 +25,15 @@ from meshlight.parallel.planner import (
     format_plan,
     more_devices_hint,
     plan,
+    precision_bytes,
     shown_layouts,
 )
 from meshlight.parallel.presets import GB
 
 __all__ = ["main"]
 
+#: ``--precision``: Lightning's precision flag and the MixedPrecision callback's parameter dtype it stands for
+PRECISIONS = {"bf16": ("32-true", torch.bfloat16), "bf16-mixed": ("bf16-mixed", None), "32-true": ("32-true", None)}
 TOKENS_PER_STEP = 4 * 2**20  # default global batch: about 4M tokens, as large pretraining runs use
 #: ``meshlight plan``'s model-shape flags: the ModelSpec field each sets, and what it means
 SHAPE_FLAGS = {
@@ -60,6 +65,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner.add_argument("--gpus-per-node", type=int, help="devices per node (default: the preset's)")
     planner.add_argument("--gpu-memory", type=float, help="GB of memory per device (default: the preset's)")
     planner.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (default: the preset's)")
+    planner.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
+                         help="bf16: meshlight's MixedPrecision callback (default); bf16-mixed: Lightning's autocast"
+                              " flag (fp32 parameters); 32-true: fp32")
     planner.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: ~4M tokens)")
     for size in ("dp", "pp", "tp", "ep", "zero"):
         planner.add_argument(f"--{size}", type=int, help=f"fix {size} instead of planning it")
@@ -104,7 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(rows, indent=1))
     else:
         print(f"{model.name} (seq {model.seq_len}, global batch {global_batch}) on {args.gpus} × {hardware.name},"
-              f" {hardware.devices_per_node} per node:")
+              f" {hardware.devices_per_node} per node, precision {args.precision}:")
         print(format_plan(candidates, top=args.top))
         if not candidates[0].fits:
             print(more_devices_hint(model, hardware, args.gpus, global_batch))
@@ -161,7 +169,7 @@ def _hardware_of(args: argparse.Namespace) -> Hardware:
             changed.append(f"{value:g} {unit}")
     if changed:
         changes["name"] = f"{preset.name} with {', '.join(changed)}"
-    return preset.replace(**changes)
+    return preset.replace(**changes, **precision_bytes(*PRECISIONS[args.precision]))
 
 
 def _consolidate(args: argparse.Namespace) -> int:

@@ -49,9 +49,10 @@ from meshlight.parallel.pipeline import SCHEDULES, SINGLE_STAGE
 from meshlight.parallel.presets import GB, HARDWARE, MODELS, Hardware, ModelSpec
 
 __all__ = [
-    "ACHIEVABLE_FRACTION", "HARDWARE", "MODELS", "Candidate", "Hardware", "ModelSpec", "PlanError", "best_per_layout",
-    "detect_hardware", "estimate", "explain", "fewest_devices", "format_plan", "model_spec_of", "model_state_bytes",
-    "more_devices_hint", "nearest_fitting", "plan", "shown_layouts",
+    "ACHIEVABLE_FRACTION", "AUTOCAST_ACTIVATION_BYTES", "HARDWARE", "MODELS", "Candidate", "Hardware", "ModelSpec",
+    "PlanError", "best_per_layout", "detect_hardware", "estimate", "explain", "fewest_devices", "format_plan",
+    "model_spec_of", "model_state_bytes", "more_devices_hint", "nearest_fitting", "plan", "precision_bytes",
+    "shown_layouts",
 ]
 
 #: Fraction of the dense peak that large transformer matmuls reach end to end (Megatron-Core's weak-scaling
@@ -59,6 +60,10 @@ __all__ = [
 ACHIEVABLE_FRACTION = 0.5
 #: Share of device memory the planner lets a layout use (the rest: allocator fragmentation, buffers, CUDA context).
 MEMORY_HEADROOM = 0.9
+#: Bytes autograd keeps per activation value (as :meth:`ModelSpec.activation_values_per_token` counts them) under
+#: autocast to 16 bits: each matmul saves its low-precision cast of the input beside the fp32 values norms and
+#: residuals keep (measured with saved-tensor hooks: 2.69 for a Llama block, 2.50 for a GPT-2 one).
+AUTOCAST_ACTIVATION_BYTES = 2.7
 #: Schedules that run every microbatch's forward before any backward: a stage holds all their activations.
 ALL_FORWARDS_FIRST = ("gpipe", "loopedbfs")
 #: How many times the devices at hand :func:`fewest_devices` looks up to, for a model that fits on none.
@@ -163,6 +168,20 @@ def model_spec_of(module: nn.Module, seq_len: Optional[int] = None) -> ModelSpec
                      ffn_hidden=max(widths, default=4 * hidden), vocab=max(embeddings, default=0),
                      seq_len=seq_len or 2048, experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 1,
                      moe_every=max(len(blocks) // moe_layers, 1) if moe_layers else 1, name=type(module).__name__)
+
+
+def precision_bytes(precision: str, param_dtype: Optional[torch.dtype] = None) -> dict[str, float]:
+    """:class:`Hardware`'s ``param_bytes`` and ``activation_bytes`` for a run with Lightning's ``precision`` flag
+    (``"32-true"``, ``"bf16-mixed"``, …), or with meshlight's ``MixedPrecision`` parameters in ``param_dtype``
+    (which overrides it): fp32 keeps 4 bytes of each, autocast fp32 parameters and
+    :data:`AUTOCAST_ACTIVATION_BYTES`, 16-bit parameters 2 of each."""
+    if param_dtype is not None:
+        size = torch.finfo(param_dtype).bits // 8
+        return {"param_bytes": size, "activation_bytes": size}
+    if precision.endswith("-mixed"):
+        return {"param_bytes": 4, "activation_bytes": AUTOCAST_ACTIVATION_BYTES}
+    size = {"64": 8, "32": 4}.get(precision.split("-")[0], 2)
+    return {"param_bytes": size, "activation_bytes": size}
 
 
 def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:

@@ -127,8 +127,8 @@ class Hardware:
     intra_bandwidth: float  # bytes/s one device sends within a node (NVLink)
     inter_bandwidth: float  # bytes/s one device sends to other nodes (its NIC)
     devices_per_node: int = 8
-    param_bytes: int = 2  # compute copy (bf16); 4 = fp32 training
-    activation_bytes: int = 2
+    param_bytes: int = 2  # compute copy (bf16); 4 = fp32 training (at fit start: the run's precision)
+    activation_bytes: float = 2  # per value autograd saves (autocast: about 2.7)
     latency: float = 2e-5  # seconds per collective, p2p message or pipeline action, whatever its size
     # and per step of a ring collective, within a node and between nodes (NCCL's ring/Simple figures)
     hop_latency_intra: float = 3.4e-6

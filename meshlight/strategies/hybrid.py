@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from meshlight.callbacks.activation_checkpointing import ActivationCheckpointing
+from meshlight.callbacks.mixed_precision import MixedPrecision
 from meshlight.parallel.data_parallel import BlockSelection
 from meshlight.parallel.layout import ParallelLayout
 from meshlight.parallel.pipeline import SINGLE_STAGE
@@ -24,6 +26,7 @@ from meshlight.parallel.planner import (
     more_devices_hint,
     nearest_fitting,
     plan,
+    precision_bytes,
 )
 from meshlight.strategies.mesh import MeshStrategy
 from meshlight.strategies.pipeline_steps import PipelineOptions
@@ -60,7 +63,9 @@ class Hybrid3DStrategy(MeshStrategy):
             projections whole (see :class:`MeshStrategy`) or this rank's share, gathered again; ``"auto"``:
             kept when the planner estimates the layout still fits with them (one all-gather fewer per group),
             else gathered again; gathered again when the planner cannot read the model.
-        hardware: the :class:`~meshlight.parallel.planner.Hardware` the planner assumes (default: detected).
+        hardware: the :class:`~meshlight.parallel.planner.Hardware` the planner assumes (default: detected); its
+            bytes per parameter and per activation value are the run's precision (Lightning's ``precision`` flag,
+            or a :class:`~meshlight.callbacks.MixedPrecision` callback).
         seq_len: sequence length the planner assumes (default: the model config's).
         **kwargs: passed to :class:`MeshStrategy` (``tp_plan``, ``loss_parallel``, ``split``, …).
 
@@ -97,6 +102,7 @@ class Hybrid3DStrategy(MeshStrategy):
             raise ValueError(f"recompute={recompute!r}: give True, False or 'auto' (the planner's choice).")
         self._recompute = recompute
         self.plan: Optional[list[Candidate]] = None  # the planner's ranking, once it ran
+        self.hardware: Optional[Hardware] = None  # the device it assumed, with the run's precision
         schedule = schedule or "1f1b"
         zero = 1 if zero is None else zero
         super().__init__(**_data_sizes(dp, zero), pp=pp or 1, tp=tp or 1, ep=ep or 1, zero=zero,
@@ -121,7 +127,7 @@ class Hybrid3DStrategy(MeshStrategy):
         """Sizes all given: refuse, before training, a layout the planner estimates will not fit in memory,
         naming the nearest layouts that do. Models or sizes the planner cannot read are left to the engines'
         own checks (they name the valid sizes)."""
-        hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)
+        hardware = self._run_hardware()
         batch = _replica_batch(self.lightning_module)
         self._asked_recompute()  # refuse conflicting requests even where the planner cannot read the model
         try:
@@ -141,6 +147,21 @@ class Hybrid3DStrategy(MeshStrategy):
                    + more_devices_hint(model, hardware, self.world_size, local_batch=batch))
             )
         self._settle(model, hardware, self.plan[0])
+
+    def _run_hardware(self) -> Hardware:
+        """The device the planner assumes (given, else detected), with the bytes this run's precision keeps per
+        parameter and per saved activation value."""
+        hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)
+        mixed = self._callback(MixedPrecision)
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        self.hardware = hardware.replace(**precision_bytes(precision, mixed.policy.param_dtype if mixed else None))
+        return self.hardware
+
+    def _callback(self, kind: type[Callback]) -> Any:
+        """The Trainer's last callback of ``kind``, or None. The plan is made before callbacks' ``setup``
+        configures the strategy, so it reads what they will ask for from the callbacks themselves."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return next((c for c in reversed(getattr(trainer, "callbacks", None) or []) if isinstance(c, kind)), None)
 
     def _model_spec(self) -> ModelSpec:
         model = model_spec_of(self.lightning_module, self._seq_len)
@@ -163,14 +184,12 @@ class Hybrid3DStrategy(MeshStrategy):
     def _asked_recompute(self) -> tuple[Optional[bool], bool]:
         """Whether recomputation was asked for (None: the planner chooses), by this strategy's ``recompute`` or an
         ``ActivationCheckpointing`` callback, and whether of every block."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        callbacks = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, ActivationCheckpointing)]
-        if callbacks and self._recompute != "auto":
+        callback = self._callback(ActivationCheckpointing)
+        if callback and self._recompute != "auto":
             raise ValueError(f"Hybrid3DStrategy(recompute={self._recompute}) and an ActivationCheckpointing callback"
                              " both choose what to recompute: keep one of them.")
-        if callbacks:
-            policy = callbacks[-1].policy
-            return True, policy.every_n_blocks == 1 and not policy.module_types
+        if callback:
+            return True, callback.policy.every_n_blocks == 1 and not callback.policy.module_types
         return None if self._recompute == "auto" else self._recompute, True
 
     def _settle(self, model: ModelSpec, hardware: Hardware, best: Candidate) -> None:
@@ -201,7 +220,7 @@ class Hybrid3DStrategy(MeshStrategy):
                           f" {kept.memory_limit / 2**30:.1f} GiB usable)."))
 
     def _choose_layout(self) -> None:
-        hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)
+        hardware = self._run_hardware()
         model = self._model_spec()
         requested = {k: v for k, v in self._requested.items() if v is not None}
         batch = _replica_batch(self.lightning_module)

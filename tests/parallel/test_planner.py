@@ -198,6 +198,10 @@ def test_command_line(capsys):
     assert main([*fixed, "--keep-gathered-inputs"]) == 0
     (kept,) = json.loads(capsys.readouterr().out)
     assert kept["layout"] == gathered_again["layout"] and kept["memory_bytes"] > gathered_again["memory_bytes"]
+    # and the precision: fp32 keeps twice the bytes of bf16 per parameter copy and activation value
+    assert main([*fixed, "--precision", "32-true"]) == 0
+    (fp32,) = json.loads(capsys.readouterr().out)
+    assert fp32["layout"] == gathered_again["layout"] and fp32["memory_bytes"] > 1.3 * gathered_again["memory_bytes"]
 
 
 def test_command_line_plans_a_model_given_by_its_shape_as_it_plans_the_same_preset(capsys):

@@ -97,12 +97,12 @@ def test_a_given_layout_that_cannot_fit_in_memory_is_refused_before_training():
     assert trainer.global_step == 0
 
 
-def _fit_on_one_process(strategy, callbacks=()):
+def _fit_on_one_process(strategy, callbacks=(), **trainer_options):
     from meshlight.demos import AdditionDataModule, LitGPT
 
     trainer = ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=list(callbacks))
+                         callbacks=list(callbacks), **trainer_options)
     module = LitGPT()
     trainer.fit(module, AdditionDataModule(batch_size=4, train_size=16))
     return trainer, module
@@ -149,3 +149,21 @@ def test_an_activation_checkpointing_callback_is_what_the_planner_plans_with():
     assert all(c.recompute for c in strategy.plan)
     with pytest.raises(ValueError, match=r"recompute=False\) and an ActivationCheckpointing callback both choose"):
         _fit_on_one_process(ml.Hybrid3DStrategy(recompute=False), [ActivationCheckpointing()])
+
+
+def test_the_planner_counts_the_bytes_the_runs_precision_keeps():
+    from meshlight.callbacks import MixedPrecision
+    from meshlight.parallel.planner import AUTOCAST_ACTIVATION_BYTES, HARDWARE
+
+    # 7 MB: the tiny GPT fits without recomputation when its activations are 16-bit, not in fp32
+    small = HARDWARE["cpu"].replace(memory=7e6, param_bytes=2, activation_bytes=2)
+    for options, callbacks, (param_bytes, activation_bytes, recompute) in (
+        ({}, [], (4, 4, True)),
+        ({"precision": "bf16-mixed"}, [], (4, AUTOCAST_ACTIVATION_BYTES, False)),
+        ({}, [MixedPrecision("bf16")], (2, 2, False)),
+    ):
+        strategy = ml.Hybrid3DStrategy(hardware=small)
+        trainer, _ = _fit_on_one_process(strategy, callbacks, **options)
+        assert (strategy.hardware.param_bytes, strategy.hardware.activation_bytes) == (param_bytes, activation_bytes)
+        assert strategy.plan[0].recompute is recompute, options
+        assert trainer.global_step == 1

@@ -83,6 +83,20 @@ def test_the_planners_activation_memory_is_what_autograd_saves_per_block(distrib
         assert predicted == pytest.approx(measured, rel=0.02), (tp, predicted, measured)
 
 
+@pytest.mark.parametrize("name", list(tensor_worker.ACTIVATION_CONFIGS))
+def test_the_planners_bytes_per_activation_value_are_what_autograd_saves_under_each_precision(name):
+    # per token: the growth from 2 to 4 sequences (autocast also saves each weight's bf16 cast, once per forward)
+    from meshlight.parallel.planner import AUTOCAST_ACTIVATION_BYTES, ModelSpec
+
+    for autocast, bytes_per_value, tolerance in ((False, 4, 0.02), (True, AUTOCAST_ACTIVATION_BYTES, 0.1)):
+        ((_, two), config), ((_, four), _) = (tensor_worker.saved_activations(name, sequences=n, autocast=autocast)
+                                              for n in (2, 4))
+        measured = (four - two) / (2 * 64 * config.dim)
+        predicted = ModelSpec.from_gpt_config(config).activation_values_per_token(1) / config.dim * bytes_per_value
+        assert measured <= predicted * 1.02 and predicted == pytest.approx(measured, rel=tolerance), (
+            autocast, predicted, measured)
+
+
 def test_clipping_engages_in_the_clipped_control(controls):
     assert max(controls[("gpt", "clip")]["grad_norms"]) > 1.0
 

@@ -58,6 +58,15 @@ def saved_activation_values(name: str, tp: int, keep_gathered_inputs: bool = Fal
     """Values autograd keeps for one block's backward (storages of saved tensors other than parameters, each
     counted once), per token, over the block's width — under tensor and sequence parallelism over all ranks
     when ``tp > 1``; and the model's config."""
+    (values, _), config = saved_activations(name, tp, keep_gathered_inputs)
+    return values / (2 * 64 * config.dim), config
+
+
+def saved_activations(name: str, tp: int = 1, keep_gathered_inputs: bool = False, *, sequences: int = 2,
+                      autocast: bool = False) -> tuple[tuple[int, int], GPTConfig]:
+    """(values, bytes) of the tensors autograd keeps for one block's backward, other than parameters, each
+    storage counted once, for ``sequences`` of 64 tokens (under bf16 ``autocast``: the weights' casts too, once
+    per forward); and the model's config."""
     config = GPTConfig(vocab_size=512, max_seq_len=64, n_layers=2, **ACTIVATION_CONFIGS[name])
     torch.manual_seed(0)
     model = GPT(config)
@@ -65,23 +74,24 @@ def saved_activation_values(name: str, tp: int, keep_gathered_inputs: bool = Fal
         apply_tensor_parallel(model, init_device_mesh("cpu", (tp,)), model_plan(model),
                               keep_gathered_inputs=keep_gathered_inputs)
 
-    def storage(t: torch.Tensor) -> int:
-        return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
 
-    seen, saved = {storage(p) for p in model.parameters()}, []
+    seen, saved = {local(p).untyped_storage().data_ptr() for p in model.parameters()}, []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if storage(t) not in seen:
-            seen.add(storage(t))
-            saved.append((t.to_local() if isinstance(t, DTensor) else t).numel())
+        if local(t).untyped_storage().data_ptr() not in seen:
+            seen.add(local(t).untyped_storage().data_ptr())
+            saved.append((local(t).numel(), local(t).numel() * local(t).element_size()))
         return t
 
-    block, tokens = model.blocks[1], torch.randint(0, config.vocab_size, (2, 64))
+    block, tokens = model.blocks[1], torch.randint(0, config.vocab_size, (sequences, 64))
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
     block.register_forward_pre_hook(lambda *_: hooks.__enter__())
     block.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
-    model(tokens)
-    return sum(saved) / (tokens.numel() * config.dim), config
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(tokens)
+    return (sum(v for v, _ in saved), sum(b for _, b in saved)), config
 
 
 def sharded_fraction(module: pl.LightningModule) -> float:
