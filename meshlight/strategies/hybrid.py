@@ -110,6 +110,8 @@ class Hybrid3DStrategy(MeshStrategy):
                          virtual_stages=_virtual_stages(schedule, pp or 1, virtual_stages),
                          sequence_parallel=sequence_parallel, keep_gathered_inputs=keep_gathered_inputs is True,
                          **kwargs)
+        if recompute is True:
+            self.recompute = BlockSelection()
 
     def _resolve_layout(self) -> Optional[ParallelLayout]:
         if not self._planning:
@@ -196,9 +198,8 @@ class Hybrid3DStrategy(MeshStrategy):
         """Apply what the planner chose for ``best`` beyond the sizes: recomputation, and whether the projections'
         gathered inputs are kept."""
         asked, every_block = self._asked_recompute()
-        if self._recompute is True or (asked is None and best.recompute):
-            self.recompute = BlockSelection()
         if asked is None and best.recompute:
+            self.recompute = BlockSelection()
             rank_zero_info("Every block recomputes its activations in backward, as planned for this layout"
                            " (recompute=False, or an ActivationCheckpointing callback, to choose otherwise).")
         # a callback recomputing some blocks keeps more than full recomputation: judge the gathered inputs without

@@ -130,6 +130,11 @@ def test_the_recomputation_the_layout_was_planned_with_is_what_runs(caplog):
     with pytest.raises(PlanError, match=r"dp=1 .* is not expected to fit .* Nearest layouts that fit: dp=1 pp=1 tp=1"
                                         r" zero=\d recompute"):
         _fit_on_one_process(ml.Hybrid3DStrategy(dp=1, pp=1, tp=1, ep=1, zero=0, recompute=False, hardware=small))
+    # asked for: recomputed, though it fits without
+    strategy = ml.Hybrid3DStrategy(recompute=True)
+    _, module = _fit_on_one_process(strategy)
+    assert all(c.recompute for c in strategy.plan)
+    assert all(block._meshlight_recompute for block in repeated_blocks(module))
 
 
 def test_an_activation_checkpointing_callback_is_what_the_planner_plans_with():
