@@ -30,6 +30,7 @@ __all__ = [
     "PipelineError",
     "StagePlan",
     "build_schedule",
+    "default_virtual_stages",
     "check_chain",
     "find_pipelined_module",
     "materialize",
@@ -51,6 +52,11 @@ SCHEDULES = {
 SINGLE_STAGE = ("gpipe", "1f1b")
 V_PLACEMENT = ("zbvzerobubble", "dualpipev")
 SplitSpec = Union[None, str, Sequence[str]]
+
+
+def default_virtual_stages(schedule: str) -> int:
+    """Stages per rank a schedule runs unless told otherwise: 1 for GPipe and 1F1B, 2 for the rest."""
+    return 1 if schedule in SINGLE_STAGE else 2
 
 
 class PipelineError(ValueError):

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from meshlight.parallel.layout import _check_size, _check_zero, _divisors
-from meshlight.parallel.pipeline import SCHEDULES, SINGLE_STAGE
+from meshlight.parallel.pipeline import SCHEDULES, default_virtual_stages
 from meshlight.parallel.presets import GB, HARDWARE, MODELS, Hardware, ModelSpec
 
 __all__ = [
@@ -307,7 +307,7 @@ def estimate(
 ) -> Candidate:
     """Per-rank memory and step time of one layout (see the module docstring for the model). ``schedule``
     default: 1F1B, interleaved with more than one virtual stage."""
-    schedule = schedule or ("1f1b" if virtual_stages == 1 else "interleaved1f1b")
+    schedule = schedule or _schedule_of(virtual_stages)
     s, h = model.seq_len, model.hidden
     micro_batch = global_batch // dp // microbatches
     layers_per_stage = math.ceil(model.layers / pp)
@@ -447,17 +447,20 @@ class _Pipelines:
         return _microbatch_choices(replica_batch, pp, virtual_stages)
 
 
+def _schedule_of(virtual_stages: int) -> str:
+    """The schedule the planner assumes for this many stages per rank: 1F1B, interleaved beyond one."""
+    return "1f1b" if virtual_stages == 1 else "interleaved1f1b"
+
+
 def _pipeline_choices(schedule: Optional[str], virtual_stages: Optional[int],
                       microbatches: Optional[int]) -> _Pipelines:
     """The schedules a pipelined candidate may run: the one given (virtual stages: those given, else 1 for
     single-stage schedules and 2 for the rest), else 1F1B and Interleaved1F1B with 2 virtual stages (or those
     given)."""
     if schedule is not None:
-        choices = [(schedule, virtual_stages or (1 if schedule in SINGLE_STAGE else 2))]
-    elif virtual_stages is None:
-        choices = [("1f1b", 1), ("interleaved1f1b", 2)]
+        choices = [(schedule, virtual_stages or default_virtual_stages(schedule))]
     else:
-        choices = [("1f1b", 1) if virtual_stages == 1 else ("interleaved1f1b", virtual_stages)]
+        choices = [(_schedule_of(v), v) for v in ([1, 2] if virtual_stages is None else [virtual_stages])]
     return _Pipelines(tuple(choices), microbatches)
 
 

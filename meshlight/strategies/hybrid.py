@@ -12,7 +12,7 @@ from meshlight.callbacks.activation_checkpointing import ActivationCheckpointing
 from meshlight.callbacks.mixed_precision import MixedPrecision
 from meshlight.parallel.data_parallel import BlockSelection
 from meshlight.parallel.layout import ParallelLayout
-from meshlight.parallel.pipeline import SINGLE_STAGE
+from meshlight.parallel.pipeline import default_virtual_stages
 from meshlight.parallel.planner import (
     Candidate,
     Hardware,
@@ -251,7 +251,7 @@ def _data_sizes(dp: Union[int, str, None], zero: int) -> dict[str, Any]:
 
 
 def _virtual_stages(schedule: str, pp: int, given: Optional[int]) -> int:
-    return given or (1 if schedule in SINGLE_STAGE or pp == 1 else 2)
+    return given or (1 if pp == 1 else default_virtual_stages(schedule))
 
 
 def _replica_batch(module: Any) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from meshlight.parallel.pipeline import SINGLE_STAGE, SplitSpec
+from meshlight.parallel.pipeline import SplitSpec, default_virtual_stages
 from meshlight.strategies.mesh import MeshStrategy
 
 __all__ = ["PipelineStrategy"]
@@ -43,7 +43,7 @@ class PipelineStrategy(MeshStrategy):
         **kwargs: Any,
     ) -> None:
         data_parallel = {"dp_replicate": "auto"} if zero == 0 else {"dp_replicate": 1, "dp_shard": "auto"}
-        virtual_stages = virtual_stages or (1 if schedule in SINGLE_STAGE else 2)
+        virtual_stages = virtual_stages or default_virtual_stages(schedule)
         super().__init__(**data_parallel, pp=1 if pp == "auto" else pp, zero=zero, schedule=schedule,
                          microbatches=microbatches, virtual_stages=virtual_stages, split=split, **kwargs)
         self._auto_pp = pp == "auto"
