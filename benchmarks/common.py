@@ -62,27 +62,35 @@ def main_over_world_sizes(script: str, description: str) -> None:
     print(json.dumps([row for n in args.nprocs for row in launch(script, n)], indent=1))
 
 
-def model_state_bytes(trainer: Any, module: Any) -> dict[str, int]:
+def model_state_bytes(trainer: Any, module: Any, *, leave_out_host: bool = False) -> dict[str, int]:
     """Bytes of the storages holding this rank's parameters (gathered and sharded copies), gradients, optimizer
-    state and FSDP's gather buffers, each storage once, FSDP's padding included."""
+    state and FSDP's gather buffers (in flight included), each storage once, FSDP's padding included.
+    ``leave_out_host``: without what FSDP2's CPU offload policy keeps in host memory (the parameter shards, their
+    gradients and the optimizer state), i.e. what stays on the accelerator under the Offload callback."""
     import torch
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    seen: set[int] = set()
+    def storage_of(tensor: torch.Tensor) -> Any:
+        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+
+    optimizer = trainer.optimizers[0]
+    groups = [group for m in trainer.strategy.model.modules() if isinstance(m, FSDPModule)
+              for group in [m._get_fsdp_state()._fsdp_param_group] if group is not None]
+    fsdp_params = [p for group in groups for p in group.fsdp_params]
+    # a unit's gather in flight (prefetched, not yet copied out to its parameters)
+    pending = [group._all_gather_result.all_gather_output for group in groups if group._all_gather_result]
+    host = [t for p in fsdp_params for t in (p.sharded_param, p.sharded_param.grad) if t is not None] + [
+        t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    seen = {storage_of(t).data_ptr() for t in host} if leave_out_host else set()
 
     def storage_bytes(tensor: torch.Tensor) -> int:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storage = local.untyped_storage()
+        storage = storage_of(tensor)
         if storage.nbytes() == 0 or storage.data_ptr() in seen:
             return 0
         seen.add(storage.data_ptr())
         return storage.nbytes()
 
-    optimizer = trainer.optimizers[0]
-    fsdp_params = [p for m in trainer.strategy.model.modules() if isinstance(m, FSDPModule)
-                   for group in [m._get_fsdp_state()._fsdp_param_group] if group is not None
-                   for p in group.fsdp_params]
     # While gathered, the module holds the unsharded parameters; FSDP keeps the shards aside.
     params = [*module.parameters(), *trainer.strategy.model.parameters(), *(p.sharded_param for p in fsdp_params)]
     return {
@@ -90,5 +98,6 @@ def model_state_bytes(trainer: Any, module: Any) -> dict[str, int]:
         "gradients": sum(storage_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": sum(storage_bytes(t) for state in optimizer.state.values() for t in state.values()
                          if isinstance(t, torch.Tensor)),
-        "gathered_buffers": sum(storage_bytes(t) for p in fsdp_params for t in p.all_gather_outputs),
+        "gathered_buffers": sum(storage_bytes(t) for t in [*pending, *(t for p in fsdp_params
+                                                                      for t in p.all_gather_outputs)]),
     }

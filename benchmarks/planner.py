@@ -50,7 +50,15 @@ PUBLISHED = [
 #: FSDP 32 × TP 8) and Table 5 (405B, FSDP 8 × TP 8 × PP 8, Interleaved1F1B, also async TP)
 TORCHTITAN_2D, TORCHTITAN_3D = ("llama3-70b", 829), ("llama3-405b", 128)
 
-CPU_LAYOUTS = {4: [(1, 2, 2), (2, 2, 1)], 8: [(2, 2, 2)]}  # world -> (dp, pp, tp)
+#: world -> (dp, pp, tp, zero, Lightning precision, optimizer offloaded): the parity tests' 3-D layouts in fp32,
+#: bf16 "true" precision (16-bit state), and the Offload callback's optimizer offload, with and without pipelining
+CPU_RUNS = {
+    4: [(1, 2, 2, 1, "32-true", False), (1, 2, 2, 3, "32-true", False), (2, 2, 1, 1, "32-true", False),
+        (2, 2, 1, 3, "32-true", False), (2, 2, 1, 1, "bf16-true", False), (2, 2, 1, 1, "32-true", True),
+        (4, 1, 1, 1, "32-true", True), (4, 1, 1, 2, "32-true", True), (4, 1, 1, 3, "32-true", True)],
+    8: [(2, 2, 2, 1, "32-true", False), (2, 2, 2, 3, "32-true", False), (2, 2, 2, 1, "bf16-true", False),
+        (2, 2, 2, 3, "32-true", True)],
+}
 
 
 def worker() -> None:
@@ -61,49 +69,65 @@ def worker() -> None:
     import torch.distributed as dist
     from common import measuring_trainer_options, model_state_bytes, report
     from lightning.pytorch.callbacks import Callback
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     import meshlight as ml
+    from meshlight.callbacks import Offload
     from meshlight.demos import AdditionDataModule, LitGPT
     from meshlight.models import GPTConfig
-    from meshlight.parallel.planner import HARDWARE, estimate, model_spec_of
+    from meshlight.parallel.planner import HARDWARE, estimate, model_spec_of, precision_bytes
 
     class Probe(Callback):
-        """Peak model-state bytes inside the schedule of step 2: sampled before every module's forward, when
-        earlier micro-batches' gradients and the parameters a stage has gathered are all held."""
+        """Peak model-state bytes inside the schedule of step 2, sampled before every module's forward (when
+        earlier micro-batches' gradients and the parameters a stage has gathered are all held) and before every
+        FSDP unit's post-backward (its gradients whole, not yet reduce-scattered; the next unit prefetched).
+        Under optimizer offload (``on_device``) only what is not in host memory."""
 
-        def __init__(self) -> None:
-            self.bytes, self.handles = 0, []
+        def __init__(self, on_device: bool) -> None:
+            self.bytes, self.handles, self.on_device = 0, [], on_device
 
         def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
             if trainer.global_step == 1 and not self.handles:
                 def sample(*_: object) -> None:
-                    self.bytes = max(self.bytes, sum(model_state_bytes(trainer, module).values()))
+                    held = model_state_bytes(trainer, module, leave_out_host=self.on_device)
+                    self.bytes = max(self.bytes, sum(held.values()))
+
+                post_backward = FSDPParamGroup.post_backward
+
+                def sampled_post_backward(group: FSDPParamGroup, *args: object) -> object:
+                    sample()
+                    return post_backward(group, *args)
+
+                FSDPParamGroup.post_backward = sampled_post_backward  # instrumentation for this step only
                 self.handles = [m.register_forward_pre_hook(sample, prepend=True)
                                 for m in trainer.strategy.model.modules()]
+                self.restore = lambda: setattr(FSDPParamGroup, "post_backward", post_backward)
 
         def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
             if trainer.global_step == 2:
                 for handle in self.handles:
                     handle.remove()
+                self.restore()
 
     world = int(os.environ["WORLD_SIZE"])
     config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=8, bias=False)
     rows = []
-    for dp, pp, tp in CPU_LAYOUTS[world]:
-        for zero in (1, 3):
-            pl.seed_everything(0, verbose=False)
-            module, probe = LitGPT(config), Probe()
-            strategy = ml.Hybrid3DStrategy(dp=dp, pp=pp, tp=tp, zero=zero, microbatches=4)
-            trainer = ml.Trainer(strategy=strategy, **measuring_trainer_options(world, 2, [probe],
-                                                                                accumulate_grad_batches=2))
-            trainer.fit(module, AdditionDataModule(3, batch_size=8, train_size=256))
-            measured = torch.tensor(float(probe.bytes))
-            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-            spec = model_spec_of(LitGPT(config))
-            predicted = estimate(spec, HARDWARE["cpu"], world, 8 * dp, dp, pp, tp, 1, zero, 4, 1, False)
-            rows.append({"layout": f"dp={dp} pp={pp} tp={tp} zero={zero}", "world": world,
-                         "measured_bytes": measured.item(), "predicted_bytes": predicted.model_state_bytes,
-                         "ratio": predicted.model_state_bytes / measured.item()})
+    for dp, pp, tp, zero, precision, offload in CPU_RUNS[world]:
+        pl.seed_everything(0, verbose=False)
+        module, probe = LitGPT(config), Probe(on_device=offload)
+        strategy = ml.Hybrid3DStrategy(dp=dp, pp=pp, tp=tp, zero=zero, microbatches=4 if pp > 1 else None)
+        callbacks = [probe, *([Offload(optimizer=True, pin_memory=False)] if offload else [])]
+        trainer = ml.Trainer(strategy=strategy, precision=precision,
+                             **measuring_trainer_options(world, 2, callbacks, accumulate_grad_batches=2))
+        trainer.fit(module, AdditionDataModule(3, batch_size=8, train_size=256))
+        measured = torch.tensor(float(probe.bytes))
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        hardware = HARDWARE["cpu"].replace(**precision_bytes(precision), offload_optimizer=offload)
+        predicted = estimate(model_spec_of(LitGPT(config)), hardware, world, 8 * dp, dp, pp, tp, 1, zero, 4, 1, False)
+        run = " ".join([*([precision] if precision != "32-true" else []), *(["optimizer offload"] if offload else [])])
+        rows.append({"layout": f"dp={dp} pp={pp} tp={tp} zero={zero}", "run": run or "fp32", "world": world,
+                     "measured_bytes": measured.item(), "predicted_bytes": predicted.model_state_bytes,
+                     "ratio": predicted.model_state_bytes / measured.item()})
     report(rows)
 
 

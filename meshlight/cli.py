@@ -33,7 +33,8 @@ from meshlight.parallel.presets import GB
 __all__ = ["main"]
 
 #: ``--precision``: Lightning's precision flag and the MixedPrecision callback's parameter dtype it stands for
-PRECISIONS = {"bf16": ("32-true", torch.bfloat16), "bf16-mixed": ("bf16-mixed", None), "32-true": ("32-true", None)}
+PRECISIONS = {"bf16": ("32-true", torch.bfloat16), "bf16-mixed": ("bf16-mixed", None), "bf16-true": ("bf16-true", None),
+              "32-true": ("32-true", None)}
 TOKENS_PER_STEP = 4 * 2**20  # default global batch: about 4M tokens, as large pretraining runs use
 #: ``meshlight plan``'s model-shape flags: the ModelSpec field each sets, and what it means
 SHAPE_FLAGS = {
@@ -67,7 +68,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (default: the preset's)")
     planner.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
                          help="bf16: meshlight's MixedPrecision callback (default); bf16-mixed: Lightning's autocast"
-                              " flag (fp32 parameters); 32-true: fp32")
+                              " flag (fp32 parameters); bf16-true: everything in bf16, optimizer state included;"
+                              " 32-true: fp32")
+    planner.add_argument("--offload-optimizer", action="store_true",
+                         help="the Offload callback's optimizer offload: master shards, their gradients and the"
+                              " optimizer state in host memory (memory only: the step time leaves out the copies"
+                              " and the host's optimizer step)")
+    planner.add_argument("--offload-activations", type=float, default=0.0, metavar="SHARE",
+                         help="share of the blocks whose saved activations the Offload callback keeps in host"
+                              " memory (1: every block; 0.5: Offload(activations_every_n_blocks=2))")
     planner.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: ~4M tokens)")
     for size in ("dp", "pp", "tp", "ep", "zero"):
         planner.add_argument(f"--{size}", type=int, help=f"fix {size} instead of planning it")
@@ -112,7 +121,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(rows, indent=1))
     else:
         print(f"{model.name} (seq {model.seq_len}, global batch {global_batch}) on {args.gpus} × {hardware.name},"
-              f" {hardware.devices_per_node} per node, precision {args.precision}:")
+              f" {hardware.devices_per_node} per node, precision {args.precision}"
+              + (", optimizer state in host memory" if args.offload_optimizer else "")
+              + (f", {args.offload_activations:.0%} of the blocks' activations in host memory"
+                 if args.offload_activations else "") + ":")
         print(format_plan(candidates, top=args.top))
         if not candidates[0].fits:
             print(more_devices_hint(model, hardware, args.gpus, global_batch))
@@ -169,7 +181,10 @@ def _hardware_of(args: argparse.Namespace) -> Hardware:
             changed.append(f"{value:g} {unit}")
     if changed:
         changes["name"] = f"{preset.name} with {', '.join(changed)}"
-    return preset.replace(**changes, **precision_bytes(*PRECISIONS[args.precision]))
+    if not 0 <= args.offload_activations <= 1:
+        raise ValueError(f"--offload-activations {args.offload_activations:g}: give a share between 0 and 1")
+    return preset.replace(**changes, **precision_bytes(*PRECISIONS[args.precision]),
+                          offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations)
 
 
 def _consolidate(args: argparse.Namespace) -> int:

@@ -4,16 +4,18 @@ An analytic model, per rank, of what each candidate layout costs:
 
 - **Memory**: parameters, gradients and optimizer state of the rank's share of the model (tensor, pipeline and
   expert splits, then ZeRO over the data ranks, as meshlight's FSDP2 ZeRO holds them: stages 1–2 keep the
-  gathered parameters beside the fp32 shard, stage 1 keeps whole gradients; inside a pipeline schedule every
+  gathered parameters beside the shard, stage 3 a block gathered and the next one's gather in flight, stage 1
+  whole gradients, stages 2–3 one block's whole gradients at a time; inside a pipeline schedule every
   stage peaks as stage 1 does, since PyTorch's schedules keep the parameters gathered and the gradients whole
-  until the schedule's last backward), plus activations: per layer and
+  until the schedule's last backward; at the run's bytes per value — :func:`precision_bytes` — less what the
+  ``Offload`` callback keeps in host memory), plus activations: per layer and
   micro-batch what autograd saves in meshlight's blocks (:meth:`ModelSpec.activation_values_per_token`,
   checked against saved-tensor hooks in the tests; about ``22·h/tp`` values per token for Llama shapes: the
   inputs of the column-parallel projections are kept split and gathered again in backward, as in
   Megatron-Core), the block's input (``h/tp``) with full recomputation plus one
   block's activations while it is recomputed; a 1F1B stage holds ``pp`` micro-batches
   in flight (interleaving multiplies that by ``1 + (pp−1)/(pp·v)``; GPipe and looped BFS hold all of them); the
-  last stage also holds fp32 logits.
+  last stage also holds fp32 logits; blocks whose activations are offloaded keep two blocks' worth in transit.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak (recomputation adds a
   forward), stretched by the pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives
   of the activations per layer and micro-batch, 6 with recomputation) not overlapped; pipeline p2p; data
@@ -171,17 +173,19 @@ def model_spec_of(module: nn.Module, seq_len: Optional[int] = None) -> ModelSpec
 
 
 def precision_bytes(precision: str, param_dtype: Optional[torch.dtype] = None) -> dict[str, float]:
-    """:class:`Hardware`'s ``param_bytes`` and ``activation_bytes`` for a run with Lightning's ``precision`` flag
-    (``"32-true"``, ``"bf16-mixed"``, …), or with meshlight's ``MixedPrecision`` parameters in ``param_dtype``
-    (which overrides it): fp32 keeps 4 bytes of each, autocast fp32 parameters and
-    :data:`AUTOCAST_ACTIVATION_BYTES`, 16-bit parameters 2 of each."""
+    """:class:`Hardware`'s ``param_bytes``, ``activation_bytes`` and ``state_bytes`` for a run with Lightning's
+    ``precision`` flag (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, …), or with meshlight's ``MixedPrecision``
+    parameters in ``param_dtype`` (which overrides it). fp32 keeps 4 bytes of each; autocast keeps fp32
+    parameters and state, and :data:`AUTOCAST_ACTIVATION_BYTES`; ``MixedPrecision`` computes with 16-bit
+    parameters and activations from an fp32 master copy; 16-bit "true" precision keeps 2 bytes of everything,
+    its gradients and the optimizer's moments included."""
     if param_dtype is not None:
         size = torch.finfo(param_dtype).bits // 8
-        return {"param_bytes": size, "activation_bytes": size}
+        return {"param_bytes": size, "activation_bytes": size, "state_bytes": 4}
     if precision.endswith("-mixed"):
-        return {"param_bytes": 4, "activation_bytes": AUTOCAST_ACTIVATION_BYTES}
+        return {"param_bytes": 4, "activation_bytes": AUTOCAST_ACTIVATION_BYTES, "state_bytes": 4}
     size = {"64": 8, "32": 4}.get(precision.split("-")[0], 2)
-    return {"param_bytes": size, "activation_bytes": size}
+    return {"param_bytes": size, "activation_bytes": size, "state_bytes": size}
 
 
 def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:
@@ -316,7 +320,10 @@ def estimate(
     ends = max(model.embedding_params, model.head_params) if pp > 1 else model.embedding_params + model.head_params
     dense = (model.block_params * stage_share + ends) / tp
     experts = model.expert_params * stage_share / (tp * ep)
-    model_state = (model_state_bytes(dense, dp, zero, hw, pipelined=pp > 1)
+    # ZeRO-3 without pipelining keeps the root unit (embedding and head) gathered from forward to backward
+    root = model.embedding_params + model.head_params if pp == 1 else 0
+    block = model.block_params / model.layers / tp
+    model_state = (model_state_bytes(dense, dp, zero, hw, pipelined=pp > 1, block=block, root=root / tp)
                    + model_state_bytes(experts, dp // ep, zero, hw, pipelined=pp > 1))
     # --- activations of the first stage: micro-batches in flight × layers × per-layer bytes
     layer_activations = model.activation_values_per_token(tp) * s * micro_batch * hw.activation_bytes
@@ -326,15 +333,14 @@ def estimate(
     # GPipe and looped BFS run every forward first and hold them all
     interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1
     in_flight = microbatches if schedule in ALL_FORWARDS_FIRST else min(microbatches, pp) * interleave
-    activations = per_layer * layers_per_stage * in_flight
+    # blocks whose activations wait in host memory hold, on the device, the one being computed and the one
+    # brought back ahead of its backward
+    offloaded = hw.offload_activations
+    activations = per_layer * layers_per_stage * in_flight * (1 - offloaded) + (2 * per_layer if offloaded else 0.0)
     if recompute:  # one layer's full activations during its recomputation
         activations += layer_activations
     # fp32 logits and their gradient, on the last stage; added to the first stage's activations (a bound)
     activations += 2 * s * micro_batch * model.vocab * 4 / tp
-    # ZeRO-3 without pipelining keeps the root unit (embedding and head) gathered from forward to backward
-    root = model.embedding_params + model.head_params if pp == 1 else 0
-    if zero == 3:  # a block gathered for compute, and the next one prefetched; and the root
-        activations += (2 * model.block_params / model.layers + root) / tp * hw.param_bytes
     # --- time
     tokens = global_batch * s
     flops = tokens * (model.flops_per_token() + (model.recompute_flops_per_token() if recompute else 0)) / world
@@ -350,7 +356,7 @@ def estimate(
     if pp > 1:  # activations forward and gradients back, and the schedule's actions, per microbatch and stage
         actions = 2 * microbatches * virtual_stages
         p2p = actions * (activation / tp / _bandwidth(hw, 2, world // pp) + 2 * hw.latency)
-    grad_bytes = (dense + experts) * 4
+    grad_bytes = (dense + experts) * hw.state_bytes
     param_bytes = (dense + experts) * hw.param_bytes
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * microbatches}[zero]
     reductions = microbatches if zero >= 2 and pp == 1 else 1  # pipeline schedules reduce once per step
@@ -372,22 +378,32 @@ def estimate(
                      hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(), hw.peak_flops)
 
 
-def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, pipelined: bool = False) -> float:
-    """Bytes of ``params`` parameters (compute copy and fp32 master or shard), their fp32 gradients and Adam's
-    two fp32 moments, data parallel over ``dp`` ranks with ZeRO stage ``zero``, at their peak inside a step
-    (FSDP2: stages 1–2 keep the gathered parameters beside the fp32 shard; stage 1 keeps whole gradients until
-    the step; stage 3 gathers one block at a time, counted with the activations). Inside a pipeline schedule
-    (``pipelined``) PyTorch keeps every stage's parameters gathered after their first backward and defers the
-    gradient reduce-scatter to the schedule's end, so stages 2 and 3 peak where stage 1 does."""
-    if dp == 1:
-        zero = 3  # nothing to shard over: no data-parallel wrapper, the parameters are their own master copy
-    elif pipelined and zero:
+def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, pipelined: bool = False,
+                      block: float = 0.0, root: float = 0.0) -> float:
+    """Bytes of ``params`` parameters (compute copy and master copy or shard), their gradients and Adam's two
+    moments (``hardware.state_bytes`` each: fp32, or 16 bits in "true" 16-bit precision), data parallel over
+    ``dp`` ranks with ZeRO stage ``zero``, at their peak inside a step (FSDP2: stages 1–2 keep the gathered
+    parameters beside the shard; stage 1 keeps whole gradients until the step, stages 2–3 reduce-scatter them
+    one ``block`` of parameters at a time; stage 3 gathers a block for compute and prefetches the next, beside
+    the ``root`` parameters kept gathered from forward to backward). Inside a pipeline schedule (``pipelined``) PyTorch
+    keeps every stage's parameters gathered after their first backward and defers the gradient reduce-scatter to
+    the schedule's end, so stages 2 and 3 peak where stage 1 does. With ``hardware.offload_optimizer`` the
+    shards, their gradients and the optimizer's state are in host memory: the device keeps what is gathered, and
+    whole gradients while they wait to be reduced. Under offload or mixed precision FSDP2 runs every layout, over
+    shard groups of one rank where nothing is sharded (``dp`` = 1)."""
+    state = hardware.state_bytes
+    if dp == 1 and not (hardware.offload_optimizer or hardware.param_bytes != state):
+        return 4 * state * params  # no data-parallel wrapper: parameters, gradients and Adam's two moments
+    if pipelined and zero:
         zero = 1
     shard = params / dp
-    gathered = params * hardware.param_bytes if zero < 3 else 0.0
-    master = 4 * shard if zero else (4 * params if hardware.param_bytes != 4 else 0.0)
-    gradients = 4 * (params if zero <= 1 else shard)
-    optimizer = 8 * (shard if zero else params)
+    gathered = hardware.param_bytes * (params if zero < 3 else min(2 * block + root, params))
+    whole_gradients = state * (params if zero <= 1 else min(block, params))
+    if hardware.offload_optimizer:
+        return gathered + whole_gradients
+    gradients = whole_gradients + (state * shard if zero >= 2 else 0.0)
+    master = state * (shard if zero else params) if hardware.param_bytes != state or zero else 0.0
+    optimizer = 2 * state * (shard if zero else params)
     return gathered + master + gradients + optimizer
 
 

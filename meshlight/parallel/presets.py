@@ -29,6 +29,8 @@ class ModelSpec:
     tie_embeddings: bool = False
     name: str = "model"
     rmsnorm: bool = True  # False: LayerNorm (what a norm keeps for backward differs)
+    bias: bool = False  # biases in the blocks' Linears and LayerNorms (GPT-2 style; experts have none)
+    positions: int = 0  # rows of a learned position embedding (0: rotary, or none)
     #: tensor parallelism's ``keep_gathered_inputs``: the projections' gathered inputs stay whole for backward
     keep_gathered_inputs: bool = False
 
@@ -51,7 +53,11 @@ class ModelSpec:
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden
+        return (self.vocab + self.positions) * self.hidden
+
+    @property
+    def norm_params(self) -> int:
+        return self.hidden * (2 if self.bias and not self.rmsnorm else 1)
 
     @property
     def head_params(self) -> int:
@@ -64,13 +70,16 @@ class ModelSpec:
     @property
     def block_params(self) -> int:
         """Dense (non-expert) parameters of all blocks: attention, norms, dense MLPs and routers."""
-        dense_mlps = (self.layers - self.moe_layers) * self.mlp_params
-        return self.layers * (self.attention_params + 2 * self.hidden) + dense_mlps + self.moe_layers * (
+        kv = self.kv_heads * self.head_dim
+        attention = self.attention_params + (self.heads * self.head_dim + 2 * kv + self.hidden if self.bias else 0)
+        mlp = self.mlp_params + ((2 if self.swiglu else 1) * self.ffn_hidden + self.hidden if self.bias else 0)
+        dense_mlps = (self.layers - self.moe_layers) * mlp
+        return self.layers * (attention + 2 * self.norm_params) + dense_mlps + self.moe_layers * (
             self.hidden * self.experts)
 
     @property
     def params(self) -> int:
-        return self.block_params + self.expert_params + self.embedding_params + self.head_params + self.hidden
+        return self.block_params + self.expert_params + self.embedding_params + self.head_params + self.norm_params
 
     @property
     def active_params(self) -> int:
@@ -111,7 +120,8 @@ class ModelSpec:
                    ffn_hidden=config.ffn_dim, vocab=config.vocab_size, seq_len=seq_len or config.max_seq_len,
                    swiglu=config.mlp == "swiglu", experts=moe.num_experts if moe else 0,
                    top_k=moe.top_k if moe else 1, moe_every=config.moe_every, tie_embeddings=config.tie_embeddings,
-                   name="GPT", rmsnorm=config.norm == "rmsnorm")
+                   name="GPT", rmsnorm=config.norm == "rmsnorm", bias=config.bias,
+                   positions=config.max_seq_len if config.positions == "learned" else 0)
 
     def replace(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)
@@ -119,7 +129,8 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Hardware:
-    """One kind of device and the links between them."""
+    """One kind of device and the links between them; and what a run keeps in its memory per value (the
+    precision; what the ``Offload`` callback moves to host memory instead)."""
 
     name: str
     memory: float  # bytes per device
@@ -129,6 +140,9 @@ class Hardware:
     devices_per_node: int = 8
     param_bytes: int = 2  # compute copy (bf16); 4 = fp32 training (at fit start: the run's precision)
     activation_bytes: float = 2  # per value autograd saves (autocast: about 2.7)
+    state_bytes: int = 4  # per value of the master copy, gradients and Adam's moments (16-bit "true" precision: 2)
+    offload_optimizer: bool = False  # master shards, their gradients and the optimizer's state in host memory
+    offload_activations: float = 0.0  # share of the blocks whose saved activations wait in host memory
     latency: float = 2e-5  # seconds per collective, p2p message or pipeline action, whatever its size
     # and per step of a ring collective, within a node and between nodes (NCCL's ring/Simple figures)
     hop_latency_intra: float = 3.4e-6

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
 
 from meshlight.callbacks.activation_checkpointing import ActivationCheckpointing
 from meshlight.callbacks.mixed_precision import MixedPrecision
-from meshlight.parallel.data_parallel import BlockSelection
+from meshlight.callbacks.offload import Offload
+from meshlight.parallel.data_parallel import BlockSelection, repeated_blocks
 from meshlight.parallel.layout import ParallelLayout
+from meshlight.parallel.offload import OffloadPolicy
 from meshlight.parallel.pipeline import default_virtual_stages
 from meshlight.parallel.planner import (
     Candidate,
@@ -64,8 +68,9 @@ class Hybrid3DStrategy(MeshStrategy):
             kept when the planner estimates the layout still fits with them (one all-gather fewer per group),
             else gathered again; gathered again when the planner cannot read the model.
         hardware: the :class:`~meshlight.parallel.planner.Hardware` the planner assumes (default: detected); its
-            bytes per parameter and per activation value are the run's precision (Lightning's ``precision`` flag,
-            or a :class:`~meshlight.callbacks.MixedPrecision` callback).
+            bytes per parameter, activation value and value of state are the run's precision (Lightning's
+            ``precision`` flag, or a :class:`~meshlight.callbacks.MixedPrecision` callback), and what an
+            :class:`~meshlight.callbacks.Offload` callback moves to host memory is left out (on GPUs).
         seq_len: sequence length the planner assumes (default: the model config's).
         **kwargs: passed to :class:`MeshStrategy` (``tp_plan``, ``loss_parallel``, ``split``, …).
 
@@ -152,11 +157,13 @@ class Hybrid3DStrategy(MeshStrategy):
 
     def _run_hardware(self) -> Hardware:
         """The device the planner assumes (given, else detected), with the bytes this run's precision keeps per
-        parameter and per saved activation value."""
+        parameter, activation value and value of state, and what an ``Offload`` callback moves to host memory."""
         hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)
-        mixed = self._callback(MixedPrecision)
+        mixed, offload = self._callback(MixedPrecision), self._callback(Offload)
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-        self.hardware = hardware.replace(**precision_bytes(precision, mixed.policy.param_dtype if mixed else None))
+        self.hardware = hardware.replace(
+            **precision_bytes(precision, mixed.policy.param_dtype if mixed else None),
+            **_offloaded(offload.policy if offload else None, self.lightning_module, self.root_device))
         return self.hardware
 
     def _callback(self, kind: type[Callback]) -> Any:
@@ -243,6 +250,20 @@ class Hybrid3DStrategy(MeshStrategy):
         self._pipeline_options = PipelineOptions(
             schedule, options.microbatches or (best.microbatches if best.pp > 1 else None),
             _virtual_stages(schedule, best.pp, self._virtual_given), options.split)
+
+
+def _offloaded(policy: Optional[OffloadPolicy], module: nn.Module, device: torch.device) -> dict[str, Any]:
+    """:class:`Hardware`'s ``offload_optimizer`` and ``offload_activations`` for what ``policy`` moves out of
+    ``device``'s memory: nothing on a CPU, where host memory is the device's; activations only from CUDA
+    devices; the share of ``module``'s repeated blocks whose activations it offloads."""
+    if policy is None or device.type == "cpu":
+        return {}
+    share = 0.0
+    if policy.activations is not None and device.type == "cuda":
+        chosen = {id(m) for m in policy.activations.select(module)}
+        blocks = repeated_blocks(module)
+        share = sum(id(block) in chosen for block in blocks) / len(blocks) if blocks else 0.0
+    return {"offload_optimizer": policy.optimizer, "offload_activations": share}
 
 
 def _data_sizes(dp: Union[int, str, None], zero: int) -> dict[str, Any]:

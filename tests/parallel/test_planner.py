@@ -18,11 +18,13 @@ from meshlight.parallel.planner import (
     _ring_latency,
     best_per_layout,
     detect_hardware,
+    estimate,
     fewest_devices,
     format_plan,
     model_spec_of,
     model_state_bytes,
     plan,
+    precision_bytes,
 )
 from tests.strategies.llama import LitLlama
 
@@ -43,10 +45,47 @@ def test_model_state_is_the_zero_formula_as_fsdp2_holds_it(world):
         assert model_state_bytes(psi, world, zero, CPU, pipelined=True) == model_state_bytes(psi, world, 1, CPU)
 
 
+@pytest.mark.parametrize("world", [1, 4])
+def test_model_state_follows_the_precision_and_what_is_offloaded(world):
+    psi, block, root = 1000, 100, 50
+    # bf16 "true" precision: every copy, gradient and moment in 16 bits, half of fp32's bytes whatever the stage
+    bf16_true = CPU.replace(**precision_bytes("bf16-true"))
+    for zero in (0, 1, 2, 3):
+        for pipelined in (False, True):
+            fp32 = model_state_bytes(psi, world, zero, CPU, pipelined=pipelined, block=block, root=root)
+            half = model_state_bytes(psi, world, zero, bf16_true, pipelined=pipelined, block=block, root=root)
+            assert half == pytest.approx(fp32 / 2)
+    # MixedPrecision: FSDP2 runs even on one data rank, bf16 compute copies beside the fp32 master parameters
+    mixed = CPU.replace(**precision_bytes("32-true", torch.bfloat16))
+    expected = 2 * psi + 4 * psi / world + 4 * psi + 8 * psi / world  # copy, master shard, gradients, moments
+    assert model_state_bytes(psi, world, 1, mixed) == pytest.approx(expected)
+    # optimizer offload: the device keeps the gathered parameters, and gradients whole until they are reduced
+    offload = CPU.replace(offload_optimizer=True)
+    assert model_state_bytes(psi, world, 1, offload, block=block) == 8 * psi
+    assert model_state_bytes(psi, world, 2, offload, block=block) == 4 * psi + 4 * block
+    assert model_state_bytes(psi, world, 3, offload, block=block, root=root) == 4 * (2 * block + root) + 4 * block
+    assert model_state_bytes(psi, world, 3, offload, pipelined=True) == 8 * psi
+
+
+def test_activations_offloaded_from_every_block_do_not_grow_with_depth():
+    def activations(layers: int, share: float) -> float:
+        model = MODELS["llama3-8b"].replace(layers=layers)
+        hardware = HARDWARE["h100"].replace(offload_activations=share)
+        return estimate(model, hardware, 8, 64, 1, 4, 2, 1, 0, 16, 1, False).activation_bytes
+
+    assert activations(64, 1.0) == pytest.approx(activations(32, 1.0))
+    assert activations(32, 0.0) > 3 * activations(32, 1.0)
+    # every other block: about half way (two blocks' worth in transit besides)
+    assert activations(32, 1.0) < activations(32, 0.5) < activations(32, 0.0)
+    assert activations(32, 0.5) == pytest.approx((activations(32, 0.0) + activations(32, 1.0)) / 2, rel=0.05)
+
+
 @pytest.mark.parametrize("moe", [False, True])
-def test_model_view_matches_the_gpt_it_reads(moe):
-    config = GPTConfig(vocab_size=512, max_seq_len=64, n_layers=4, dim=64, n_heads=4, n_kv_heads=2, mlp="swiglu",
-                       norm="rmsnorm", positions="rotary", bias=False,
+@pytest.mark.parametrize("gpt2", [False, True])  # Llama-like, or with biases, LayerNorm and learned positions
+def test_model_view_matches_the_gpt_it_reads(moe, gpt2):
+    style = dict(mlp="gelu", norm="layernorm", positions="learned", bias=True) if gpt2 else dict(
+        mlp="swiglu", norm="rmsnorm", positions="rotary", bias=False)
+    config = GPTConfig(vocab_size=512, max_seq_len=64, n_layers=4, dim=64, n_heads=4, n_kv_heads=2, **style,
                        moe=MoEConfig(num_experts=4, top_k=2) if moe else None, moe_every=2)
     model, spec = GPT(config), model_spec_of(GPT(config))
     assert spec.params == sum(p.numel() for p in model.parameters())
@@ -161,7 +200,8 @@ def test_nothing_fitting_is_reported_not_chosen_and_the_fewest_devices_that_fit_
     table = format_plan(candidates, top=3).splitlines()
     assert table[1].startswith(min(candidates, key=lambda c: c.memory_bytes).describe())
     fewest = fewest_devices(model, h100, 8, 512)
-    assert fewest.fits and fewest.world == 112, fewest.describe()
+    # 16 nodes: on 14 (dp=1 pp=14 tp=8) the MixedPrecision callback's bf16 copies do not fit beside the fp32 state
+    assert fewest.fits and fewest.world == 128, fewest.describe()
 
     def fits(world):
         try:
@@ -169,9 +209,9 @@ def test_nothing_fitting_is_reported_not_chosen_and_the_fewest_devices_that_fit_
         except PlanError:
             return False
 
-    assert not any(fits(world) for world in range(16, 112, 8))  # whole nodes below it: none fits
+    assert not any(fits(world) for world in range(16, 128, 8))  # whole nodes below it: none fits
     assert main(["plan", "--model", "llama3-405b", "--gpus", "8", "--global-batch", "512"]) == 0
-    assert f"Llama 3.1 405B fits from 112 devices: {fewest.describe()}" in capsys.readouterr().out
+    assert f"Llama 3.1 405B fits from 128 devices: {fewest.describe()}" in capsys.readouterr().out
 
 
 def test_cpu_hardware_shares_the_node_memory():
@@ -202,6 +242,20 @@ def test_command_line(capsys):
     assert main([*fixed, "--precision", "32-true"]) == 0
     (fp32,) = json.loads(capsys.readouterr().out)
     assert fp32["layout"] == gathered_again["layout"] and fp32["memory_bytes"] > 1.3 * gathered_again["memory_bytes"]
+    # bf16 "true" precision keeps no fp32 state: 7 bytes per parameter where the MixedPrecision callback keeps 12
+    # (bf16 copy, fp32 master shard, fp32 gradients and moments; ZeRO-1 over 2 ranks), most of it once blocks recompute
+    recomputed = [*pipelined, "--zero", "1", "--global-batch", "32", "--microbatches", "16", "--recompute", "yes"]
+    (mixed,), (bf16_true,) = [json.loads(capsys.readouterr().out) for precision in ("bf16", "bf16-true")
+                              if main([*recomputed, "--precision", precision]) == 0]
+    assert bf16_true["memory_bytes"] < 0.7 * mixed["memory_bytes"]
+    # 405B fits no layout of 64 H100s, unless the optimizer state waits in host memory
+    big = ["plan", "--model", "llama3-405b", "--gpus", "64", "--json", "--top", "1"]
+    for flags, fits in (([], False), (["--offload-optimizer"], True), (["--offload-activations", "1"], False)):
+        assert main([*big, *flags]) == 0
+        assert json.loads(capsys.readouterr().out)[0]["fits"] is fits, flags
+    with pytest.raises(SystemExit):
+        main([*big, "--offload-activations", "2"])
+    assert "give a share between 0 and 1" in capsys.readouterr().err
 
 
 def test_command_line_plans_a_model_given_by_its_shape_as_it_plans_the_same_preset(capsys):

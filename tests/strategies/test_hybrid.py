@@ -91,8 +91,8 @@ def test_a_given_layout_that_cannot_fit_in_memory_is_refused_before_training():
     trainer = ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False)
     module = LitGPT()
-    with pytest.raises(PlanError, match=r"dp=1 \(.*\) · pp=1 · tp=1 · ep=1 is not expected to fit GPT.* needs "
-                                        r".* No layout of this world fits\. GPT fits from 4 devices: dp=2 pp=2 tp=1"):
+    with pytest.raises(PlanError, match=r"dp=1 \(.*\) · pp=1 · tp=1 · ep=1 is not expected to fit GPT.* needs .* No"
+                                        r" layout of this world fits\. GPT fits from 4 devices: dp=\d pp=\d tp=\d"):
         trainer.fit(module, AdditionDataModule(batch_size=4, train_size=16))
     assert trainer.global_step == 0
 
@@ -162,13 +162,42 @@ def test_the_planner_counts_the_bytes_the_runs_precision_keeps():
 
     # 7 MB: the tiny GPT fits without recomputation when its activations are 16-bit, not in fp32
     small = HARDWARE["cpu"].replace(memory=7e6, param_bytes=2, activation_bytes=2)
-    for options, callbacks, (param_bytes, activation_bytes, recompute) in (
-        ({}, [], (4, 4, True)),
-        ({"precision": "bf16-mixed"}, [], (4, AUTOCAST_ACTIVATION_BYTES, False)),
-        ({}, [MixedPrecision("bf16")], (2, 2, False)),
+    for options, callbacks, (param_bytes, activation_bytes, state_bytes, recompute) in (
+        ({}, [], (4, 4, 4, True)),
+        ({"precision": "bf16-mixed"}, [], (4, AUTOCAST_ACTIVATION_BYTES, 4, False)),
+        ({}, [MixedPrecision("bf16")], (2, 2, 4, False)),
+        ({"precision": "bf16-true"}, [], (2, 2, 2, False)),
     ):
         strategy = ml.Hybrid3DStrategy(hardware=small)
-        trainer, _ = _fit_on_one_process(strategy, callbacks, **options)
-        assert (strategy.hardware.param_bytes, strategy.hardware.activation_bytes) == (param_bytes, activation_bytes)
+        trainer, module = _fit_on_one_process(strategy, callbacks, **options)
+        hardware = strategy.hardware
+        assert (hardware.param_bytes, hardware.activation_bytes, hardware.state_bytes) == (
+            param_bytes, activation_bytes, state_bytes)
         assert strategy.plan[0].recompute is recompute, options
         assert trainer.global_step == 1
+        if param_bytes == state_bytes:  # one process, no FSDP: what autograd and AdamW hold is all there is
+            held = sum(t.untyped_storage().nbytes() for p in module.parameters() for t in (p, p.grad))
+            held += sum(t.untyped_storage().nbytes() for state in trainer.optimizers[0].state.values()
+                        for t in state.values() if t.dim())
+            assert strategy.plan[0].model_state_bytes == pytest.approx(held, rel=0.02), options
+
+
+def test_an_offload_callback_is_what_the_planner_plans_with():
+    from meshlight.callbacks import Offload
+    from meshlight.demos import LitGPT
+    from meshlight.parallel.data_parallel import BlockSelection, repeated_blocks
+    from meshlight.parallel.offload import OffloadPolicy
+    from meshlight.strategies.hybrid import _offloaded
+
+    module, cuda = LitGPT(), torch.device("cuda")
+    assert _offloaded(OffloadPolicy(), module, cuda) == {"offload_optimizer": True, "offload_activations": 0.0}
+    every_other = OffloadPolicy(optimizer=False, activations=BlockSelection(every_n_blocks=2))
+    assert _offloaded(every_other, module, cuda) == {"offload_optimizer": False, "offload_activations": 0.5}
+    block_type = type(repeated_blocks(module)[0])
+    by_type = OffloadPolicy(activations=BlockSelection(module_types=(block_type,)))
+    assert _offloaded(by_type, module, cuda)["offload_activations"] == 1.0
+    # a CPU's host memory is its memory: offloading frees none, and the plan counts everything
+    assert _offloaded(OffloadPolicy(), module, torch.device("cpu")) == {}
+    strategy = ml.Hybrid3DStrategy()
+    _fit_on_one_process(strategy, [Offload(optimizer=True, pin_memory=False)])
+    assert not strategy.hardware.offload_optimizer and strategy.hardware.offload_activations == 0
