@@ -12,9 +12,10 @@ published ÷ 1.445, torchtitan's own measured Float8-tensorwise speedup on the s
 tp and chooses the rest (ZeRO stage, microbatches, virtual stages, recomputation) for the prediction.
 
 Also, on CPU processes, the planner's per-rank model-state estimate (most loaded pipeline stage) ÷ the peak
-bytes meshlight actually holds inside a step (max over ranks, sampled before every module's forward through
-the two micro-batches of an accumulation window) for the 3-D layouts of the parity tests, 8-block GPT-tiny
-(target within 10%).
+bytes meshlight actually holds inside a step (max over ranks, sampled before every module's forward and every
+FSDP unit's post-backward through the two micro-batches of an accumulation window) for the 3-D layouts of the
+parity tests in fp32, some in bf16-true, and layouts with and without pipelining under the Offload callback's
+optimizer offload (what is not in host memory), 8-block GPT-tiny (target within 10%).
 
     python benchmarks/planner.py [--nprocs 4 8]      # prints JSON
 """

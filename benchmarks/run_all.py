@@ -209,16 +209,20 @@ def planner_section(result: dict) -> str:
         "top layouts lie within a few percent of each other.",
         "",
         "Memory, same command: the planner's model-state estimate for the most loaded stage ÷ the peak bytes",
-        "meshlight holds inside a step (max over ranks; sampled before every module's forward through the two",
-        "micro-batches of an accumulation window), 8-block GPT-tiny on CPU processes (fp32 AdamW). Target within 10%.",
+        "meshlight holds inside a step (max over ranks; sampled before every module's forward and before every FSDP",
+        "unit's post-backward — its gradients whole, the next unit's gather in flight — through the two micro-batches",
+        "of an accumulation window), 8-block GPT-tiny on CPU processes, AdamW: fp32, `precision=\"bf16-true\"` (16-bit",
+        "gradients and moments too), and the `Offload` callback's optimizer offload (counted: what FSDP2's CPU offload",
+        "policy does not keep in host memory — gathered parameters, whole gradients, gather buffers). Target within"
+        " 10%.",
         "",
-        "| layout | processes | measured (bytes) | planner (bytes) | ratio | target |",
-        "|---|---:|---:|---:|---:|---|",
+        "| layout | run | processes | measured (bytes) | planner (bytes) | ratio | target |",
+        "|---|---|---:|---:|---:|---:|---|",
     ]
     for r in result["memory"]:
         ok = "met" if abs(r["ratio"] - 1) <= 0.10 else "**not met**"
-        lines.append(f"| {r['layout']} | {r['world']} | {r['measured_bytes']:,.0f} | {r['predicted_bytes']:,.0f} |"
-                     f" {r['ratio']:.3f} | {ok} |")
+        lines.append(f"| {r['layout']} | {r['run']} | {r['world']} | {r['measured_bytes']:,.0f} |"
+                     f" {r['predicted_bytes']:,.0f} | {r['ratio']:.3f} | {ok} |")
     return "\n".join(lines)
 
 
