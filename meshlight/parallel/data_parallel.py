@@ -28,7 +28,7 @@ stage, so per-rank memory after a step is at most the classic ZeRO formula for t
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshlight.parallel.expert import expert_data_mesh
 from meshlight.parallel.layout import axis
-from meshlight.parallel.precision import PrecisionPolicy
+from meshlight.parallel.precision import FP32_UNIT, PrecisionPolicy, keep_fp32
 
 __all__ = [
     "BlockSelection",
@@ -120,6 +120,7 @@ def apply_data_parallel(
     experts: Sequence[nn.Module] = (),
     precision: Optional[PrecisionPolicy] = None,
     cpu_offload: Optional[CPUOffloadPolicy] = None,
+    compile_arguments: Optional[Mapping[str, Any]] = None,
 ) -> nn.Module:
     """Make ``module`` data parallel in place over ``mesh``'s data axes with ZeRO stage ``zero``.
 
@@ -133,6 +134,8 @@ def apply_data_parallel(
     ``precision`` (mixed precision, :mod:`meshlight.parallel.precision`) and ``cpu_offload`` (parameter shards,
     gradients and optimizer state in host memory, :mod:`meshlight.parallel.offload`) are FSDP2 policies: with
     either, data parallelism always runs on FSDP2 — over shard groups of one rank where the layout shards nothing.
+    ``compile_arguments``: ``torch.compile``'s, where blocks are compiled; the modules mixed precision keeps in
+    fp32 (:func:`~meshlight.parallel.precision.keep_fp32`) are compiled with them too.
     """
     policies: dict[str, Any] = {"offload_policy": cpu_offload} if cpu_offload is not None else {}
     on_fsdp = precision is not None or cpu_offload is not None
@@ -149,8 +152,9 @@ def apply_data_parallel(
     shard = functools.partial(fully_shard, mesh=dp_mesh, reshard_after_forward=zero == 3, ignored_params=ignored,
                               **policies)
     if precision is not None:  # fp32 units first: FSDP units nest bottom-up
-        for fp32_module, policy in precision.fp32_units(module):
-            shard(fp32_module, mp_policy=policy)
+        for fp32_module, output_dtype in precision.fp32_units(module):
+            keep_fp32(fp32_module, output_dtype, compile_arguments)
+            shard(fp32_module, mp_policy=FP32_UNIT)
         shard = functools.partial(shard, mp_policy=precision.fsdp)
     for block in repeated_blocks(module) if blocks is None else blocks:
         shard(block)

@@ -22,6 +22,7 @@ from meshlight.parallel.data_parallel import (
     apply_data_parallel,
     broadcast_module_states,
     is_data_parallel,
+    repeated_blocks,
 )
 from meshlight.parallel.expert import apply_expert_parallel, expert_layers, sharded_experts
 from meshlight.parallel.layout import ParallelLayout, axis
@@ -83,12 +84,19 @@ def parallelize(
                               loss_parallel=loss_parallel, keep_gathered_inputs=keep_gathered_inputs)
     if moe_layers:
         apply_expert_parallel(module, mesh, layout.ep)
-    if recompute is not None:
-        apply_recompute(module, recompute)
-    if compile is not None:
-        apply_compile(module, compile)
+    # Recomputation runs inside the compiled block, where the compiler sees what it recomputes — unless the blocks
+    # hold FSDP units of their own (the modules mixed precision keeps in fp32), whose hooks dynamo does not trace:
+    # a break inside the recomputed region would run the whole block eagerly, so there the compiled pieces run
+    # inside the recomputation instead.
+    transforms = [(apply_recompute, recompute), (apply_compile, compile)]
+    if precision is not None and any(precision.fp32_units(block) for block in repeated_blocks(module)):
+        transforms.reverse()
+    for apply, policy in transforms:
+        if policy is not None:
+            apply(module, policy)
     if offload is not None and offload.activations is not None:
         apply_activation_offload(module, offload.activations, offload.pin_memory)
     cpu_offload = offload.fsdp if offload is not None else None
     return apply_data_parallel(module, mesh, layout.zero, ddp_kwargs=ddp_kwargs, pipelined=layout.pp > 1,
-                               experts=sharded_experts(module), precision=precision, cpu_offload=cpu_offload)
+                               experts=sharded_experts(module), precision=precision, cpu_offload=cpu_offload,
+                               compile_arguments=compile.arguments if compile is not None else None)

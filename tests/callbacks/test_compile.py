@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
-from meshlight.callbacks import ActivationCheckpointing, Compile
+from meshlight.callbacks import ActivationCheckpointing, Compile, MixedPrecision
 from meshlight.models import GPT, GPTConfig
 from meshlight.parallel.compile import CompilePolicy, apply_compile
 from meshlight.parallel.data_parallel import BlockSelection
+from meshlight.parallel.precision import is_norm
 from tests.strategies.parity import assert_parity, train
 
 DENSE_RUNS = ["ddp", "zero3 recompute", "tp", "pipeline"]
@@ -51,6 +53,26 @@ def test_inductor_matches_eager_with_recomputation_and_keeps_names():
     assert compiled["weights"].keys() == eager["weights"].keys()
     blocks = compiled["module"].model.blocks
     assert all(hasattr(block.forward, "_torchdynamo_orig_callable") for block in blocks)
+
+
+def test_mixed_precision_norms_compile_once_and_recomputed_blocks_stay_compiled():
+    # Mixed precision keeps each norm fp32 as an FSDP unit of its own, whose hooks dynamo does not trace. Its
+    # casts and computation compile with it, one compilation for every norm; and recomputation runs around the
+    # block's compiled pieces: inside one compiled region, the break would have run every block eagerly.
+    captured = {}
+    for name, extra in (("eager", []), ("compiled", [Compile(backend="aot_eager")]),
+                        ("recomputed", [ActivationCheckpointing(), Compile(backend="aot_eager")])):
+        torch._dynamo.reset()
+        counters.clear()
+        captured[name] = train("adamw", "ddp", callbacks=[MixedPrecision("bf16"), *extra])
+        captured[name]["stats"] = dict(counters["stats"])
+    norms = [m for m in captured["compiled"]["module"].modules() if is_norm(m)]
+    assert all(hasattr(norm.forward.func, "_torchdynamo_orig_callable") for norm in norms)
+    assert captured["compiled"]["stats"]["unique_graphs"] < len(norms)  # not one compilation per norm
+    assert captured["recomputed"]["stats"] == captured["compiled"]["stats"]  # the same operators compiled
+    for name in ("compiled", "recomputed"):
+        torch.testing.assert_close(torch.tensor(captured[name]["losses"]), torch.tensor(captured["eager"]["losses"]),
+                                   rtol=1e-5, atol=0)
 
 
 def test_under_other_strategies_the_lightning_module_is_compiled():

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 import meshlight as ml
 from meshlight.callbacks import MixedPrecision, MixedPrecisionError
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
+from meshlight.parallel.precision import keep_fp32
 
 LOW_PRECISION_RUNS = {  # run -> (reference run, compute dtype)
     "bf16 zero2": ("fp32", "torch.bfloat16"),
@@ -117,3 +119,30 @@ def test_a_lightning_strategy_is_refused_with_the_alternative():
                          callbacks=[MixedPrecision()], enable_progress_bar=False)
     with pytest.raises(MixedPrecisionError, match="precision='bf16-mixed'"):
         _fit(trainer)
+
+
+@pytest.mark.parametrize("fp32_norms", [True, False])
+def test_norms_compute_in_fp32_unless_asked_to_follow_their_block(fp32_norms):
+    seen = {}
+
+    class NormInputs(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            norms = [m for m in module.modules() if isinstance(m, torch.nn.LayerNorm)]
+            for norm in norms:
+                norm.register_forward_hook(lambda norm, args, output: seen.setdefault(
+                    "norm", set()).add((str(norm.weight.dtype), str(output.dtype))))
+
+    _fit(_trainer(strategy="zero2", callbacks=[MixedPrecision("bf16", fp32_norms=fp32_norms), NormInputs()]))
+    # fp32 norms gather fp32 weights and hand their block a bf16 output; otherwise the weights are gathered in bf16
+    weight = "torch.float32" if fp32_norms else "torch.bfloat16"
+    assert seen["norm"] == {(weight, "torch.bfloat16")}
+
+
+def test_a_forward_set_on_a_kept_fp32_module_is_kept_with_the_casts_around_it():
+    # e.g. ActivationCheckpointing(module_types=[nn.LayerNorm]) patches the norm's forward before mixed precision
+    norm, seen = torch.nn.LayerNorm(4), []
+    inner = norm.forward
+    norm.forward = lambda x: seen.append(x.dtype) or inner(x)
+    keep_fp32(norm, torch.bfloat16)
+    assert norm(torch.ones(2, 4, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    assert seen == [torch.float32]

@@ -36,20 +36,28 @@ class Probe(Callback):
         self.finite: list[bool] = []  # after each step, on every rank
         self.inject_inf_at = inject_inf_at
         self._handles: list[Any] = []
+        self._forwards: dict[type, Any] = {}
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         for sub in module.modules():
-            kind = ("linear" if isinstance(sub, nn.Linear) else "router" if isinstance(sub, Router)
-                    else "norm" if is_norm(sub) else None)
-            if kind is not None:
-                self._handles.append(sub.register_forward_pre_hook(self._record(kind)))
+            if isinstance(sub, nn.Linear):
+                self._handles.append(sub.register_forward_pre_hook(lambda sub, args: self._record("linear", sub, args)))
+            elif (isinstance(sub, Router) or is_norm(sub)) and type(sub) not in self._forwards:
+                # what the class's forward computes with: mixed precision casts fp32 modules' inputs inside
+                # their forward (meshlight.parallel.precision.keep_fp32), after any pre-hook
+                kind, cls = "router" if isinstance(sub, Router) else "norm", type(sub)
+                self._forwards[cls] = original = cls.forward
 
-    def _record(self, kind: str) -> Any:
-        def hook(sub: nn.Module, args: tuple) -> None:
-            weight = next(sub.parameters())
-            self.seen.setdefault(kind, set()).add((str(args[0].dtype), str(weight.dtype)))
+                def forward(sub: nn.Module, *args: Any, kind: str = kind, original: Any = original,
+                            **kwargs: Any) -> Any:
+                    self._record(kind, sub, args)
+                    return original(sub, *args, **kwargs)
 
-        return hook
+                cls.forward = forward
+
+    def _record(self, kind: str, sub: nn.Module, args: tuple) -> None:
+        weight = next(sub.parameters())
+        self.seen.setdefault(kind, set()).add((str(args[0].dtype), str(weight.dtype)))
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
         self._before = [_local(p).clone() for p in module.parameters()]
@@ -62,7 +70,9 @@ class Probe(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        for cls, original in self._forwards.items():
+            cls.forward = original
+        self._handles, self._forwards = [], {}
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.scales.append(scaler.get_scale() if scaler is not None else 0.0)
         self.changed.append(any(not torch.equal(_local(p), b) for p, b in zip(module.parameters(), self._before)))
