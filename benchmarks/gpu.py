@@ -3,25 +3,30 @@ trained through ``meshlight.Trainer`` and as the same training written as a plai
 torchtitan's convention (6 × non-embedding parameters + attention FLOPs per token, against the device's dense
 bf16 peak); and what activation checkpointing and offload cost and save in accelerator memory.
 
-Sections (each a list of variants, trained one after another in one process; ``--rounds`` interleaves them so
-drift cancels, and the median is reported):
+Sections (each a list of variants; every run in a fresh process, so its peak and resident bytes are its own;
+``--rounds`` interleaves the variants so drift cancels, and the median is reported):
 
-- ``speed``: ``plain autocast`` (fp32 weights, bf16 autocast, compiled blocks, AdamW), ``plain fsdp2`` (the same
-  with ``fully_shard`` per block over one rank and FSDP2's bf16 mixed-precision policy — what meshlight runs),
-  ``meshlight`` (``ml.Trainer(strategy="zero2")`` with ``MixedPrecision("bf16")`` and ``Compile()``). Step time is
-  the mean over ``--steps`` steps after ``--warmup`` (compilation) steps, synchronized; the data comes from the
-  same DataLoader for all.
+- ``speed``: ``plain autocast`` (fp32 weights, bf16 autocast, compiled blocks), ``plain fsdp2`` (the same with
+  ``fully_shard`` per block over one rank and FSDP2's bf16 mixed-precision policy), ``meshlight``
+  (``ml.Trainer(strategy="zero2")`` with ``MixedPrecision("bf16")`` and ``Compile()``: norms stay fp32, each an
+  FSDP unit of its own) and ``meshlight bf16 norms`` (``MixedPrecision("bf16", fp32_norms=False)``: exactly the
+  plain fsdp2 loop's units and policy, so its ratio is what meshlight and Lightning add). All use AdamW, fused on
+  CUDA (torchtitan's default). Step time is the mean over ``--steps`` steps after ``--warmup`` (compilation)
+  steps, synchronized; the data comes from the same DataLoader for all.
 - ``memory``: ``meshlight`` without and with ``ActivationCheckpointing()``, ``Offload()`` (optimizer state, with
   the fp32 shards and gradients, in host memory) and ``Offload(optimizer=False, activations_every_n_blocks=1)``:
   peak accelerator bytes over the measured steps, bytes resident after a step, and step time.
+
+A variant's name says what it adds to ``meshlight`` ("bf16 norms", "recompute", "offload optimizer", "offload
+activations"), so a diagnostic mix runs as ``--variant "meshlight bf16 norms recompute"`` (one run, printed).
 
     python benchmarks/gpu.py [--section speed memory] [--batch 8] [--steps 20] [--warmup 8] [--rounds 2] [--out F]
     python benchmarks/gpu.py --smoke        # the same code on CPU with a tiny model and aot_eager (tests)
 
 ``--out F`` keeps the sections F already holds and replaces those measured now, so the two sections can run as
 two commands (each inside a 10-minute limit). On a lent GPU machine, with its preinstalled PyTorch and
-Lightning: ``PYTHONPATH=. python3 benchmarks/gpu.py --section speed --out benchmarks/gpu_results.json``, then
-``--section memory --rounds 1``; commit the file and ``make bench`` formats it into RESULTS.md.
+Lightning, the commands in ``run_all.GPU_COMMANDS`` (with ``PYTHONPATH=.``) write benchmarks/gpu_results.json;
+commit the file and ``make bench`` formats it into RESULTS.md.
 
 Prints JSON (and writes it to ``--out`` when given).
 """
@@ -33,6 +38,7 @@ import datetime
 import json
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -40,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 VARIANTS = {
-    "speed": ["plain autocast", "plain fsdp2", "meshlight"],
+    "speed": ["plain autocast", "plain fsdp2", "meshlight", "meshlight bf16 norms"],
     "memory": ["meshlight", "meshlight recompute", "meshlight offload optimizer", "meshlight offload activations"],
 }
 
@@ -56,6 +62,7 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, aot_eager, 2 steps")
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--variant", default=None, help="one run of this variant in this process (printed)")
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.seq, args.steps, args.warmup, args.rounds, args.backend = 2, 32, 2, 1, 1, "aot_eager"
@@ -66,15 +73,17 @@ def main() -> None:
     from meshlight.parallel.planner import detect_hardware
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    _init_single_process_group(device)
     config = model_config(args.seq, smoke=args.smoke)
+    if args.variant:  # one run, in a process of its own (see isolated)
+        _init_single_process_group(device)
+        print(RESULT + json.dumps(RUNNERS[args.variant.split(" ")[0]](args.variant, config, device, args)))
+        return
     hardware = detect_hardware(device, 1)
     runs: dict[str, dict[str, list[dict[str, float]]]] = {}
     for section in args.section:
         for _ in range(args.rounds):
             for variant in VARIANTS[section]:
-                result = RUNNERS[variant.split(" ")[0]](variant, config, device, args)
-                runs.setdefault(section, {}).setdefault(variant, []).append(result)
+                runs.setdefault(section, {}).setdefault(variant, []).append(isolated(variant, sys.argv[1:]))
 
     from meshlight.models import GPT
 
@@ -116,6 +125,29 @@ def main() -> None:
         Path(args.out).write_text(text + "\n")
 
 
+#: How a variant's process (``--variant``) hands its result to the parent: one line, this prefix, then JSON.
+RESULT = "gpu.py result: "
+
+
+def isolated(variant: str, argv: list[str]) -> dict[str, float]:
+    """Run ``variant`` in a fresh process with the same arguments: its peak and resident bytes are its own, not
+    what an earlier variant's compiled code, trainer or caching allocator left in this one."""
+    import subprocess
+
+    with socket.socket() as free:  # a port of its own for its one-process group
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {**os.environ, "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, __file__, *argv, "--variant", variant], env=env, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout + done.stderr)
+        raise SystemExit(f"gpu.py: the {variant!r} run failed (exit {done.returncode}); its output is above.")
+    line = next(line for line in done.stdout.splitlines() if line.startswith(RESULT))
+    return json.loads(line[len(RESULT):])
+
+
 def earlier_summary(path: Path, setup: dict[str, Any]) -> dict[str, Any]:
     """What ``path`` holds, if it was measured with the same ``setup`` (device, versions, model); else nothing,
     with a warning naming what differs (sections from two setups would make meaningless ratios)."""
@@ -137,6 +169,9 @@ def ratios(sections: dict[str, Any], params: int) -> dict[str, Any]:
         speed = sections["speed"]["variants"]
         for other in ("plain autocast", "plain fsdp2"):
             out[f"meshlight / {other}"] = _ratio(speed["meshlight"]["step_seconds"], speed[other]["step_seconds"])
+        # the same FSDP2 units and policy as the plain loop: what meshlight and Lightning add, nothing else
+        out["meshlight bf16 norms / plain fsdp2"] = _ratio(speed["meshlight bf16 norms"]["step_seconds"],
+                                                           speed["plain fsdp2"]["step_seconds"])
     if "memory" in sections:
         memory = sections["memory"]["variants"]
         base, recompute = memory["meshlight"], memory["meshlight recompute"]
@@ -144,6 +179,9 @@ def ratios(sections: dict[str, Any], params: int) -> dict[str, Any]:
         optimizer_state = 8 * params * bool(base["peak_bytes"])  # AdamW's two fp32 moments
         out.update({
             "recompute: peak / none": _ratio(recompute["peak_bytes"], base["peak_bytes"]),
+            # the activations' share: the peak above what stays between steps (weights, gradients, Adam)
+            "recompute: peak activations / none": _ratio(recompute["peak_bytes"] - recompute["resident_bytes"],
+                                                         base["peak_bytes"] - base["resident_bytes"]),
             "recompute: step / none": _ratio(recompute["step_seconds"], base["step_seconds"]),
             "offload optimizer: resident bytes removed / optimizer state":
                 _ratio(base["resident_bytes"] - optimizer["resident_bytes"], optimizer_state),
@@ -202,8 +240,9 @@ def _optimizer(model: Any, total_steps: int) -> tuple[Any, Any]:
 
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
+    on_cuda = next(model.parameters()).is_cuda  # the fused kernel on CUDA, as torchtitan's default
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-                                  lr=3e-4, betas=(0.9, 0.95))
+                                  lr=3e-4, betas=(0.9, 0.95), fused=on_cuda or None)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(2, total_steps, 0.1))
 
 
@@ -303,19 +342,17 @@ def run_meshlight(variant: str, config: Any, device: Any, args: Any) -> dict[str
         def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, index: int) -> None:
             self.window.after(index)
 
-    extra = {
-        "meshlight": [],
-        "meshlight recompute": [ActivationCheckpointing()],
-        "meshlight offload optimizer": [Offload()],
-        "meshlight offload activations": [Offload(optimizer=False, activations_every_n_blocks=1)],
-    }[variant]
+    extra = {"recompute": [ActivationCheckpointing()], "offload optimizer": [Offload()],
+             "offload activations": [Offload(optimizer=False, activations_every_n_blocks=1)]}
+    callbacks = [callback for words, chosen in extra.items() if words in variant for callback in chosen]
     timing = Timing()
     pl.seed_everything(0, verbose=False)
     trainer = ml.Trainer(
         strategy="zero2", devices=1, accelerator="gpu" if device.type == "cuda" else "cpu",
         max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        callbacks=[MixedPrecision("bf16"), Compile(backend=args.backend), *extra, timing],
+        callbacks=[MixedPrecision("bf16", fp32_norms="bf16 norms" not in variant), Compile(backend=args.backend),
+                   *callbacks, timing],
     )
     trainer.fit(Module(config), train_dataloaders=_loader(config, args))
     return timing.window.result()

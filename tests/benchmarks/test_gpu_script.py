@@ -14,7 +14,7 @@ def test_gpu_benchmark_runs_every_variant_and_formats(tmp_path):
                        cwd=REPO, check=True, capture_output=True, timeout=600)
     result = json.loads(out.read_text())
     speed, memory = result["sections"]["speed"], result["sections"]["memory"]
-    assert set(speed["variants"]) == {"plain autocast", "plain fsdp2", "meshlight"}
+    assert set(speed["variants"]) == {"plain autocast", "plain fsdp2", "meshlight", "meshlight bf16 norms"}
     assert set(memory["variants"]) == {"meshlight", "meshlight recompute", "meshlight offload optimizer",
                                        "meshlight offload activations"}
     assert all(row["step_seconds"] > 0 and row["mfu"] > 0 for section in (speed, memory)
