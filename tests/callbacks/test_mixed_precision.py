@@ -125,14 +125,14 @@ def test_a_lightning_strategy_is_refused_with_the_alternative():
 def test_norms_compute_in_fp32_unless_asked_to_follow_their_block(fp32_norms):
     seen = {}
 
-    class NormInputs(Callback):
+    class NormDtypes(Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             norms = [m for m in module.modules() if isinstance(m, torch.nn.LayerNorm)]
             for norm in norms:
                 norm.register_forward_hook(lambda norm, args, output: seen.setdefault(
                     "norm", set()).add((str(norm.weight.dtype), str(output.dtype))))
 
-    _fit(_trainer(strategy="zero2", callbacks=[MixedPrecision("bf16", fp32_norms=fp32_norms), NormInputs()]))
+    _fit(_trainer(strategy="zero2", callbacks=[MixedPrecision("bf16", fp32_norms=fp32_norms), NormDtypes()]))
     # fp32 norms gather fp32 weights and hand their block a bf16 output; otherwise the weights are gathered in bf16
     weight = "torch.float32" if fp32_norms else "torch.bfloat16"
     assert seen["norm"] == {(weight, "torch.bfloat16")}
