@@ -27,7 +27,10 @@ class Compile(Callback):
 
     Under meshlight's strategies it is applied on every pipeline stage after tensor and expert parallelism and
     recomputation (``torch.utils.checkpoint`` is traced inside the compiled block), before data parallelism
-    (DDP's and FSDP2's hooks run around the compiled ``forward``). Under other strategies it is applied to the
+    (DDP's and FSDP2's hooks run around the compiled ``forward``). Under ``MixedPrecision`` the modules kept
+    fp32 (norms, routers) are FSDP units inside each block, which dynamo does not trace: the block compiles in
+    pieces around them, recomputation then wraps the compiled pieces, and ``fullgraph=True`` is refused (use
+    ``MixedPrecision(fp32_norms=False)``). Under other strategies it is applied to the
     LightningModule before training. Module and parameter names are unchanged, so checkpoints load with or
     without compilation. With dropout, the compiled code draws other random numbers than eager PyTorch does
     (set ``torch._inductor.config.fallback_random = True`` for the same ones).

@@ -12,7 +12,10 @@ offload and data parallelism: the compiled code sees the block's DTensor paramet
 (``torch.utils.checkpoint`` inside a compiled region is traced as one operator, as torchtitan relies on);
 activation offload's saved-tensor hooks, which cannot be traced, run around the compiled ``forward`` and see the
 tensors the compiled graph saves; DDP's and FSDP2's hooks, registered on the module afterwards, run around it
-too (FSDP2 gathers the parameters before it and frees them after it).
+too (FSDP2 gathers the parameters before it and frees them after it). Where the blocks hold FSDP units of their
+own (the modules mixed precision keeps fp32), whose hooks dynamo does not trace, compilation comes before
+recomputation instead: the block compiles in pieces around those units, and a recomputed region with such a
+break inside would run the whole block eagerly (``meshlight.parallel.parallelize``).
 """
 
 from __future__ import annotations

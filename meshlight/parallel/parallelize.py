@@ -90,6 +90,12 @@ def parallelize(
     # inside the recomputation instead.
     transforms = [(apply_recompute, recompute), (apply_compile, compile)]
     if precision is not None and any(precision.fp32_units(block) for block in repeated_blocks(module)):
+        if compile is not None and compile.arguments.get("fullgraph"):
+            raise ValueError(
+                "Compile(fullgraph=True) cannot compile a block whole under MixedPrecision: the modules it keeps"
+                " fp32 (norms, MoE routers) are FSDP units of their own, which torch.compile does not trace. Use"
+                " MixedPrecision(..., fp32_norms=False) (norms gathered in bf16 with their block) or fullgraph=False."
+            )
         transforms.reverse()
     for apply, policy in transforms:
         if policy is not None:

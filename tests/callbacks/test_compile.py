@@ -75,6 +75,17 @@ def test_mixed_precision_norms_compile_once_and_recomputed_blocks_stay_compiled(
                                    rtol=1e-5, atol=0)
 
 
+def test_a_whole_graph_under_fp32_norms_is_refused_with_the_way_out():
+    with pytest.raises(ValueError, match=r"fp32_norms=False"):
+        train("adamw", "ddp", callbacks=[MixedPrecision("bf16"), Compile(backend="aot_eager", fullgraph=True)])
+    # the way out the message names compiles every block whole
+    torch._dynamo.reset()
+    counters.clear()
+    train("adamw", "ddp", callbacks=[MixedPrecision("bf16", fp32_norms=False),
+                                     Compile(backend="aot_eager", fullgraph=True)])
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+
+
 def test_under_other_strategies_the_lightning_module_is_compiled():
     eager = train("adamw")
     compiled = train("adamw", callbacks=[Compile(backend="aot_eager")])
