@@ -5,7 +5,9 @@ activations of chosen blocks.
 shards and the optimizer state live in host memory, and the optimizer steps there — FSDP2 runs the step where
 the state is. The accelerator holds parameters only gathered, for the units computing (none between steps).
 :func:`~meshlight.parallel.data_parallel.apply_data_parallel` applies it to every FSDP unit (under offload every
-layout runs on FSDP2, as under mixed precision).
+layout runs on FSDP2, as under mixed precision). For host tensors torch's optimizers default to their
+per-parameter loop; :func:`fuse_host_steps` gives the groups left to that default torch's fused host kernel
+(the same update, to rounding; Adam and AdamW step about 4× faster: ``benchmarks/RESULTS.md``).
 
 *Activations*: a chosen block's forward runs under saved-tensor hooks that copy each tensor autograd keeps for
 backward to (pinned) host memory on a side stream, so the accelerator's copy is freed once forward is done with
@@ -17,6 +19,8 @@ own parameters, already kept, are not copied. Module and parameter names are unc
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -25,11 +29,16 @@ from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 from torch.utils._pytree import tree_leaves
 
 from meshlight.parallel.data_parallel import BlockSelection
 
-__all__ = ["ActivationOffloader", "OffloadPolicy", "apply_activation_offload"]
+__all__ = ["FUSED_ON_HOST", "ActivationOffloader", "OffloadPolicy", "apart_from_host", "apply_activation_offload",
+           "fuse_host_steps", "prepare_host_steps"]
+
+#: torch optimizers with a fused kernel for host (CPU) tensors
+FUSED_ON_HOST = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 
 
 @dataclass(frozen=True)
@@ -48,9 +57,63 @@ class OffloadPolicy:
         return CPUOffloadPolicy(pin_memory=self.pin_memory and torch.cuda.is_available()) if self.optimizer else None
 
 
+def fuse_host_steps(optimizer: Optimizer) -> list[int]:
+    """Make ``optimizer``'s parameter groups held in host memory step with torch's fused host kernel, and keep them
+    so after a checkpoint's ``load_state_dict`` (which restores the saved flags); returns the groups' indices.
+
+    Under optimizer offload the host steps the optimizer, and for host tensors torch picks its per-parameter loop
+    unless told otherwise (its multi-tensor kernels are for accelerators). Only groups that left both ``foreach``
+    and ``fused`` unset, and ask for nothing the fused kernel lacks (``differentiable``, ``capturable``), change:
+    ``fused=False`` keeps the loop."""
+    if not isinstance(optimizer, FUSED_ON_HOST):
+        return []
+
+    def fuse(*_: object) -> list[int]:
+        chosen = [index for index, group in enumerate(optimizer.param_groups)
+                  if group.get("fused") is None and group.get("foreach") is None
+                  and not group.get("differentiable") and not group.get("capturable")
+                  and group["params"] and all(p.device.type == "cpu" and p.is_floating_point()
+                                              for p in group["params"])]
+        for index in chosen:
+            optimizer.param_groups[index]["fused"] = True
+        return chosen
+
+    optimizer.register_load_state_dict_post_hook(fuse)
+    return fuse()
+
+
+def prepare_host_steps(optimizers: Sequence[Optimizer], processes_per_node: int,
+                       cores: Optional[int] = None) -> list[str]:
+    """Ready ``optimizers`` to step on the host (optimizer offload from an accelerator) and say what was done: the
+    groups given torch's fused host kernel (:func:`fuse_host_steps`), and the thread count to set when every rank
+    steps on one thread (``OMP_NUM_THREADS=1``, torchrun's default) though the node's ``cores`` (default: those
+    this process may run on) would give each of its ``processes_per_node`` ranks more."""
+    notes = []
+    for optimizer in optimizers:
+        fused = fuse_host_steps(optimizer)
+        if fused:
+            groups = "its parameters" if len(optimizer.param_groups) == 1 else f"parameter groups {fused}"
+            notes.append(f"Optimizer offload: {type(optimizer).__name__} steps {groups} on the host with torch's fused"
+                         " kernel (pass fused=False to keep its per-parameter loop).")
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = cores // max(processes_per_node, 1)
+    if torch.get_num_threads() == 1 and share > 1:
+        notes.append(f"Optimizer offload: each rank steps its optimizer on one host thread (OMP_NUM_THREADS="
+                     f"{os.environ.get('OMP_NUM_THREADS', '1')}); this node's {cores} cores give its"
+                     f" {processes_per_node} ranks {share} each: set OMP_NUM_THREADS={share}.")
+    return notes
+
+
+def apart_from_host(device: torch.device) -> bool:
+    """Whether ``device``'s memory is apart from host memory, so that offload frees some of it: a CUDA device's
+    is; a CPU's is the host's."""
+    return device.type == "cuda"
+
+
 def _offloadable(tensor: Tensor) -> bool:
     """Whether a saved tensor lives in accelerator memory (host tensors stay where they are)."""
-    return tensor.device.type == "cuda"
+    return apart_from_host(tensor.device)
 
 
 @dataclass(eq=False)

@@ -15,7 +15,7 @@ from meshlight.callbacks.mixed_precision import MixedPrecision
 from meshlight.callbacks.offload import Offload
 from meshlight.parallel.data_parallel import BlockSelection, repeated_blocks
 from meshlight.parallel.layout import ParallelLayout
-from meshlight.parallel.offload import OffloadPolicy
+from meshlight.parallel.offload import OffloadPolicy, apart_from_host
 from meshlight.parallel.pipeline import default_virtual_stages
 from meshlight.parallel.planner import (
     Candidate,
@@ -254,12 +254,12 @@ class Hybrid3DStrategy(MeshStrategy):
 
 def _offloaded(policy: Optional[OffloadPolicy], module: nn.Module, device: torch.device) -> dict[str, Any]:
     """:class:`Hardware`'s ``offload_optimizer`` and ``offload_activations`` for what ``policy`` moves out of
-    ``device``'s memory: nothing on a CPU, where host memory is the device's; activations only from CUDA
-    devices; the share of ``module``'s repeated blocks whose activations it offloads."""
-    if policy is None or device.type == "cpu":
+    ``device``'s memory: nothing where that is host memory (a CPU's); the share of ``module``'s repeated blocks
+    whose activations it offloads."""
+    if policy is None or not apart_from_host(device):
         return {}
     share = 0.0
-    if policy.activations is not None and device.type == "cuda":
+    if policy.activations is not None:
         chosen = {id(m) for m in policy.activations.select(module)}
         blocks = repeated_blocks(module)
         share = sum(id(block) in chosen for block in blocks) / len(blocks) if blocks else 0.0

@@ -64,7 +64,7 @@ from meshlight.parallel.clip import clip_grad_norm_
 from meshlight.parallel.compile import CompilePolicy
 from meshlight.parallel.data_parallel import BlockSelection, ddp_engine, gradient_accumulation
 from meshlight.parallel.layout import ParallelLayout, Size, axis, build_device_mesh, seed_by_mesh_position
-from meshlight.parallel.offload import OffloadPolicy
+from meshlight.parallel.offload import OffloadPolicy, apart_from_host, prepare_host_steps
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.parallelize import parallelize
 from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, validate_schedule
@@ -372,6 +372,9 @@ class MeshStrategy(ParallelStrategy):
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
         self.optimizers = [adapt_optimizer(optimizer) for optimizer in self.optimizers]
+        if self.offload and self.offload.optimizer and apart_from_host(self.root_device):  # the host steps them
+            for note in prepare_host_steps(self.optimizers, self.num_processes):
+                rank_zero_info(note)
 
     @override
     def model_to_device(self) -> None:

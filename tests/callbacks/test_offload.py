@@ -11,6 +11,7 @@ import meshlight.parallel.offload as offload
 from meshlight.callbacks import Offload, OffloadError
 from meshlight.models import GPT, GPTConfig
 from meshlight.parallel.data_parallel import BlockSelection
+from tests.strategies.parity import assert_parity
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,53 @@ def test_offloading_changes_no_bit_of_training(runs, run):
     assert all(torch.equal(offloaded["weights"][k], w) for k, w in plain["weights"].items())
     if run != "zero2":  # with activation offload too
         assert offloaded["offloaded_bytes"] > 0 and offloaded["prefetches"] > 0
+
+
+def test_the_host_steps_an_optimizer_offloaded_from_an_accelerator_with_torchs_fused_kernel(runs):
+    plain, offloaded = runs["zero2"], runs["zero2 offload from an accelerator"]
+    assert runs["zero2 offload"]["fused"] == [None, None] and offloaded["fused"] == [True, True]
+    assert_parity(offloaded, plain, rtol=1e-5)  # the same update, to rounding
+
+
+def _host_params():
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
+
+
+def test_host_steps_are_fused_only_where_torchs_default_was_left_and_stay_so_after_a_resume():
+    params = _host_params()
+    optimizer = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "foreach": False}], lr=0.1)
+    notes = offload.prepare_host_steps([optimizer, torch.optim.Adafactor(_host_params())], processes_per_node=1)
+    assert [g["fused"] for g in optimizer.param_groups] == [True, None]  # the loop asked for is kept
+    assert len(notes) == 1 and "AdamW steps parameter groups [0] on the host with torch's fused kernel" in notes[0]
+    # a checkpoint written without offload by the same configure_optimizers: its flags are restored
+    saved = torch.optim.AdamW([{"params": _host_params()[:1]}, {"params": _host_params()[1:], "foreach": False}])
+    optimizer.load_state_dict(saved.state_dict())
+    assert [g["fused"] for g in optimizer.param_groups] == [True, None]
+    assert offload.fuse_host_steps(torch.optim.AdamW(_host_params(), fused=False)) == []
+
+
+def test_a_fused_host_step_is_torchs_default_update_to_rounding():
+    default, fused = _host_params(), _host_params()
+    steps = [torch.optim.AdamW(default, lr=0.1, weight_decay=0.1), torch.optim.AdamW(fused, lr=0.1, weight_decay=0.1)]
+    assert offload.fuse_host_steps(steps[1]) == [0]
+    for step in range(5):
+        for p, q in zip(default, fused):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            q.grad = p.grad.clone()
+        steps[0].step(), steps[1].step()
+    for p, q in zip(default, fused):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+
+
+def test_one_host_thread_per_rank_is_named_with_the_count_the_node_allows(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    [note] = offload.prepare_host_steps([], processes_per_node=8, cores=96)
+    assert note.endswith("this node's 96 cores give its 8 ranks 12 each: set OMP_NUM_THREADS=12.")
+    assert offload.prepare_host_steps([], processes_per_node=8, cores=8) == []  # one core each: nothing to gain
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 12)
+    assert offload.prepare_host_steps([], processes_per_node=8, cores=96) == []
 
 
 def _saved(model: GPT, inputs: torch.Tensor) -> tuple[int, list[torch.Tensor]]:

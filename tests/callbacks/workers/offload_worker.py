@@ -1,6 +1,8 @@
 """torchrun worker (2 processes): the parity experiment with and without Offload under zero2 (gradient clipping),
-ddp and a 2-stage pipeline; saved activations count as offloadable on CPU here, so the hooks run. Rank 0 writes
-{run: result} to OUT (losses, full weights, whether FSDP offloads every unit, the activation bytes offloaded)."""
+ddp and a 2-stage pipeline; saved activations count as offloadable on CPU here, so the hooks run. "zero2 offload
+from an accelerator" runs as optimizer offload from a GPU would: the host steps the optimizer, with torch's fused
+host kernel. Rank 0 writes {run: result} to OUT (losses, full weights, whether FSDP offloads every unit, the
+activation bytes offloaded, the optimizer groups' ``fused`` flags)."""
 
 import sys
 from typing import Any
@@ -11,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 
 import meshlight as ml
 import meshlight.parallel.offload as offload
+import meshlight.strategies.mesh as mesh
 from meshlight.callbacks import Offload
 from tests.strategies.parity import train
 
@@ -27,7 +30,17 @@ def run(variant: str, strategy: Any, callbacks: list, **options: Any) -> dict[st
     result["offloaded_units"] = (len(units), sum(_offloads(m) for m in units))
     result["offloaded_bytes"] = offloader.offloaded_bytes if offloader else 0
     result["prefetches"] = offloader.prefetches if offloader else 0
+    result["fused"] = [group["fused"] for optimizer in module.trainer.optimizers for group in optimizer.param_groups]
     return result
+
+
+def run_from_accelerator(variant: str, strategy: Any, callbacks: list) -> dict[str, Any]:
+    """``run`` as if the model's device were an accelerator whose optimizer offload leaves the step to the host."""
+    mesh.apart_from_host = lambda device: True
+    try:
+        return run(variant, strategy, callbacks)
+    finally:
+        mesh.apart_from_host = offload.apart_from_host
 
 
 def _offloads(unit: FSDPModule) -> bool:
@@ -40,6 +53,7 @@ if __name__ == "__main__":
     results = {
         "zero2": run("clip", "zero2", []),
         "zero2 offload": run("clip", "zero2", [Offload()]),
+        "zero2 offload from an accelerator": run_from_accelerator("clip", "zero2", [Offload()]),
         "ddp": run("adamw", "ddp", []),
         "ddp offload": run("adamw", "ddp", [Offload(activations_every_n_blocks=1)]),
         "pipeline": run("adamw", pipeline, [], data_parallel=1),
