@@ -26,6 +26,7 @@ from meshlight.parallel.planner import (
     more_devices_hint,
     plan,
     precision_bytes,
+    same_devices_hint,
     shown_layouts,
 )
 from meshlight.parallel.presets import GB
@@ -65,6 +66,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner.add_argument("--gpu", default="h100", choices=sorted(HARDWARE), help="device preset (default h100)")
     planner.add_argument("--gpus-per-node", type=int, help="devices per node (default: the preset's)")
     planner.add_argument("--gpu-memory", type=float, help="GB of memory per device (default: the preset's)")
+    planner.add_argument("--host-memory", type=float,
+                         help="GB of host memory per device, for what Offload keeps there (default: the preset's,"
+                              " a DGX node's over its 8 GPUs)")
     planner.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (default: the preset's)")
     planner.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
                          help="bf16: meshlight's MixedPrecision callback (default); bf16-mixed: Lightning's autocast"
@@ -115,7 +119,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if args.json:
         rows = [{"layout": c.describe(), **c.strategy_arguments(), "recompute": c.recompute,
-                 "memory_bytes": c.memory_bytes, "fits": c.fits, "step_seconds": c.step_time,
+                 "memory_bytes": c.memory_bytes, "host_bytes": c.host_bytes, "fits": c.fits,
+                 "step_seconds": c.step_time,
                  "tokens_per_second_per_device": c.tokens_per_second_per_device, "mfu": c.mfu, "times": c.times}
                 for c in shown_layouts(candidates, args.top)]
         print(json.dumps(rows, indent=1))
@@ -127,7 +132,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  if args.offload_activations else "") + ":")
         print(format_plan(candidates, top=args.top))
         if not candidates[0].fits:
-            print(more_devices_hint(model, hardware, args.gpus, global_batch))
+            here = same_devices_hint(model, hardware, args.gpus, global_batch, offload=args.gpu != "cpu")
+            print("\n".join(filter(None, (here, more_devices_hint(model, hardware, args.gpus, global_batch)))))
     return 0
 
 
@@ -171,6 +177,7 @@ def _hardware_of(args: argparse.Namespace) -> Hardware:
     preset, changes, changed = HARDWARE[args.gpu], {}, []
     for flag, field, value, scale, unit in (("gpus-per-node", "devices_per_node", args.gpus_per_node, 1, ""),
                                             ("gpu-memory", "memory", args.gpu_memory, GB, "GB"),
+                                            ("host-memory", "host_memory", args.host_memory, GB, "GB host memory"),
                                             ("peak-tflops", "peak_flops", args.peak_tflops, 1e12, "TFLOP/s")):
         if value is None:
             continue

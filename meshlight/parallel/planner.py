@@ -16,6 +16,8 @@ An analytic model, per rank, of what each candidate layout costs:
   block's activations while it is recomputed; a 1F1B stage holds ``pp`` micro-batches
   in flight (interleaving multiplies that by ``1 + (pp−1)/(pp·v)``; GPipe and looped BFS hold all of them); the
   last stage also holds fp32 logits; blocks whose activations are offloaded keep two blocks' worth in transit.
+  What the ``Offload`` callback moves out (optimizer state with the master shards and their gradients, the
+  offloaded activations) must fit the device's share of host memory, as the rest must fit the device.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak (recomputation adds a
   forward), stretched by the pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives
   of the activations per layer and micro-batch, 6 with recomputation) not overlapped; pipeline p2p; data
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -54,7 +57,7 @@ __all__ = [
     "ACHIEVABLE_FRACTION", "AUTOCAST_ACTIVATION_BYTES", "HARDWARE", "MODELS", "Candidate", "Hardware", "ModelSpec",
     "PlanError", "best_per_layout", "detect_hardware", "estimate", "explain", "fewest_devices", "format_plan",
     "model_spec_of", "model_state_bytes", "more_devices_hint", "nearest_fitting", "plan", "precision_bytes",
-    "shown_layouts",
+    "same_devices_hint", "shown_layouts",
 ]
 
 #: Fraction of the dense peak that large transformer matmuls reach end to end (Megatron-Core's weak-scaling
@@ -97,6 +100,8 @@ class Candidate:
     world: int
     flops_per_token: float
     peak_flops: float
+    host_bytes: float = 0.0  # what the Offload callback keeps in host memory for this device
+    host_limit: float = math.inf
 
     @property
     def memory_bytes(self) -> float:
@@ -104,7 +109,7 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
-        return self.memory_bytes <= self.memory_limit
+        return self.memory_bytes <= self.memory_limit and self.host_bytes <= self.host_limit
 
     @property
     def step_time(self) -> float:
@@ -189,22 +194,22 @@ def precision_bytes(precision: str, param_dtype: Optional[torch.dtype] = None) -
 
 
 def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:
-    """The preset matching ``device`` (CUDA by name, its memory as reported), or the CPU preset with this
-    node's memory shared by its processes."""
+    """The preset matching ``device`` (CUDA by name, its memory as reported), or the CPU preset; either with this
+    node's host memory shared by its processes (a CPU process's memory is the host's)."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(processes_per_node, 1)
+    except (ValueError, OSError, AttributeError):
+        host = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         name = props.name.lower()
         preset = next((HARDWARE[k] for k in ("h200", "h100", "a100", "b200", "mi300x") if k in name), None)
         if preset is None:
             preset = Hardware(props.name, props.total_memory, 100e12, 100 * GB, 25 * GB)
-        return preset.replace(memory=float(props.total_memory), devices_per_node=processes_per_node)
-    try:
-        import os
-
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(processes_per_node, 1)
-    except (ValueError, OSError, AttributeError):
-        memory = HARDWARE["cpu"].memory
-    return HARDWARE["cpu"].replace(memory=float(memory), devices_per_node=processes_per_node)
+        return preset.replace(memory=float(props.total_memory), devices_per_node=processes_per_node,
+                              host_memory=float(host or preset.host_memory))
+    memory = float(host or HARDWARE["cpu"].memory)
+    return HARDWARE["cpu"].replace(memory=memory, host_memory=memory, devices_per_node=processes_per_node)
 
 
 def plan(
@@ -297,6 +302,48 @@ def more_devices_hint(
             f" ({_format_bytes(best.memory_bytes)} of {_format_bytes(best.memory_limit)} usable).")
 
 
+def same_devices_hint(
+    model: ModelSpec, hardware: Hardware, world: int, global_batch: Optional[int] = None, *,
+    local_batch: Optional[int] = None, offload: bool = True,
+) -> str:
+    """A sentence for when nothing fits on ``world`` devices: what would make it fit on them, each change alone
+    with the best layout it allows — 16-bit compute copies from fp32 masters (``MixedPrecision("bf16")``) for an
+    fp32 run, a smaller batch per replica, and where ``offload`` (the device's memory is apart from the host's)
+    the ``Offload`` callback's activation and optimizer offload, whose host copies and host step the estimates
+    leave out. Empty when none does."""
+    changes: list[tuple[str, Hardware, Optional[int]]] = []
+    if hardware.param_bytes == hardware.state_bytes == 4:
+        changes.append(('MixedPrecision("bf16")', hardware.replace(**precision_bytes("32-true", torch.bfloat16)),
+                        local_batch))
+    if local_batch is not None:  # the largest that fits; accumulating gradients keeps the batch per step
+        for batch in sorted(_divisors(local_batch), reverse=True)[1:]:
+            changes.append((f"a batch of {batch} per replica and accumulate_grad_batches={local_batch // batch}",
+                            hardware, batch))
+    if offload and hardware.offload_activations < 1:
+        changes.append(("Offload(optimizer=False, activations_every_n_blocks=1)",
+                        hardware.replace(offload_activations=1.0), local_batch))
+    if offload and not hardware.offload_optimizer:
+        changes.append(("Offload()", hardware.replace(offload_optimizer=True), local_batch))
+    found, batch_found = [], False
+    for change, changed, batch in changes:
+        if batch != local_batch and batch_found:
+            continue
+        try:
+            best = plan(model, changed, world, global_batch, local_batch=batch)[0]
+        except PlanError:
+            continue
+        if best.fits:
+            batch_found |= batch != local_batch
+            found.append(f"{change} ({best.describe()}, {_format_bytes(best.memory_bytes)} of"
+                         f" {_format_bytes(best.memory_limit)} usable)")
+    if not found:
+        return ""
+    slower = " The estimates leave out Offload's host copies and host step." if any(
+        f.startswith("Offload") for f in found) else ""
+    here = "this device" if world == 1 else f"these {world:,} devices"
+    return f"On {here} it fits with " + "; or ".join(found) + "." + slower
+
+
 def best_per_layout(candidates: Iterable[Candidate]) -> list[Candidate]:
     """The best candidate of each (dp, pp, tp, ep), in the order given."""
     seen: dict[tuple[int, int, int, int], Candidate] = {}
@@ -337,6 +384,11 @@ def estimate(
     # brought back ahead of its backward
     offloaded = hw.offload_activations
     activations = per_layer * layers_per_stage * in_flight * (1 - offloaded) + (2 * per_layer if offloaded else 0.0)
+    # in host memory: the offloaded activations, and under optimizer offload the master shards, their gradients
+    # and Adam's two moments
+    host = per_layer * layers_per_stage * in_flight * offloaded
+    if hw.offload_optimizer:
+        host += 4 * hw.state_bytes * (dense / dp + experts / (dp // ep))
     if recompute:  # one layer's full activations during its recomputation
         activations += layer_activations
     # fp32 logits and their gradient, on the last stage; added to the first stage's activations (a bound)
@@ -375,7 +427,8 @@ def estimate(
         ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / _bandwidth(hw, ep, tp)
     times = {"compute": compute, "bubble": bubble, "tp": tp_time, "p2p": p2p, "dp": dp_exposed, "ep": ep_time}
     return Candidate(dp, pp, tp, ep, zero, microbatches, virtual_stages, recompute, schedule, model_state, activations,
-                     hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(), hw.peak_flops)
+                     hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(), hw.peak_flops,
+                     host, hw.host_memory * MEMORY_HEADROOM)
 
 
 def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, pipelined: bool = False,
@@ -560,8 +613,12 @@ def explain(candidates: Sequence[Candidate]) -> str:
     fitting = [c for c in best_per_layout(candidates) if c.fits]
     if not fitting:
         tightest = min(candidates, key=lambda c: c.memory_bytes)
-        return (f"Nothing fits: the smallest estimate, {tightest.describe()}, needs "
-                f"{_format_bytes(tightest.memory_bytes)} of {_format_bytes(tightest.memory_limit)} usable.")
+        message = (f"Nothing fits: the smallest estimate, {tightest.describe()}, needs "
+                   f"{_format_bytes(tightest.memory_bytes)} of {_format_bytes(tightest.memory_limit)} usable")
+        if tightest.memory_bytes <= tightest.memory_limit:  # what it offloads does not fit the host's share
+            message += (f", and {_format_bytes(tightest.host_bytes)} of host memory per device, of"
+                        f" {_format_bytes(tightest.host_limit)} usable")
+        return message + "."
     winner = fitting[0]
     rejected = len({c.layout for c in candidates if not c.fits} - {c.layout for c in candidates if c.fits})
     note = f" {rejected} other layouts do not fit in memory." if rejected else ""
@@ -588,10 +645,14 @@ def shown_layouts(candidates: Sequence[Candidate], top: int = 5) -> list[Candida
 def format_plan(candidates: Sequence[Candidate], top: int = 5) -> str:
     """A short table of the best layouts with their estimates, and why the winner won."""
     rows = shown_layouts(candidates, top)
-    lines = [f"{'layout':<56} {'memory/rank':>12} {'step':>10} {'tokens/s/dev':>13} {'MFU':>6}  {'fits':>4}"]
+    host = any(c.host_bytes for c in rows)  # offloading: what each device keeps in host memory too
+    lines = [f"{'layout':<56} {'memory/rank':>12}" + (f" {'host/rank':>12}" if host else "")
+             + f" {'step':>10} {'tokens/s/dev':>13} {'MFU':>6}  {'fits':>4}"]
     for c in rows:
-        lines.append(f"{c.describe():<56} {_format_bytes(c.memory_bytes):>12} {c.step_time * 1e3:>8.1f}ms "
-                     f"{c.tokens_per_second_per_device:>13,.0f} {c.mfu:>6.1%}  {'yes' if c.fits else 'no':>4}")
+        lines.append(f"{c.describe():<56} {_format_bytes(c.memory_bytes):>12}"
+                     + (f" {_format_bytes(c.host_bytes):>12}" if host else "")
+                     + f" {c.step_time * 1e3:>8.1f}ms {c.tokens_per_second_per_device:>13,.0f} {c.mfu:>6.1%}"
+                       f"  {'yes' if c.fits else 'no':>4}")
     lines.append(explain(candidates))
     return "\n".join(lines)
 

@@ -31,6 +31,7 @@ from meshlight.parallel.planner import (
     nearest_fitting,
     plan,
     precision_bytes,
+    same_devices_hint,
 )
 from meshlight.strategies.mesh import MeshStrategy
 from meshlight.strategies.pipeline_steps import PipelineOptions
@@ -150,10 +151,16 @@ class Hybrid3DStrategy(MeshStrategy):
                 f"{layout.describe()} is not expected to fit {model.name} in {hardware.name} memory"
                 f" ({self.world_size} processes, batch {batch} per replica): {explain(self.plan)}"
                 + (" Nearest layouts that fit: " + "; ".join(c.describe() for c in nearest) + "." if nearest else
-                   " No layout of this world fits. "
-                   + more_devices_hint(model, hardware, self.world_size, local_batch=batch))
+                   " No layout of this world fits. " + self._what_would_fit(model, hardware, batch))
             )
         self._settle(model, hardware, self.plan[0])
+
+    def _what_would_fit(self, model: ModelSpec, hardware: Hardware, batch: int) -> str:
+        """For a model no layout of this world fits: the changes that would make it fit on these devices, and how
+        many devices it fits on as it is."""
+        here = same_devices_hint(model, hardware, self.world_size, local_batch=batch,
+                                 offload=apart_from_host(self.root_device))
+        return " ".join(filter(None, (here, more_devices_hint(model, hardware, self.world_size, local_batch=batch))))
 
     def _run_hardware(self) -> Hardware:
         """The device the planner assumes (given, else detected), with the bytes this run's precision keeps per
@@ -240,7 +247,7 @@ class Hybrid3DStrategy(MeshStrategy):
         if not best.fits:
             free = plan(model, hardware, self.world_size, local_batch=batch, **requested)[0] if fixed else best
             more = (f"It fits as {free.describe()}: leave {', '.join(fixed)} to the planner." if free.fits else
-                    more_devices_hint(model, hardware, self.world_size, local_batch=batch))
+                    self._what_would_fit(model, hardware, batch))
             raise PlanError(f"No layout of {self.world_size} processes fits {model.name} in {hardware.name} memory. "
                             f"{explain(self.plan)} {more}")
         self._settle(model, hardware, best)

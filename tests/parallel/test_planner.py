@@ -25,6 +25,7 @@ from meshlight.parallel.planner import (
     model_state_bytes,
     plan,
     precision_bytes,
+    same_devices_hint,
 )
 from tests.strategies.llama import LitLlama
 
@@ -212,6 +213,37 @@ def test_nothing_fitting_is_reported_not_chosen_and_the_fewest_devices_that_fit_
     assert not any(fits(world) for world in range(16, 128, 8))  # whole nodes below it: none fits
     assert main(["plan", "--model", "llama3-405b", "--gpus", "8", "--global-batch", "512"]) == 0
     assert f"Llama 3.1 405B fits from 128 devices: {fewest.describe()}" in capsys.readouterr().out
+
+
+def test_what_would_fit_on_the_same_devices_is_named_each_change_alone():
+    model, fp32 = MODELS["megatron-1.7b"], HARDWARE["h100"].replace(**precision_bytes("32-true"))
+    assert not plan(model, fp32, 1, local_batch=8)[0].fits
+    hint = same_devices_hint(model, fp32, 1, local_batch=8)
+    changes = [('MixedPrecision("bf16")', fp32.replace(**precision_bytes("32-true", torch.bfloat16)), 8),
+               ("a batch of 4 per replica and accumulate_grad_batches=2", fp32, 4),  # the largest that fits
+               ("Offload(optimizer=False, activations_every_n_blocks=1)", fp32.replace(offload_activations=1.0), 8),
+               ("Offload()", fp32.replace(offload_optimizer=True), 8)]
+    for change, hardware, batch in changes:
+        best = plan(model, hardware, 1, local_batch=batch)[0]
+        assert best.fits and f"{change} ({best.describe()}, " in hint, (change, hint)
+    assert hint.startswith("On this device it fits with ") and hint.endswith("leave out Offload's host copies and"
+                                                                            " host step.")
+    # a CPU's memory is the host's: offloading frees none of it
+    assert "Offload" not in same_devices_hint(model, fp32, 1, local_batch=8, offload=False)
+    assert same_devices_hint(MODELS["megatron-7.1b"], fp32, 1, local_batch=16) == ""  # nothing would
+
+
+def test_what_is_offloaded_must_fit_the_hosts_memory():
+    model, offloaded = MODELS["llama3-405b"], HARDWARE["h100"].replace(offload_optimizer=True)
+    # a node's 2 TB cannot hold 405B parameters' fp32 master copy, gradients and Adam moments (16 bytes each)
+    candidates = plan(model, offloaded, 8, 512)
+    assert not any(c.fits for c in candidates)
+    on_device = [c for c in candidates if c.memory_bytes <= c.memory_limit]
+    assert on_device and all(c.host_bytes > c.host_limit == 230.4e9 for c in on_device)  # the host refuses them
+    assert "of host memory per device, of 230.4 GB usable." in format_plan(candidates)
+    roomy = plan(model, offloaded.replace(host_memory=1000e9), 8, 512)[0]
+    assert roomy.fits and roomy.host_bytes > 230.4e9
+    assert main(["plan", "--model", "llama3-405b", "--gpus", "8", "--offload-optimizer", "--host-memory", "1000"]) == 0
 
 
 def test_cpu_hardware_shares_the_node_memory():

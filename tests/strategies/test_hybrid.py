@@ -97,15 +97,32 @@ def test_a_given_layout_that_cannot_fit_in_memory_is_refused_before_training():
     assert trainer.global_step == 0
 
 
-def _fit_on_one_process(strategy, callbacks=(), **trainer_options):
+def _fit_on_one_process(strategy, callbacks=(), batch_size=4, **trainer_options):
     from meshlight.demos import AdditionDataModule, LitGPT
 
     trainer = ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=list(callbacks), **trainer_options)
     module = LitGPT()
-    trainer.fit(module, AdditionDataModule(batch_size=4, train_size=16))
+    trainer.fit(module, AdditionDataModule(batch_size=batch_size, train_size=16))
     return trainer, module
+
+
+def test_what_would_fit_on_the_same_process_is_named_and_does_fit():
+    from meshlight.callbacks import MixedPrecision
+    from meshlight.parallel.planner import HARDWARE, PlanError
+
+    small = HARDWARE["cpu"].replace(memory=6e6)  # bytes: the tiny GPT at batch 4 fits in none of its layouts
+    with pytest.raises(PlanError) as error:
+        _fit_on_one_process(ml.Hybrid3DStrategy(hardware=small))
+    message = str(error.value)
+    assert ('On this device it fits with MixedPrecision("bf16") (dp=1 pp=1 tp=1 zero=0 recompute, 4.8 MB of 5.4 MB'
+            ' usable); or a batch of 2 per replica and accumulate_grad_batches=2 (dp=1 pp=1 tp=1 zero=0, ') in message
+    assert "Offload" not in message  # a CPU process's memory is the host's: offloading frees none of it
+    trainer, _ = _fit_on_one_process(ml.Hybrid3DStrategy(hardware=small), [MixedPrecision("bf16")])
+    assert trainer.global_step == 1
+    trainer, _ = _fit_on_one_process(ml.Hybrid3DStrategy(hardware=small), batch_size=2, accumulate_grad_batches=2)
+    assert trainer.global_step == 1
 
 
 def test_the_recomputation_the_layout_was_planned_with_is_what_runs(caplog):
