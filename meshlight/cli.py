@@ -67,8 +67,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner.add_argument("--gpus-per-node", type=int, help="devices per node (default: the preset's)")
     planner.add_argument("--gpu-memory", type=float, help="GB of memory per device (default: the preset's)")
     planner.add_argument("--host-memory", type=float,
-                         help="GB of host memory per device, for what Offload keeps there (default: the preset's,"
-                              " a DGX node's over its 8 GPUs)")
+                         help="GB of host memory per device, for what Offload keeps there (default 256: a 2 TB"
+                              " node's over its 8 GPUs)")
     planner.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (default: the preset's)")
     planner.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
                          help="bf16: meshlight's MixedPrecision callback (default); bf16-mixed: Lightning's autocast"

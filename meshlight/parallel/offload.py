@@ -58,28 +58,37 @@ class OffloadPolicy:
 
 
 def fuse_host_steps(optimizer: Optimizer) -> list[int]:
-    """Make ``optimizer``'s parameter groups held in host memory step with torch's fused host kernel, and keep them
-    so after a checkpoint's ``load_state_dict`` (which restores the saved flags); returns the groups' indices.
+    """Make ``optimizer``'s parameter groups held in host memory step with torch's fused host kernel; returns the
+    groups' indices.
 
     Under optimizer offload the host steps the optimizer, and for host tensors torch picks its per-parameter loop
     unless told otherwise (its multi-tensor kernels are for accelerators). Only groups that left both ``foreach``
     and ``fused`` unset, and ask for nothing the fused kernel lacks (``differentiable``, ``capturable``), change:
-    ``fused=False`` keeps the loop."""
+    ``fused=False`` keeps the loop. The choice belongs to this run, not to its checkpoints: ``state_dict`` saves
+    the flags as they were given, and after ``load_state_dict`` (which restores saved flags) the same groups are
+    fused again."""
     if not isinstance(optimizer, FUSED_ON_HOST):
         return []
+    chosen = [index for index, group in enumerate(optimizer.param_groups)
+              if group.get("fused") is None and group.get("foreach") is None
+              and not group.get("differentiable") and not group.get("capturable")
+              and group["params"] and all(p.device.type == "cpu" and p.is_floating_point() for p in group["params"])]
+    if not chosen:
+        return []
 
-    def fuse(*_: object) -> list[int]:
-        chosen = [index for index, group in enumerate(optimizer.param_groups)
-                  if group.get("fused") is None and group.get("foreach") is None
-                  and not group.get("differentiable") and not group.get("capturable")
-                  and group["params"] and all(p.device.type == "cpu" and p.is_floating_point()
-                                              for p in group["params"])]
+    def fuse(*_: object) -> None:
         for index in chosen:
             optimizer.param_groups[index]["fused"] = True
-        return chosen
 
+    def as_given(_: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        for index in chosen:
+            state["param_groups"][index]["fused"] = None
+        return state
+
+    fuse()
+    optimizer.register_state_dict_post_hook(as_given)
     optimizer.register_load_state_dict_post_hook(fuse)
-    return fuse()
+    return chosen
 
 
 def prepare_host_steps(optimizers: Sequence[Optimizer], processes_per_node: int,
@@ -100,8 +109,8 @@ def prepare_host_steps(optimizers: Sequence[Optimizer], processes_per_node: int,
     share = cores // max(processes_per_node, 1)
     if torch.get_num_threads() == 1 and share > 1:
         notes.append(f"Optimizer offload: each rank steps its optimizer on one host thread (OMP_NUM_THREADS="
-                     f"{os.environ.get('OMP_NUM_THREADS', '1')}); this node's {cores} cores give its"
-                     f" {processes_per_node} ranks {share} each: set OMP_NUM_THREADS={share}.")
+                     f"{os.environ.get('OMP_NUM_THREADS', '1')}); this node's {cores} cores for"
+                     f" {processes_per_node} rank(s) allow {share} per rank: set OMP_NUM_THREADS={share}.")
     return notes
 
 

@@ -50,12 +50,14 @@ class ShardedAdafactor(torch.optim.Adafactor):
 
 
 def adapt_optimizer(optimizer: Optimizer) -> Optimizer:
-    """Make ``optimizer`` (the same object: LR schedulers stay attached) able to step DTensor parameters."""
+    """Make ``optimizer`` (the same object: LR schedulers stay attached) able to step DTensor parameters, also
+    after a checkpoint's ``load_state_dict`` restores the flags another layout saved."""
     if type(optimizer) is torch.optim.Adafactor:
         optimizer.__class__ = ShardedAdafactor
-    for index, group in enumerate(optimizer.param_groups):
-        if len({isinstance(p, DTensor) for p in group["params"]}) < 2:
-            continue
+    mixed = [index for index, group in enumerate(optimizer.param_groups)
+             if len({isinstance(p, DTensor) for p in group["params"]}) == 2]
+    for index in mixed:
+        group = optimizer.param_groups[index]
         asked = [flag for flag in ("foreach", "fused") if group.get(flag)]
         if asked and (not dist.is_initialized() or dist.get_rank() == 0):
             warnings.warn(
@@ -63,9 +65,17 @@ def adapt_optimizer(optimizer: Optimizer) -> Optimizer:
                 f" {' and '.join(asked)} kernels cannot take: it steps them one at a time instead (tensor"
                 " parallelism left some parameters unsharded, and no ZeRO over data-parallel ranks wraps them).",
                 stacklevel=2)
-        for flag in ("foreach", "fused"):
-            if flag in group:
-                group[flag] = False
+
+    def one_at_a_time(*_: object) -> None:
+        for index in mixed:
+            group = optimizer.param_groups[index]
+            for flag in ("foreach", "fused"):
+                if flag in group:
+                    group[flag] = False
+
+    one_at_a_time()
+    if mixed:
+        optimizer.register_load_state_dict_post_hook(one_at_a_time)
     return optimizer
 
 

@@ -304,26 +304,29 @@ def more_devices_hint(
 
 def same_devices_hint(
     model: ModelSpec, hardware: Hardware, world: int, global_batch: Optional[int] = None, *,
-    local_batch: Optional[int] = None, offload: bool = True,
+    local_batch: Optional[int] = None, accumulating: int = 1, offload: bool = True,
 ) -> str:
     """A sentence for when nothing fits on ``world`` devices: what would make it fit on them, each change alone
-    with the best layout it allows — 16-bit compute copies from fp32 masters (``MixedPrecision("bf16")``) for an
-    fp32 run, a smaller batch per replica, and where ``offload`` (the device's memory is apart from the host's)
-    the ``Offload`` callback's activation and optimizer offload, whose host copies and host step the estimates
-    leave out. Empty when none does."""
+    (the run's other settings kept) with the best layout it allows — 16-bit compute copies from fp32 masters
+    (``MixedPrecision("bf16")``) for an fp32 run, a smaller batch per replica (``accumulating``: the gradient
+    accumulation the run has, multiplied to keep the batch per step), and where ``offload`` (the device's memory
+    is apart from the host's) the ``Offload`` callback's activation and optimizer offload, whose host copies and
+    host step the estimates leave out. Empty when none does."""
     changes: list[tuple[str, Hardware, Optional[int]]] = []
-    if hardware.param_bytes == hardware.state_bytes == 4:
+    if hardware.param_bytes == hardware.state_bytes == hardware.activation_bytes == 4:  # fp32, not autocast
         changes.append(('MixedPrecision("bf16")', hardware.replace(**precision_bytes("32-true", torch.bfloat16)),
                         local_batch))
     if local_batch is not None:  # the largest that fits; accumulating gradients keeps the batch per step
         for batch in sorted(_divisors(local_batch), reverse=True)[1:]:
-            changes.append((f"a batch of {batch} per replica and accumulate_grad_batches={local_batch // batch}",
-                            hardware, batch))
-    if offload and hardware.offload_activations < 1:
-        changes.append(("Offload(optimizer=False, activations_every_n_blocks=1)",
+            changes.append((f"a batch of {batch} per replica and"
+                            f" accumulate_grad_batches={local_batch // batch * accumulating}", hardware, batch))
+    if offload and hardware.offload_activations < 1:  # with the optimizer offloaded or not, as now
+        changes.append(("activations_every_n_blocks=1 in the Offload callback" if hardware.offload_optimizer else
+                        "Offload(optimizer=False, activations_every_n_blocks=1)",
                         hardware.replace(offload_activations=1.0), local_batch))
-    if offload and not hardware.offload_optimizer:
-        changes.append(("Offload()", hardware.replace(offload_optimizer=True), local_batch))
+    if offload and not hardware.offload_optimizer:  # beside the activations offloaded now, if any
+        changes.append(("optimizer=True in the Offload callback" if hardware.offload_activations else "Offload()",
+                        hardware.replace(offload_optimizer=True), local_batch))
     found, batch_found = [], False
     for change, changed, batch in changes:
         if batch != local_batch and batch_found:
@@ -334,12 +337,12 @@ def same_devices_hint(
             continue
         if best.fits:
             batch_found |= batch != local_batch
-            found.append(f"{change} ({best.describe()}, {_format_bytes(best.memory_bytes)} of"
+            found.append(f"{change} as {best.describe()} ({_format_bytes(best.memory_bytes)} of"
                          f" {_format_bytes(best.memory_limit)} usable)")
     if not found:
         return ""
     slower = " The estimates leave out Offload's host copies and host step." if any(
-        f.startswith("Offload") for f in found) else ""
+        "Offload" in f for f in found) else ""
     here = "this device" if world == 1 else f"these {world:,} devices"
     return f"On {here} it fits with " + "; or ".join(found) + "." + slower
 
@@ -387,8 +390,8 @@ def estimate(
     # in host memory: the offloaded activations, and under optimizer offload the master shards, their gradients
     # and Adam's two moments
     host = per_layer * layers_per_stage * in_flight * offloaded
-    if hw.offload_optimizer:
-        host += 4 * hw.state_bytes * (dense / dp + experts / (dp // ep))
+    if hw.offload_optimizer:  # sharded over the data ranks under ZeRO; whole on each of them without
+        host += 4 * hw.state_bytes * ((dense / dp + experts / (dp // ep)) if zero else dense + experts)
     if recompute:  # one layer's full activations during its recomputation
         activations += layer_activations
     # fp32 logits and their gradient, on the last stage; added to the first stage's activations (a bound)

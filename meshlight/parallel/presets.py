@@ -143,7 +143,7 @@ class Hardware:
     state_bytes: int = 4  # per value of the master copy, gradients and Adam's moments (16-bit "true" precision: 2)
     offload_optimizer: bool = False  # master shards, their gradients and the optimizer's state in host memory
     offload_activations: float = 0.0  # share of the blocks whose saved activations wait in host memory
-    host_memory: float = 256e9  # bytes of host memory per device, for what is offloaded (DGX H100: 2 TB over 8)
+    host_memory: float = 256e9  # bytes of host memory per device, for what is offloaded (2 TB over 8 devices)
     latency: float = 2e-5  # seconds per collective, p2p message or pipeline action, whatever its size
     # and per step of a ring collective, within a node and between nodes (NCCL's ring/Simple figures)
     hop_latency_intra: float = 3.4e-6
@@ -154,10 +154,12 @@ class Hardware:
 
 
 GB = 1e9
+#: Host memory: 2 TB per 8-device node for every preset (DGX A100 80GB, DGX H100/H200, the base DGX B200; MI300X
+#: servers vary) — ``meshlight plan --host-memory`` for other nodes; at fit, the machine's own.
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("NVIDIA H100 SXM 80GB", 80 * GB, 989e12, 450 * GB, 50 * GB),
     "h200": Hardware("NVIDIA H200 SXM 141GB", 141 * GB, 989e12, 450 * GB, 50 * GB),
-    "a100": Hardware("NVIDIA A100 SXM 80GB", 80 * GB, 312e12, 300 * GB, 25 * GB, host_memory=128 * GB),  # 1 TB DGX
+    "a100": Hardware("NVIDIA A100 SXM 80GB", 80 * GB, 312e12, 300 * GB, 25 * GB),
     "b200": Hardware("NVIDIA B200 192GB", 192 * GB, 2250e12, 900 * GB, 50 * GB),
     "mi300x": Hardware("AMD MI300X 192GB", 192 * GB, 1307e12, 448 * GB, 50 * GB),
     # torchtitan's published Llama 3 runs: H100 with 96 GB HBM2e capped at 500 W (peak scaled by power)

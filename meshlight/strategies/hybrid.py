@@ -158,7 +158,9 @@ class Hybrid3DStrategy(MeshStrategy):
     def _what_would_fit(self, model: ModelSpec, hardware: Hardware, batch: int) -> str:
         """For a model no layout of this world fits: the changes that would make it fit on these devices, and how
         many devices it fits on as it is."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
         here = same_devices_hint(model, hardware, self.world_size, local_batch=batch,
+                                 accumulating=getattr(trainer, "accumulate_grad_batches", 1),
                                  offload=apart_from_host(self.root_device))
         return " ".join(filter(None, (here, more_devices_hint(model, hardware, self.world_size, local_batch=batch))))
 

@@ -2,6 +2,7 @@
 every unit) under zero2 with clipping, ddp and a pipeline; offloaded activations leave their block in forward and
 come back, one block ahead, in backward. (No accelerator here: the hooks treat host tensors as offloadable.)"""
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -47,20 +48,27 @@ def _host_params():
     return [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
 
 
-def test_host_steps_are_fused_only_where_torchs_default_was_left_and_stay_so_after_a_resume():
+def test_host_steps_are_fused_only_where_torchs_default_was_left_and_checkpoints_keep_the_flags_given():
     params = _host_params()
     optimizer = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "foreach": False}], lr=0.1)
-    notes = offload.prepare_host_steps([optimizer, torch.optim.Adafactor(_host_params())], processes_per_node=1)
+    notes = offload.prepare_host_steps([optimizer, torch.optim.Adafactor(_host_params())], processes_per_node=1,
+                                       cores=1)
     assert [g["fused"] for g in optimizer.param_groups] == [True, None]  # the loop asked for is kept
-    assert len(notes) == 1 and "AdamW steps parameter groups [0] on the host with torch's fused kernel" in notes[0]
-    # a checkpoint written without offload by the same configure_optimizers: its flags are restored
+    assert notes == ["Optimizer offload: AdamW steps parameter groups [0] on the host with torch's fused kernel"
+                     " (pass fused=False to keep its per-parameter loop)."]
+    # what this run chose is not saved: resumed without offload (or in a layout that cannot fuse) it is not forced
+    assert [g["fused"] for g in optimizer.state_dict()["param_groups"]] == [None, None]
+    # a checkpoint written by the same configure_optimizers: its flags are restored, and the same group fused again
     saved = torch.optim.AdamW([{"params": _host_params()[:1]}, {"params": _host_params()[1:], "foreach": False}])
     optimizer.load_state_dict(saved.state_dict())
     assert [g["fused"] for g in optimizer.param_groups] == [True, None]
     assert offload.fuse_host_steps(torch.optim.AdamW(_host_params(), fused=False)) == []
 
 
-def test_a_fused_host_step_is_torchs_default_update_to_rounding():
+def test_a_fused_host_step_is_torchs_fused_kernel_and_the_default_update_to_rounding(monkeypatch):
+    adam, calls = importlib.import_module("torch.optim.adam"), []  # the module (torch.optim.adam is a function)
+    fused_adam = adam._fused_adam
+    monkeypatch.setattr(adam, "_fused_adam", lambda *a, **k: calls.append(1) or fused_adam(*a, **k))
     default, fused = _host_params(), _host_params()
     steps = [torch.optim.AdamW(default, lr=0.1, weight_decay=0.1), torch.optim.AdamW(fused, lr=0.1, weight_decay=0.1)]
     assert offload.fuse_host_steps(steps[1]) == [0]
@@ -69,6 +77,7 @@ def test_a_fused_host_step_is_torchs_default_update_to_rounding():
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
             q.grad = p.grad.clone()
         steps[0].step(), steps[1].step()
+    assert len(calls) == 5  # the fused optimizer's steps, and only those
     for p, q in zip(default, fused):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
 
@@ -77,7 +86,7 @@ def test_one_host_thread_per_rank_is_named_with_the_count_the_node_allows(monkey
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     [note] = offload.prepare_host_steps([], processes_per_node=8, cores=96)
-    assert note.endswith("this node's 96 cores give its 8 ranks 12 each: set OMP_NUM_THREADS=12.")
+    assert note.endswith("this node's 96 cores for 8 rank(s) allow 12 per rank: set OMP_NUM_THREADS=12.")
     assert offload.prepare_host_steps([], processes_per_node=8, cores=8) == []  # one core each: nothing to gain
     monkeypatch.setattr(torch, "get_num_threads", lambda: 12)
     assert offload.prepare_host_steps([], processes_per_node=8, cores=96) == []

@@ -33,3 +33,28 @@ def test_other_optimizers_are_left_alone():
     opt = torch.optim.AdamW(_params(), foreach=True)
     assert type(adapt_optimizer(opt)) is torch.optim.AdamW
     assert opt.param_groups[0]["foreach"] is True  # only groups mixing DTensors and plain tensors lose it
+
+
+def test_a_group_mixing_dtensors_and_plain_tensors_keeps_stepping_one_at_a_time_after_a_resume():
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    sharded = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
+    plain = torch.nn.Parameter(torch.randn(4))
+    opt = adapt_optimizer(torch.optim.AdamW([sharded, plain], lr=0.1))
+    assert opt.param_groups[0]["foreach"] is False and opt.param_groups[0]["fused"] is False
+    # a checkpoint from a layout where this group was not mixed, written with the fused kernel
+    saved = torch.optim.AdamW([torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))],
+                              fused=True).state_dict()
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["foreach"] is False and opt.param_groups[0]["fused"] is False
+    sharded.grad, plain.grad = torch.ones_like(sharded), torch.ones_like(plain)
+    opt.step()  # the fused kernel would refuse the mix ("got mixed torch.Tensor and DTensor")

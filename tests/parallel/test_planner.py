@@ -225,15 +225,25 @@ def test_what_would_fit_on_the_same_devices_is_named_each_change_alone():
                ("Offload()", fp32.replace(offload_optimizer=True), 8)]
     for change, hardware, batch in changes:
         best = plan(model, hardware, 1, local_batch=batch)[0]
-        assert best.fits and f"{change} ({best.describe()}, " in hint, (change, hint)
+        assert best.fits and f"{change} as {best.describe()} (" in hint, (change, hint)
     assert hint.startswith("On this device it fits with ") and hint.endswith("leave out Offload's host copies and"
                                                                             " host step.")
     # a CPU's memory is the host's: offloading frees none of it
     assert "Offload" not in same_devices_hint(model, fp32, 1, local_batch=8, offload=False)
     assert same_devices_hint(MODELS["megatron-7.1b"], fp32, 1, local_batch=16) == ""  # nothing would
+    # what the run already does stays: its gradient accumulation, its Offload callback's choices; autocast
+    # (fp32 parameters) is not told to add the MixedPrecision callback, which it cannot run beside
+    assert "a batch of 4 per replica and accumulate_grad_batches=6 as" in same_devices_hint(
+        model, fp32, 1, local_batch=8, accumulating=3)
+    halfway = same_devices_hint(model, fp32.replace(offload_activations=0.5), 1, local_batch=8)
+    assert "optimizer=True in the Offload callback as" in halfway
+    assert "activations_every_n_blocks=1 in the Offload callback as" in same_devices_hint(
+        MODELS["llama3-70b"], fp32.replace(offload_optimizer=True), 8, local_batch=16)
+    autocast = HARDWARE["h100"].replace(**precision_bytes("bf16-mixed"))
+    assert "MixedPrecision" not in same_devices_hint(model, autocast, 1, local_batch=16)
 
 
-def test_what_is_offloaded_must_fit_the_hosts_memory():
+def test_what_is_offloaded_must_fit_the_hosts_memory(capsys):
     model, offloaded = MODELS["llama3-405b"], HARDWARE["h100"].replace(offload_optimizer=True)
     # a node's 2 TB cannot hold 405B parameters' fp32 master copy, gradients and Adam moments (16 bytes each)
     candidates = plan(model, offloaded, 8, 512)
@@ -244,6 +254,12 @@ def test_what_is_offloaded_must_fit_the_hosts_memory():
     roomy = plan(model, offloaded.replace(host_memory=1000e9), 8, 512)[0]
     assert roomy.fits and roomy.host_bytes > 230.4e9
     assert main(["plan", "--model", "llama3-405b", "--gpus", "8", "--offload-optimizer", "--host-memory", "1000"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "host/rank" in table[1] and table[2].startswith(roomy.describe()) and table[2].endswith("yes")
+    # without ZeRO every data rank keeps the whole of its stage's state on the host
+    unsharded, sharded = (estimate(MODELS["llama3-70b"], offloaded, 8, 16, 2, 2, 2, 1, zero, 8, 1, True)
+                          for zero in (0, 1))
+    assert unsharded.host_bytes == pytest.approx(2 * sharded.host_bytes)
 
 
 def test_cpu_hardware_shares_the_node_memory():
