@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.data import _num_cpus_available
 
 from meshlight.parallel.offload import fuse_host_steps
 
@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = _num_cpus_available()
     rows = []
     for threads in sorted({1, cores}):
         torch.set_num_threads(threads)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from lightning.fabric.utilities.data import _num_cpus_available
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.fsdp import CPUOffloadPolicy
@@ -104,8 +105,7 @@ def prepare_host_steps(optimizers: Sequence[Optimizer], processes_per_node: int,
             groups = "its parameters" if len(optimizer.param_groups) == 1 else f"parameter groups {fused}"
             notes.append(f"Optimizer offload: {type(optimizer).__name__} steps {groups} on the host with torch's fused"
                          " kernel (pass fused=False to keep its per-parameter loop).")
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = cores or _num_cpus_available()
     share = cores // max(processes_per_node, 1)
     if torch.get_num_threads() == 1 and share > 1:
         notes.append(f"Optimizer offload: each rank steps its optimizer on one host thread (OMP_NUM_THREADS="

@@ -56,8 +56,8 @@ from meshlight.parallel.presets import GB, HARDWARE, MODELS, Hardware, ModelSpec
 __all__ = [
     "ACHIEVABLE_FRACTION", "AUTOCAST_ACTIVATION_BYTES", "HARDWARE", "MODELS", "Candidate", "Hardware", "ModelSpec",
     "PlanError", "best_per_layout", "detect_hardware", "estimate", "explain", "fewest_devices", "format_plan",
-    "model_spec_of", "model_state_bytes", "more_devices_hint", "nearest_fitting", "plan", "precision_bytes",
-    "same_devices_hint", "shown_layouts",
+    "host_state_bytes", "model_spec_of", "model_state_bytes", "more_devices_hint", "nearest_fitting", "plan",
+    "precision_bytes", "same_devices_hint", "shown_layouts",
 ]
 
 #: Fraction of the dense peak that large transformer matmuls reach end to end (Megatron-Core's weak-scaling
@@ -278,14 +278,18 @@ def fewest_devices(
     one fits in memory (device counts a quarter octave apart, whole nodes past one); None when none does."""
     node = hardware.devices_per_node
     counts = {math.ceil(world * 2 ** (k / 4)) for k in range(1, 4 * int(math.log2(reach)) + 1)}
-    for devices in sorted({n if n <= node else -(-n // node) * node for n in counts}):
-        try:
-            best = plan(model, hardware, devices, global_batch, local_batch=local_batch)[0]
-        except PlanError:
-            continue
-        if best.fits:
-            return best
-    return None
+    devices = sorted({n if n <= node else -(-n // node) * node for n in counts})
+    return next(filter(None, (_best_fitting(model, hardware, n, global_batch, local_batch) for n in devices)), None)
+
+
+def _best_fitting(model: ModelSpec, hardware: Hardware, world: int, global_batch: Optional[int],
+                  local_batch: Optional[int]) -> Optional[Candidate]:
+    """The planner's best layout of ``world`` devices if it fits in memory, else None (also when none is valid)."""
+    try:
+        best = plan(model, hardware, world, global_batch, local_batch=local_batch)[0]
+    except PlanError:
+        return None
+    return best if best.fits else None
 
 
 def more_devices_hint(
@@ -312,33 +316,28 @@ def same_devices_hint(
     accumulation the run has, multiplied to keep the batch per step), and where ``offload`` (the device's memory
     is apart from the host's) the ``Offload`` callback's activation and optimizer offload, whose host copies and
     host step the estimates leave out. Empty when none does."""
-    changes: list[tuple[str, Hardware, Optional[int]]] = []
+    def fitting(changed: Hardware, batch: Optional[int] = local_batch) -> Optional[Candidate]:
+        return _best_fitting(model, changed, world, global_batch, batch)
+
+    options: list[tuple[str, Optional[Candidate]]] = []
     if hardware.param_bytes == hardware.state_bytes == hardware.activation_bytes == 4:  # fp32, not autocast
-        changes.append(('MixedPrecision("bf16")', hardware.replace(**precision_bytes("32-true", torch.bfloat16)),
-                        local_batch))
+        options.append(('MixedPrecision("bf16")', fitting(hardware.replace(**precision_bytes("32-true",
+                                                                                             torch.bfloat16)))))
     if local_batch is not None:  # the largest that fits; accumulating gradients keeps the batch per step
-        for batch in sorted(_divisors(local_batch), reverse=True)[1:]:
-            changes.append((f"a batch of {batch} per replica and"
-                            f" accumulate_grad_batches={local_batch // batch * accumulating}", hardware, batch))
+        smaller = ((batch, fitting(hardware, batch)) for batch in sorted(_divisors(local_batch), reverse=True)[1:])
+        batch, best = next(((batch, best) for batch, best in smaller if best), (None, None))
+        if batch is not None:
+            options.append((f"a batch of {batch} per replica and"
+                            f" accumulate_grad_batches={local_batch // batch * accumulating}", best))
     if offload and hardware.offload_activations < 1:  # with the optimizer offloaded or not, as now
-        changes.append(("activations_every_n_blocks=1 in the Offload callback" if hardware.offload_optimizer else
+        options.append(("activations_every_n_blocks=1 in the Offload callback" if hardware.offload_optimizer else
                         "Offload(optimizer=False, activations_every_n_blocks=1)",
-                        hardware.replace(offload_activations=1.0), local_batch))
+                        fitting(hardware.replace(offload_activations=1.0))))
     if offload and not hardware.offload_optimizer:  # beside the activations offloaded now, if any
-        changes.append(("optimizer=True in the Offload callback" if hardware.offload_activations else "Offload()",
-                        hardware.replace(offload_optimizer=True), local_batch))
-    found, batch_found = [], False
-    for change, changed, batch in changes:
-        if batch != local_batch and batch_found:
-            continue
-        try:
-            best = plan(model, changed, world, global_batch, local_batch=batch)[0]
-        except PlanError:
-            continue
-        if best.fits:
-            batch_found |= batch != local_batch
-            found.append(f"{change} as {best.describe()} ({_format_bytes(best.memory_bytes)} of"
-                         f" {_format_bytes(best.memory_limit)} usable)")
+        options.append(("optimizer=True in the Offload callback" if hardware.offload_activations else "Offload()",
+                        fitting(hardware.replace(offload_optimizer=True))))
+    found = [f"{change} as {best.describe()} ({_format_bytes(best.memory_bytes)} of"
+             f" {_format_bytes(best.memory_limit)} usable)" for change, best in options if best is not None]
     if not found:
         return ""
     slower = " The estimates leave out Offload's host copies and host step." if any(
@@ -387,11 +386,9 @@ def estimate(
     # brought back ahead of its backward
     offloaded = hw.offload_activations
     activations = per_layer * layers_per_stage * in_flight * (1 - offloaded) + (2 * per_layer if offloaded else 0.0)
-    # in host memory: the offloaded activations, and under optimizer offload the master shards, their gradients
-    # and Adam's two moments
-    host = per_layer * layers_per_stage * in_flight * offloaded
-    if hw.offload_optimizer:  # sharded over the data ranks under ZeRO; whole on each of them without
-        host += 4 * hw.state_bytes * ((dense / dp + experts / (dp // ep)) if zero else dense + experts)
+    # in host memory: the offloaded activations, and what optimizer offload keeps there
+    host = (per_layer * layers_per_stage * in_flight * offloaded + host_state_bytes(dense, dp, zero, hw)
+            + host_state_bytes(experts, dp // ep, zero, hw))
     if recompute:  # one layer's full activations during its recomputation
         activations += layer_activations
     # fp32 logits and their gradient, on the last stage; added to the first stage's activations (a bound)
@@ -461,6 +458,15 @@ def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, 
     master = state * (shard if zero else params) if hardware.param_bytes != state or zero else 0.0
     optimizer = 2 * state * (shard if zero else params)
     return gathered + master + gradients + optimizer
+
+
+def host_state_bytes(params: float, dp: int, zero: int, hardware: Hardware) -> float:
+    """Bytes of host memory per rank under ``hardware.offload_optimizer`` (else none): the master copy of the
+    rank's share of ``params``, its gradients and Adam's two moments — sharded over ``dp`` ranks under ZeRO,
+    whole on each without (FSDP2 then replicates over shard groups of one rank)."""
+    if not hardware.offload_optimizer:
+        return 0.0
+    return 4 * hardware.state_bytes * (params / dp if zero else params)
 
 
 def _bandwidth(hw: Hardware, size: int, stride: int) -> float:
