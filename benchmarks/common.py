@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+#: what ``benchmarks/gpu.py --out`` last recorded on a GPU (kept in the repository: CI has no GPU)
+GPU_RESULTS = REPO / "benchmarks" / "gpu_results.json"
 RESULT_PREFIX = "BENCHMARK-RESULT "
 
 

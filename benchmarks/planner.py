@@ -23,6 +23,10 @@ optimizer offload (what is not in host memory), 8-block GPT-tiny (target within 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Optional
+
+from common import GPU_RESULTS
 
 #: torchtitan's measured Float8 (tensorwise) speedup over bf16, 70B on 256 H100 with async TP (Jun 2025 table)
 FLOAT8_SPEEDUP = 942.4 / 652.4
@@ -157,6 +161,42 @@ def published() -> list[dict]:
     return rows
 
 
+#: gpu.py's memory-section variants: the change each makes to the planner's view of the run
+ONE_GPU_VARIANTS = {"meshlight": ({}, False), "meshlight recompute": ({}, True),
+                    "meshlight offload optimizer": ({"offload_optimizer": True}, False),
+                    "meshlight offload activations": ({"offload_activations": 1.0}, False)}
+
+
+def one_gpu(results: Path = GPU_RESULTS) -> Optional[dict]:
+    """The planner's step time and memory for ``benchmarks/gpu.py``'s memory section (one GPU, zero2, the
+    MixedPrecision callback) beside what that run measured — None without a recorded run. Offload's estimate
+    includes its host copies and the host's optimizer step."""
+    if not results.exists():
+        return None
+    import torch
+    from gpu import model_config
+
+    from meshlight.parallel.planner import HARDWARE, ModelSpec, estimate, precision_bytes
+
+    recorded = json.loads(results.read_text())
+    memory = recorded["sections"].get("memory")
+    if memory is None or "H100" not in recorded["device"]:
+        return None
+    shape = recorded["model"]
+    model = ModelSpec.from_gpt_config(model_config(shape["seq"]), shape["seq"])
+    hardware = HARDWARE["h100"].replace(devices_per_node=1, **precision_bytes("32-true", torch.bfloat16))
+    rows = []
+    for variant, measured in memory["variants"].items():
+        changes, recompute = ONE_GPU_VARIANTS[variant]
+        predicted = estimate(model, hardware.replace(**changes), 1, shape["batch"], 1, 1, 1, 1, 2, 1, 1, recompute)
+        rows.append({"variant": variant, "measured_step": measured["step_seconds"],
+                     "predicted_step": predicted.step_time, "host_seconds": predicted.times["host"],
+                     "measured_peak_bytes": measured["peak_bytes"], "predicted_bytes": predicted.memory_bytes,
+                     "host_step": measured.get("host_step") if "offload optimizer" in variant else None})
+    return {"device": recorded["device"], "date": recorded["date"], "command": memory["command"],
+            "host_bandwidth": hardware.host_bandwidth, "host_step_rate": hardware.host_step_rate, "rows": rows}
+
+
 def torchtitan_2d_over_3d() -> float:
     """Model FLOP/s per GPU of torchtitan's 2-D 70B run ÷ its 3-D 405B run (both Float8 + compile)."""
     from meshlight.parallel.planner import MODELS
@@ -175,7 +215,7 @@ def main() -> None:
     args = parser.parse_args()
     memory = [row for n in args.nprocs for row in launch(__file__, n)]
     print(json.dumps({"published": published(), "torchtitan_2d_over_3d_flops": torchtitan_2d_over_3d(),
-                      "memory": memory}, indent=1))
+                      "memory": memory, "one_gpu": one_gpu()}, indent=1))
 
 
 if __name__ == "__main__":

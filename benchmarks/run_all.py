@@ -13,6 +13,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
+
+from common import GPU_RESULTS
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -33,7 +36,6 @@ BELOW_1F1B = ("interleaved1f1b", "interleavedzerobubble", "zbvzerobubble")
 GPU_COMMANDS = ("python benchmarks/gpu.py --section speed --rounds 2 --out benchmarks/gpu_results.json",
                 "python benchmarks/gpu.py --section memory --rounds 1 --steps 10 --warmup 5"
                 " --out benchmarks/gpu_results.json")
-GPU_RESULTS = HERE / "gpu_results.json"
 #: how the host stepped the optimizer in GPU runs that predate gpu.py recording it
 HOST_STEP_BEFORE = "torch's per-parameter loop (the run predates the fused host step)"
 
@@ -227,7 +229,37 @@ def planner_section(result: dict) -> str:
         ok = "met" if abs(r["ratio"] - 1) <= 0.10 else "**not met**"
         lines.append(f"| {r['layout']} | {r['run']} | {r['world']} | {r['measured_bytes']:,.0f} |"
                      f" {r['predicted_bytes']:,.0f} | {r['ratio']:.3f} | {ok} |")
-    return "\n".join(lines)
+    return "\n".join(lines + one_gpu_lines(result.get("one_gpu")))
+
+
+def one_gpu_lines(one: Optional[dict]) -> list[str]:
+    """The planner beside one GPU's measured step time and peak memory (gpu.py's memory section)."""
+    if one is None:
+        return []
+    lines = [
+        "",
+        f"One GPU, same command: the planner's step time and memory beside `{one['command']}` on the"
+        f" {one['device']} ({one['date']}; dp=1 zero=2, the MixedPrecision callback, the same model and batch;",
+        "measured peak memory against the planner's per-rank estimate). Offload's estimate counts its host copies"
+        f" at {one['host_bandwidth'] / 1e9:.1f} GB/s each way, beyond the compute of their phase, and the host's step"
+        f" at {one['host_step_rate'] / 1e9:.1f} billion parameters/s (one thread's fused AdamW).",
+        "",
+        "| variant | measured step (s) | planner step (s) | of which offload (s) | ratio | measured peak (GB) |"
+        " planner (GB) | ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    notes = []
+    for r in one["rows"]:
+        comparable = not r["variant"].endswith("offload optimizer") or r["host_step"] is not None
+        ratio = f"{r['predicted_step'] / r['measured_step']:.2f}" if comparable else "—"
+        lines.append(f"| {r['variant']} | {r['measured_step']:.3f} | {r['predicted_step']:.3f} |"
+                     f" {r['host_seconds']:.3f} | {ratio} | {r['measured_peak_bytes'] / 1e9:.1f} |"
+                     f" {r['predicted_bytes'] / 1e9:.1f} | {r['predicted_bytes'] / r['measured_peak_bytes']:.2f} |")
+        if not comparable:
+            notes.append(f"`{r['variant']}` was measured before the fused host step (the host stepped with torch's"
+                         " per-parameter loop), so its step is not the one the planner estimates: no ratio until a"
+                         " GPU run measures it.")
+    return lines + ([""] + notes if notes else [])
 
 
 def recompute_section(result: dict) -> str:

@@ -69,6 +69,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner.add_argument("--host-memory", type=float,
                          help="GB of host memory per device, for what Offload keeps there (default 256: a 2 TB"
                               " node's over its 8 GPUs)")
+    planner.add_argument("--host-bandwidth", type=float,
+                         help="GB/s each way between a device and host memory, for Offload's copies (default: the"
+                              " preset's PCIe link at 85%%, 54.4 for PCIe 5)")
+    planner.add_argument("--host-step-rate", type=float,
+                         help="billion parameters per second the host's optimizer steps per device under optimizer"
+                              " offload (default 1.1: one thread's fused AdamW)")
     planner.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (default: the preset's)")
     planner.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
                          help="bf16: meshlight's MixedPrecision callback (default); bf16-mixed: Lightning's autocast"
@@ -76,8 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               " 32-true: fp32")
     planner.add_argument("--offload-optimizer", action="store_true",
                          help="the Offload callback's optimizer offload: master shards, their gradients and the"
-                              " optimizer state in host memory (memory only: the step time leaves out the copies"
-                              " and the host's optimizer step)")
+                              " optimizer state in host memory, stepped there")
     planner.add_argument("--offload-activations", type=float, default=0.0, metavar="SHARE",
                          help="share of the blocks whose saved activations the Offload callback keeps in host"
                               " memory (1: every block; 0.5: Offload(activations_every_n_blocks=2))")
@@ -178,6 +183,10 @@ def _hardware_of(args: argparse.Namespace) -> Hardware:
     for flag, field, value, scale, unit in (("gpus-per-node", "devices_per_node", args.gpus_per_node, 1, ""),
                                             ("gpu-memory", "memory", args.gpu_memory, GB, "GB"),
                                             ("host-memory", "host_memory", args.host_memory, GB, "GB host memory"),
+                                            ("host-bandwidth", "host_bandwidth", args.host_bandwidth, GB,
+                                             "GB/s to the host"),
+                                            ("host-step-rate", "host_step_rate", args.host_step_rate, 1e9,
+                                             "billion parameters/s host step"),
                                             ("peak-tflops", "peak_flops", args.peak_tflops, 1e12, "TFLOP/s")):
         if value is None:
             continue

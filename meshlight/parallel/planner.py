@@ -26,7 +26,10 @@ An analytic model, per rank, of what each candidate layout costs:
   without pipelining, gradients reduce-scattered per micro-batch under ZeRO-2) overlapped with backward compute
   except the last bucket (as Megatron-Core overlaps it; meshlight's pipeline schedules still reduce after the
   last microbatch);
-  expert all_to_all (4 exchanges of the routed tokens per MoE layer and micro-batch); and latencies: a fixed
+  expert all_to_all (4 exchanges of the routed tokens per MoE layer and micro-batch); what the ``Offload``
+  callback adds: its host-link copies (offloaded activations out in forward and back in backward; under optimizer
+  offload the master shards in for each gather and the gradient shards out) beyond the compute of their phase,
+  and the host's optimizer step, which nothing overlaps; and latencies: a fixed
   one per p2p message and pipeline action (what makes many tiny microbatches slow), and for each TP and DP
   collective NCCL's ring model — a base plus one hop per ring step, inter-node hops slower (what makes ZeRO-3
   over hundreds of ranks latency-bound). Links: a group within one node uses the intra-node bandwidth,
@@ -95,7 +98,7 @@ class Candidate:
     model_state_bytes: float
     activation_bytes: float
     memory_limit: float
-    times: dict[str, float]  # compute, bubble, tp, p2p, dp, ep (exposed seconds per step)
+    times: dict[str, float]  # compute, bubble, tp, p2p, dp, ep, host (exposed seconds per step)
     tokens_per_step: int
     world: int
     flops_per_token: float
@@ -314,8 +317,8 @@ def same_devices_hint(
     (the run's other settings kept) with the best layout it allows — 16-bit compute copies from fp32 masters
     (``MixedPrecision("bf16")``) for an fp32 run, a smaller batch per replica (``accumulating``: the gradient
     accumulation the run has, multiplied to keep the batch per step), and where ``offload`` (the device's memory
-    is apart from the host's) the ``Offload`` callback's activation and optimizer offload, whose host copies and
-    host step the estimates leave out. Empty when none does."""
+    is apart from the host's) the ``Offload`` callback's activation and optimizer offload — fastest first, each
+    with its estimated tokens/s per device. Empty when none does."""
     def fitting(changed: Hardware, batch: Optional[int] = local_batch) -> Optional[Candidate]:
         return _best_fitting(model, changed, world, global_batch, batch)
 
@@ -336,14 +339,15 @@ def same_devices_hint(
     if offload and not hardware.offload_optimizer:  # beside the activations offloaded now, if any
         options.append(("optimizer=True in the Offload callback" if hardware.offload_activations else "Offload()",
                         fitting(hardware.replace(offload_optimizer=True))))
-    found = [f"{change} as {best.describe()} ({_format_bytes(best.memory_bytes)} of"
-             f" {_format_bytes(best.memory_limit)} usable)" for change, best in options if best is not None]
+    found = sorted(((change, best) for change, best in options if best is not None),
+                   key=lambda option: -option[1].tokens_per_second_per_device)
     if not found:
         return ""
-    slower = " The estimates leave out Offload's host copies and host step." if any(
-        "Offload" in f for f in found) else ""
     here = "this device" if world == 1 else f"these {world:,} devices"
-    return f"On {here} it fits with " + "; or ".join(found) + "." + slower
+    return f"On {here} it fits with " + "; or ".join(
+        f"{change} as {best.describe()} ({_format_bytes(best.memory_bytes)} of {_format_bytes(best.memory_limit)}"
+        f" usable, {_format_rate(best.tokens_per_second_per_device)} tokens/s per device)"
+        for change, best in found) + "."
 
 
 def best_per_layout(candidates: Iterable[Candidate]) -> list[Candidate]:
@@ -425,7 +429,11 @@ def estimate(
         routed = s * micro_batch * model.top_k * h * hw.activation_bytes * (ep - 1) / ep
         exchanges = 5 * model.moe_layers / pp * microbatches  # counts, then tokens out and back, both directions
         ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / _bandwidth(hw, ep, tp)
-    times = {"compute": compute, "bubble": bubble, "tp": tp_time, "p2p": p2p, "dp": dp_exposed, "ep": ep_time}
+    host_time = _host_time(model, hw, compute, recompute, moved=per_layer * layers_per_stage * microbatches * offloaded,
+                           shard=host_state_bytes(dense, dp, zero, hw) + host_state_bytes(experts, dp // ep, zero, hw),
+                           regathers=microbatches if zero == 3 else 0, reductions=reductions)
+    times = {"compute": compute, "bubble": bubble, "tp": tp_time, "p2p": p2p, "dp": dp_exposed, "ep": ep_time,
+             "host": host_time}
     return Candidate(dp, pp, tp, ep, zero, microbatches, virtual_stages, recompute, schedule, model_state, activations,
                      hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(), hw.peak_flops,
                      host, hw.host_memory * MEMORY_HEADROOM)
@@ -467,6 +475,27 @@ def host_state_bytes(params: float, dp: int, zero: int, hardware: Hardware) -> f
     if not hardware.offload_optimizer:
         return 0.0
     return 4 * hardware.state_bytes * (params / dp if zero else params)
+
+
+def _host_time(model: ModelSpec, hw: Hardware, compute: float, recompute: bool, *, moved: float, shard: float,
+               regathers: int, reductions: int) -> float:
+    """Seconds per step the ``Offload`` callback adds: the host link's copies beyond the compute of their phase,
+    and the host's optimizer step. Forward sends the ``moved`` bytes of offloaded activations out and, under
+    optimizer offload, brings each parameter's master shard in for its gather (FSDP2 copies it to the device,
+    then gathers; ZeRO-3 once per micro-batch); backward brings the activations back, the shards in again for
+    ZeRO-3's ``regathers``, and sends each gradient shard out after each of its ``reductions`` — the two
+    directions at once. ``shard``: the host-held bytes (:func:`host_state_bytes`: master copy, gradients and
+    Adam's two moments, a quarter each), whose parameters the host steps after backward, with nothing to
+    overlap."""
+    if not moved and not shard:
+        return 0.0
+    master = shard / 4
+    forward_share = model.flops_per_token() / 3 / (
+        model.flops_per_token() + (model.recompute_flops_per_token() if recompute else 0.0))
+    forward = (moved + max(regathers, 1) * master) / hw.host_bandwidth
+    backward = max(moved + regathers * master, reductions * master) / hw.host_bandwidth
+    return (max(0.0, forward - compute * forward_share) + max(0.0, backward - compute * (1 - forward_share))
+            + master / hw.state_bytes / hw.host_step_rate)
 
 
 def _bandwidth(hw: Hardware, size: int, stride: int) -> float:
@@ -637,7 +666,8 @@ def explain(candidates: Sequence[Candidate]) -> str:
     shares = {k: runner.times[k] / runner.step_time - winner.times[k] / winner.step_time for k in winner.times}
     cost = max(shares, key=shares.get)
     names = {"compute": "compute (recomputation)", "bubble": "the pipeline bubble", "tp": "tensor-parallel traffic",
-             "p2p": "pipeline sends", "dp": "exposed data-parallel traffic", "ep": "expert all_to_all"}
+             "p2p": "pipeline sends", "dp": "exposed data-parallel traffic", "ep": "expert all_to_all",
+             "host": "offload's host copies and host step"}
     speedup = winner.tokens_per_second_per_device / runner.tokens_per_second_per_device
     return (f"{winner.describe()} wins: {speedup:.2f}× the tokens/s of the next layout ({runner.describe()}),"
             f" which spends {runner.times[cost] / runner.step_time:.0%} of its step on {names[cost]}"
@@ -664,6 +694,11 @@ def format_plan(candidates: Sequence[Candidate], top: int = 5) -> str:
                        f"  {'yes' if c.fits else 'no':>4}")
     lines.append(explain(candidates))
     return "\n".join(lines)
+
+
+def _format_rate(rate: float) -> str:
+    """At least three significant figures, thousands separated: 0.0123, 45.7, 7,890, 123,457."""
+    return f"{rate:,.{max(0, 2 - math.floor(math.log10(rate)))}f}" if rate > 0 else "0"
 
 
 def _format_bytes(n: float) -> str:

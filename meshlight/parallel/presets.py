@@ -5,6 +5,7 @@ Megatron-Core's weak-scaling GPTs) and common accelerators — the names ``meshl
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -144,6 +145,8 @@ class Hardware:
     offload_optimizer: bool = False  # master shards, their gradients and the optimizer's state in host memory
     offload_activations: float = 0.0  # share of the blocks whose saved activations wait in host memory
     host_memory: float = 256e9  # bytes of host memory per device, for what is offloaded (2 TB over 8 devices)
+    host_bandwidth: float = 0.85 * 64e9  # bytes/s each way between the device and host memory (PCIe 5 x16)
+    host_step_rate: float = 1.1e9  # parameters/s the host's optimizer steps per device under optimizer offload
     latency: float = 2e-5  # seconds per collective, p2p message or pipeline action, whatever its size
     # and per step of a ring collective, within a node and between nodes (NCCL's ring/Simple figures)
     hop_latency_intra: float = 3.4e-6
@@ -156,16 +159,23 @@ class Hardware:
 GB = 1e9
 #: Host memory: 2 TB per 8-device node for every preset (DGX A100 80GB, DGX H100/H200, the base DGX B200; MI300X
 #: servers vary) — ``meshlight plan --host-memory`` for other nodes; at fit, the machine's own.
+#: Host link: 85% (what pinned copies reach) of a PCIe x16 link's rate each way — 64 GB/s for PCIe 5 (H100, H200,
+#: B200, MI300X), 32 GB/s for PCIe 4 (A100); ``benchmarks/planner.py`` sets the estimate beside one H100's
+#: measured activation offload. ``meshlight plan --host-bandwidth`` for other links.
+#: Host step: one host thread's fused AdamW, 1.1e9 parameters/s (``benchmarks/host_step.py``: 25M in 0.0227 s),
+#: as each rank steps under torchrun's default ``OMP_NUM_THREADS=1``; more threads step faster.
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("NVIDIA H100 SXM 80GB", 80 * GB, 989e12, 450 * GB, 50 * GB),
     "h200": Hardware("NVIDIA H200 SXM 141GB", 141 * GB, 989e12, 450 * GB, 50 * GB),
-    "a100": Hardware("NVIDIA A100 SXM 80GB", 80 * GB, 312e12, 300 * GB, 25 * GB),
+    "a100": Hardware("NVIDIA A100 SXM 80GB", 80 * GB, 312e12, 300 * GB, 25 * GB, host_bandwidth=0.85 * 32 * GB),
     "b200": Hardware("NVIDIA B200 192GB", 192 * GB, 2250e12, 900 * GB, 50 * GB),
     "mi300x": Hardware("AMD MI300X 192GB", 192 * GB, 1307e12, 448 * GB, 50 * GB),
     # torchtitan's published Llama 3 runs: H100 with 96 GB HBM2e capped at 500 W (peak scaled by power)
     "h100-96gb-500w": Hardware("NVIDIA H100 96GB HBM2e, 500 W cap", 96 * GB, 989e12 * 500 / 700, 450 * GB, 50 * GB),
-    # gloo processes on one host: one latency per collective, whatever the group (NCCL's hops do not apply)
+    # gloo processes on one host: one latency per collective, whatever the group (NCCL's hops do not apply); what
+    # offload "moves" is already in host memory, and the step is the one the model leaves out without offload
     "cpu": Hardware("CPU process (gloo)", 4 * GB, 50e9, 2 * GB, 1 * GB, devices_per_node=64, param_bytes=4,
+                    host_bandwidth=math.inf, host_step_rate=math.inf,
                     activation_bytes=4, latency=2e-3, hop_latency_intra=0.0, hop_latency_inter=0.0),
 }
 

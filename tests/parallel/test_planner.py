@@ -14,6 +14,7 @@ from meshlight.parallel.planner import (
     HARDWARE,
     MODELS,
     PlanError,
+    _format_rate,
     _nearest,
     _ring_latency,
     best_per_layout,
@@ -223,11 +224,15 @@ def test_what_would_fit_on_the_same_devices_is_named_each_change_alone():
                ("a batch of 4 per replica and accumulate_grad_batches=2", fp32, 4),  # the largest that fits
                ("Offload(optimizer=False, activations_every_n_blocks=1)", fp32.replace(offload_activations=1.0), 8),
                ("Offload()", fp32.replace(offload_optimizer=True), 8)]
+    rates = []
     for change, hardware, batch in changes:
         best = plan(model, hardware, 1, local_batch=batch)[0]
-        assert best.fits and f"{change} as {best.describe()} (" in hint, (change, hint)
-    assert hint.startswith("On this device it fits with ") and hint.endswith("leave out Offload's host copies and"
-                                                                            " host step.")
+        rate = f"{_format_rate(best.tokens_per_second_per_device)} tokens/s per device)"
+        assert best.fits and f"{change} as {best.describe()} (" in hint and rate in hint, (change, hint)
+        rates.append((best.tokens_per_second_per_device, hint.index(change)))
+    in_order = [rate for rate, _ in sorted(rates, key=lambda pair: pair[1])]
+    assert in_order == sorted(in_order, reverse=True) and in_order[-1] < in_order[0]  # fastest first
+    assert hint.startswith("On this device it fits with ") and hint.endswith("tokens/s per device).")
     # a CPU's memory is the host's: offloading frees none of it
     assert "Offload" not in same_devices_hint(model, fp32, 1, local_batch=8, offload=False)
     assert same_devices_hint(MODELS["megatron-7.1b"], fp32, 1, local_batch=16) == ""  # nothing would
@@ -260,6 +265,56 @@ def test_what_is_offloaded_must_fit_the_hosts_memory(capsys):
     unsharded, sharded = (estimate(MODELS["llama3-70b"], offloaded, 8, 16, 2, 2, 2, 1, zero, 8, 1, True)
                           for zero in (0, 1))
     assert unsharded.host_bytes == pytest.approx(2 * sharded.host_bytes)
+
+
+def test_offload_costs_its_host_copies_beyond_compute_and_the_host_step(capsys):
+    model = MODELS["megatron-1.7b"]
+    h100 = HARDWARE["h100"].replace(devices_per_node=1)
+
+    def run(hardware, dp=1, zero=2, microbatches=1, recompute=False):
+        return estimate(model, hardware, dp, 8 * dp, dp, 1, 1, 1, zero, microbatches, 1, recompute)
+
+    plain, activations = run(h100), run(h100.replace(offload_activations=1.0))
+    assert plain.times["host"] == 0
+    # every block's saved activations go out in forward and come back in backward, each copy hidden behind its
+    # phase's compute (a third of it in forward) as far as it goes
+    moved = plain.activation_bytes - 2 * 4096 * 8 * model.vocab * 4  # less the logits, which stay
+    link = moved / h100.host_bandwidth
+    compute = plain.times["compute"]
+    assert activations.times["host"] == pytest.approx(max(0, link - compute / 3) + max(0, link - 2 * compute / 3))
+    assert activations.times["host"] > 0.5 * compute  # PCIe is ~60× slower than HBM: offload is not free
+    wider = run(h100.replace(offload_activations=1.0, host_bandwidth=1e15))
+    assert wider.times["host"] == 0 and wider.step_time == plain.step_time
+    # under optimizer offload the host steps every parameter of its shard after backward, which nothing hides
+    stepped = run(h100.replace(offload_optimizer=True, host_bandwidth=1e15))
+    assert stepped.times["host"] == pytest.approx(model.params / h100.host_step_rate, rel=1e-5)  # but a norm
+    # its master shard comes in for the gather and its gradient goes out: 4 bytes per parameter each way
+    narrow = run(h100.replace(offload_optimizer=True, host_bandwidth=1e9))
+    copies = 4 * model.params / 1e9
+    assert narrow.times["host"] == pytest.approx(stepped.times["host"] + 2 * copies - compute, rel=1e-5)
+    # ZeRO divides the host's step over the data ranks; without it every rank steps the whole model
+    sharded, whole = (run(h100.replace(offload_optimizer=True, devices_per_node=8), 8, zero) for zero in (1, 0))
+    assert sharded.times["host"] < whole.times["host"] / 7
+    assert best_per_layout(plan(model, h100.replace(offload_optimizer=True, devices_per_node=8), 8, 64))[0].zero
+    # ZeRO-3 brings the shard in again for each micro-batch's forward (3 more of 4 here) and backward, where
+    # ZeRO-2's gradient shards go out as often the other way
+    gathered = [run(h100.replace(offload_optimizer=True, host_bandwidth=1e9), 1, zero, 4) for zero in (2, 3)]
+    assert gathered[1].times["host"] == pytest.approx(gathered[0].times["host"] + 3 * copies, rel=1e-5)
+    # `meshlight plan` takes the host's link and step rate
+    offloaded = ["plan", "--model", "llama3-8b", "--gpus", "8", "--offload-optimizer", "--offload-activations", "1",
+                 "--zero", "1", "--tp", "1", "--pp", "1", "--recompute", "no", "--json"]
+    steps = {}
+    for flags in ([], ["--host-step-rate", "11"], ["--host-bandwidth", "5.44"]):
+        assert main([*offloaded, *flags]) == 0
+        steps[tuple(flags)] = json.loads(capsys.readouterr().out)[0]["times"]["host"]
+    default, faster, narrower = steps.values()
+    assert faster < default < narrower
+    with pytest.raises(SystemExit):
+        main([*offloaded, "--host-bandwidth", "0"])
+    assert "--host-bandwidth 0: give a number > 0" in capsys.readouterr().err
+    # on CPU processes offload moves nothing and the step is the one every run takes: no cost
+    assert estimate(model, CPU.replace(offload_optimizer=True, offload_activations=1.0), 2, 4, 2, 1, 1, 1, 1, 1, 1,
+                    False).times["host"] == 0
 
 
 def test_cpu_hardware_shares_the_node_memory():
