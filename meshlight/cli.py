@@ -80,6 +80,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          help="bf16: meshlight's MixedPrecision callback (default); bf16-mixed: Lightning's autocast"
                               " flag (fp32 parameters); bf16-true: everything in bf16, optimizer state included;"
                               " 32-true: fp32")
+    planner.add_argument("--float32-matmul-precision", choices=("highest", "high", "medium"), default="highest",
+                         help="with --precision 32-true: torch.set_float32_matmul_precision's setting — highest"
+                              " (torch's default) keeps fp32 matmuls off the tensor cores, high and medium run TF32")
     planner.add_argument("--offload-optimizer", action="store_true",
                          help="the Offload callback's optimizer offload: master shards, their gradients and the"
                               " optimizer state in host memory, stepped there")
@@ -200,7 +203,8 @@ def _hardware_of(args: argparse.Namespace) -> Hardware:
     if not 0 <= args.offload_activations <= 1:
         raise ValueError(f"--offload-activations {args.offload_activations:g}: give a share between 0 and 1")
     return preset.replace(**changes, **precision_bytes(*PRECISIONS[args.precision]),
-                          offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations)
+                          offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations,
+                          float32_matmul_precision=args.float32_matmul_precision)
 
 
 def _consolidate(args: argparse.Namespace) -> int:

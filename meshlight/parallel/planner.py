@@ -18,8 +18,9 @@ An analytic model, per rank, of what each candidate layout costs:
   last stage also holds fp32 logits; blocks whose activations are offloaded keep two blocks' worth in transit.
   What the ``Offload`` callback moves out (optimizer state with the master shards and their gradients, the
   offloaded activations) must fit the device's share of host memory, as the rest must fit the device.
-- **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak (recomputation adds a
-  forward), stretched by the pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives
+- **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak for the run's matmuls
+  (:attr:`Hardware.compute_flops`: 16-bit, or fp32 as torch's float32 matmul precision runs it; recomputation
+  adds a forward), stretched by the pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives
   of the activations per layer and micro-batch, 6 with recomputation) not overlapped; pipeline p2p; data
   parallel traffic (2·P, 3·P for ZeRO-3 less the root unit — embedding and head, kept gathered from forward to
   backward without pipelining — parameters gathered again for every micro-batch under ZeRO-3 and,
@@ -197,8 +198,9 @@ def precision_bytes(precision: str, param_dtype: Optional[torch.dtype] = None) -
 
 
 def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:
-    """The preset matching ``device`` (CUDA by name, its memory as reported), or the CPU preset; either with this
-    node's host memory shared by its processes (a CPU process's memory is the host's)."""
+    """The preset matching ``device`` (CUDA by name, its memory as reported, and the process's float32 matmul
+    precision), or the CPU preset; either with this node's host memory shared by its processes (a CPU process's
+    memory is the host's)."""
     try:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(processes_per_node, 1)
     except (ValueError, OSError, AttributeError):
@@ -210,7 +212,8 @@ def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:
         if preset is None:
             preset = Hardware(props.name, props.total_memory, 100e12, 100 * GB, 25 * GB)
         return preset.replace(memory=float(props.total_memory), devices_per_node=processes_per_node,
-                              host_memory=float(host or preset.host_memory))
+                              host_memory=float(host or preset.host_memory),
+                              float32_matmul_precision=torch.get_float32_matmul_precision())
     memory = float(host or HARDWARE["cpu"].memory)
     return HARDWARE["cpu"].replace(memory=memory, host_memory=memory, devices_per_node=processes_per_node)
 
@@ -400,7 +403,7 @@ def estimate(
     # --- time
     tokens = global_batch * s
     flops = tokens * (model.flops_per_token() + (model.recompute_flops_per_token() if recompute else 0)) / world
-    compute = flops / (hw.peak_flops * ACHIEVABLE_FRACTION)
+    compute = flops / (hw.compute_flops * ACHIEVABLE_FRACTION)
     bubble = compute * (pp - 1) / (microbatches * virtual_stages) if pp > 1 else 0.0
     activation = s * micro_batch * h * hw.activation_bytes
     tp_time = 0.0

@@ -147,6 +147,9 @@ class Hardware:
     host_memory: float = 256e9  # bytes of host memory per device, for what is offloaded (2 TB over 8 devices)
     host_bandwidth: float = 0.85 * 64e9  # bytes/s each way between the device and host memory (PCIe 5 x16)
     host_step_rate: float = 1.1e9  # parameters/s the host's optimizer steps per device under optimizer offload
+    fp32_flops: Optional[float] = None  # dense FLOP/s of fp32 matmuls off the tensor cores (None: peak_flops)
+    tf32_flops: Optional[float] = None  # ... of fp32 matmuls as TF32 on the tensor cores (None: fp32_flops)
+    float32_matmul_precision: str = "highest"  # the run's torch.get_float32_matmul_precision(): high/medium = TF32
     latency: float = 2e-5  # seconds per collective, p2p message or pipeline action, whatever its size
     # and per step of a ring collective, within a node and between nodes (NCCL's ring/Simple figures)
     hop_latency_intra: float = 3.4e-6
@@ -155,6 +158,16 @@ class Hardware:
     def replace(self, **changes: Any) -> Hardware:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def compute_flops(self) -> float:
+        """Dense FLOP/s the run's matmuls peak at: the device's 16-bit peak, but where activations are fp32 (an
+        fp32 run) what torch's float32 matmul precision gives — its default "highest" keeps fp32 off the tensor
+        cores (an H100's 67 TFLOP/s, a fifteenth of bf16), "high" and "medium" run TF32 at half the bf16 rate."""
+        if self.activation_bytes < 4:
+            return self.peak_flops
+        fp32 = self.fp32_flops or self.peak_flops
+        return fp32 if self.float32_matmul_precision == "highest" else self.tf32_flops or fp32
+
 
 GB = 1e9
 #: Host memory: 2 TB per 8-device node for every preset (DGX A100 80GB, DGX H100/H200, the base DGX B200; MI300X
@@ -162,16 +175,24 @@ GB = 1e9
 #: Host link: 85% (what pinned copies reach) of a PCIe x16 link's rate each way — 64 GB/s for PCIe 5 (H100, H200,
 #: B200, MI300X), 32 GB/s for PCIe 4 (A100); ``benchmarks/planner.py`` sets the estimate beside one H100's
 #: measured activation offload. ``meshlight plan --host-bandwidth`` for other links.
+#: fp32 matmuls (datasheets, dense): off the tensor cores H100/H200 67, A100 19.5, B200 75, MI300X 163.4 TFLOP/s;
+#: as TF32 half the bf16 peak on each.
 #: Host step: one host thread's fused AdamW, 1.1e9 parameters/s (``benchmarks/host_step.py``: 25M in 0.0227 s),
 #: as each rank steps under torchrun's default ``OMP_NUM_THREADS=1``; more threads step faster.
 HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware("NVIDIA H100 SXM 80GB", 80 * GB, 989e12, 450 * GB, 50 * GB),
-    "h200": Hardware("NVIDIA H200 SXM 141GB", 141 * GB, 989e12, 450 * GB, 50 * GB),
-    "a100": Hardware("NVIDIA A100 SXM 80GB", 80 * GB, 312e12, 300 * GB, 25 * GB, host_bandwidth=0.85 * 32 * GB),
-    "b200": Hardware("NVIDIA B200 192GB", 192 * GB, 2250e12, 900 * GB, 50 * GB),
-    "mi300x": Hardware("AMD MI300X 192GB", 192 * GB, 1307e12, 448 * GB, 50 * GB),
-    # torchtitan's published Llama 3 runs: H100 with 96 GB HBM2e capped at 500 W (peak scaled by power)
-    "h100-96gb-500w": Hardware("NVIDIA H100 96GB HBM2e, 500 W cap", 96 * GB, 989e12 * 500 / 700, 450 * GB, 50 * GB),
+    "h100": Hardware("NVIDIA H100 SXM 80GB", 80 * GB, 989e12, 450 * GB, 50 * GB, fp32_flops=67e12,
+                     tf32_flops=989e12 / 2),
+    "h200": Hardware("NVIDIA H200 SXM 141GB", 141 * GB, 989e12, 450 * GB, 50 * GB, fp32_flops=67e12,
+                     tf32_flops=989e12 / 2),
+    "a100": Hardware("NVIDIA A100 SXM 80GB", 80 * GB, 312e12, 300 * GB, 25 * GB, host_bandwidth=0.85 * 32 * GB,
+                     fp32_flops=19.5e12, tf32_flops=312e12 / 2),
+    "b200": Hardware("NVIDIA B200 192GB", 192 * GB, 2250e12, 900 * GB, 50 * GB, fp32_flops=75e12,
+                     tf32_flops=2250e12 / 2),
+    "mi300x": Hardware("AMD MI300X 192GB", 192 * GB, 1307e12, 448 * GB, 50 * GB, fp32_flops=163.4e12,
+                       tf32_flops=1307e12 / 2),
+    # torchtitan's published Llama 3 runs: H100 with 96 GB HBM2e capped at 500 W (peaks scaled by power)
+    "h100-96gb-500w": Hardware("NVIDIA H100 96GB HBM2e, 500 W cap", 96 * GB, 989e12 * 500 / 700, 450 * GB, 50 * GB,
+                               fp32_flops=67e12 * 500 / 700, tf32_flops=989e12 / 2 * 500 / 700),
     # gloo processes on one host: one latency per collective, whatever the group (NCCL's hops do not apply); what
     # offload "moves" is already in host memory, and the step is the one the model leaves out without offload
     "cpu": Hardware("CPU process (gloo)", 4 * GB, 50e9, 2 * GB, 1 * GB, devices_per_node=64, param_bytes=4,

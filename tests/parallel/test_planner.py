@@ -3,6 +3,7 @@ reads, it ranks the published layouts of large runs among its best, bad sizes fa
 constraints, and `meshlight plan` prints a table."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -315,6 +316,34 @@ def test_offload_costs_its_host_copies_beyond_compute_and_the_host_step(capsys):
     # on CPU processes offload moves nothing and the step is the one every run takes: no cost
     assert estimate(model, CPU.replace(offload_optimizer=True, offload_activations=1.0), 2, 4, 2, 1, 1, 1, 1, 1, 1,
                     False).times["host"] == 0
+
+
+def test_fp32_matmuls_run_at_the_rate_torchs_float32_matmul_precision_gives(capsys, monkeypatch):
+    h100, model = HARDWARE["h100"], MODELS["llama3-8b"]
+    fp32 = h100.replace(**precision_bytes("32-true"))
+    assert h100.compute_flops == h100.replace(**precision_bytes("bf16-mixed")).compute_flops == 989e12
+    assert fp32.compute_flops == 67e12  # torch's default "highest": off the tensor cores
+    assert fp32.replace(float32_matmul_precision="high").compute_flops == 989e12 / 2  # TF32
+    assert CPU.compute_flops == CPU.peak_flops  # a CPU's fp32 is its peak
+
+    def compute(hardware):
+        return estimate(model, hardware, 8, 16, 8, 1, 1, 1, 3, 2, 1, True).times["compute"]
+
+    assert compute(fp32) == pytest.approx(compute(h100) * 989 / 67)
+    # the command line takes the setting, and the fp32 run's MFU (against the bf16 peak) shows what it costs
+    rows = {}
+    for setting in ("highest", "high"):
+        assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--precision", "32-true", "--zero", "3", "--json",
+                     "--float32-matmul-precision", setting]) == 0
+        rows[setting] = json.loads(capsys.readouterr().out)[0]
+    assert rows["highest"]["times"]["compute"] == pytest.approx(rows["high"]["times"]["compute"] * 989 / 2 / 67)
+    assert rows["highest"]["mfu"] < 0.05
+    # a fit reads the GPU and the process's setting
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30))
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    detected = detect_hardware(torch.device("cuda", 0), 8).replace(**precision_bytes("32-true"))
+    assert detected.name == h100.name and detected.compute_flops == 989e12 / 2
 
 
 def test_cpu_hardware_shares_the_node_memory():
