@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -117,11 +118,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as error:
         planner.error(str(error))
     global_batch = args.global_batch or max(TOKENS_PER_STEP // model.seq_len, 1)
+    fixed = {k: v for k, v in dict(dp=args.dp, pp=args.pp, tp=args.tp, ep=args.ep, zero=args.zero,
+                                   schedule=args.schedule, virtual_stages=args.virtual_stages,
+                                   microbatches=args.microbatches,
+                                   recompute=None if args.recompute is None else args.recompute == "yes").items()
+             if v is not None}
     try:
-        candidates = plan(model, hardware, args.gpus, global_batch, dp=args.dp, pp=args.pp, tp=args.tp, ep=args.ep,
-                          zero=args.zero, schedule=args.schedule, virtual_stages=args.virtual_stages,
-                          microbatches=args.microbatches,
-                          recompute=None if args.recompute is None else args.recompute == "yes")
+        candidates = plan(model, hardware, args.gpus, global_batch, **fixed)
     except PlanError as error:
         print(f"meshlight plan: {error}", file=sys.stderr)
         return 2
@@ -140,7 +143,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  if args.offload_activations else "") + ":")
         print(format_plan(candidates, top=args.top))
         if not candidates[0].fits:
-            here = same_devices_hint(model, hardware, args.gpus, global_batch, offload=args.gpu != "cpu")
+            hint = functools.partial(same_devices_hint, model, hardware, args.gpus, global_batch,
+                                     offload=args.gpu != "cpu")
+            here = (hint(fixed=fixed) if fixed else "") or hint()  # keeping what was fixed, where that fits
             print("\n".join(filter(None, (here, more_devices_hint(model, hardware, args.gpus, global_batch)))))
     return 0
 

@@ -289,10 +289,11 @@ def fewest_devices(
 
 
 def _best_fitting(model: ModelSpec, hardware: Hardware, world: int, global_batch: Optional[int],
-                  local_batch: Optional[int]) -> Optional[Candidate]:
-    """The planner's best layout of ``world`` devices if it fits in memory, else None (also when none is valid)."""
+                  local_batch: Optional[int], **fixed: Any) -> Optional[Candidate]:
+    """The planner's best layout of ``world`` devices (with the sizes and options ``fixed``, as :func:`plan` takes
+    them) if it fits in memory, else None (also when none is valid)."""
     try:
-        best = plan(model, hardware, world, global_batch, local_batch=local_batch)[0]
+        best = plan(model, hardware, world, global_batch, local_batch=local_batch, **fixed)[0]
     except PlanError:
         return None
     return best if best.fits else None
@@ -314,16 +315,17 @@ def more_devices_hint(
 
 def same_devices_hint(
     model: ModelSpec, hardware: Hardware, world: int, global_batch: Optional[int] = None, *,
-    local_batch: Optional[int] = None, accumulating: int = 1, offload: bool = True,
+    local_batch: Optional[int] = None, accumulating: int = 1, offload: bool = True, fixed: Optional[dict] = None,
 ) -> str:
     """A sentence for when nothing fits on ``world`` devices: what would make it fit on them, each change alone
     (the run's other settings kept) with the best layout it allows — 16-bit compute copies from fp32 masters
     (``MixedPrecision("bf16")``) for an fp32 run, a smaller batch per replica (``accumulating``: the gradient
     accumulation the run has, multiplied to keep the batch per step), and where ``offload`` (the device's memory
     is apart from the host's) the ``Offload`` callback's activation and optimizer offload — fastest first, each
-    with its estimated tokens/s per device. Empty when none does."""
+    with its estimated tokens/s per device; each within the sizes and options ``fixed`` (``{"tp": 2, "schedule":
+    "gpipe", …}``, as :func:`plan` takes them), if any. Empty when none does."""
     def fitting(changed: Hardware, batch: Optional[int] = local_batch) -> Optional[Candidate]:
-        return _best_fitting(model, changed, world, global_batch, batch)
+        return _best_fitting(model, changed, world, global_batch, batch, **(fixed or {}))
 
     options: list[tuple[str, Optional[Candidate]]] = []
     if hardware.param_bytes == hardware.state_bytes == hardware.activation_bytes == 4:  # fp32, not autocast

@@ -3,6 +3,7 @@ with the sizes left open chosen by the layout planner."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -147,22 +148,32 @@ class Hybrid3DStrategy(MeshStrategy):
         if not self.plan[0].fits:
             nearest = nearest_fitting(model, hardware, self.world_size, local_batch=batch,
                                       given={"dp": layout.dp, "pp": layout.pp, "tp": layout.tp})
+            fixed = dict(dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep, zero=layout.zero,
+                         **self._run_options(layout))
+            kept = self._what_would_fit(model, hardware, batch, fixed, elsewhere=False)
             raise PlanError(
                 f"{layout.describe()} is not expected to fit {model.name} in {hardware.name} memory"
                 f" ({self.world_size} processes, batch {batch} per replica): {explain(self.plan)}"
-                + (" Nearest layouts that fit: " + "; ".join(c.describe() for c in nearest) + "." if nearest else
-                   " No layout of this world fits. " + self._what_would_fit(model, hardware, batch))
+                + (" Nearest layouts that fit: " + "; ".join(c.describe() for c in nearest) + "."
+                   + (" " + kept if kept else "") if nearest else
+                   " No layout of this world fits. " + self._what_would_fit(model, hardware, batch, fixed))
             )
         self._settle(model, hardware, self.plan[0])
 
-    def _what_would_fit(self, model: ModelSpec, hardware: Hardware, batch: int) -> str:
-        """For a model no layout of this world fits: the changes that would make it fit on these devices, and how
-        many devices it fits on as it is."""
+    def _what_would_fit(self, model: ModelSpec, hardware: Hardware, batch: int, fixed: dict[str, Any],
+                        elsewhere: bool = True) -> str:
+        """For a layout that does not fit: the changes that would make it fit on these devices — keeping the
+        sizes and options the user ``fixed`` where one does, else in any layout — and, ``elsewhere``, how many
+        devices it fits on as it is."""
         trainer = getattr(self.lightning_module, "_trainer", None)
-        here = same_devices_hint(model, hardware, self.world_size, local_batch=batch,
+        hint = functools.partial(same_devices_hint, model, hardware, self.world_size, local_batch=batch,
                                  accumulating=getattr(trainer, "accumulate_grad_batches", 1),
                                  offload=apart_from_host(self.root_device))
-        return " ".join(filter(None, (here, more_devices_hint(model, hardware, self.world_size, local_batch=batch))))
+        here = hint(fixed=fixed) if fixed else ""
+        if not elsewhere:
+            return here
+        more = more_devices_hint(model, hardware, self.world_size, local_batch=batch)
+        return " ".join(filter(None, (here or hint(), more)))
 
     def _run_hardware(self) -> Hardware:
         """The device the planner assumes (given, else detected), with the bytes this run's precision keeps per
@@ -249,7 +260,7 @@ class Hybrid3DStrategy(MeshStrategy):
         if not best.fits:
             free = plan(model, hardware, self.world_size, local_batch=batch, **requested)[0] if fixed else best
             more = (f"It fits as {free.describe()}: leave {', '.join(fixed)} to the planner." if free.fits else
-                    self._what_would_fit(model, hardware, batch))
+                    self._what_would_fit(model, hardware, batch, {**requested, **fixed}))
             raise PlanError(f"No layout of {self.world_size} processes fits {model.name} in {hardware.name} memory. "
                             f"{explain(self.plan)} {more}")
         self._settle(model, hardware, best)

@@ -234,6 +234,10 @@ def test_what_would_fit_on_the_same_devices_is_named_each_change_alone():
     in_order = [rate for rate, _ in sorted(rates, key=lambda pair: pair[1])]
     assert in_order == sorted(in_order, reverse=True) and in_order[-1] < in_order[0]  # fastest first
     assert hint.startswith("On this device it fits with ") and hint.endswith("tokens/s per device).")
+    # within what the run fixed: each remedy keeps it
+    kept = same_devices_hint(model, fp32, 1, local_batch=8, fixed={"zero": 1, "recompute": False})
+    layouts = [part.split(" as ")[1].split(" (")[0] for part in kept.split("; or ")]
+    assert layouts and all("zero=1" in layout and "recompute" not in layout for layout in layouts), kept
     # a CPU's memory is the host's: offloading frees none of it
     assert "Offload" not in same_devices_hint(model, fp32, 1, local_batch=8, offload=False)
     assert same_devices_hint(MODELS["megatron-7.1b"], fp32, 1, local_batch=16) == ""  # nothing would
