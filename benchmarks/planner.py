@@ -169,22 +169,22 @@ ONE_GPU_VARIANTS = {"meshlight": ({}, False), "meshlight recompute": ({}, True),
 
 def one_gpu(results: Path = GPU_RESULTS) -> Optional[dict]:
     """The planner's step time and memory for ``benchmarks/gpu.py``'s memory section (one GPU, zero2, the
-    MixedPrecision callback) beside what that run measured — None without a recorded run. Offload's estimate
-    includes its host copies and the host's optimizer step."""
+    MixedPrecision callback) beside what that run measured — None without a recorded run on a device with a
+    preset. Offload's estimate includes its host copies and the host's optimizer step."""
     if not results.exists():
         return None
     import torch
     from gpu import model_config
 
-    from meshlight.parallel.planner import HARDWARE, ModelSpec, estimate, precision_bytes
+    from meshlight.parallel.planner import ModelSpec, estimate, precision_bytes, preset_named
 
     recorded = json.loads(results.read_text())
-    memory = recorded["sections"].get("memory")
-    if memory is None or "H100" not in recorded["device"]:
+    memory, preset = recorded["sections"].get("memory"), preset_named(recorded["device"])
+    if memory is None or preset is None:
         return None
     shape = recorded["model"]
     model = ModelSpec.from_gpt_config(model_config(shape["seq"]), shape["seq"])
-    hardware = HARDWARE["h100"].replace(devices_per_node=1, **precision_bytes("32-true", torch.bfloat16))
+    hardware = preset.replace(devices_per_node=1, **precision_bytes("32-true", torch.bfloat16))
     rows = []
     for variant, measured in memory["variants"].items():
         changes, recompute = ONE_GPU_VARIANTS[variant]

@@ -76,7 +76,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner.add_argument("--host-step-rate", type=float,
                          help="billion parameters per second the host's optimizer steps per device under optimizer"
                               " offload (default 1.1: one thread's fused AdamW)")
-    planner.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (default: the preset's)")
+    planner.add_argument("--peak-tflops", type=float,
+                         help="dense bf16 TFLOP/s per device (default: the preset's; a 32-true run computes at the"
+                              " preset's fp32 or TF32 rate)")
     planner.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
                          help="bf16: meshlight's MixedPrecision callback (default); bf16-mixed: Lightning's autocast"
                               " flag (fp32 parameters); bf16-true: everything in bf16, optimizer state included;"

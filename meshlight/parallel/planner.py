@@ -61,7 +61,7 @@ __all__ = [
     "ACHIEVABLE_FRACTION", "AUTOCAST_ACTIVATION_BYTES", "HARDWARE", "MODELS", "Candidate", "Hardware", "ModelSpec",
     "PlanError", "best_per_layout", "detect_hardware", "estimate", "explain", "fewest_devices", "format_plan",
     "host_state_bytes", "model_spec_of", "model_state_bytes", "more_devices_hint", "nearest_fitting", "plan",
-    "precision_bytes", "same_devices_hint", "shown_layouts",
+    "precision_bytes", "preset_named", "same_devices_hint", "shown_layouts",
 ]
 
 #: Fraction of the dense peak that large transformer matmuls reach end to end (Megatron-Core's weak-scaling
@@ -197,6 +197,12 @@ def precision_bytes(precision: str, param_dtype: Optional[torch.dtype] = None) -
     return {"param_bytes": size, "activation_bytes": size, "state_bytes": size}
 
 
+def preset_named(device_name: str) -> Optional[Hardware]:
+    """The device preset whose key is in ``device_name`` ("NVIDIA H100 80GB HBM3": ``h100``), or None."""
+    name = device_name.lower()
+    return next((HARDWARE[k] for k in ("h200", "h100", "a100", "b200", "mi300x") if k in name), None)
+
+
 def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:
     """The preset matching ``device`` (CUDA by name, its memory as reported, and the process's float32 matmul
     precision), or the CPU preset; either with this node's host memory shared by its processes (a CPU process's
@@ -207,8 +213,7 @@ def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:
         host = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        name = props.name.lower()
-        preset = next((HARDWARE[k] for k in ("h200", "h100", "a100", "b200", "mi300x") if k in name), None)
+        preset = preset_named(props.name)
         if preset is None:
             preset = Hardware(props.name, props.total_memory, 100e12, 100 * GB, 25 * GB)
         return preset.replace(memory=float(props.total_memory), devices_per_node=processes_per_node,
@@ -436,6 +441,8 @@ def estimate(
         ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / _bandwidth(hw, ep, tp)
     host_time = _host_time(model, hw, compute, recompute, moved=per_layer * layers_per_stage * microbatches * offloaded,
                            shard=host_state_bytes(dense, dp, zero, hw) + host_state_bytes(experts, dp // ep, zero, hw),
+                           # ZeRO-0 runs on FSDP2 under offload and reshards after each micro-batch's backward
+                           gathers=microbatches if zero == 3 or (zero == 0 and pp == 1) else 1,
                            regathers=microbatches if zero == 3 else 0, reductions=reductions)
     times = {"compute": compute, "bubble": bubble, "tp": tp_time, "p2p": p2p, "dp": dp_exposed, "ep": ep_time,
              "host": host_time}
@@ -483,24 +490,25 @@ def host_state_bytes(params: float, dp: int, zero: int, hardware: Hardware) -> f
 
 
 def _host_time(model: ModelSpec, hw: Hardware, compute: float, recompute: bool, *, moved: float, shard: float,
-               regathers: int, reductions: int) -> float:
+               gathers: int, regathers: int, reductions: int) -> float:
     """Seconds per step the ``Offload`` callback adds: the host link's copies beyond the compute of their phase,
-    and the host's optimizer step. Forward sends the ``moved`` bytes of offloaded activations out and, under
-    optimizer offload, brings each parameter's master shard in for its gather (FSDP2 copies it to the device,
-    then gathers; ZeRO-3 once per micro-batch); backward brings the activations back, the shards in again for
-    ZeRO-3's ``regathers``, and sends each gradient shard out after each of its ``reductions`` — the two
-    directions at once. ``shard``: the host-held bytes (:func:`host_state_bytes`: master copy, gradients and
-    Adam's two moments, a quarter each), whose parameters the host steps after backward, with nothing to
-    overlap."""
+    each direction at once, and the host's optimizer step. Forward sends the ``moved`` bytes of offloaded
+    activations out and, under optimizer offload, brings each parameter's master shard in for each of its
+    ``gathers`` (FSDP2 copies it to the device, then gathers); backward brings the activations back, the shards in
+    again for ZeRO-3's ``regathers``, and sends each gradient shard out after each of its ``reductions`` — all but
+    the last while accumulating, which FSDP2 copies synchronously: exposed. ``shard``: the host-held bytes
+    (:func:`host_state_bytes`: master copy, gradients and Adam's two moments, a quarter each), whose parameters
+    the host steps after backward, with nothing to overlap."""
     if not moved and not shard:
         return 0.0
     master = shard / 4
     forward_share = model.flops_per_token() / 3 / (
         model.flops_per_token() + (model.recompute_flops_per_token() if recompute else 0.0))
-    forward = (moved + max(regathers, 1) * master) / hw.host_bandwidth
-    backward = max(moved + regathers * master, reductions * master) / hw.host_bandwidth
+    forward = max(moved, gathers * master) / hw.host_bandwidth
+    backward = max(moved + regathers * master, master) / hw.host_bandwidth
+    accumulating = (reductions - 1) * master / hw.host_bandwidth
     return (max(0.0, forward - compute * forward_share) + max(0.0, backward - compute * (1 - forward_share))
-            + master / hw.state_bytes / hw.host_step_rate)
+            + accumulating + master / hw.state_bytes / hw.host_step_rate)
 
 
 def _bandwidth(hw: Hardware, size: int, stride: int) -> float:

@@ -155,6 +155,13 @@ class Hardware:
     hop_latency_intra: float = 3.4e-6
     hop_latency_inter: float = 9.6e-6
 
+    def __post_init__(self) -> None:
+        rates = ("memory", "peak_flops", "intra_bandwidth", "inter_bandwidth", "host_memory", "host_bandwidth",
+                 "host_step_rate")
+        bad = [f"{name}={getattr(self, name)!r}" for name in rates if not getattr(self, name) > 0]
+        if bad or self.devices_per_node < 1:
+            raise ValueError(f"Hardware {self.name!r}: {', '.join(bad) or 'devices_per_node < 1'}: give values > 0.")
+
     def replace(self, **changes: Any) -> Hardware:
         return dataclasses.replace(self, **changes)
 
@@ -177,8 +184,9 @@ GB = 1e9
 #: measured activation offload. ``meshlight plan --host-bandwidth`` for other links.
 #: fp32 matmuls (datasheets, dense): off the tensor cores H100/H200 67, A100 19.5, B200 75, MI300X 163.4 TFLOP/s;
 #: as TF32 half the bf16 peak on each.
-#: Host step: one host thread's fused AdamW, 1.1e9 parameters/s (``benchmarks/host_step.py``: 25M in 0.0227 s),
-#: as each rank steps under torchrun's default ``OMP_NUM_THREADS=1``; more threads step faster.
+#: Host step: one host thread's fused AdamW, 1.1e9 parameters/s (``benchmarks/host_step.py`` on the 2-core machine
+#: meshlight is tested on: 25M in 0.0227 s), a floor — torchrun's default ``OMP_NUM_THREADS=1``; more threads
+#: step faster (1.3× on 2 there); ``meshlight plan --host-step-rate`` for other hosts.
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("NVIDIA H100 SXM 80GB", 80 * GB, 989e12, 450 * GB, 50 * GB, fp32_flops=67e12,
                      tf32_flops=989e12 / 2),

@@ -150,14 +150,14 @@ class Hybrid3DStrategy(MeshStrategy):
                                       given={"dp": layout.dp, "pp": layout.pp, "tp": layout.tp})
             fixed = dict(dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep, zero=layout.zero,
                          **self._run_options(layout))
-            kept = self._what_would_fit(model, hardware, batch, fixed, elsewhere=False)
-            raise PlanError(
-                f"{layout.describe()} is not expected to fit {model.name} in {hardware.name} memory"
-                f" ({self.world_size} processes, batch {batch} per replica): {explain(self.plan)}"
-                + (" Nearest layouts that fit: " + "; ".join(c.describe() for c in nearest) + "."
-                   + (" " + kept if kept else "") if nearest else
-                   " No layout of this world fits. " + self._what_would_fit(model, hardware, batch, fixed))
-            )
+            if nearest:  # and what would fit as given
+                remedy = " ".join(filter(None, ["Nearest layouts that fit: " + "; ".join(
+                    c.describe() for c in nearest) + ".", self._what_would_fit(model, hardware, batch, fixed,
+                                                                                elsewhere=False)]))
+            else:
+                remedy = "No layout of this world fits. " + self._what_would_fit(model, hardware, batch, fixed)
+            raise PlanError(f"{layout.describe()} is not expected to fit {model.name} in {hardware.name} memory"
+                            f" ({self.world_size} processes, batch {batch} per replica): {explain(self.plan)} {remedy}")
         self._settle(model, hardware, self.plan[0])
 
     def _what_would_fit(self, model: ModelSpec, hardware: Hardware, batch: int, fixed: dict[str, Any],

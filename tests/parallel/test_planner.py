@@ -282,7 +282,7 @@ def test_offload_costs_its_host_copies_beyond_compute_and_the_host_step(capsys):
     plain, activations = run(h100), run(h100.replace(offload_activations=1.0))
     assert plain.times["host"] == 0
     # every block's saved activations go out in forward and come back in backward, each copy hidden behind its
-    # phase's compute (a third of it in forward) as far as it goes
+    # phase's compute (a third of it in forward without recomputation) as far as it goes
     moved = plain.activation_bytes - 2 * 4096 * 8 * model.vocab * 4  # less the logits, which stay
     link = moved / h100.host_bandwidth
     compute = plain.times["compute"]
@@ -301,10 +301,14 @@ def test_offload_costs_its_host_copies_beyond_compute_and_the_host_step(capsys):
     sharded, whole = (run(h100.replace(offload_optimizer=True, devices_per_node=8), 8, zero) for zero in (1, 0))
     assert sharded.times["host"] < whole.times["host"] / 7
     assert best_per_layout(plan(model, h100.replace(offload_optimizer=True, devices_per_node=8), 8, 64))[0].zero
-    # ZeRO-3 brings the shard in again for each micro-batch's forward (3 more of 4 here) and backward, where
-    # ZeRO-2's gradient shards go out as often the other way
-    gathered = [run(h100.replace(offload_optimizer=True, host_bandwidth=1e9), 1, zero, 4) for zero in (2, 3)]
-    assert gathered[1].times["host"] == pytest.approx(gathered[0].times["host"] + 3 * copies, rel=1e-5)
+    # accumulating 4 micro-batches: ZeRO-1 copies the shard in once and its gradient out once; ZeRO-2 sends the
+    # gradient out after each, FSDP2 synchronously but for the last (3 exposed copies); ZeRO-3 also brings the
+    # shard in again for each micro-batch's forward and backward (3 more each way); ZeRO-0, on FSDP2 under
+    # offload, reshards after each backward: the shard comes in for every forward (3 more)
+    one, two, three, none = (run(h100.replace(offload_optimizer=True, host_bandwidth=1e9), 1, zero, 4).times["host"]
+                             for zero in (1, 2, 3, 0))
+    assert two == pytest.approx(one + 3 * copies, rel=1e-5) and three == pytest.approx(two + 6 * copies, rel=1e-5)
+    assert none == pytest.approx(one + 3 * copies, rel=1e-5)
     # `meshlight plan` takes the host's link and step rate
     offloaded = ["plan", "--model", "llama3-8b", "--gpus", "8", "--offload-optimizer", "--offload-activations", "1",
                  "--zero", "1", "--tp", "1", "--pp", "1", "--recompute", "no", "--json"]
@@ -348,6 +352,11 @@ def test_fp32_matmuls_run_at_the_rate_torchs_float32_matmul_precision_gives(caps
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     detected = detect_hardware(torch.device("cuda", 0), 8).replace(**precision_bytes("32-true"))
     assert detected.name == h100.name and detected.compute_flops == 989e12 / 2
+
+
+def test_hardware_refuses_rates_a_plan_would_divide_by():
+    with pytest.raises(ValueError, match=r"host_bandwidth=0, host_step_rate=-1\.0: give values > 0"):
+        HARDWARE["h100"].replace(host_bandwidth=0, host_step_rate=-1.0)
 
 
 def test_cpu_hardware_shares_the_node_memory():
