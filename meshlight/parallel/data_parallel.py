@@ -193,12 +193,15 @@ def gradient_accumulation(module: nn.Module, zero: int) -> Iterator[None]:
 
     DDP and ZeRO-1 skip gradient reduction entirely until the last micro-batch; ZeRO-2 still
     reduce-scatters each micro-batch (its gradients are sharded) but, like ZeRO-1, keeps the gathered
-    parameters instead of re-gathering them for every micro-batch. ZeRO-3 changes nothing.
+    parameters instead of re-gathering them for every micro-batch. So does DDP where it runs on FSDP2 (under
+    mixed precision, offload, tensor parallelism): its "gather" is the cast to the compute dtype, or the copy in
+    from host memory. Neither raises the peak: these stages hold every gathered parameter at the end of forward
+    anyway. ZeRO-3 changes nothing.
     """
     fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
     ddp_modules = [m for m in module.modules() if isinstance(m, ReplicatedModule)]
     keep_gradients_local = zero in (0, 1)
-    keep_parameters = zero in (1, 2)
+    keep_parameters = zero in (0, 1, 2)
     try:
         for m in ddp_modules:
             m.set_requires_gradient_sync(not keep_gradients_local)

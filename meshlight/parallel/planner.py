@@ -441,9 +441,9 @@ def estimate(
         ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / _bandwidth(hw, ep, tp)
     host_time = _host_time(model, hw, compute, recompute, moved=per_layer * layers_per_stage * microbatches * offloaded,
                            shard=host_state_bytes(dense, dp, zero, hw) + host_state_bytes(experts, dp // ep, zero, hw),
-                           # ZeRO-0 runs on FSDP2 under offload and reshards after each micro-batch's backward
-                           gathers=microbatches if zero == 3 or (zero == 0 and pp == 1) else 1,
-                           regathers=microbatches if zero == 3 else 0, reductions=reductions)
+                           gathers=microbatches if zero == 3 else 1,
+                           regathers=microbatches if zero == 3 else 0, reductions=reductions,
+                           kept=host_state_bytes(root / tp, dp, zero, hw) if zero == 3 else 0.0)
     times = {"compute": compute, "bubble": bubble, "tp": tp_time, "p2p": p2p, "dp": dp_exposed, "ep": ep_time,
              "host": host_time}
     return Candidate(dp, pp, tp, ep, zero, microbatches, virtual_stages, recompute, schedule, model_state, activations,
@@ -490,12 +490,13 @@ def host_state_bytes(params: float, dp: int, zero: int, hardware: Hardware) -> f
 
 
 def _host_time(model: ModelSpec, hw: Hardware, compute: float, recompute: bool, *, moved: float, shard: float,
-               gathers: int, regathers: int, reductions: int) -> float:
+               gathers: int, regathers: int, reductions: int, kept: float) -> float:
     """Seconds per step the ``Offload`` callback adds: the host link's copies beyond the compute of their phase,
     each direction at once, and the host's optimizer step. Forward sends the ``moved`` bytes of offloaded
     activations out and, under optimizer offload, brings each parameter's master shard in for each of its
     ``gathers`` (FSDP2 copies it to the device, then gathers); backward brings the activations back, the shards in
-    again for ZeRO-3's ``regathers``, and sends each gradient shard out after each of its ``reductions`` — all but
+    again for ZeRO-3's ``regathers`` (but those of the root unit, whose host-held bytes are ``kept``: it stays
+    gathered from forward to backward), and sends each gradient shard out after each of its ``reductions`` — all but
     the last while accumulating, which FSDP2 copies synchronously: exposed. ``shard``: the host-held bytes
     (:func:`host_state_bytes`: master copy, gradients and Adam's two moments, a quarter each), whose parameters
     the host steps after backward, with nothing to overlap."""
@@ -505,7 +506,7 @@ def _host_time(model: ModelSpec, hw: Hardware, compute: float, recompute: bool, 
     forward_share = model.flops_per_token() / 3 / (
         model.flops_per_token() + (model.recompute_flops_per_token() if recompute else 0.0))
     forward = max(moved, gathers * master) / hw.host_bandwidth
-    backward = max(moved + regathers * master, master) / hw.host_bandwidth
+    backward = max(moved + regathers * (master - kept / 4), master) / hw.host_bandwidth
     accumulating = (reductions - 1) * master / hw.host_bandwidth
     return (max(0.0, forward - compute * forward_share) + max(0.0, backward - compute * (1 - forward_share))
             + accumulating + master / hw.state_bytes / hw.host_step_rate)

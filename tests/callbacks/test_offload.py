@@ -30,11 +30,19 @@ def test_offloading_changes_no_bit_of_training(runs, run):
     plain, offloaded = runs[run], runs[f"{run} offload"]
     units, offloading = offloaded["offloaded_units"]
     assert units > 0 and offloading == units  # every FSDP unit keeps its shards and optimizer state on the host
-    assert offloaded["losses"] == plain["losses"] and len(plain["losses"]) == 20
+    micro_batches = 2 if run == "ddp" else 1  # ddp accumulates gradients over two
+    assert offloaded["losses"] == plain["losses"] and len(plain["losses"]) == 20 * micro_batches
     assert offloaded["weights"].keys() == plain["weights"].keys()
     assert all(torch.equal(offloaded["weights"][k], w) for k, w in plain["weights"].items())
     if run != "zero2":  # with activation offload too
         assert offloaded["offloaded_bytes"] > 0 and offloaded["prefetches"] > 0
+
+
+def test_ddp_under_offload_copies_each_unit_in_once_per_step_while_accumulating(runs):
+    # DDP runs on FSDP2 (shard groups of one rank) under offload; it keeps its parameters on the device between
+    # micro-batches, as ZeRO-1/2 do, instead of copying the master in for each of the 2: once per unit and step
+    gathers = runs["ddp offload"]["gathers"]
+    assert len(gathers) >= 3 and gathers == [20] * len(gathers)  # the root unit and the two blocks
 
 
 def test_the_host_steps_an_optimizer_offloaded_from_an_accelerator_with_torchs_fused_kernel(runs):

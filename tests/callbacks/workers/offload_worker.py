@@ -1,15 +1,18 @@
 """torchrun worker (2 processes): the parity experiment with and without Offload under zero2 (gradient clipping),
-ddp and a 2-stage pipeline; saved activations count as offloadable on CPU here, so the hooks run. "zero2 offload
-from an accelerator" runs as optimizer offload from a GPU would: the host steps the optimizer, with torch's fused
-host kernel. Rank 0 writes {run: result} to OUT (losses, full weights, whether FSDP offloads every unit, the
-activation bytes offloaded, the optimizer groups' ``fused`` flags)."""
+ddp (gradient accumulation) and a 2-stage pipeline; saved activations count as offloadable on CPU here, so the
+hooks run. "zero2 offload from an accelerator" runs as optimizer offload from a GPU would: the host steps the
+optimizer, with torch's fused host kernel. Rank 0 writes {run: result} to OUT (losses, full weights, whether FSDP
+offloads every unit, the activation bytes offloaded, the optimizer groups' ``fused`` flags, and how many times each
+FSDP unit gathered its parameters)."""
 
 import sys
+from collections import Counter
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 import meshlight as ml
 import meshlight.parallel.offload as offload
@@ -21,7 +24,15 @@ offload._offloadable = lambda tensor: True  # no accelerator: exercise the hooks
 
 
 def run(variant: str, strategy: Any, callbacks: list, **options: Any) -> dict[str, Any]:
-    result = train(variant, strategy, devices=2, callbacks=callbacks, **options)
+    gathers = Counter()  # FSDP unit (parameter group) -> times its sharded parameters were gathered
+    to_unsharded = FSDPParamGroup._to_unsharded
+    FSDPParamGroup._to_unsharded = lambda group: gathers.update([id(group)] * (not group.is_unsharded)) or (
+        to_unsharded(group))
+    try:
+        result = train(variant, strategy, devices=2, callbacks=callbacks, **options)
+    finally:
+        FSDPParamGroup._to_unsharded = to_unsharded
+    result["gathers"] = sorted(gathers.values())
     module = result.pop("module")
     units = [m for m in module.modules() if isinstance(m, FSDPModule)]
     offloader = getattr(module.trainer.strategy.model, "_meshlight_offloader", None) or next(
@@ -54,8 +65,8 @@ if __name__ == "__main__":
         "zero2": run("clip", "zero2", []),
         "zero2 offload": run("clip", "zero2", [Offload()]),
         "zero2 offload from an accelerator": run_from_accelerator("clip", "zero2", [Offload()]),
-        "ddp": run("adamw", "ddp", []),
-        "ddp offload": run("adamw", "ddp", [Offload(activations_every_n_blocks=1)]),
+        "ddp": run("accumulate", "ddp", []),
+        "ddp offload": run("accumulate", "ddp", [Offload(activations_every_n_blocks=1)]),
         "pipeline": run("adamw", pipeline, [], data_parallel=1),
         "pipeline offload": run("adamw", ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4),
                                 [Offload(activations_every_n_blocks=1)], data_parallel=1),
