@@ -31,7 +31,8 @@ class TrainingMonitor(Callback):
 
     Tokens are the elements of the first tensor of each batch, summed over micro-batches and data-parallel
     replicas; FLOPs per token come from the model's own ``flops_per_token()`` when it has one (meshlight's GPT),
-    else from its shape (:mod:`meshlight.parallel.planner`), the peak from the detected device — or pass
+    else from its shape (:mod:`meshlight.parallel.planner`), the peak from the device the strategy planned for
+    (``Hybrid3DStrategy(hardware=...)``), else the detected one — or pass
     ``flops_per_token`` / ``peak_flops``.
     """
 
@@ -56,9 +57,10 @@ class TrainingMonitor(Callback):
                 self.flops_per_token = float(own()) if own is not None else model_spec_of(pl_module).flops_per_token()
             except (PlanError, ValueError):
                 self.flops_per_token = 0.0
-        if self.peak_flops is None:
-            self.peak_flops = detect_hardware(strategy.root_device, max(getattr(strategy, "num_processes", 1), 1)
-                                              ).peak_flops
+        if self.peak_flops is None:  # the device the strategy planned for, else the one detected
+            hardware = getattr(strategy, "hardware", None) or detect_hardware(
+                strategy.root_device, max(getattr(strategy, "num_processes", 1), 1))
+            self.peak_flops = hardware.peak_flops
         layout = getattr(strategy, "layout", None)
         text = layout.describe() if layout is not None else type(strategy).__name__
         plan = getattr(strategy, "plan", None)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from meshlight.parallel.layout import _check_size, _check_zero, _divisors
@@ -206,7 +207,8 @@ def preset_named(device_name: str) -> Optional[Hardware]:
 def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:
     """The preset matching ``device`` (CUDA by name, its memory as reported, and the process's float32 matmul
     precision), or the CPU preset; either with this node's host memory shared by its processes (a CPU process's
-    memory is the host's)."""
+    memory is the host's). A CUDA device without a preset gets generic figures, with a warning that says how to
+    give its own."""
     try:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(processes_per_node, 1)
     except (ValueError, OSError, AttributeError):
@@ -216,6 +218,13 @@ def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:
         preset = preset_named(props.name)
         if preset is None:
             preset = Hardware(props.name, props.total_memory, 100e12, 100 * GB, 25 * GB)
+            rank_zero_warn(
+                f"meshlight has no figures for the device {props.name!r}: the planner and TrainingMonitor's MFU assume"
+                f" {preset.peak_flops / 1e12:g} TFLOP/s for its matmuls (16-bit and fp32 alike),"
+                f" {preset.intra_bandwidth / GB:g} GB/s between the devices of a node and"
+                f" {preset.inter_bandwidth / GB:g} GB/s between nodes. Give its own: Hybrid3DStrategy(hardware="
+                f"meshlight.parallel.planner.Hardware(name, memory, peak_flops, intra_bandwidth, inter_bandwidth,"
+                f" fp32_flops=...)) and TrainingMonitor(peak_flops=...).")
         return preset.replace(memory=float(props.total_memory), devices_per_node=processes_per_node,
                               host_memory=float(host or preset.host_memory),
                               float32_matmul_precision=torch.get_float32_matmul_precision())

@@ -357,6 +357,20 @@ def test_fp32_matmuls_run_at_the_rate_torchs_float32_matmul_precision_gives(caps
     assert detected.name == h100.name and detected.compute_flops == 989e12 / 2
 
 
+def test_a_device_without_a_preset_gets_generic_figures_and_a_warning_that_says_how_to_give_its_own(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        name="NVIDIA L40S", total_memory=48 * 10**9))
+    with pytest.warns(UserWarning) as caught:
+        detected = detect_hardware(torch.device("cuda", 0), 4)
+    assert detected.name == "NVIDIA L40S" and detected.memory == 48e9 and detected.devices_per_node == 4
+    assert str(caught[0].message) == (
+        "meshlight has no figures for the device 'NVIDIA L40S': the planner and TrainingMonitor's MFU assume 100"
+        " TFLOP/s for its matmuls (16-bit and fp32 alike), 100 GB/s between the devices of a node and 25 GB/s"
+        " between nodes. Give its own: Hybrid3DStrategy(hardware=meshlight.parallel.planner.Hardware(name,"
+        " memory, peak_flops, intra_bandwidth, inter_bandwidth, fp32_flops=...)) and"
+        " TrainingMonitor(peak_flops=...).")
+
+
 def test_hardware_refuses_rates_a_plan_would_divide_by():
     with pytest.raises(ValueError, match=r"host_bandwidth=0, host_step_rate=-1\.0: give values > 0"):
         HARDWARE["h100"].replace(host_bandwidth=0, host_step_rate=-1.0)

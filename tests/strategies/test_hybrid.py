@@ -137,6 +137,15 @@ def test_what_would_fit_on_the_same_process_is_named_and_does_fit():
     assert trainer.global_step == 1
 
 
+def test_the_monitors_mfu_divides_by_the_peak_of_the_device_the_strategy_planned_for():
+    from meshlight.callbacks import TrainingMonitor
+    from meshlight.parallel.planner import HARDWARE
+
+    monitor = TrainingMonitor()
+    _fit_on_one_process(ml.Hybrid3DStrategy(hardware=HARDWARE["cpu"].replace(peak_flops=123e9)), [monitor])
+    assert monitor.peak_flops == 123e9
+
+
 def test_the_recomputation_the_layout_was_planned_with_is_what_runs(caplog):
     from meshlight.parallel.data_parallel import repeated_blocks
     from meshlight.parallel.planner import HARDWARE, PlanError
