@@ -199,9 +199,12 @@ def precision_bytes(precision: str, param_dtype: Optional[torch.dtype] = None) -
 
 
 def preset_named(device_name: str) -> Optional[Hardware]:
-    """The device preset whose key is in ``device_name`` ("NVIDIA H100 80GB HBM3": ``h100``), or None."""
+    """The device preset whose key is in ``device_name`` ("NVIDIA H100 80GB HBM3": ``h100``; "NVIDIA H100 PCIe":
+    ``h100-pcie``; "NVIDIA A100-PCIE-40GB": ``a100-pcie``), or None."""
     name = device_name.lower()
-    return next((HARDWARE[k] for k in ("h200", "h100", "a100", "b200", "mi300x") if k in name), None)
+    kind = next((k for k in ("h200", "h100", "a100", "b200", "mi300x") if k in name), None)
+    card = next((c for c in ("pcie", "nvl") if c in name), None)
+    return HARDWARE.get(f"{kind}-{card}", HARDWARE[kind]) if kind else None
 
 
 def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:

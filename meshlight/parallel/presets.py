@@ -184,6 +184,9 @@ GB = 1e9
 #: measured activation offload. ``meshlight plan --host-bandwidth`` for other links.
 #: fp32 matmuls (datasheets, dense): off the tensor cores H100/H200 67, A100 19.5, B200 75, MI300X 163.4 TFLOP/s;
 #: as TF32 half the bf16 peak on each.
+#: PCIe cards (H100 PCIe, H100 and H200 NVL, A100 PCIe): their datasheets' dense peaks (H100 PCIe 756 bf16 / 51 fp32,
+#: NVL 835 / 60 TFLOP/s); the devices of a node reach each other over PCIe (NVLink bridges join pairs only, which the
+#: one intra-node rate cannot tell), at the host link's rate.
 #: Host step: one host thread's fused AdamW, 1.1e9 parameters/s (``benchmarks/host_step.py`` on the 2-core machine
 #: meshlight is tested on: 25M in 0.0227 s), a floor — torchrun's default ``OMP_NUM_THREADS=1``; more threads
 #: step faster (1.3× on 2 there); ``meshlight plan --host-step-rate`` for other hosts.
@@ -192,8 +195,16 @@ HARDWARE: dict[str, Hardware] = {
                      tf32_flops=989e12 / 2),
     "h200": Hardware("NVIDIA H200 SXM 141GB", 141 * GB, 989e12, 450 * GB, 50 * GB, fp32_flops=67e12,
                      tf32_flops=989e12 / 2),
+    "h100-pcie": Hardware("NVIDIA H100 PCIe 80GB", 80 * GB, 756e12, 0.85 * 64 * GB, 50 * GB, fp32_flops=51e12,
+                          tf32_flops=756e12 / 2),
+    "h100-nvl": Hardware("NVIDIA H100 NVL 94GB", 94 * GB, 835e12, 0.85 * 64 * GB, 50 * GB, fp32_flops=60e12,
+                         tf32_flops=835e12 / 2),
+    "h200-nvl": Hardware("NVIDIA H200 NVL 141GB", 141 * GB, 835e12, 0.85 * 64 * GB, 50 * GB, fp32_flops=60e12,
+                         tf32_flops=835e12 / 2),
     "a100": Hardware("NVIDIA A100 SXM 80GB", 80 * GB, 312e12, 300 * GB, 25 * GB, host_bandwidth=0.85 * 32 * GB,
                      fp32_flops=19.5e12, tf32_flops=312e12 / 2),
+    "a100-pcie": Hardware("NVIDIA A100 PCIe 80GB", 80 * GB, 312e12, 0.85 * 32 * GB, 25 * GB,
+                          host_bandwidth=0.85 * 32 * GB, fp32_flops=19.5e12, tf32_flops=312e12 / 2),
     "b200": Hardware("NVIDIA B200 192GB", 192 * GB, 2250e12, 900 * GB, 50 * GB, fp32_flops=75e12,
                      tf32_flops=2250e12 / 2),
     "mi300x": Hardware("AMD MI300X 192GB", 192 * GB, 1307e12, 448 * GB, 50 * GB, fp32_flops=163.4e12,

@@ -27,6 +27,7 @@ from meshlight.parallel.planner import (
     model_state_bytes,
     plan,
     precision_bytes,
+    preset_named,
     same_devices_hint,
 )
 from tests.strategies.llama import LitLlama
@@ -369,6 +370,22 @@ def test_a_device_without_a_preset_gets_generic_figures_and_a_warning_that_says_
         " between nodes. Give its own: Hybrid3DStrategy(hardware=meshlight.parallel.planner.Hardware(name,"
         " memory, peak_flops, intra_bandwidth, inter_bandwidth, fp32_flops=...)) and"
         " TrainingMonitor(peak_flops=...).")
+
+
+@pytest.mark.parametrize(("name", "preset"), [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", "h100-nvl"),
+    ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", "h200-nvl"), ("NVIDIA A100-SXM4-40GB", "a100"),
+    ("NVIDIA A100-PCIE-40GB", "a100-pcie"), ("NVIDIA A100 80GB PCIe", "a100-pcie"), ("NVIDIA B200", "b200"),
+    ("AMD Instinct MI300X", "mi300x"), ("NVIDIA L40S", None)])
+def test_a_device_is_found_by_its_cuda_name_pcie_cards_apart(name, preset):
+    assert preset_named(name) is (HARDWARE[preset] if preset else None)
+
+
+def test_pcie_cards_keep_tensor_parallelism_off_their_slower_links():
+    # the same 64 devices over NVLink split each block over 8; over PCIe, no block is split
+    model = MODELS["llama3-70b"]
+    assert plan(model, HARDWARE["h100"], 64, 512)[0].tp == 8
+    assert plan(model, HARDWARE["h100-pcie"], 64, 512)[0].tp == 1
 
 
 def test_hardware_refuses_rates_a_plan_would_divide_by():
