@@ -26,8 +26,13 @@ offload._offloadable = lambda tensor: True  # no accelerator: exercise the hooks
 def run(variant: str, strategy: Any, callbacks: list, **options: Any) -> dict[str, Any]:
     gathers = Counter()  # FSDP unit (parameter group) -> times its sharded parameters were gathered
     to_unsharded = FSDPParamGroup._to_unsharded
-    FSDPParamGroup._to_unsharded = lambda group: gathers.update([id(group)] * (not group.is_unsharded)) or (
-        to_unsharded(group))
+
+    def counted(group: FSDPParamGroup) -> None:
+        if not group.is_unsharded:
+            gathers[id(group)] += 1
+        to_unsharded(group)
+
+    FSDPParamGroup._to_unsharded = counted
     try:
         result = train(variant, strategy, devices=2, callbacks=callbacks, **options)
     finally:
