@@ -16,7 +16,8 @@ import fsspec
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from meshlight.parallel.checkpoint import is_complete, is_interrupted
 
@@ -42,6 +43,8 @@ class DistributedCheckpoint(Checkpoint):
             checkpoint in flight: the next save, or the end of training, waits for it).
         keep_last_k: with ``monitor``, keep this many of the newest besides the best ``save_top_k``; without,
             the newest ``max(save_top_k, keep_last_k)`` stay.
+        save_on_sigterm: when SIGTERM (a preemption) stops training, save the step every rank stopped after
+            (see :mod:`meshlight.strategies.preemption`), written before ``fit`` raises ``SIGTERMException``.
 
     Resume with ``trainer.fit(model, ckpt_path="last")`` (meshlight's Trainer resolves it to the newest
     complete checkpoint here) or with a folder's path. The data position is restored with plain
@@ -58,6 +61,7 @@ class DistributedCheckpoint(Checkpoint):
         save_last: bool = True,
         async_save: bool = True,
         keep_last_k: Optional[int] = None,
+        save_on_sigterm: bool = True,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r}: choose 'min' or 'max'.")
@@ -70,7 +74,7 @@ class DistributedCheckpoint(Checkpoint):
         self.dirpath = str(dirpath).rstrip("/")
         self.every_n_train_steps, self.monitor, self.mode = every_n_train_steps, monitor, mode
         self.save_top_k, self.save_last, self.keep_last_k = save_top_k, save_last, keep_last_k
-        self.async_save = async_save
+        self.async_save, self.save_on_sigterm = async_save, save_on_sigterm
         self.scores: dict[int, float] = {}  # step -> monitored value, for the checkpoints that have one
         self.last_saved_step: Optional[int] = None
         self.global_batch: Optional[int] = None  # samples per optimizer step, as saved and as now
@@ -157,8 +161,15 @@ class DistributedCheckpoint(Checkpoint):
         self._clean_up(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if hasattr(trainer.strategy, "wait_for_checkpoint"):  # finish a write in flight; nothing else to do
-            self._wait(trainer)
+        if not hasattr(trainer.strategy, "wait_for_checkpoint"):
+            return
+        self._wait(trainer)  # finish a write in flight
+        # Every rank raised SIGTERMException after the same optimizer step: a collective write is safe. (After any
+        # other exception the ranks may be anywhere: nothing more.)
+        preempted = isinstance(exception, SIGTERMException) and trainer.state.fn == TrainerFn.FITTING
+        if preempted and self.save_on_sigterm and self._is_new_step(trainer) and trainer.global_step > 0:
+            self._save(trainer, asynchronous=False)
+            rank_zero_info(f"SIGTERM: saved {self.path_of(trainer.global_step)}")
 
     def state_dict(self) -> dict[str, Any]:
         return {"scores": dict(self.scores), "last_saved_step": self.last_saved_step, "dirpath": self.dirpath,
@@ -176,11 +187,12 @@ class DistributedCheckpoint(Checkpoint):
     def _is_new_step(self, trainer: pl.Trainer) -> bool:
         return trainer.global_step != self.last_saved_step
 
-    def _save(self, trainer: pl.Trainer) -> None:
+    def _save(self, trainer: pl.Trainer, asynchronous: Optional[bool] = None) -> None:
         self.last_saved_step = trainer.global_step
         path = self.path_of(trainer.global_step)
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        trainer.strategy.save_checkpoint(checkpoint, path, asynchronous=self.async_save)
+        asynchronous = self.async_save if asynchronous is None else asynchronous
+        trainer.strategy.save_checkpoint(checkpoint, path, asynchronous=asynchronous)
         self._clean_up(trainer)
 
     def _wait(self, trainer: pl.Trainer) -> None:

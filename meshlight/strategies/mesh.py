@@ -73,6 +73,7 @@ from meshlight.parallel.sampling import ResumableSampler
 from meshlight.parallel.tensor import model_plan, reduce_partial_gradients, stage_plan
 from meshlight.strategies.launcher import ForkingScriptLauncher
 from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps, setup_pipeline
+from meshlight.strategies.preemption import AgreedSigterm
 
 __all__ = ["MeshStrategy"]
 
@@ -160,6 +161,7 @@ class MeshStrategy(ParallelStrategy):
         self._device_mesh: Optional[DeviceMesh] = None
         self._forward_redirection = _MeshForwardRedirection()
         self._checkpoint_writer: Optional[AsyncCheckpointWriter] = None
+        self._sigterm: Optional[AgreedSigterm] = None  # SIGTERM stops every rank at the same step
         #: blocks to recompute in backward, set by the ActivationCheckpointing callback before the model is
         #: parallelized (applied after tensor/expert parallelism, before data parallelism, on every stage)
         self.recompute: Optional[BlockSelection] = None
@@ -273,6 +275,7 @@ class MeshStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        self._sigterm = AgreedSigterm.install(trainer)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -419,6 +422,8 @@ class MeshStrategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        if self._sigterm is not None:
+            self._sigterm.at_train_batch_start(self)
         self._batches += 1
         if self._gc_every_n_steps is not None and self._batches % self._gc_every_n_steps == 0:
             gc.collect(1)
@@ -463,6 +468,7 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._agree_on_sigterm_in_evaluation()
         if self._pipeline is None:
             return super().validation_step(*args, **kwargs)
         with self.precision_plugin.val_step_context():
@@ -470,6 +476,7 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._agree_on_sigterm_in_evaluation()
         if self._pipeline is None:
             return super().test_step(*args, **kwargs)
         with self.precision_plugin.test_step_context():
@@ -477,10 +484,15 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._agree_on_sigterm_in_evaluation()
         if self._pipeline is None:
             return super().predict_step(*args, **kwargs)
         with self.precision_plugin.predict_step_context():
             return self._pipeline.evaluation_step(self.lightning_module.predict_step, *args)
+
+    def _agree_on_sigterm_in_evaluation(self) -> None:
+        if self._sigterm is not None:
+            self._sigterm.at_evaluation_step(self)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:

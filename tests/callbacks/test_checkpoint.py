@@ -1,10 +1,11 @@
 """DistributedCheckpoint: a run SIGKILLed after step 12 and resumed from "last" (the step-10 checkpoint, written
 asynchronously, mid-epoch) reproduces every loss of an uninterrupted 20-step run bit for bit, under every
 strategy (3-D as dp=2 × pp=2 × tp=2, whose checkpoint also resumes under ddp, zero3 and in one process); plus
-asynchronous writes, atomic commit, retention, restarts after faults under torchrun, and the errors for partial
-or damaged checkpoints."""
+asynchronous writes, atomic commit, retention, restarts after faults under torchrun, the errors for partial or
+damaged checkpoints, and SIGTERM: every rank stops after the same step, which is saved and resumes bit for bit."""
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,37 @@ def test_keeps_the_newest_k_and_resumes_from_the_newest_complete(tmp_path):
     assert not (partial / INCOMPLETE_MARKER).exists()  # step 12 was written again, whole this time
 
 
+@pytest.mark.parametrize("save_on_sigterm", [True, False])
+def test_sigterm_in_one_process_stops_after_the_optimizer_step_and_saves_it_unless_told_not_to(tmp_path,
+                                                                                               save_on_sigterm):
+    import os
+    import signal
+
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    import meshlight as ml
+    from meshlight.callbacks import DistributedCheckpoint
+
+    class TermAtStep3(Callback):
+        """SIGTERM as the first of step 3's two accumulated batches starts."""
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    checkpoint = DistributedCheckpoint(tmp_path / "ckpt", save_on_sigterm=save_on_sigterm)
+    trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=10, accumulate_grad_batches=2,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         callbacks=[TermAtStep3(), checkpoint])
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SIGTERMException):
+        trainer.fit(resume_worker.model(0), _data(batch_size=2))
+    assert trainer.global_step == 3  # not within the accumulation window: after its optimizer step
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler lives only as long as fit
+    assert checkpoint.complete_steps() == ([3] if save_on_sigterm else [])
+
+
 def test_partial_and_damaged_checkpoints_fail_naming_the_file(tmp_path):
     from meshlight.parallel.checkpoint import INCOMPLETE_MARKER, CheckpointError
 
@@ -256,8 +288,13 @@ def resharded(tmp_path_factory) -> dict:
     worker = Path(reshard_worker.__file__)
     killed = torchrun(worker, 8, "kill", str(root), timeout=600, check=False)
     assert killed.returncode != 0, "the 3-D run was meant to be killed after step 12"
+    started = time.monotonic()
+    torchrun(worker, 8, "term", str(root), str(root / "term.pt"), timeout=300)  # before: hung until killed
+    term_seconds = time.monotonic() - started
+    term_saved = sorted(p.name for p in (root / "term").iterdir())
     torchrun(worker, 8, "save", str(root), str(root / "3d.pt"), timeout=900)
-    results = {"3d": torch.load(root / "3d.pt"), "directory": root / "full"}
+    results = {"3d": torch.load(root / "3d.pt"), "directory": root / "full", "term": torch.load(root / "term.pt"),
+               "term_seconds": term_seconds, "term_saved": term_saved}
     for name, world in (("ddp", 4), ("zero3", 2), ("single", 1)):
         torchrun(worker, world, "resume", str(root), str(root / f"{name}.pt"), name, timeout=600)
         results[name] = torch.load(root / f"{name}.pt")
@@ -269,6 +306,20 @@ def test_resume_after_sigkill_reproduces_every_loss_bitwise_under_dp2_pp2_tp2(re
     first = min(resumed)  # from step 10, or step 5 if step 10's background write was still in flight
     assert first in (6, 11) and sorted(resumed) == list(range(first, 21)), sorted(resumed)
     assert {step: full[step] for step in resumed} == resumed  # exact float equality
+
+
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_which_is_saved_and_resumes_bitwise(resharded):
+    # Rank 5 alone receives SIGTERM as step 7 starts, mid-way through the pipeline's epoch: every rank finishes
+    # step 7 and fit raises SIGTERMException on all 8 (Lightning's own handler, a broadcast inside the signal
+    # handler, left all 8 processes waiting on each other here).
+    assert resharded["term"]["fit"] == [("SIGTERMException", 7)] * 8
+    assert resharded["term_seconds"] < 120  # the 8-process launch and 7 steps: ~10 s on 2 cores
+    assert resharded["term_saved"] == ["step=000000007"]  # saved on SIGTERM; step 5's removed (save_top_k=1)
+    full, resumed = resharded["3d"]["losses"], resharded["3d"]["resumed_after_term"]
+    assert sorted(resumed) == list(range(8, 21))
+    assert {step: full[step] for step in resumed} == resumed  # exact float equality
+    # trainer.validate (no step to save): every rank stops after the same batch
+    assert resharded["term"]["validate"] == [("SIGTERMException", 7)] * 8
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero3", "single"])
