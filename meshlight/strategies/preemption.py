@@ -12,7 +12,7 @@ ranks it started, as Lightning's does). The ranks agree at the start of the batc
 one all-reduce (max) of a flag over the world, in place of Lightning's per-step broadcast — so a signal seen by
 any rank stops them all: every rank finishes that step and raises ``SIGTERMException`` from the same place,
 where ``DistributedCheckpoint`` saves the step (a collective write, which needs every rank there). Outside
-fitting (``validate``, ``test``, ``predict``) they agree at every batch.
+fitting (``validate``, ``test``) they agree at every batch.
 
 The signal waits for that point: the rest of a step or accumulation window, or, during fitting's validation,
 the next training batch. A scheduler's grace period before SIGKILL (SLURM's ``KillWait``, torchrun's 30 s,
@@ -89,6 +89,14 @@ class AgreedSigterm(_SignalConnector):
             self.agree(strategy)
 
     def at_evaluation_step(self, strategy: MeshStrategy) -> None:
-        """Agree at every batch of ``validate``, ``test`` and ``predict``; during fitting, wait for training."""
-        if self.trainer.state.fn != TrainerFn.FITTING:
+        """Agree at every batch of ``validate`` and ``test``, whose distributed samplers give every rank as many
+        batches; during fitting, wait for training. Where ranks may run different numbers of batches (``predict``'s
+        samplers, ``use_distributed_sampler=False``) a collective could wait forever: each rank stops on its own,
+        as under Lightning (whose prediction loop does not stop on SIGTERM)."""
+        fn = self.trainer.state.fn
+        if fn == TrainerFn.FITTING:
+            return
+        if fn == TrainerFn.PREDICTING or not self.trainer._accelerator_connector.use_distributed_sampler:
+            self.received_sigterm = self.seen
+        else:
             self.agree(strategy)
