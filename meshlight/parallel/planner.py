@@ -673,7 +673,8 @@ def _nearest(n: int, works: Callable[[int], bool], reach: int = 4096) -> list[in
 
 
 def explain(candidates: Sequence[Candidate]) -> str:
-    """One sentence on why the first fitting candidate beats the next-best layout."""
+    """One sentence on why the first fitting candidate beats the next-best layout (or, where one layout fits,
+    its next-best option)."""
     fitting = [c for c in best_per_layout(candidates) if c.fits]
     if not fitting:
         tightest = min(candidates, key=lambda c: c.memory_bytes)
@@ -686,18 +687,29 @@ def explain(candidates: Sequence[Candidate]) -> str:
     winner = fitting[0]
     rejected = len({c.layout for c in candidates if not c.fits} - {c.layout for c in candidates if c.fits})
     note = f" {rejected} other layouts do not fit in memory." if rejected else ""
-    if len(fitting) == 1:
-        return f"{winner.describe()} is the only layout that fits.{note}"
-    runner = fitting[1]
+    if len(fitting) > 1:
+        runner, lead, next_one = fitting[1], f"{winner.describe()} wins", "the next layout"
+    else:  # one (dp, pp, tp, ep), e.g. all given: the best of its options (ZeRO stage, schedule, microbatches)
+        options = [c for c in candidates if c.fits and c.describe() != winner.describe()]
+        if not options:
+            return f"{winner.describe()} is the only layout that fits.{note}"
+        runner, next_one = options[0], "its next option"
+        lead = f"{winner.describe()} wins among the {len(options) + 1} options that fit for {_sizes(winner)}"
     shares = {k: runner.times[k] / runner.step_time - winner.times[k] / winner.step_time for k in winner.times}
     cost = max(shares, key=shares.get)
     names = {"compute": "compute (recomputation)", "bubble": "the pipeline bubble", "tp": "tensor-parallel traffic",
              "p2p": "pipeline sends", "dp": "exposed data-parallel traffic", "ep": "expert all_to_all",
              "host": "offload's host copies and host step"}
     speedup = winner.tokens_per_second_per_device / runner.tokens_per_second_per_device
-    return (f"{winner.describe()} wins: {speedup:.2f}× the tokens/s of the next layout ({runner.describe()}),"
+    if speedup < 1.005:
+        return f"{lead}, level with {next_one} ({runner.describe()}) to within 0.5%.{note}"
+    return (f"{lead}: {speedup:.2f}× the tokens/s of {next_one} ({runner.describe()}),"
             f" which spends {runner.times[cost] / runner.step_time:.0%} of its step on {names[cost]}"
             f" (the winner {winner.times[cost] / winner.step_time:.0%}).{note}")
+
+
+def _sizes(candidate: Candidate) -> str:
+    return " ".join(f"{name}={size}" for name, size in zip(("dp", "pp", "tp", "ep"), candidate.layout))
 
 
 def shown_layouts(candidates: Sequence[Candidate], top: int = 5) -> list[Candidate]:

@@ -21,6 +21,7 @@ from meshlight.parallel.planner import (
     best_per_layout,
     detect_hardware,
     estimate,
+    explain,
     fewest_devices,
     format_plan,
     model_spec_of,
@@ -168,6 +169,23 @@ def test_the_schedule_virtual_stages_and_microbatches_given_are_what_it_plans_wi
     assert (gpipe.activation_bytes - logits) == pytest.approx(4 * (one_f_one_b.activation_bytes - logits))
     with pytest.raises(PlanError, match="microbatches=3 must divide a pipelined replica's batch"):
         plan(model, h100, 64, 128, pp=4, tp=8, microbatches=3)
+
+
+def test_with_every_size_given_the_winner_is_explained_against_its_next_option():
+    model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]
+    candidates = plan(model, h100, 64, 128, dp=4, pp=2, tp=8, zero=1, recompute=True)
+    winner, runner = candidates[0], candidates[1]
+    assert winner.layout == runner.layout == (4, 2, 8, 1)
+    options = sum(c.fits for c in candidates)
+    speedup = winner.tokens_per_second_per_device / runner.tokens_per_second_per_device
+    assert speedup > 1.005  # more microbatches, a smaller bubble
+    assert explain(candidates).startswith(
+        f"{winner.describe()} wins among the {options} options that fit for dp=4 pp=2 tp=8 ep=1: {speedup:.2f}×"
+        f" the tokens/s of its next option ({runner.describe()}), which spends")
+    # options within 0.5% of each other: level, no cost named
+    level = plan(model, h100, 64, 128, dp=4, pp=2, tp=8, microbatches=32, schedule="1f1b", recompute=True)
+    assert explain(level) == (f"{level[0].describe()} wins among the 3 options that fit for dp=4 pp=2 tp=8 ep=1,"
+                              f" level with its next option ({level[1].describe()}) to within 0.5%.")
 
 
 @pytest.mark.parametrize("request_, message", [
