@@ -132,9 +132,13 @@ class Candidate:
     def layout(self) -> tuple[int, int, int, int]:
         return self.dp, self.pp, self.tp, self.ep
 
+    @property
+    def sizes(self) -> str:
+        """``dp=… pp=… tp=…`` (and ``ep=…`` when experts are split)."""
+        return f"dp={self.dp} pp={self.pp} tp={self.tp}" + (f" ep={self.ep}" if self.ep > 1 else "")
+
     def describe(self) -> str:
-        parts = [f"dp={self.dp}", f"pp={self.pp}", f"tp={self.tp}"] + ([f"ep={self.ep}"] if self.ep > 1 else [])
-        parts.append(f"zero={self.zero}")
+        parts = [self.sizes, f"zero={self.zero}"]
         if self.pp > 1:
             parts += [f"{self.schedule}", f"m={self.microbatches}"] + (
                 [f"v={self.virtual_stages}"] if self.virtual_stages > 1 else [])
@@ -694,7 +698,7 @@ def explain(candidates: Sequence[Candidate]) -> str:
         if not options:
             return f"{winner.describe()} is the only layout that fits.{note}"
         runner, next_one = options[0], "its next option"
-        lead = f"{winner.describe()} wins among the {len(options) + 1} options that fit for {_sizes(winner)}"
+        lead = f"{winner.describe()} wins among the {len(options) + 1} options that fit for {winner.sizes}"
     shares = {k: runner.times[k] / runner.step_time - winner.times[k] / winner.step_time for k in winner.times}
     cost = max(shares, key=shares.get)
     names = {"compute": "compute (recomputation)", "bubble": "the pipeline bubble", "tp": "tensor-parallel traffic",
@@ -706,10 +710,6 @@ def explain(candidates: Sequence[Candidate]) -> str:
     return (f"{lead}: {speedup:.2f}× the tokens/s of {next_one} ({runner.describe()}),"
             f" which spends {runner.times[cost] / runner.step_time:.0%} of its step on {names[cost]}"
             f" (the winner {winner.times[cost] / winner.step_time:.0%}).{note}")
-
-
-def _sizes(candidate: Candidate) -> str:
-    return " ".join(f"{name}={size}" for name, size in zip(("dp", "pp", "tp", "ep"), candidate.layout))
 
 
 def shown_layouts(candidates: Sequence[Candidate], top: int = 5) -> list[Candidate]:

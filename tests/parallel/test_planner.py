@@ -180,11 +180,11 @@ def test_with_every_size_given_the_winner_is_explained_against_its_next_option()
     speedup = winner.tokens_per_second_per_device / runner.tokens_per_second_per_device
     assert speedup > 1.005  # more microbatches, a smaller bubble
     assert explain(candidates).startswith(
-        f"{winner.describe()} wins among the {options} options that fit for dp=4 pp=2 tp=8 ep=1: {speedup:.2f}×"
+        f"{winner.describe()} wins among the {options} options that fit for dp=4 pp=2 tp=8: {speedup:.2f}×"
         f" the tokens/s of its next option ({runner.describe()}), which spends")
     # options within 0.5% of each other: level, no cost named
     level = plan(model, h100, 64, 128, dp=4, pp=2, tp=8, microbatches=32, schedule="1f1b", recompute=True)
-    assert explain(level) == (f"{level[0].describe()} wins among the 3 options that fit for dp=4 pp=2 tp=8 ep=1,"
+    assert explain(level) == (f"{level[0].describe()} wins among the 3 options that fit for dp=4 pp=2 tp=8,"
                               f" level with its next option ({level[1].describe()}) to within 0.5%.")
 
 
