@@ -19,7 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from meshlight.parallel.checkpoint import is_complete, is_interrupted
+from meshlight.parallel.checkpoint import is_complete, is_interrupted, numbered_entries
 
 __all__ = ["DistributedCheckpoint"]
 
@@ -229,15 +229,7 @@ class DistributedCheckpoint(Checkpoint):
             self.scores.pop(step, None)
 
     def _folders(self) -> dict[int, str]:
-        fs, root = fsspec.core.url_to_fs(self.dirpath)
-        if not fs.exists(root):
-            return {}
-        folders = {}
-        for entry in fs.ls(root, detail=False):
-            match = FOLDER.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
-            if match:
-                folders[int(match.group(1))] = self.path_of(int(match.group(1)))
-        return folders
+        return numbered_entries(self.dirpath, FOLDER)
 
 
 def _global_batch(trainer: pl.Trainer) -> Optional[int]:

@@ -10,6 +10,7 @@ split, so DCP reshards on load: saved under ZeRO-3 on 4 processes, loaded under 
 from __future__ import annotations
 
 import pickle
+import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -169,6 +170,20 @@ def is_interrupted(path: PathLike) -> bool:
     """Whether ``path`` is a folder whose save was interrupted (it still has the ``.incomplete`` marker)."""
     fs, root = fsspec.core.url_to_fs(str(path))
     return fs.exists(_join(root, INCOMPLETE_MARKER))
+
+
+def numbered_entries(folder: str, name: re.Pattern[str]) -> dict[int, str]:
+    """The entries of ``folder`` (a path or URL; none when it does not exist) whose names match ``name``, by the
+    number its first group captures: ``{number: folder/entry}``."""
+    fs, root = fsspec.core.url_to_fs(folder)
+    if not fs.isdir(root):
+        return {}
+    found = {}
+    for entry in fs.ls(root, detail=False):
+        match = name.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
+        if match:
+            found[int(match.group(1))] = f"{folder.rstrip('/')}/{match.group(0)}"
+    return found
 
 
 def check_complete(path: PathLike) -> None:

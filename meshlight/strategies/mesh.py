@@ -73,7 +73,7 @@ from meshlight.parallel.sampling import ResumableSampler
 from meshlight.parallel.tensor import model_plan, reduce_partial_gradients, stage_plan
 from meshlight.strategies.launcher import ForkingScriptLauncher
 from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps, setup_pipeline
-from meshlight.strategies.preemption import AgreedSigterm
+from meshlight.strategies.preemption import AgreedSignals, newest_whole_hpc_checkpoint
 
 __all__ = ["MeshStrategy"]
 
@@ -161,7 +161,7 @@ class MeshStrategy(ParallelStrategy):
         self._device_mesh: Optional[DeviceMesh] = None
         self._forward_redirection = _MeshForwardRedirection()
         self._checkpoint_writer: Optional[AsyncCheckpointWriter] = None
-        self._sigterm: Optional[AgreedSigterm] = None  # SIGTERM stops every rank at the same step
+        self._signals: Optional[AgreedSignals] = None  # SIGTERM, SLURM's requeue: every rank at the same step
         #: blocks to recompute in backward, set by the ActivationCheckpointing callback before the model is
         #: parallelized (applied after tensor/expert parallelism, before data parallelism, on every stage)
         self.recompute: Optional[BlockSelection] = None
@@ -275,7 +275,7 @@ class MeshStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        self._sigterm = AgreedSigterm.install(trainer)
+        self._signals = AgreedSignals.install(trainer)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -422,8 +422,8 @@ class MeshStrategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self._sigterm is not None:
-            self._sigterm.at_train_batch_start(self)
+        if self._signals is not None:
+            self._signals.at_train_batch_start(self)
         self._batches += 1
         if self._gc_every_n_steps is not None and self._batches % self._gc_every_n_steps == 0:
             gc.collect(1)
@@ -432,6 +432,14 @@ class MeshStrategy(ParallelStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         self._restore_gc()
+        if self._signals is not None:
+            self._signals.at_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if self._signals is not None:
+            self._signals.at_exception(self, exception)
 
     def _restore_gc(self) -> None:
         """Python's automatic GC as it was before training (also after a failed fit: called by teardown)."""
@@ -491,8 +499,8 @@ class MeshStrategy(ParallelStrategy):
             return self._pipeline.evaluation_step(self.lightning_module.predict_step, *args)
 
     def _agree_on_sigterm_in_evaluation(self) -> None:
-        if self._sigterm is not None:
-            self._sigterm.at_evaluation_step(self)
+        if self._signals is not None:
+            self._signals.at_evaluation_step(self)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -627,7 +635,8 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = self.broadcast(checkpoint_path)
+        path = self.broadcast(newest_whole_hpc_checkpoint(str(checkpoint_path)) if self.is_global_zero
+                              else checkpoint_path)
         module = self.lightning_module
         assert module is not None
         checkpoint = load_checkpoint(path, module, self.optimizers, strict=module.strict_loading,

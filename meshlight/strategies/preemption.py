@@ -1,52 +1,79 @@
-"""SIGTERM — a scheduler's preemption, ``scancel``, ``kill`` — stops every rank after the same step.
+"""Signals from a scheduler — SIGTERM (preemption, ``scancel``, ``kill``) and SLURM's requeue signal — act on
+every rank after the same step.
 
 Lightning (2.6 here) answers SIGTERM with a broadcast from rank 0 inside the signal handler, and another at the
-start of every step; a rank that received the signal raises ``SIGTERMException`` at the end of its own step. A
-collective inside a signal handler runs wherever the signal lands: a rank interrupted between the sends and
-receives of a pipeline schedule waits in that broadcast for a peer that waits for it (all 8 processes of
-``examples/train_gpt.py``, dp=2 × pp=2 × tp=2, were still alive 60 s after SIGTERM), and a rank that raised
-alone leaves the others waiting in the next step.
+start of every step; a rank that received the signal raises ``SIGTERMException`` at the end of its own step. On
+SLURM with auto-requeue (``#SBATCH --signal=USR1@90``) its SIGUSR1 handler writes a checkpoint — under meshlight
+a collective — from inside the handler too. A collective inside a signal handler runs wherever the signal lands:
+a rank interrupted between the sends and receives of a pipeline schedule waits there for a peer that waits for
+it (all 8 processes of ``examples/train_gpt.py``, dp=2 × pp=2 × tp=2, were still alive 60 s after SIGTERM), and
+a rank that raised alone leaves the others waiting in the next step.
 
-Under meshlight's strategies the handler only notes the signal (and, in a launching rank, passes it to the
-ranks it started, as Lightning's does). The ranks agree at the start of the batch that ends an optimizer step —
-one all-reduce (max) of a flag over the world, in place of Lightning's per-step broadcast — so a signal seen by
-any rank stops them all: every rank finishes that step and raises ``SIGTERMException`` from the same place,
-where ``DistributedCheckpoint`` saves the step (a collective write, which needs every rank there). Outside
-fitting (``validate``, ``test``) they agree at every batch.
+Under meshlight's strategies the handlers only note the signal (SIGTERM's, in a launching rank, also passes it
+to the ranks it started, as Lightning's does). The ranks agree at the start of the batch that ends an optimizer
+step — one all-reduce (max) of both flags over the world, in place of Lightning's per-step broadcast — so a
+signal seen by any rank acts on them all:
+
+- SIGTERM: every rank finishes that step and raises ``SIGTERMException`` from the same place, where
+  ``DistributedCheckpoint`` saves the step (a collective write, which needs every rank there). Outside fitting
+  (``validate``, ``test``) they agree at every batch.
+- The requeue signal, while fitting: after that step every rank writes ``hpc_ckpt_<n>.ckpt`` in the trainer's
+  ``default_root_dir`` (the checkpoint Lightning resumes from when the requeued job starts ``fit`` without a
+  ``ckpt_path``), global rank 0 runs ``scontrol requeue``, and training goes on until the scheduler stops it.
+  Older ``hpc_ckpt_*`` folders are removed once the new one is committed; a resume that finds the newest one
+  interrupted (the job was killed while writing it) takes the newest whole one, with a warning. Outside fitting
+  there is nothing to save: rank 0 requeues at once. A run that finishes training first is not requeued.
 
 The signal waits for that point: the rest of a step or accumulation window, or, during fitting's validation,
-the next training batch. A scheduler's grace period before SIGKILL (SLURM's ``KillWait``, torchrun's 30 s,
-Kubernetes' ``terminationGracePeriodSeconds``) must cover it and the checkpoint's write.
+the next training batch. A scheduler's grace period before SIGKILL (SLURM's ``KillWait`` and ``--signal``'s
+lead time, torchrun's 30 s, Kubernetes' ``terminationGracePeriodSeconds``) must cover it and the write.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
+import fsspec
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector, log
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info, rank_zero_warn
+
+from meshlight.parallel.checkpoint import is_complete, is_interrupted, numbered_entries
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
     from meshlight.strategies.mesh import MeshStrategy
 
-__all__ = ["AgreedSigterm"]
+__all__ = ["AgreedSignals", "newest_whole_hpc_checkpoint", "requeue_slurm_job"]
+
+#: the checkpoints Lightning writes on SLURM's requeue signal and resumes from (``_CheckpointConnector``)
+HPC_CHECKPOINT = re.compile(r"^hpc_ckpt_(\d+)\.ckpt$")
 
 
-class AgreedSigterm(_SignalConnector):
-    """Lightning's signal connector whose SIGTERM handler holds no collective; ``agree`` makes the flag common."""
+class AgreedSignals(_SignalConnector):
+    """Lightning's signal connector whose handlers hold no collective; ``agree`` makes the flags common."""
 
     def __init__(self, trainer: Trainer) -> None:
         super().__init__(trainer)
+        self._reset()
+
+    def _reset(self) -> None:
         self.seen = False  # this rank received SIGTERM; ``received_sigterm`` is set only once every rank agrees
+        self.requeue_seen = False  # this rank received the requeue signal while fitting
+        #: None, then "agreed" (every rank saves and requeues at the next step boundary), then "done": the
+        #: signal acts once per fit, however many ranks see it and whenever
+        self.requeue: Optional[str] = None
 
     @classmethod
-    def install(cls, trainer: Trainer) -> AgreedSigterm:
+    def install(cls, trainer: Trainer) -> AgreedSignals:
         """Replace the trainer's connector (before ``fit`` registers its handlers) and Lightning's per-step
         broadcast of rank 0's flag, which ``agree`` supersedes."""
         if not isinstance(trainer._signal_connector, cls):
@@ -57,7 +84,7 @@ class AgreedSigterm(_SignalConnector):
         return trainer._signal_connector
 
     def register_signal_handlers(self) -> None:
-        self.seen = False
+        self._reset()
         super().register_signal_handlers()
 
     def _sigterm_notifier_fn(self, signum: Any, _: FrameType) -> None:
@@ -68,23 +95,40 @@ class AgreedSigterm(_SignalConnector):
                 launcher.kill(signum)  # the ranks this process started (a no-op elsewhere)
         self.seen = True
 
+    def _slurm_sigusr_handler_fn(self, signum: Any, _: FrameType) -> None:
+        log.info(rank_prefixed_message(f"Received SLURM's requeue signal: {signum}", self.trainer.local_rank))
+        if self.trainer.state.fn == TrainerFn.FITTING:
+            self.requeue_seen = True
+        elif self.requeue is None:
+            self.requeue = "done"
+            if self.trainer.is_global_zero:
+                requeue_slurm_job()  # nothing to save, no collective: requeue now
+
     def agree(self, strategy: MeshStrategy) -> None:
-        """Every rank calls this at the same point: afterwards ``received_sigterm`` is True on all of them if
-        any has seen SIGTERM, and Lightning's loops raise ``SIGTERMException`` at their next check."""
+        """Every rank calls this at the same point: afterwards ``received_sigterm`` is True (``requeue`` is
+        "agreed") on all of them if any has seen SIGTERM (the requeue signal); Lightning's loops raise
+        ``SIGTERMException`` at their next check."""
         if self.received_sigterm:
             return
-        seen = self.seen
+        seen = [self.seen, self.requeue_seen and self.requeue is None]
         if dist.is_initialized() and self.trainer.world_size > 1:
-            flag = torch.tensor([float(seen)], device=strategy.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            seen = bool(flag.item())
-        if seen:
+            flags = torch.tensor(seen, dtype=torch.float32, device=strategy.root_device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            seen = [bool(flag) for flag in flags.tolist()]
+        fitting = self.trainer.state.fn == TrainerFn.FITTING
+        if seen[1]:
+            self.requeue = "agreed"
+            rank_zero_info(f"SLURM's requeue signal: every rank saves after step {self.trainer.global_step + 1}")
+        if seen[0]:
             self.received_sigterm = True
-            rank_zero_info(f"SIGTERM: every rank stops after step {self.trainer.global_step + 1}"
-                           if self.trainer.state.fn == TrainerFn.FITTING else "SIGTERM: every rank stops here")
+            rank_zero_info(f"SIGTERM: every rank stops after step {self.trainer.global_step + 1}" if fitting
+                           else "SIGTERM: every rank stops here")
 
     def at_train_batch_start(self, strategy: MeshStrategy) -> None:
-        """Agree on the batch that ends an optimizer step (not within an accumulation window)."""
+        """Save and requeue if the ranks agreed to at the last step; agree on the batch that ends an optimizer
+        step (not within an accumulation window)."""
+        if self.requeue == "agreed":
+            self._save_and_requeue(strategy)
         if not self.trainer.fit_loop.epoch_loop._should_accumulate():
             self.agree(strategy)
 
@@ -100,3 +144,73 @@ class AgreedSigterm(_SignalConnector):
             self.received_sigterm = self.seen
         else:
             self.agree(strategy)
+
+    def at_exception(self, strategy: MeshStrategy, exception: BaseException) -> None:
+        """SIGTERM stopped every rank right after the step at which they agreed to requeue: save and requeue
+        there (the step's callbacks, ``DistributedCheckpoint``'s save on SIGTERM among them, have run)."""
+        if (self.requeue == "agreed" and isinstance(exception, SIGTERMException)
+                and self.trainer.state.fn == TrainerFn.FITTING):
+            self._save_and_requeue(strategy)
+
+    def at_train_end(self) -> None:
+        if self.requeue == "agreed":
+            rank_zero_info("SLURM's requeue signal: training finished first, the job is not requeued")
+            self.requeue = "done"
+
+    def _save_and_requeue(self, strategy: MeshStrategy) -> None:
+        """On every rank at the same step boundary: write the checkpoint Lightning resumes a requeued job from,
+        remove the older ones (global rank 0) and requeue the job (global rank 0)."""
+        self.requeue = "done"
+        trainer = self.trainer
+        strategy.wait_for_checkpoint()  # a background write in flight finishes before another starts
+        for logger in trainer.loggers:
+            logger.save()
+        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        trainer.save_checkpoint(path)  # every rank writes its shards of global rank 0's path
+        if trainer.is_global_zero:
+            rank_zero_info(f"SLURM's requeue signal: saved {path}")
+            _remove_other_hpc_checkpoints(path)
+            requeue_slurm_job()
+
+
+def requeue_slurm_job() -> bool:
+    """``scontrol requeue`` this job (an array job's task); whether ``scontrol`` accepted it."""
+    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    job = f"{array_job}_{array_task}" if array_job and array_task else os.environ.get("SLURM_JOB_ID", "")
+    if not re.fullmatch(r"[0-9_]+", job):
+        rank_zero_warn(f"SLURM's requeue signal: no job to requeue (SLURM_JOB_ID={job!r}).")
+        return False
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    except FileNotFoundError:
+        rank_zero_warn(f"SLURM's requeue signal: `scontrol` is not on PATH; job {job} was not requeued.")
+        return False
+    if result.returncode != 0:
+        rank_zero_warn(f"`scontrol requeue {job}` failed ({result.returncode}): {result.stderr.strip()}")
+        return False
+    rank_zero_info(f"SLURM's requeue signal: requeued job {job}")
+    return True
+
+
+def newest_whole_hpc_checkpoint(path: str) -> str:
+    """``path``, or — when it is an ``hpc_ckpt_<n>.ckpt`` whose save was interrupted (the job was killed while
+    writing it) — the newest whole one beside it, with a warning. Lightning picks the highest ``n`` to resume a
+    requeued job from, whole or not."""
+    name = os.path.basename(str(path).rstrip("/"))
+    if not HPC_CHECKPOINT.match(name) or not is_interrupted(path):
+        return path
+    others = numbered_entries(os.path.dirname(str(path).rstrip("/")), HPC_CHECKPOINT)
+    whole = [other for _, other in sorted(others.items()) if is_complete(other)]
+    if not whole:
+        return path  # loading it raises CheckpointError, which says what happened
+    rank_zero_warn(f"{path} was interrupted while being written; resuming from {whole[-1]}, the newest whole one.")
+    return whole[-1]
+
+
+def _remove_other_hpc_checkpoints(path: str) -> None:
+    """Keep ``path``, just committed: remove the older ``hpc_ckpt_*`` folders beside it, whole or interrupted."""
+    folder = os.path.dirname(str(path).rstrip("/"))
+    fs, _ = fsspec.core.url_to_fs(folder)
+    for other in numbered_entries(folder, HPC_CHECKPOINT).values():
+        if os.path.basename(other) != os.path.basename(path):
+            fs.rm(fsspec.core.url_to_fs(other)[1], recursive=True)

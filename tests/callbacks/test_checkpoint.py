@@ -2,7 +2,9 @@
 asynchronously, mid-epoch) reproduces every loss of an uninterrupted 20-step run bit for bit, under every
 strategy (3-D as dp=2 × pp=2 × tp=2, whose checkpoint also resumes under ddp, zero3 and in one process); plus
 asynchronous writes, atomic commit, retention, restarts after faults under torchrun, the errors for partial or
-damaged checkpoints, and SIGTERM: every rank stops after the same step, which is saved and resumes bit for bit."""
+damaged checkpoints, and SIGTERM: every rank stops after the same step, which is saved and resumes bit for bit;
+SLURM's requeue signal: every rank writes the checkpoint after the same step, and the requeued job resumes it
+bit for bit (in one process: tests/strategies/test_preemption.py)."""
 
 import re
 import time
@@ -292,9 +294,14 @@ def resharded(tmp_path_factory) -> dict:
     torchrun(worker, 8, "term", str(root), str(root / "term.pt"), timeout=300)  # before: hung until killed
     term_seconds = time.monotonic() - started
     term_saved = sorted(p.name for p in (root / "term").iterdir())
+    started = time.monotonic()
+    torchrun(worker, 8, "requeue", str(root), str(root / "requeue.pt"), timeout=300)  # before: hung until killed
+    requeue = {"fit": torch.load(root / "requeue.pt")["fit"], "seconds": time.monotonic() - started,
+               "saved": sorted(p.name for p in (root / "requeue").iterdir()),
+               "scontrol": (root / "scontrol.log").read_text()}
     torchrun(worker, 8, "save", str(root), str(root / "3d.pt"), timeout=900)
     results = {"3d": torch.load(root / "3d.pt"), "directory": root / "full", "term": torch.load(root / "term.pt"),
-               "term_seconds": term_seconds, "term_saved": term_saved}
+               "term_seconds": term_seconds, "term_saved": term_saved, "requeue": requeue}
     for name, world in (("ddp", 4), ("zero3", 2), ("single", 1)):
         torchrun(worker, world, "resume", str(root), str(root / f"{name}.pt"), name, timeout=600)
         results[name] = torch.load(root / f"{name}.pt")
@@ -320,6 +327,22 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_which_is_saved
     assert {step: full[step] for step in resumed} == resumed  # exact float equality
     # trainer.validate (no step to save): every rank stops after the same batch
     assert resharded["term"]["validate"] == [("SIGTERMException", 7)] * 8
+
+
+def test_slurm_requeue_signal_to_one_rank_saves_after_the_same_step_on_all_and_the_requeued_job_resumes_bitwise(
+        resharded):
+    # A faked SLURM job (auto-requeue): rank 5 alone receives SIGUSR1 as step 7 starts. Every rank writes
+    # hpc_ckpt_1.ckpt after step 7 and rank 0 runs scontrol requeue, which (as SLURM stopping the job) sends rank 0
+    # SIGTERM: all 8 stop after step 8. Lightning's own handler writes the checkpoint inside the signal handler, on
+    # rank 5 alone: the 8 processes waited on each other until killed (90 s, nothing saved).
+    requeue = resharded["requeue"]
+    assert requeue["fit"] == [("SIGTERMException", 8)] * 8
+    assert requeue["seconds"] < 120 and requeue["scontrol"] == "requeue 4242\n"
+    assert requeue["saved"] == ["hpc_ckpt_1.ckpt"]
+    # The requeued job calls fit without ckpt_path: Lightning finds the hpc checkpoint, meshlight loads it.
+    full, resumed = resharded["3d"]["losses"], resharded["3d"]["resumed_after_requeue"]
+    assert sorted(resumed) == list(range(8, 21))
+    assert {step: full[step] for step in resumed} == resumed  # exact float equality
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero3", "single"])

@@ -1,0 +1,128 @@
+"""SLURM's requeue signal (``#SBATCH --signal=USR1@90`` with Lightning's auto-requeue) under meshlight, in one process
+under a faked SLURM job: the checkpoint is written after the optimizer step at which the ranks agree, ``scontrol
+requeue`` runs once, and the requeued job's ``fit`` (no ``ckpt_path``) resumes it bit for bit — mid-epoch, inside
+gradient accumulation, and at an epoch's end. The same on the 8 ranks of a dp=2 × pp=2 × tp=2 run, and SIGTERM:
+tests/callbacks/test_checkpoint.py."""
+
+import os
+import signal
+import stat
+
+import pytest
+
+from tests.callbacks.workers import resume_worker
+
+JOB = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "1", "SLURM_PROCID": "0",
+       "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "127.0.0.1", "SLURM_JOB_NAME": "train",
+       "SLURM_JOB_ID": "4242"}
+MAX_STEPS, ACCUMULATE, BATCHES_PER_EPOCH = 10, 2, 6  # 3 optimizer steps per epoch
+
+
+@pytest.fixture
+def slurm_job(tmp_path, monkeypatch):
+    """A SLURM job's environment, and an ``scontrol`` on PATH that appends its arguments to the returned file."""
+    for name, value in JOB.items():
+        monkeypatch.setenv(name, value)
+    for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.log"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> "{calls}"\n')
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    calls.touch()
+    return calls
+
+
+def _signal_at(*steps):
+    """A callback sending this process SIGUSR1 as the first batch of each of the given optimizer steps starts."""
+    from lightning.pytorch.callbacks import Callback
+
+    class Requeue(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx % ACCUMULATE == 0 and trainer.global_step + 1 in steps:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    return Requeue()
+
+
+def _fit(root, *callbacks):
+    """Fit under the faked job as a requeued job's script would: no ckpt_path. Returns {step: loss}, the step
+    training started from and the trainer."""
+    import meshlight as ml
+    from meshlight.demos import AdditionDataModule
+
+    losses = resume_worker.Losses()
+    trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=MAX_STEPS, logger=False,
+                         accumulate_grad_batches=ACCUMULATE, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, limit_val_batches=0, default_root_dir=root,
+                         callbacks=[losses, *callbacks])
+    data = AdditionDataModule(3, batch_size=4, train_size=4 * BATCHES_PER_EPOCH)
+    trainer.fit(resume_worker.model(0), data)
+    return losses.losses, trainer
+
+
+def _hpc(root):
+    from meshlight.parallel.checkpoint import is_complete
+
+    return {p.name: is_complete(p) for p in root.iterdir() if p.name.startswith("hpc_ckpt_")}
+
+
+def test_the_requeue_signal_saves_after_the_step_requeues_once_and_the_requeued_job_resumes_bitwise(
+        tmp_path, slurm_job):
+    root = tmp_path / "run"
+    # The job: SIGUSR1 as step 2 starts (its first of two accumulated batches), again at step 5 (ignored: the job
+    # is already requeued). Saved after step 2, mid-epoch; training goes on (scontrol here stops nothing).
+    full, trainer = _fit(root, _signal_at(2, 5))
+    # {global step: the last micro-batch's loss}: with two per step, step k's key holds step k+1's first
+    assert trainer.global_step == MAX_STEPS and sorted(full) == list(range(MAX_STEPS + 1))
+    assert slurm_job.read_text() == "requeue 4242\n"
+    assert _hpc(root) == {"hpc_ckpt_1.ckpt": True}
+
+    # The requeued job finds an hpc checkpoint killed mid-write (its .incomplete marker still there) beside it:
+    # Lightning picks the highest number; meshlight resumes from the newest whole one and says so.
+    (root / "hpc_ckpt_2.ckpt").mkdir()
+    (root / "hpc_ckpt_2.ckpt" / ".incomplete").touch()
+    with pytest.warns(UserWarning, match=r"hpc_ckpt_2.ckpt was interrupted .* resuming from .*hpc_ckpt_1.ckpt"):
+        resumed, _ = _fit(root, _signal_at(6))
+    assert sorted(resumed) == list(range(2, MAX_STEPS + 1))
+    assert resumed == {step: full[step] for step in resumed}  # exact float equality
+    # SIGUSR1 as step 6 (an epoch's last) starts: saved after it, at the next epoch's start; the older removed.
+    assert slurm_job.read_text() == "requeue 4242\n" * 2
+    assert _hpc(root) == {"hpc_ckpt_3.ckpt": True}
+
+    # Requeued again, from the end of epoch 2; the signal at the last step: training ends first, no requeue.
+    resumed, trainer = _fit(root, _signal_at(MAX_STEPS))
+    assert sorted(resumed) == list(range(6, MAX_STEPS + 1))
+    assert resumed == {step: full[step] for step in resumed}
+    assert slurm_job.read_text() == "requeue 4242\n" * 2
+    assert _hpc(root) == {"hpc_ckpt_3.ckpt": True}
+
+    # Outside fitting nothing is saved: the job is requeued at once.
+    from lightning.pytorch.callbacks import Callback
+
+    class RequeueInValidation(Callback):
+        def on_validation_batch_start(self, *args):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    import meshlight as ml
+    from meshlight.demos import AdditionDataModule
+
+    trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=root, callbacks=[RequeueInValidation()])
+    trainer.validate(resume_worker.model(0), AdditionDataModule(3, batch_size=4, val_size=8))
+    assert slurm_job.read_text() == "requeue 4242\n" * 3
+    assert _hpc(root) == {"hpc_ckpt_3.ckpt": True}
+
+
+def test_requeue_names_an_array_task_and_warns_when_it_cannot(slurm_job, monkeypatch):
+    from meshlight.strategies.preemption import requeue_slurm_job
+
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert requeue_slurm_job()
+    assert slurm_job.read_text() == "requeue 77_3\n"
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.warns(UserWarning, match="`scontrol` is not on PATH; job 77_3 was not requeued"):
+        assert not requeue_slurm_job()
