@@ -690,7 +690,8 @@ def explain(candidates: Sequence[Candidate]) -> str:
         return message + "."
     winner = fitting[0]
     rejected = len({c.layout for c in candidates if not c.fits} - {c.layout for c in candidates if c.fits})
-    note = f" {rejected} other layouts do not fit in memory." if rejected else ""
+    note = (" 1 other layout does not fit in memory." if rejected == 1 else
+            f" {rejected} other layouts do not fit in memory." if rejected else "")
     if len(fitting) > 1:
         runner, lead, next_one = fitting[1], f"{winner.describe()} wins", "the next layout"
     else:  # one (dp, pp, tp, ep), e.g. all given: the best of its options (ZeRO stage, schedule, microbatches)

@@ -188,6 +188,12 @@ def test_with_every_size_given_the_winner_is_explained_against_its_next_option()
                               f" level with its next option ({level[1].describe()}) to within 0.5%.")
 
 
+def test_the_explanation_counts_the_layouts_that_do_not_fit():
+    model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]
+    assert explain(plan(model, h100, 1024, 512)).endswith(" 1 other layout does not fit in memory.")
+    assert explain(plan(model, h100, 64, 128)).endswith(" other layouts do not fit in memory.")
+
+
 @pytest.mark.parametrize("request_, message", [
     ({"world": 0}, "world=0: a layout needs a whole number of devices"),
     ({"microbatches": 0}, "microbatches=0: a layout needs a whole number of microbatches"),
