@@ -432,14 +432,6 @@ class MeshStrategy(ParallelStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         self._restore_gc()
-        if self._signals is not None:
-            self._signals.at_train_end()
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        if self._signals is not None:
-            self._signals.at_exception(self, exception)
 
     def _restore_gc(self) -> None:
         """Python's automatic GC as it was before training (also after a failed fit: called by teardown)."""

@@ -17,16 +17,19 @@ signal seen by any rank acts on them all:
 - SIGTERM: every rank finishes that step and raises ``SIGTERMException`` from the same place, where
   ``DistributedCheckpoint`` saves the step (a collective write, which needs every rank there). Outside fitting
   (``validate``, ``test``) they agree at every batch.
-- The requeue signal, while fitting: after that step every rank writes ``hpc_ckpt_<n>.ckpt`` in the trainer's
-  ``default_root_dir`` (the checkpoint Lightning resumes from when the requeued job starts ``fit`` without a
-  ``ckpt_path``), global rank 0 runs ``scontrol requeue``, and training goes on until the scheduler stops it.
-  Older ``hpc_ckpt_*`` folders are removed once the new one is committed; a resume that finds the newest one
-  interrupted (the job was killed while writing it) takes the newest whole one, with a warning. Outside fitting
-  there is nothing to save: rank 0 requeues at once. A run that finishes training first is not requeued.
+- The requeue signal, while fitting: at the end of that step (where Lightning's checkpoint callbacks save, so
+  the resumed run continues exactly) every rank writes ``hpc_ckpt_<n>.ckpt`` in the trainer's
+  ``default_root_dir`` — the checkpoint Lightning resumes from when the requeued job calls ``fit`` without a
+  ``ckpt_path`` — then global rank 0 runs ``scontrol requeue``, and training goes on until the scheduler stops
+  it. Older ``hpc_ckpt_*`` in that folder are removed once the new one is committed (give each job, or array
+  task, its own); a resume that finds the newest one interrupted (the job was killed while writing it) takes
+  the newest whole one, with a warning. The signal acts once per ``fit``. If that step is training's last,
+  nothing is written or requeued. Outside fitting there is nothing to save: rank 0 requeues at once.
 
 The signal waits for that point: the rest of a step or accumulation window, or, during fitting's validation,
-the next training batch. A scheduler's grace period before SIGKILL (SLURM's ``KillWait`` and ``--signal``'s
-lead time, torchrun's 30 s, Kubernetes' ``terminationGracePeriodSeconds``) must cover it and the write.
+the next training batch. A scheduler's grace period before SIGKILL (SLURM's ``KillWait``, torchrun's 30 s,
+Kubernetes' ``terminationGracePeriodSeconds``) must cover it and the write; ``--signal``'s lead time before the
+time limit must cover it, the write and ``scontrol``, which runs only once the checkpoint is committed.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import fsspec
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector, log
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info, rank_zero_warn
 
 from meshlight.parallel.checkpoint import is_complete, is_interrupted, numbered_entries
@@ -81,6 +84,8 @@ class AgreedSignals(_SignalConnector):
         epoch_loop = trainer.fit_loop.epoch_loop
         if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
             epoch_loop._broadcast_sigterm_tensor = lambda: None
+        if not any(isinstance(callback, _AtStepEnd) for callback in trainer.callbacks):
+            trainer.callbacks.append(_AtStepEnd())  # strategies have no hook there; last, after the user's
         return trainer._signal_connector
 
     def register_signal_handlers(self) -> None:
@@ -125,12 +130,20 @@ class AgreedSignals(_SignalConnector):
                            else "SIGTERM: every rank stops here")
 
     def at_train_batch_start(self, strategy: MeshStrategy) -> None:
-        """Save and requeue if the ranks agreed to at the last step; agree on the batch that ends an optimizer
-        step (not within an accumulation window)."""
-        if self.requeue == "agreed":
-            self._save_and_requeue(strategy)
+        """Agree on the batch that ends an optimizer step (not within an accumulation window)."""
         if not self.trainer.fit_loop.epoch_loop._should_accumulate():
             self.agree(strategy)
+
+    def at_train_batch_end(self) -> None:
+        """After the step at which the ranks agreed to requeue — where Lightning's own checkpoint callbacks save,
+        so that resuming continues exactly — write the checkpoint, unless training ends with this step."""
+        if self.requeue != "agreed":
+            return
+        self.requeue = "done"
+        if _finishes_training(self.trainer):
+            rank_zero_info("SLURM's requeue signal: training ends with this step, the job is not requeued")
+        else:
+            self._save_and_requeue()
 
     def at_evaluation_step(self, strategy: MeshStrategy) -> None:
         """Agree at every batch of ``validate`` and ``test``, whose distributed samplers give every rank as many
@@ -145,24 +158,11 @@ class AgreedSignals(_SignalConnector):
         else:
             self.agree(strategy)
 
-    def at_exception(self, strategy: MeshStrategy, exception: BaseException) -> None:
-        """SIGTERM stopped every rank right after the step at which they agreed to requeue: save and requeue
-        there (the step's callbacks, ``DistributedCheckpoint``'s save on SIGTERM among them, have run)."""
-        if (self.requeue == "agreed" and isinstance(exception, SIGTERMException)
-                and self.trainer.state.fn == TrainerFn.FITTING):
-            self._save_and_requeue(strategy)
-
-    def at_train_end(self) -> None:
-        if self.requeue == "agreed":
-            rank_zero_info("SLURM's requeue signal: training finished first, the job is not requeued")
-            self.requeue = "done"
-
-    def _save_and_requeue(self, strategy: MeshStrategy) -> None:
+    def _save_and_requeue(self) -> None:
         """On every rank at the same step boundary: write the checkpoint Lightning resumes a requeued job from,
         remove the older ones (global rank 0) and requeue the job (global rank 0)."""
-        self.requeue = "done"
         trainer = self.trainer
-        strategy.wait_for_checkpoint()  # a background write in flight finishes before another starts
+        trainer.strategy.wait_for_checkpoint()  # a background write in flight finishes before another starts
         for logger in trainer.loggers:
             logger.save()
         path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
@@ -171,6 +171,22 @@ class AgreedSignals(_SignalConnector):
             rank_zero_info(f"SLURM's requeue signal: saved {path}")
             _remove_other_hpc_checkpoints(path)
             requeue_slurm_job()
+
+
+class _AtStepEnd(Callback):
+    """Calls the strategy's signal connector at the end of every training batch."""
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if isinstance(trainer._signal_connector, AgreedSignals):
+            trainer._signal_connector.at_train_batch_end()
+
+
+def _finishes_training(trainer: Trainer) -> bool:
+    """Whether the step just taken is the run's last: ``max_steps`` reached, or the last batch of the last epoch."""
+    if trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps:
+        return True
+    last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
+    return last_epoch and trainer.fit_loop.epoch_loop._num_ready_batches_reached()
 
 
 def requeue_slurm_job() -> bool:

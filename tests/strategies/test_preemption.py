@@ -15,7 +15,7 @@ from tests.callbacks.workers import resume_worker
 JOB = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "1", "SLURM_PROCID": "0",
        "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "127.0.0.1", "SLURM_JOB_NAME": "train",
        "SLURM_JOB_ID": "4242"}
-MAX_STEPS, ACCUMULATE, BATCHES_PER_EPOCH = 10, 2, 6  # 3 optimizer steps per epoch
+MAX_STEPS, BATCHES_PER_EPOCH = 10, 6  # step 6 ends an epoch with or without accumulating 2 batches
 
 
 @pytest.fixture
@@ -35,27 +35,27 @@ def slurm_job(tmp_path, monkeypatch):
     return calls
 
 
-def _signal_at(*steps):
+def _signal_at(accumulate, *steps):
     """A callback sending this process SIGUSR1 as the first batch of each of the given optimizer steps starts."""
     from lightning.pytorch.callbacks import Callback
 
     class Requeue(Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            if batch_idx % ACCUMULATE == 0 and trainer.global_step + 1 in steps:
+            if batch_idx % accumulate == 0 and trainer.global_step + 1 in steps:
                 os.kill(os.getpid(), signal.SIGUSR1)
 
     return Requeue()
 
 
-def _fit(root, *callbacks):
-    """Fit under the faked job as a requeued job's script would: no ckpt_path. Returns {step: loss}, the step
-    training started from and the trainer."""
+def _fit(root, accumulate, *callbacks):
+    """Fit under the faked job as a requeued job's script would: no ckpt_path. Returns {global step: the loss of
+    the last batch before it} and the trainer."""
     import meshlight as ml
     from meshlight.demos import AdditionDataModule
 
     losses = resume_worker.Losses()
     trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=MAX_STEPS, logger=False,
-                         accumulate_grad_batches=ACCUMULATE, enable_progress_bar=False, enable_model_summary=False,
+                         accumulate_grad_batches=accumulate, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, limit_val_batches=0, default_root_dir=root,
                          callbacks=[losses, *callbacks])
     data = AdditionDataModule(3, batch_size=4, train_size=4 * BATCHES_PER_EPOCH)
@@ -69,14 +69,23 @@ def _hpc(root):
     return {p.name: is_complete(p) for p in root.iterdir() if p.name.startswith("hpc_ckpt_")}
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
 def test_the_requeue_signal_saves_after_the_step_requeues_once_and_the_requeued_job_resumes_bitwise(
-        tmp_path, slurm_job):
+        tmp_path, slurm_job, accumulate):
     root = tmp_path / "run"
-    # The job: SIGUSR1 as step 2 starts (its first of two accumulated batches), again at step 5 (ignored: the job
-    # is already requeued). Saved after step 2, mid-epoch; training goes on (scontrol here stops nothing).
-    full, trainer = _fit(root, _signal_at(2, 5))
-    # {global step: the last micro-batch's loss}: with two per step, step k's key holds step k+1's first
-    assert trainer.global_step == MAX_STEPS and sorted(full) == list(range(MAX_STEPS + 1))
+
+    def resumes_from(step, resumed, trainer):
+        # with accumulation a step's key holds the loss of the next step's first batch
+        assert min(resumed) == step + (accumulate == 1) and max(resumed) == MAX_STEPS
+        assert resumed == {step: full[step] for step in resumed}  # exact float equality
+        # Lightning's count of optimizer steps for logging continues as in the uninterrupted run
+        assert trainer.fit_loop.epoch_loop._batches_that_stepped == batches_that_stepped
+
+    # The job: SIGUSR1 as step 2 starts (with accumulation, at its first batch), again at step 5 (ignored: the
+    # job is already requeued). Saved after step 2, mid-epoch; training goes on (scontrol here stops nothing).
+    full, trainer = _fit(root, accumulate, _signal_at(accumulate, 2, 5))
+    batches_that_stepped = trainer.fit_loop.epoch_loop._batches_that_stepped
+    assert trainer.global_step == MAX_STEPS
     assert slurm_job.read_text() == "requeue 4242\n"
     assert _hpc(root) == {"hpc_ckpt_1.ckpt": True}
 
@@ -85,17 +94,15 @@ def test_the_requeue_signal_saves_after_the_step_requeues_once_and_the_requeued_
     (root / "hpc_ckpt_2.ckpt").mkdir()
     (root / "hpc_ckpt_2.ckpt" / ".incomplete").touch()
     with pytest.warns(UserWarning, match=r"hpc_ckpt_2.ckpt was interrupted .* resuming from .*hpc_ckpt_1.ckpt"):
-        resumed, _ = _fit(root, _signal_at(6))
-    assert sorted(resumed) == list(range(2, MAX_STEPS + 1))
-    assert resumed == {step: full[step] for step in resumed}  # exact float equality
-    # SIGUSR1 as step 6 (an epoch's last) starts: saved after it, at the next epoch's start; the older removed.
+        resumed, trainer = _fit(root, accumulate, _signal_at(accumulate, 6))
+    resumes_from(2, resumed, trainer)
+    # SIGUSR1 as step 6 (an epoch's last) starts: saved after it; the older ones removed.
     assert slurm_job.read_text() == "requeue 4242\n" * 2
     assert _hpc(root) == {"hpc_ckpt_3.ckpt": True}
 
-    # Requeued again, from the end of epoch 2; the signal at the last step: training ends first, no requeue.
-    resumed, trainer = _fit(root, _signal_at(MAX_STEPS))
-    assert sorted(resumed) == list(range(6, MAX_STEPS + 1))
-    assert resumed == {step: full[step] for step in resumed}
+    # Requeued again, from the end of an epoch; the signal at the last step: training ends, no save, no requeue.
+    resumed, trainer = _fit(root, accumulate, _signal_at(accumulate, MAX_STEPS))
+    resumes_from(6, resumed, trainer)
     assert slurm_job.read_text() == "requeue 4242\n" * 2
     assert _hpc(root) == {"hpc_ckpt_3.ckpt": True}
 
