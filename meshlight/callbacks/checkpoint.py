@@ -47,8 +47,9 @@ class DistributedCheckpoint(Checkpoint):
             (see :mod:`meshlight.strategies.preemption`), written before ``fit`` raises ``SIGTERMException``.
 
     Resume with ``trainer.fit(model, ckpt_path="last")`` (meshlight's Trainer resolves it to the newest
-    complete checkpoint here) or with a folder's path. The data position is restored with plain
-    ``DataLoader``s: the sampler skips, without loading them, the samples the interrupted epoch consumed.
+    complete checkpoint here, or to a newer one SLURM's requeue signal left) or with a folder's path. The data
+    position is restored with plain ``DataLoader``s: the sampler skips, without loading them, the samples the
+    interrupted epoch consumed.
     """
 
     def __init__(
@@ -242,10 +243,3 @@ def _global_batch(trainer: pl.Trainer) -> Optional[int]:
     replicas = trainer.strategy.distributed_sampler_kwargs["num_replicas"]  # a meshlight strategy (see setup)
     return sum(sizes) * replicas * trainer.accumulate_grad_batches
 
-
-def resolve_last(trainer: pl.Trainer) -> Optional[str]:
-    """``ckpt_path="last"`` for a trainer with :class:`DistributedCheckpoint` callbacks: the newest complete
-    checkpoint among theirs (None when there is none yet)."""
-    newest = [(steps[-1], cb.path_of(steps[-1])) for cb in trainer.callbacks if isinstance(cb, DistributedCheckpoint)
-              for steps in [cb.complete_steps()] if steps]
-    return max(newest)[1] if newest else None

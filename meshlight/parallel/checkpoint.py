@@ -42,6 +42,7 @@ __all__ = [
     "consolidate",
     "is_complete",
     "load_checkpoint",
+    "load_metadata",
     "load_model_weights",
     "load_rng_state",
     "save_checkpoint",
@@ -303,6 +304,12 @@ def load_checkpoint(
         state = get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_STATE)
         _read({name: state}, path)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=OPTIMIZER_STATE)
+    return load_metadata(path, weights_only=weights_only)
+
+
+def load_metadata(path: PathLike, *, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """The checkpoint's ``meta.pt``: Lightning's checkpoint dict without the model and optimizer states (the
+    loops, ``global_step``, LR schedulers, callbacks' states)."""
     try:
         with fsspec.open(_join(path, META_FILENAME), "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=bool(weights_only))

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
     from meshlight.strategies.mesh import MeshStrategy
 
-__all__ = ["AgreedSignals", "newest_whole_hpc_checkpoint", "requeue_slurm_job"]
+__all__ = ["AgreedSignals", "newest_hpc_checkpoint", "newest_whole_hpc_checkpoint", "requeue_slurm_job"]
 
 #: the checkpoints Lightning writes on SLURM's requeue signal and resumes from (``_CheckpointConnector``)
 HPC_CHECKPOINT = re.compile(r"^hpc_ckpt_(\d+)\.ckpt$")
@@ -210,17 +210,28 @@ def requeue_slurm_job() -> bool:
 
 def newest_whole_hpc_checkpoint(path: str) -> str:
     """``path``, or — when it is an ``hpc_ckpt_<n>.ckpt`` whose save was interrupted (the job was killed while
-    writing it) — the newest whole one beside it, with a warning. Lightning picks the highest ``n`` to resume a
-    requeued job from, whole or not."""
+    writing it) — the newest whole one beside it. Lightning picks the highest ``n`` to resume a requeued job
+    from, whole or not."""
     name = os.path.basename(str(path).rstrip("/"))
     if not HPC_CHECKPOINT.match(name) or not is_interrupted(path):
         return path
-    others = numbered_entries(os.path.dirname(str(path).rstrip("/")), HPC_CHECKPOINT)
-    whole = [other for _, other in sorted(others.items()) if is_complete(other)]
-    if not whole:
+    whole = newest_hpc_checkpoint(os.path.dirname(str(path).rstrip("/")))
+    if whole is None:
         return path  # loading it raises CheckpointError, which says what happened
-    rank_zero_warn(f"{path} was interrupted while being written; resuming from {whole[-1]}, the newest whole one.")
-    return whole[-1]
+    rank_zero_info(f"Resuming from {whole}, the newest whole one.")
+    return whole
+
+
+def newest_hpc_checkpoint(folder: str) -> Optional[str]:
+    """The highest-numbered whole ``hpc_ckpt_<n>.ckpt`` in ``folder``, or None; warns of those above it that the
+    job was killed while writing."""
+    found = numbered_entries(folder, HPC_CHECKPOINT)
+    for number in sorted(found, reverse=True):
+        if is_complete(found[number]):
+            return found[number]
+        if is_interrupted(found[number]):
+            rank_zero_warn(f"{found[number]} was interrupted while being written: skipped.")
+    return None
 
 
 def _remove_other_hpc_checkpoints(path: str) -> None:

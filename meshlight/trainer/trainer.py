@@ -8,11 +8,14 @@ from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from meshlight.callbacks.checkpoint import DistributedCheckpoint, resolve_last
+from meshlight.callbacks.checkpoint import DistributedCheckpoint
 from meshlight.callbacks.expert_load import ExpertLoadMonitor
+from meshlight.parallel.checkpoint import load_metadata, numbered_entries
+from meshlight.strategies.preemption import HPC_CHECKPOINT, newest_hpc_checkpoint
 from meshlight.strategies.registry import resolve_strategy
 
 __all__ = ["Trainer"]
@@ -45,10 +48,35 @@ class Trainer(pl.Trainer):
         super().__init__(strategy=resolve_strategy(strategy), logger=logger, **kwargs)
 
     def fit(self, *args: Any, ckpt_path: Optional[str] = None, **kwargs: Any) -> None:
-        """Lightning's ``fit``; ``ckpt_path="last"`` with :class:`~meshlight.callbacks.DistributedCheckpoint`
-        callbacks resumes from their newest complete checkpoint (a fresh start when there is none yet)."""
-        if ckpt_path == "last" and any(isinstance(c, DistributedCheckpoint) for c in self.callbacks):
-            ckpt_path = resolve_last(self)
-            rank_zero_info(f"Resuming from {ckpt_path}" if ckpt_path else
-                           'ckpt_path="last": no complete checkpoint yet, starting from scratch.')
+        """Lightning's ``fit``, resuming from the newest of meshlight's checkpoints, by their step:
+
+        - ``ckpt_path="last"`` with :class:`~meshlight.callbacks.DistributedCheckpoint` callbacks: the newest
+          complete checkpoint of theirs, or the ``hpc_ckpt_<n>.ckpt`` SLURM's requeue signal left in
+          ``default_root_dir`` where that is newer; a fresh start when there is none.
+        - No ``ckpt_path`` in a SLURM job that left an ``hpc_ckpt_*``: Lightning resumes from it; meshlight from
+          the callbacks' newest where that is newer — a job requeued after a crash or a node failure, not by the
+          signal, would otherwise go back to the step of the last signal.
+        """
+        requeued = (ckpt_path is None and SLURMEnvironment.detect()
+                    and bool(numbered_entries(str(self.default_root_dir), HPC_CHECKPOINT)))
+        if requeued or ckpt_path == "last" and any(isinstance(c, DistributedCheckpoint) for c in self.callbacks):
+            newest = self.newest_checkpoint()
+            if newest is not None:
+                ckpt_path = newest[1]
+                rank_zero_info(f"Resuming from {ckpt_path} (step {newest[0]}), the newest checkpoint.")
+            elif ckpt_path == "last":
+                ckpt_path = None
+                rank_zero_info('ckpt_path="last": no complete checkpoint yet, starting from scratch.')
+            # else a requeued job whose only hpc_ckpt_* is interrupted: Lightning picks it, and loading says so
         super().fit(*args, ckpt_path=ckpt_path, **kwargs)
+
+    def newest_checkpoint(self) -> Optional[tuple[int, str]]:
+        """``(step, path)`` of the newest complete checkpoint of the :class:`~meshlight.callbacks.DistributedCheckpoint`
+        callbacks and of the whole ``hpc_ckpt_*`` in ``default_root_dir`` (None when there is none); at equal
+        steps, a callback's."""
+        found = [(steps[-1], c.path_of(steps[-1])) for c in self.callbacks if isinstance(c, DistributedCheckpoint)
+                 for steps in [c.complete_steps()] if steps]
+        hpc = newest_hpc_checkpoint(str(self.default_root_dir))
+        if hpc is not None:
+            found.append((int(load_metadata(hpc)["global_step"]), hpc))
+        return max(found, key=lambda step_path: step_path[0]) if found else None

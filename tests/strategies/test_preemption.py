@@ -47,19 +47,33 @@ def _signal_at(accumulate, *steps):
     return Requeue()
 
 
-def _fit(root, accumulate, *callbacks):
-    """Fit under the faked job as a requeued job's script would: no ckpt_path. Returns {global step: the loss of
-    the last batch before it} and the trainer."""
+def _crash_at(step):
+    """A callback raising RuntimeError as the given optimizer step starts (a crash, not a signal)."""
+    from lightning.pytorch.callbacks import Callback
+
+    class Crash(Callback):
+        def on_train_batch_start(self, trainer, *args):
+            if trainer.global_step + 1 == step:
+                raise RuntimeError("node failure")
+
+    return Crash()
+
+
+def _fit(root, accumulate, *callbacks, ckpt_path=None):
+    """Fit under the faked job as a requeued job's script would (by default without ckpt_path). Returns {global
+    step: the loss of the last batch before it} and the trainer."""
     import meshlight as ml
+    from meshlight.callbacks import DistributedCheckpoint
     from meshlight.demos import AdditionDataModule
 
     losses = resume_worker.Losses()
     trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=MAX_STEPS, logger=False,
                          accumulate_grad_batches=accumulate, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, limit_val_batches=0, default_root_dir=root,
+                         enable_checkpointing=any(isinstance(c, DistributedCheckpoint) for c in callbacks),
+                         limit_val_batches=0, default_root_dir=root,
                          callbacks=[losses, *callbacks])
     data = AdditionDataModule(3, batch_size=4, train_size=4 * BATCHES_PER_EPOCH)
-    trainer.fit(resume_worker.model(0), data)
+    trainer.fit(resume_worker.model(0), data, ckpt_path=ckpt_path)
     return losses.losses, trainer
 
 
@@ -90,10 +104,10 @@ def test_the_requeue_signal_saves_after_the_step_requeues_once_and_the_requeued_
     assert _hpc(root) == {"hpc_ckpt_1.ckpt": True}
 
     # The requeued job finds an hpc checkpoint killed mid-write (its .incomplete marker still there) beside it:
-    # Lightning picks the highest number; meshlight resumes from the newest whole one and says so.
+    # Lightning would pick the highest number; meshlight resumes from the newest whole one and says so.
     (root / "hpc_ckpt_2.ckpt").mkdir()
     (root / "hpc_ckpt_2.ckpt" / ".incomplete").touch()
-    with pytest.warns(UserWarning, match=r"hpc_ckpt_2.ckpt was interrupted .* resuming from .*hpc_ckpt_1.ckpt"):
+    with pytest.warns(UserWarning, match=r"hpc_ckpt_2.ckpt was interrupted while being written: skipped"):
         resumed, trainer = _fit(root, accumulate, _signal_at(accumulate, 6))
     resumes_from(2, resumed, trainer)
     # SIGUSR1 as step 6 (an epoch's last) starts: saved after it; the older ones removed.
@@ -121,6 +135,40 @@ def test_the_requeue_signal_saves_after_the_step_requeues_once_and_the_requeued_
     trainer.validate(resume_worker.model(0), AdditionDataModule(3, batch_size=4, val_size=8))
     assert slurm_job.read_text() == "requeue 4242\n" * 3
     assert _hpc(root) == {"hpc_ckpt_3.ckpt": True}
+
+
+def test_a_resumed_job_takes_the_newest_of_the_hpc_and_the_distributed_checkpoints(tmp_path, slurm_job):
+    from meshlight.callbacks import DistributedCheckpoint
+
+    full, _ = _fit(tmp_path / "full", 1)
+
+    def resumes_from(step, resumed):
+        assert min(resumed) == step + 1 and max(resumed) == MAX_STEPS
+        assert resumed == {step: full[step] for step in resumed}
+
+    # The job: the requeue signal at step 2 (hpc_ckpt_1 holds it), DistributedCheckpoint at steps 4 and 8, and a
+    # crash as step 9 starts. SLURM requeues a job after a node failure with no signal: the job script's fit
+    # without ckpt_path would go back to hpc_ckpt_1 under Lightning's rule; the newer step 8 is taken.
+    root = tmp_path / "crash"
+
+    def checkpoints():
+        return DistributedCheckpoint(str(root / "ckpts"), every_n_train_steps=4, async_save=False)
+
+    with pytest.raises(RuntimeError, match="node failure"):
+        _fit(root, 1, _signal_at(1, 2), _crash_at(9), checkpoints())
+    assert _hpc(root) == {"hpc_ckpt_1.ckpt": True}
+    resumed, _ = _fit(root, 1, checkpoints())
+    resumes_from(8, resumed)
+
+    # The requeue signal at step 6 (after DistributedCheckpoint's step 4), then a crash as step 8 starts:
+    # ckpt_path="last" takes hpc_ckpt_1 (step 6), the newer.
+    root = tmp_path / "last"
+    with pytest.raises(RuntimeError, match="node failure"):
+        _fit(root, 1, _signal_at(1, 6), _crash_at(8), checkpoints())
+    assert (root / "ckpts" / "step=000000004").is_dir() and _hpc(root) == {"hpc_ckpt_1.ckpt": True}
+    resumed, trainer = _fit(root, 1, checkpoints(), ckpt_path="last")
+    resumes_from(6, resumed)
+    assert trainer.newest_checkpoint() == (MAX_STEPS, str(root / "ckpts" / "step=000000010"))
 
 
 def test_requeue_names_an_array_task_and_warns_when_it_cannot(slurm_job, monkeypatch):
