@@ -19,12 +19,13 @@ signal seen by any rank acts on them all:
   (``validate``, ``test``) they agree at every batch.
 - The requeue signal, while fitting: at the end of that step (where Lightning's checkpoint callbacks save, so
   the resumed run continues exactly) every rank writes ``hpc_ckpt_<n>.ckpt`` in the trainer's
-  ``default_root_dir`` — the checkpoint Lightning resumes from when the requeued job calls ``fit`` without a
-  ``ckpt_path`` — then global rank 0 runs ``scontrol requeue``, and training goes on until the scheduler stops
-  it. Older ``hpc_ckpt_*`` in that folder are removed once the new one is committed (give each job, or array
-  task, its own); a resume that finds the newest one interrupted (the job was killed while writing it) takes
-  the newest whole one, with a warning. The signal acts once per ``fit``. If that step is training's last,
-  nothing is written or requeued. Outside fitting there is nothing to save: rank 0 requeues at once.
+  ``default_root_dir`` — what the requeued job's ``fit`` without ``ckpt_path`` resumes from (``meshlight.Trainer``:
+  unless ``DistributedCheckpoint`` holds a newer step) — then global rank 0 runs ``scontrol requeue`` (tried
+  again on a failure or a hang), and training goes on until the scheduler stops it. Older ``hpc_ckpt_*`` in
+  that folder are removed once the new one is committed (give each job, or array task, its own); a resume
+  that finds the newest one interrupted (the job was killed while writing it) takes the newest whole one, with
+  a warning. The signal acts once per ``fit``. If that step is training's last, nothing is written or
+  requeued. Outside fitting there is nothing to save: rank 0 requeues at once.
 
 The signal waits for that point: the rest of a step or accumulation window, or, during fitting's validation,
 the next training batch. A scheduler's grace period before SIGKILL (SLURM's ``KillWait``, torchrun's 30 s,
@@ -37,6 +38,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -59,6 +61,8 @@ __all__ = ["AgreedSignals", "newest_hpc_checkpoint", "newest_whole_hpc_checkpoin
 
 #: the checkpoints Lightning writes on SLURM's requeue signal and resumes from (``_CheckpointConnector``)
 HPC_CHECKPOINT = re.compile(r"^hpc_ckpt_(\d+)\.ckpt$")
+#: seconds one ``scontrol requeue`` may take, and the wait before the n-th retry is n times this
+SCONTROL_TIMEOUT, RETRY_WAIT = 20.0, 2.0
 
 
 class AgreedSignals(_SignalConnector):
@@ -189,23 +193,33 @@ def _finishes_training(trainer: Trainer) -> bool:
     return last_epoch and trainer.fit_loop.epoch_loop._num_ready_batches_reached()
 
 
-def requeue_slurm_job() -> bool:
-    """``scontrol requeue`` this job (an array job's task); whether ``scontrol`` accepted it."""
+def requeue_slurm_job(attempts: int = 3) -> bool:
+    """``scontrol requeue`` this job (an array job's task); whether ``scontrol`` accepted it. A failure or a
+    hang (a busy ``slurmctld`` times out) is tried again, up to ``attempts`` times, waiting longer each time."""
     array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
     job = f"{array_job}_{array_task}" if array_job and array_task else os.environ.get("SLURM_JOB_ID", "")
     if not re.fullmatch(r"[0-9_]+", job):
         rank_zero_warn(f"SLURM's requeue signal: no job to requeue (SLURM_JOB_ID={job!r}).")
         return False
-    try:
-        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-    except FileNotFoundError:
-        rank_zero_warn(f"SLURM's requeue signal: `scontrol` is not on PATH; job {job} was not requeued.")
-        return False
-    if result.returncode != 0:
-        rank_zero_warn(f"`scontrol requeue {job}` failed ({result.returncode}): {result.stderr.strip()}")
-        return False
-    rank_zero_info(f"SLURM's requeue signal: requeued job {job}")
-    return True
+    for attempt in range(1, attempts + 1):
+        try:
+            result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
+                                    timeout=SCONTROL_TIMEOUT)
+        except FileNotFoundError:
+            rank_zero_warn(f"SLURM's requeue signal: `scontrol` is not on PATH; job {job} was not requeued.")
+            return False
+        except subprocess.TimeoutExpired:
+            problem = f"no answer in {SCONTROL_TIMEOUT:g} s"
+        else:
+            if result.returncode == 0:
+                rank_zero_info(f"SLURM's requeue signal: requeued job {job}")
+                return True
+            problem = f"{result.returncode}: {result.stderr.strip()}"
+        again = f"; trying again in {RETRY_WAIT * attempt:g} s" if attempt < attempts else "; job not requeued"
+        rank_zero_warn(f"`scontrol requeue {job}` failed ({problem}), attempt {attempt} of {attempts}{again}.")
+        if attempt < attempts:
+            time.sleep(RETRY_WAIT * attempt)
+    return False
 
 
 def newest_whole_hpc_checkpoint(path: str) -> str:

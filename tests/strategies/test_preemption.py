@@ -181,3 +181,31 @@ def test_requeue_names_an_array_task_and_warns_when_it_cannot(slurm_job, monkeyp
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.warns(UserWarning, match="`scontrol` is not on PATH; job 77_3 was not requeued"):
         assert not requeue_slurm_job()
+
+
+def test_requeue_tries_again_when_scontrol_fails_or_hangs(tmp_path, slurm_job, monkeypatch):
+    import meshlight.strategies.preemption as preemption
+
+    monkeypatch.setattr(preemption, "RETRY_WAIT", 0.0)
+    monkeypatch.setattr(preemption, "SCONTROL_TIMEOUT", 1.0)
+    # slurmctld busy: the first call times out on the socket, the second hangs, the third is accepted
+    answers = tmp_path / "answers"
+    answers.write_text("fail\nhang\nok\n")
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> "{slurm_job}"\nanswer=$(head -n 1 "{answers}")\n'
+                        f'sed -i 1d "{answers}"\n'
+                        '[ "$answer" = fail ] && { echo "Socket timed out on send/recv operation" >&2; exit 1; }\n'
+                        '[ "$answer" = hang ] && exec sleep 30\nexit 0\n')
+    with pytest.warns(UserWarning) as warned:
+        assert preemption.requeue_slurm_job()
+    assert slurm_job.read_text() == "requeue 4242\n" * 3
+    assert [str(w.message) for w in warned] == [
+        "`scontrol requeue 4242` failed (1: Socket timed out on send/recv operation), attempt 1 of 3; trying again"
+        " in 0 s.",
+        "`scontrol requeue 4242` failed (no answer in 1 s), attempt 2 of 3; trying again in 0 s."]
+    answers.write_text("fail\nfail\nfail\n")
+    with pytest.warns(UserWarning) as warned:
+        assert not preemption.requeue_slurm_job()
+    assert [str(w.message).split("), ")[1] for w in warned] == [
+        "attempt 1 of 3; trying again in 0 s.", "attempt 2 of 3; trying again in 0 s.",
+        "attempt 3 of 3; job not requeued."]
