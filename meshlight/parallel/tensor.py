@@ -23,8 +23,10 @@ whole instead).
 
 Plans come from :func:`derive_plan` (structure: inside each repeated block, the Linears that read the
 hidden state are colwise and the one that writes back to it is rowwise) or from a user dict of
-module-name patterns, resolved by :func:`resolve_plan`. A model must reshape heads with ``-1``, or keep its
-head counts in attributes the strategy can scale (``n_heads``, ``num_key_value_heads`` …).
+module-name patterns, resolved by :func:`resolve_plan`. A model must keep its head counts in attributes the
+strategy can scale (``n_heads``, ``num_key_value_heads`` …), or keep ``head_dim`` and reshape heads with ``-1``;
+:func:`validate_plan` refuses attention with neither (it would train narrower heads without an error) and a
+column→row group that does not have a module of its own (that module's input is gathered for the group).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshlight.parallel.checkpoint import _shorten
 from meshlight.parallel.data_parallel import repeated_blocks
 from meshlight.parallel.precision import is_norm
 from meshlight.parallel.sequence_gather import register_sequence_gather
@@ -63,8 +66,8 @@ UserPlan = Mapping[str, Union[str, ParallelStyle]]
 
 # Attribute names under which attention modules keep their head counts (scaled to the local count).
 HEAD_COUNT_ATTRIBUTES = (
-    "n_heads", "num_heads", "n_head", "num_attention_heads",
-    "n_kv_heads", "num_kv_heads", "n_kv_head", "num_key_value_heads",
+    "n_heads", "num_heads", "n_head", "num_attention_heads", "heads", "nheads",
+    "n_kv_heads", "num_kv_heads", "n_kv_head", "num_key_value_heads", "kv_heads",
 )
 HEAD_DIM_ATTRIBUTES = ("head_dim", "head_size")
 
@@ -88,7 +91,7 @@ def derive_plan(model: nn.Module) -> Plan:
     blocks = _named_blocks(model)
     if not blocks:
         raise TensorParallelError(
-            f"{type(model).__name__} has no repeated blocks (an nn.ModuleList/ModuleDict of layers), which the"
+            f"{_model_name(model)} has no repeated blocks (an nn.ModuleList/ModuleDict of layers), which the"
             " automatic tensor-parallel plan works on; pass a plan, e.g. TensorParallelStrategy(plan={"
             '"layers.*.attn.q": "colwise", …}).'
         )
@@ -104,7 +107,9 @@ def derive_plan(model: nn.Module) -> Plan:
                 _reject_fused(prefix, [m for n, m in linears if n in readers], dict(linears)[writers[-1]])
                 plan[_join(prefix, writers[-1])] = "rowwise"
                 plan.update({_join(prefix, n): "colwise" for n in readers})
-    return {**plan, **_structural_roles(model, blocks, hidden)}
+    plan = {**plan, **_structural_roles(model, blocks, hidden)}
+    _reject_unsplit(blocks, plan)
+    return plan
 
 
 def _structural_roles(model: nn.Module, blocks: list[tuple[str, nn.Module]], hidden: int) -> Plan:
@@ -150,12 +155,14 @@ def resolve_plan(model: nn.Module, patterns: UserPlan) -> dict[str, Union[str, P
             )
         matches = [name for name in names if _matches(name, pattern)]
         if not matches:
-            close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
-            close = close or _close_by_last_component(pattern, names)
-            raise TensorParallelError(
-                f"The tensor-parallel plan pattern {pattern!r} matches no module. Close module names: "
-                f"{', '.join(close) if close else '(none)'}."
-            )
+            # suggest modules a plan can give a role: those holding parameters, named as the user wrote them
+            held = [_shown(name) for name, m in model.named_modules()
+                    if name and next(m.parameters(recurse=False), None) is not None]
+            close = difflib.get_close_matches(pattern, held, n=5, cutoff=0.5)
+            close = close or _close_by_last_component(pattern, held)
+            listed = (f"Close module names: {', '.join(close)}." if close else
+                      f"Modules that hold parameters: {_shorten(held)}.")
+            raise TensorParallelError(f"The tensor-parallel plan pattern {pattern!r} matches no module. {listed}")
         resolved.update(dict.fromkeys(matches, style))
     blocks = _named_blocks(model)
     structural = _structural_roles(model, blocks, _hidden_size(blocks)) if blocks else {}
@@ -197,6 +204,7 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
             constraints.append((f"{name} vocabulary", module.out_features))
     if hidden is not None:
         constraints.append(("hidden size", hidden))
+    _check_groups(model, plan)
     for parent, attribute, count in _head_counts(model, plan):
         constraints.append((_join(parent, attribute), count))
     for _, name, heads in _heads_from_head_dim(model, plan):
@@ -206,7 +214,7 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
         valid = [t for t in range(1, world_size + 1)
                  if world_size % t == 0 and all(v % t == 0 for _, v in constraints)]
         what, value = bad[0]
-        raise TensorParallelError(f"tp={tp} does not divide {what}={value}; choose tp in {valid}.")
+        raise TensorParallelError(f"tp={tp} does not divide {_shown(what)}={value}; choose tp in {valid}.")
 
 
 # ------------------------------------------------------------------------------------------- apply
@@ -358,10 +366,71 @@ def _reject_fused(group: str, readers: list[nn.Linear], writer: nn.Linear) -> No
     if all(reader.out_features != writer.in_features for reader in readers):
         widths = ", ".join(str(r.out_features) for r in readers)
         raise TensorParallelError(
-            f"{group} looks like a fused projection (outputs {widths} feeding a {writer.in_features}-wide output"
-            " projection): tensor parallelism needs q, k, v (and gate, up) as separate nn.Linear layers. Split the"
-            " fused layer, or parallelize it yourself in configure_model()."
+            f"{_shown(group)} looks like a fused projection (outputs {widths} feeding a {writer.in_features}-wide"
+            " output projection): tensor parallelism needs q, k, v (and gate, up) as separate nn.Linear layers."
+            " Split the fused layer, or parallelize it yourself in configure_model()."
         )
+
+
+def _reject_unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> None:
+    """A block's parameters outside any role or column→row group (a packed q|k|v weight such as
+    ``nn.MultiheadAttention``'s, a per-channel scale) would stay whole on every rank and meet the activations
+    of this rank's share of the sequence: their gradients would differ between ranks, or the op would mix
+    plain tensors and DTensors. Refused, naming them."""
+    owners = set(_colwise_parents(plan))
+    for block_name, block in blocks:
+        for name, module in block.named_modules():
+            full = _join(block_name, name)
+            inside_group = any(full == o or full.startswith(o + ".") for o in owners)
+            if inside_group or full in plan or isinstance(module, nn.Linear):
+                continue
+            own = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
+            if own:
+                packed = (" (nn.MultiheadAttention packs q, k and v into one parameter)"
+                          if isinstance(module, nn.MultiheadAttention) else "")
+                listed = ", ".join(f"{n} {list(shape)}" for n, shape in own)
+                raise TensorParallelError(
+                    f"{_shown(full)} ({type(module).__name__}) holds parameters the automatic tensor-parallel plan"
+                    f" cannot split: {listed}{packed}. Write attention with separate q, k, v nn.Linear layers (and an"
+                    " output projection), keep other parameters in a norm or a Linear, or pass a plan."
+                )
+
+
+def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
+    """Each module holding a column→row group must hold it alone — tensor parallelism hands it its input
+    gathered over the sequence, as a DTensor — and an attention group must say how many heads it has."""
+    modules = dict(model.named_modules())
+    blocks = {id(b) for b in repeated_blocks(model)}
+    for owner in _colwise_parents(plan):
+        module = modules[owner]
+        group = [n for n in modules if n.rpartition(".")[0] == owner and plan.get(n) in ("colwise", "rowwise")]
+        others = [_join(owner, n) for n, m in module.named_modules() if n and _join(owner, n) not in group
+                  and (isinstance(m, (nn.Linear, nn.Embedding)) or plan.get(_join(owner, n)) == "norm")]
+        if id(module) in blocks or not owner or others:
+            what = "a repeated block" if id(module) in blocks else "the whole model" if not owner else "a module"
+            besides = f", and also {', '.join(map(_shown, others[:4]))}" if others else ""
+            raise TensorParallelError(
+                f"{_shown(owner) or _model_name(module)} ({what}) holds the tensor-parallel group"
+                f" {', '.join(map(_shown, group))}"
+                f"{besides}. Tensor parallelism hands the module that holds a column→row group its input gathered"
+                " over the sequence, as a DTensor, so that module must hold the group alone: move"
+                f" {', '.join(n.rpartition('.')[2] for n in group)} into a submodule of their own (e.g."
+                " `self.mlp = MLP(dim)` whose forward is `fc2(act(fc1(x)))`)."
+            )
+        readers = [modules[n] for n in group if plan[n] == "colwise"]
+        attention = len(readers) >= 3 or len({m.out_features for m in readers}) > 1
+        named = any(isinstance(getattr(module, a, None), int) for a in HEAD_COUNT_ATTRIBUTES + HEAD_DIM_ATTRIBUTES)
+        if attention and not named:
+            counts = [f"{a}={v}" for a, v in vars(module).items()
+                      if isinstance(v, int) and not isinstance(v, bool) and not a.startswith("_") and v > 1]
+            seen = f" (it has {', '.join(counts)})" if counts else ""
+            raise TensorParallelError(
+                f"{_shown(owner)} looks like attention ({len(readers)} column-parallel projections) but keeps no head"
+                f" count under a name meshlight divides by tp ({', '.join(HEAD_COUNT_ATTRIBUTES)}) and no head_dim"
+                f"{seen}. Each rank holds 1/tp of q, k and v: reshaping them by the full head count would train"
+                " heads 1/tp as wide, a different model, without an error. Name the count n_heads (and n_kv_heads),"
+                " or store head_dim and reshape with view(batch, seq, -1, head_dim)."
+            )
 
 
 def _named_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -420,6 +489,17 @@ def _close_by_last_component(pattern: str, names: list[str]) -> list[str]:
     leaves = {name.rsplit(".", 1)[-1] for name in names}
     close = set(difflib.get_close_matches(last, leaves, n=3, cutoff=0.5))
     return [name for name in names if name.rsplit(".", 1)[-1] in close][:5]
+
+
+def _shown(name: str) -> str:
+    """A module name as the user's model has it: without the ``module.`` of meshlight's root wrapper."""
+    return name.removeprefix("module.")
+
+
+def _model_name(model: nn.Module) -> str:
+    """The class of the user's model: inside a wrapper whose one child is ``module``, that child's."""
+    inner = getattr(model, "module", None)
+    return type(inner if isinstance(inner, nn.Module) and len(list(model.children())) == 1 else model).__name__
 
 
 def _join(*parts: str) -> str:

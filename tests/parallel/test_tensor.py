@@ -99,3 +99,81 @@ def test_tp_name_takes_the_processes_of_a_node():
     strategy = ml.Trainer(strategy="tp", devices=4, num_nodes=1, accelerator="cpu", logger=False).strategy
     assert (strategy.layout.tp, strategy.layout.dp) == (4, 1)
     assert torch.distributed.is_available()
+
+
+class _Attention(nn.Module):
+    """q, k, v and an output projection, keeping its head count under ``attribute``."""
+
+    def __init__(self, attribute="n_heads", dim=32, heads=4):
+        super().__init__()
+        setattr(self, attribute, heads)
+        self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+
+class _MLP(nn.Module):
+    def __init__(self, dim=32):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+
+class _Block(nn.Module):
+    def __init__(self, attention=_Attention, mlp_inline=False, dim=32):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = attention()
+        if mlp_inline:  # fc1, fc2 on the block itself
+            self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        else:
+            self.mlp = _MLP(dim)
+
+
+def _model(**block):
+    model = nn.Module()
+    model.tok = nn.Embedding(64, 32)
+    model.blocks = nn.ModuleList(_Block(**block) for _ in range(2))
+    model.head = nn.Linear(32, 64, bias=False)
+    return model
+
+
+def test_an_attention_whose_head_count_meshlight_cannot_scale_is_refused():
+    # each rank holds 2 of 4 heads of q, k, v: a reshape by nh=4 would silently train 4 heads half as wide
+    model = _model(attention=lambda: _Attention("nh"))
+    with pytest.raises(TensorParallelError, match=r"blocks.0.attn looks like attention \(3 column-parallel"
+                                                  r" projections\) but keeps no head count .* \(it has nh=4\)\..*"
+                                                  r" Name the count n_heads .* or store head_dim"):
+        validate_plan(model, derive_plan(model), 2, 2)
+    model = _model(attention=lambda: _Attention("heads"))  # a name meshlight scales: divided by tp, and a constraint
+    validate_plan(model, derive_plan(model), 2, 2)
+    with pytest.raises(TensorParallelError, match=r"tp=8 does not divide blocks.0.attn.heads=4"):
+        validate_plan(model, derive_plan(model), 8, 8)
+
+
+def test_a_column_row_group_must_have_a_module_of_its_own():
+    model = _model(mlp_inline=True)
+    with pytest.raises(TensorParallelError, match=r"blocks.0 \(a repeated block\) holds the tensor-parallel group"
+                                                  r" blocks.0.fc1, blocks.0.fc2, and also blocks.0.ln1, .* move fc1,"
+                                                  r" fc2 into a submodule of their own"):
+        validate_plan(model, derive_plan(model), 2, 2)
+    # a plan of its own on a Sequential: the Sequential also runs net.0
+    net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    wrapper = nn.Module()
+    wrapper.net = net
+    plan = resolve_plan(wrapper, {"net.2": "colwise", "net.4": "rowwise"})
+    with pytest.raises(TensorParallelError, match=r"net \(a module\) holds the tensor-parallel group net.2, net.4, and"
+                                                  r" also net.0\."):
+        validate_plan(wrapper, plan, 2, 2)
+    with pytest.raises(TensorParallelError, match=r"'fc1' matches no module\. Modules that hold parameters: net.0,"
+                                                  r" net.2, net.4\."):
+        resolve_plan(wrapper, {"fc1": "colwise"})
+
+
+def test_nn_multihead_attention_is_refused_by_the_automatic_plan():
+    class MHA(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(32, 4, batch_first=True, bias=False)
+
+    with pytest.raises(TensorParallelError, match=r"blocks.0.attn.mha \(MultiheadAttention\) holds parameters the"
+                                                  r" automatic tensor-parallel plan cannot split: in_proj_weight"
+                                                  r" \[96, 32\] \(nn.MultiheadAttention packs q, k and v"):
+        derive_plan(_model(attention=MHA))
