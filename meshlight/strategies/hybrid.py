@@ -4,18 +4,20 @@ with the sizes left open chosen by the layout planner."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.utils.data import DataLoader
 
 from meshlight.callbacks.activation_checkpointing import ActivationCheckpointing
 from meshlight.callbacks.mixed_precision import MixedPrecision
 from meshlight.callbacks.offload import Offload
 from meshlight.parallel.data_parallel import BlockSelection, repeated_blocks
-from meshlight.parallel.layout import ParallelLayout
+from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, _fix_hint
 from meshlight.parallel.offload import OffloadPolicy, apart_from_host
 from meshlight.parallel.pipeline import default_virtual_stages
 from meshlight.parallel.planner import (
@@ -101,6 +103,9 @@ class Hybrid3DStrategy(MeshStrategy):
         **kwargs: Any,
     ) -> None:
         self._requested = dict(dp=None if dp == "auto" else dp, pp=pp, tp=tp, ep=ep, zero=zero)
+        for name, value in self._requested.items():
+            if value is not None:
+                _check_zero(value) if name == "zero" else _check_size(name, value)
         self._planning = any(v is None for k, v in self._requested.items() if k != "dp")
         self._hardware, self._seq_len = hardware, seq_len
         self._schedule_given, self._virtual_given = schedule, virtual_stages
@@ -126,30 +131,45 @@ class Hybrid3DStrategy(MeshStrategy):
             if self.lightning_module is not None and self.plan is None:
                 self._check_memory(layout)
             return layout
-        if self.lightning_module is None:
-            return None  # at Trainer construction: the planner waits for the model (fit start)
+        if self.lightning_module is None:  # at Trainer construction: the planner waits for the model (fit start)
+            self._check_given_sizes()
+            return None
         if self.plan is None:
             self._choose_layout()
         return super()._resolve_layout()
+
+    def _check_given_sizes(self) -> None:
+        """Sizes given that cannot fill the world fail at once, before any process starts."""
+        given = {k: v for k, v in self._requested.items() if k in ("dp", "pp", "tp") and v is not None}
+        used, sizes = math.prod(given.values()), " × ".join(f"{k}={v}" for k, v in given.items())
+        if len(given) == 3 and used != self.world_size:
+            raise ValueError(f"{sizes} uses {used} processes but the world has {self.world_size}."
+                             f" {_fix_hint(self.world_size, given['pp'], given['tp'])}")
+        if given and self.world_size % used:
+            raise ValueError(f"{sizes} does not divide the {self.world_size} processes of the world: give sizes whose"
+                             f" product divides {self.world_size}, or run on a multiple of {used} processes.")
 
     def _check_memory(self, layout: ParallelLayout) -> None:
         """Sizes all given: refuse, before training, a layout the planner estimates will not fit in memory,
         naming the nearest layouts that do. Models or sizes the planner cannot read are left to the engines'
         own checks (they name the valid sizes)."""
         hardware = self._run_hardware()
+        options = self._run_options(layout)
         batch = _replica_batch(self.lightning_module)
+        if batch is None:  # a lower bound: refuse only what cannot fit even with the least batch
+            batch = _least_batch(layout.pp, options["schedule"], options["virtual_stages"], options["microbatches"])
+            rank_zero_info(_unknown_batch_notice(batch))
         self._asked_recompute()  # refuse conflicting requests even where the planner cannot read the model
         try:
             model = self._model_spec()
             self.plan = plan(model, hardware, self.world_size, local_batch=batch, dp=layout.dp, pp=layout.pp,
-                             tp=layout.tp, ep=layout.ep, zero=layout.zero, **self._run_options(layout))
+                             tp=layout.tp, ep=layout.ep, zero=layout.zero, **options)
         except PlanError:
             return
         if not self.plan[0].fits:
             nearest = nearest_fitting(model, hardware, self.world_size, local_batch=batch,
                                       given={"dp": layout.dp, "pp": layout.pp, "tp": layout.tp})
-            fixed = dict(dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep, zero=layout.zero,
-                         **self._run_options(layout))
+            fixed = dict(dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep, zero=layout.zero, **options)
             if nearest:  # and what would fit as given
                 remedy = " ".join(filter(None, ["Nearest layouts that fit: " + "; ".join(
                     c.describe() for c in nearest) + ".", self._what_would_fit(model, hardware, batch, fixed,
@@ -249,13 +269,22 @@ class Hybrid3DStrategy(MeshStrategy):
 
     def _choose_layout(self) -> None:
         hardware = self._run_hardware()
-        model = self._model_spec()
         requested = {k: v for k, v in self._requested.items() if v is not None}
-        batch = _replica_batch(self.lightning_module)
+        try:
+            model = self._model_spec()
+        except PlanError as error:
+            sizes = {"dp": "auto", "pp": 1, "tp": 1, "ep": 1, "zero": 1, **requested}
+            raise PlanError(f"{error} For example: Hybrid3DStrategy("
+                            + ", ".join(f"{k}={v!r}" for k, v in sizes.items()) + ").") from None
         fixed = {k: v for k, v in self._run_options().items() if v is not None}
+        batch = _replica_batch(self.lightning_module)
+        unknown = batch is None
+        if unknown:
+            batch = _least_batch(requested.get("pp"), fixed.get("schedule"), fixed.get("virtual_stages"),
+                                 fixed.get("microbatches"))
         self.plan = plan(model, hardware, self.world_size, local_batch=batch, **requested, **fixed)
         rank_zero_info(f"meshlight layout planner, {self.world_size} × {hardware.name}, {model.name}:\n"
-                       + format_plan(self.plan))
+                       + format_plan(self.plan) + (f"\n{_unknown_batch_notice(batch)}" if unknown else ""))
         best = self.plan[0]
         if not best.fits:
             free = plan(model, hardware, self.world_size, local_batch=batch, **requested)[0] if fixed else best
@@ -295,11 +324,30 @@ def _virtual_stages(schedule: str, pp: int, given: Optional[int]) -> int:
     return given or (1 if pp == 1 else default_virtual_stages(schedule))
 
 
-def _replica_batch(module: Any) -> int:
-    """Sequences per data replica per step, as the trainer's DataLoader gives them (1 when unknown)."""
+def _replica_batch(module: Any) -> Optional[int]:
+    """Sequences per data replica per step, as the trainer's DataLoader will give them: a DataLoader passed to
+    ``fit``, or a ``batch_size`` attribute or saved hyper-parameter of the DataModule or the LightningModule.
+    None when none says: the layout is planned before the DataModule's ``setup`` and before any loader is made."""
     trainer = getattr(module, "_trainer", None)
-    for source in (getattr(trainer, "datamodule", None), getattr(module, "hparams", None)):
-        size = getattr(source, "batch_size", None)  # a DataModule attribute, or a saved hyper-parameter
-        if isinstance(size, int) and size > 0:
+    source = getattr(getattr(getattr(trainer, "fit_loop", None), "_data_source", None), "instance", None)
+    datamodule = getattr(trainer, "datamodule", None)
+    for holder in (source if isinstance(source, DataLoader) else None, datamodule,
+                   getattr(datamodule, "hparams", None), getattr(module, "hparams", None)):
+        size = getattr(holder, "batch_size", None)
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
             return size
-    return 1
+    return None
+
+
+def _least_batch(pp: Optional[int], schedule: Optional[str], virtual_stages: Optional[int],
+                 microbatches: Optional[int]) -> int:
+    """The smallest batch per replica a layout with these pipeline settings runs: one sequence per microbatch."""
+    if not pp or pp == 1:
+        return 1
+    return microbatches or pp * (virtual_stages or (default_virtual_stages(schedule) if schedule else 1))
+
+
+def _unknown_batch_notice(batch: int) -> str:
+    return (f"The batch per data replica is not known before the data is set up: planned with {batch} (the least"
+            " the layout runs). Set `batch_size` on your DataModule or LightningModule (an attribute or a saved"
+            " hyper-parameter), or pass a DataLoader to fit, to plan with yours.")

@@ -33,6 +33,7 @@ from lightning.pytorch.utilities import move_data_to_device
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchmetrics import Metric
 
@@ -227,7 +228,7 @@ class PipelineSteps:
         loss = result["loss"] if isinstance(result, Mapping) else result
         if not isinstance(loss, Tensor):
             raise PipelineError("Under pipelining, training_step must return the loss (a tensor or {'loss': …}).")
-        self._losses[microbatch] = loss.detach()
+        self._losses[microbatch] = _plain(loss)
         loss = loss / self._accumulate
         return self._scaler.scale(loss) if self._scaler is not None else loss
 
@@ -405,7 +406,7 @@ class _LogRecorder:
 
     def log(self, name: str, value: Any, **kwargs: Any) -> None:
         values, _ = self.entries.setdefault(name, ({}, kwargs))
-        values[self.microbatch] = value.detach() if isinstance(value, Tensor) else value
+        values[self.microbatch] = _plain(value) if isinstance(value, Tensor) else value
 
     def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
         for name, value in dictionary.items():
@@ -462,5 +463,12 @@ def _rank_holding(stage: int, pp: int, schedule: str) -> int:
 
 def _detached_cpu(value: Any) -> Any:
     leaves, spec = tree_flatten(value)
-    return tree_unflatten([leaf.detach().cpu() if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
+    return tree_unflatten([_plain(leaf).cpu() if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
+
+
+def _plain(value: Tensor) -> Tensor:
+    """``value`` detached, as a plain tensor: a DTensor (a loss on vocabulary-sharded logits, under loss
+    parallelism) becomes its full value. Called on every tensor-parallel rank of the last stage together."""
+    value = value.detach()
+    return value.full_tensor() if isinstance(value, DTensor) else value
 

@@ -1,10 +1,11 @@
 """Hybrid 3-D parallelism reproduces single-process training: (dp, pp, tp) = (2, 2, 2) on 8 processes, (1, 2, 2)
 and (2, 2, 1) on 4, each with ZeRO-1 and ZeRO-3 under 1F1B and Interleaved1F1B (4-block GPT), and an MoE GPT under
 dp=2 × pp=2 × ep=2, and strategy="3d" with no sizes on 4 processes — logged losses and final weights within 1e-4
-over 20 steps; and torchmetrics under pp=2 × tp=2."""
+over 20 steps; and torchmetrics and a loss left a DTensor under pp=2 × tp=2."""
 
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -81,6 +82,14 @@ def test_torchmetrics_count_each_validation_sequence_once_and_stages_without_upd
     assert [rank["warnings"] for rank in ranks] == [[]] * 4
 
 
+def test_a_loss_left_a_dtensor_by_loss_parallelism_is_logged_and_returned_under_pipelining(distributed):
+    # plain F.cross_entropy on vocabulary-sharded logits (dp=1 × pp=2 × tp=2): the second step, which broadcasts
+    # the last stage's values as one tensor, failed with "aten.copy_.default got mixed torch.Tensor and DTensor"
+    losses = [rank["train_losses"] for rank in distributed["metrics"]]
+    assert len(losses[0]) == 2 and all(0 < loss < 10 for loss in losses[0]), losses
+    assert losses == [losses[0]] * 4
+
+
 def test_a_given_layout_that_cannot_fit_in_memory_is_refused_before_training():
     import meshlight as ml
     from meshlight.demos import AdditionDataModule, LitGPT
@@ -95,6 +104,64 @@ def test_a_given_layout_that_cannot_fit_in_memory_is_refused_before_training():
                                         r" layout of this world fits\. GPT fits from 4 devices: dp=\d pp=\d tp=\d"):
         trainer.fit(module, AdditionDataModule(batch_size=4, train_size=16))
     assert trainer.global_step == 0
+
+
+def test_sizes_that_cannot_fill_the_world_fail_when_the_trainer_is_built():
+    # the planner waits for the model (fit), but sizes given are checked at once: no process has started yet
+    for sizes, devices, message in (
+            ({"dp": 2, "pp": 2, "tp": 2}, 4, r"dp=2 × pp=2 × tp=2 uses 8 processes but the world has 4\. For example"
+                                             r" keep pp=2, tp=2 and use data-parallel size 1"),
+            ({"pp": 3}, 4, r"pp=3 does not divide the 4 processes of the world"),
+            ({"dp": 3, "tp": 2}, 8, r"dp=3 × tp=2 does not divide the 8 processes of the world: .* a multiple of 6")):
+        with pytest.raises(ValueError, match=message):
+            ml.Trainer(strategy=ml.Hybrid3DStrategy(**sizes), devices=devices, accelerator="cpu", logger=False)
+    with pytest.raises(ValueError, match=r"pp=0 is not a valid size"):
+        ml.Hybrid3DStrategy(pp=0)
+    with pytest.raises(ValueError, match=r"zero=4 is not a ZeRO stage"):
+        ml.Hybrid3DStrategy(zero=4)
+
+
+def test_the_planner_takes_the_batch_of_a_dataloader_given_to_fit_and_plans_an_unknown_one_with_the_least(caplog):
+    from torch.utils.data import DataLoader
+
+    from meshlight.demos import LitGPT
+
+    def planned_batch(strategy):
+        return strategy.plan[0].tokens_per_step // strategy.plan[0].dp // 128  # GPT's max_seq_len: 128
+
+    # Planned at fit start, before the DataModule's setup or any loader: here on a Trainer of 4 processes, none
+    # started. LitGPT has no batch_size anywhere: dp=2 × pp=2 is planned with the least batch 1F1B runs, 2 —
+    # with a batch of 1 no layout had pp=2, and the given sizes were refused.
+    strategy = ml.Hybrid3DStrategy(dp=2, pp=2, tp=1)
+    trainer = ml.Trainer(strategy=strategy, devices=4, accelerator="cpu", logger=False)
+    module = LitGPT()
+    strategy.connect(module)
+    module.trainer = trainer
+    with caplog.at_level("INFO"):
+        assert strategy._resolve_layout().pp == 2
+    assert planned_batch(strategy) == 2
+    assert "The batch per data replica is not known before the data is set up: planned with 2" in caplog.text
+    # a DataLoader given to fit says its batch
+    trainer._data_connector.attach_data(module, train_dataloaders=DataLoader(range(64), batch_size=8))
+    strategy.plan = None
+    strategy._resolve_layout()
+    assert planned_batch(strategy) == 8
+
+
+def test_a_model_the_planner_cannot_read_is_told_to_give_every_size():
+    from meshlight.parallel.planner import PlanError
+
+    class Regression(pl.LightningModule):  # no repeated blocks
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    strategy = ml.Hybrid3DStrategy(dp=1, pp=1, tp=1)
+    ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", logger=False)
+    strategy.connect(Regression())
+    with pytest.raises(PlanError, match=r"Regression has no repeated blocks .* give every size \(dp, pp, tp, ep and"
+                                        r" zero\)\. For example: Hybrid3DStrategy\(dp=1, pp=1, tp=1, ep=1, zero=1\)"):
+        strategy._resolve_layout()
 
 
 def _fit_on_one_process(strategy, callbacks=(), batch_size=4, **trainer_options):

@@ -10,12 +10,13 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torchmetrics
+from torch.nn import functional as F
 
 import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 from meshlight.nn import MoEConfig
-from tests.strategies.parity import train
+from tests.strategies.parity import Recorder, train
 
 SCHEDULES = ("1f1b", "interleaved1f1b")
 
@@ -37,11 +38,18 @@ MODELS = {"gpt4": gpt4, "moe": moe_gpt4}
 
 
 class Counting(LitGPT):
-    """LitGPT that also counts the validation sequences it sees with a SumMetric."""
+    """LitGPT that also counts the validation sequences it sees with a SumMetric, and whose training loss is
+    plain ``F.cross_entropy``, as users write it: under loss parallelism a DTensor, logged and returned as is."""
 
     def __init__(self) -> None:
         super().__init__(gpt4_config())
         self.sequences = torchmetrics.SumMetric()
+
+    def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        loss = F.cross_entropy(self(inputs).flatten(0, -2).float(), targets.flatten())
+        self.log("train/loss", loss, sync_dist=True)
+        return loss
 
     def validation_step(self, batch: tuple, batch_idx: int) -> None:
         super().validation_step(batch, batch_idx)
@@ -51,18 +59,21 @@ class Counting(LitGPT):
 
 def validation_metrics() -> list[dict[str, object]]:
     """Per rank, under dp=1 × pp=2 × tp=2: the validation metrics logged for 32 sequences (a count and the answer
-    accuracy) and the torchmetrics warnings seen."""
+    accuracy), the torchmetrics warnings seen and the training losses of two steps."""
     pl.seed_everything(0, verbose=False)
     data = AdditionDataModule(3, batch_size=8, train_size=16, val_size=32)
     trainer = ml.Trainer(strategy=ml.Hybrid3DStrategy(dp=1, pp=2, tp=2, microbatches=2), devices=4,
-                         accelerator="cpu", max_steps=1, val_check_interval=1, check_val_every_n_epoch=None,
+                         accelerator="cpu", max_steps=2, val_check_interval=2, check_val_every_n_epoch=None,
                          num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
+    recorder = Recorder()
+    trainer.callbacks.append(recorder)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer.fit(Counting(), data)
     result = {name: float(trainer.callback_metrics[name]) for name in ("val/sequences", "val/answer_accuracy")}
     result["warnings"] = [str(w.message) for w in seen if "torchmetrics" in w.filename]
+    result["train_losses"] = recorder.losses
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     return gathered
