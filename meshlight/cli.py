@@ -12,7 +12,7 @@ import functools
 import json
 import sys
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -55,7 +55,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner = commands.add_parser(
         "plan", help="rank parallel layouts for a model on a cluster (no devices needed)",
         description="Estimate per-device memory and step time of every valid (dp, pp, tp, ep, zero, microbatches,"
-                    " virtual stages, recomputation) and print the best layouts.")
+                    " virtual stages, recomputation) and print the best layouts. Exit status: 0 when a layout"
+                    " fits, 1 when none does (what would fit is printed), 2 for input no layout can have.")
     planner.add_argument("--model", choices=sorted(MODELS),
                          help="model preset; or give your model's shape with the flags below (they also override a"
                               " preset's)")
@@ -119,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model, hardware = _model_of(args), _hardware_of(args)
     except ValueError as error:
         planner.error(str(error))
-    global_batch = args.global_batch or max(TOKENS_PER_STEP // model.seq_len, 1)
+    global_batch = args.global_batch if args.global_batch is not None else max(TOKENS_PER_STEP // model.seq_len, 1)
     fixed = {k: v for k, v in dict(dp=args.dp, pp=args.pp, tp=args.tp, ep=args.ep, zero=args.zero,
                                    schedule=args.schedule, virtual_stages=args.virtual_stages,
                                    microbatches=args.microbatches,
@@ -137,6 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  "tokens_per_second_per_device": c.tokens_per_second_per_device, "mfu": c.mfu, "times": c.times}
                 for c in shown_layouts(candidates, args.top)]
         print(json.dumps(rows, indent=1))
+        if not candidates[0].fits:  # the rows say "fits": false; what would fit goes beside them
+            print(_remedies(model, hardware, args, global_batch, fixed), file=sys.stderr)
     else:
         print(f"{model.name} (seq {model.seq_len}, global batch {global_batch}) on {args.gpus} × {hardware.name},"
               f" {hardware.devices_per_node} per node, precision {args.precision}"
@@ -145,11 +148,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  if args.offload_activations else "") + ":")
         print(format_plan(candidates, top=args.top))
         if not candidates[0].fits:
-            hint = functools.partial(same_devices_hint, model, hardware, args.gpus, global_batch,
-                                     offload=args.gpu != "cpu")
-            here = (hint(fixed=fixed) if fixed else "") or hint()  # keeping what was fixed, where that fits
-            print("\n".join(filter(None, (here, more_devices_hint(model, hardware, args.gpus, global_batch)))))
-    return 0
+            print(_remedies(model, hardware, args, global_batch, fixed))
+    return 0 if candidates[0].fits else 1
+
+
+def _remedies(model: ModelSpec, hardware: Hardware, args: argparse.Namespace, global_batch: int,
+              fixed: dict[str, Any]) -> str:
+    """For a plan nothing fits: what would fit on the same devices, and on how many it fits as it is."""
+    hint = functools.partial(same_devices_hint, model, hardware, args.gpus, global_batch, offload=args.gpu != "cpu")
+    here = (hint(fixed=fixed) if fixed else "") or hint()  # keeping what was fixed, where that fits
+    return "\n".join(filter(None, (here, more_devices_hint(model, hardware, args.gpus, global_batch))))
 
 
 def _model_of(args: argparse.Namespace) -> ModelSpec:
@@ -179,9 +187,10 @@ def _model_of(args: argparse.Namespace) -> ModelSpec:
         value = getattr(model, field)
         if value < (0 if field == "experts" else 1):
             raise ValueError(f"--{flag} {value}: give a whole number ≥ {0 if field == 'experts' else 1}")
-    if model.hidden % model.heads or model.heads % model.kv_heads:
-        raise ValueError(f"--heads {model.heads} must divide --hidden {model.hidden}, and --kv-heads"
-                         f" {model.kv_heads} must divide --heads")
+    if model.hidden % model.heads:
+        raise ValueError(f"--heads {model.heads} must divide --hidden {model.hidden}")
+    if model.heads % model.kv_heads:
+        raise ValueError(f"--kv-heads {model.kv_heads} must divide --heads {model.heads}")
     if model.experts and model.top_k > model.experts:
         raise ValueError(f"--top-k {model.top_k} is more than --experts {model.experts}")
     return model

@@ -76,8 +76,9 @@ MEMORY_HEADROOM = 0.9
 AUTOCAST_ACTIVATION_BYTES = 2.7
 #: Schedules that run every microbatch's forward before any backward: a stage holds all their activations.
 ALL_FORWARDS_FIRST = ("gpipe", "loopedbfs")
-#: How many times the devices at hand :func:`fewest_devices` looks up to, for a model that fits on none.
-DEVICE_REACH = 64
+#: How many times the devices at hand :func:`fewest_devices` looks up to, for a model that fits on none, and
+#: the fewest devices it looks up to whatever the devices at hand
+DEVICE_REACH, DEVICE_REACH_FLOOR = 64, 1024
 
 
 class PlanError(ValueError):
@@ -169,7 +170,7 @@ def model_spec_of(module: nn.Module, seq_len: Optional[int] = None) -> ModelSpec
     blocks = repeated_blocks(module)
     if not blocks:
         raise PlanError(f"{type(module).__name__} has no repeated blocks (an nn.ModuleList of layers) to plan"
-                        " a layout for; give the sizes, e.g. Hybrid3DStrategy(dp=2, pp=1, tp=2).")
+                        " a layout for: give every size (dp, pp, tp, ep and zero).")
     linears = [m for m in blocks[0].modules() if isinstance(m, nn.Linear)]
     hidden = max(((m.in_features, sum(1 for n in linears if n.in_features == m.in_features)) for m in linears),
                  key=lambda pair: pair[1])[0] if linears else 0
@@ -299,12 +300,14 @@ def nearest_fitting(
 
 def fewest_devices(
     model: ModelSpec, hardware: Hardware, world: int, global_batch: Optional[int] = None, *,
-    local_batch: Optional[int] = None, reach: int = DEVICE_REACH,
+    local_batch: Optional[int] = None,
 ) -> Optional[Candidate]:
-    """The best layout on the fewest devices, more than ``world`` and at most ``reach`` times as many, on which
-    one fits in memory (device counts a quarter octave apart, whole nodes past one); None when none does."""
+    """The best layout on the fewest devices, more than ``world`` and at most :func:`device_reach` of them, on
+    which one fits in memory (device counts a quarter octave apart, whole nodes past one); None when none does."""
     node = hardware.devices_per_node
-    counts = {math.ceil(world * 2 ** (k / 4)) for k in range(1, 4 * int(math.log2(reach)) + 1)}
+    reach = device_reach(world)
+    counts = {n for k in range(1, 4 * math.ceil(math.log2(reach / world)) + 1)
+              if (n := math.ceil(world * 2 ** (k / 4))) <= reach}
     devices = sorted({n if n <= node else -(-n // node) * node for n in counts})
     return next(filter(None, (_best_fitting(model, hardware, n, global_batch, local_batch) for n in devices)), None)
 
@@ -320,6 +323,11 @@ def _best_fitting(model: ModelSpec, hardware: Hardware, world: int, global_batch
     return best if best.fits else None
 
 
+def device_reach(world: int) -> int:
+    """How many devices :func:`fewest_devices` looks up to from ``world``."""
+    return max(DEVICE_REACH * world, DEVICE_REACH_FLOOR)
+
+
 def more_devices_hint(
     model: ModelSpec, hardware: Hardware, world: int, global_batch: Optional[int] = None, *,
     local_batch: Optional[int] = None,
@@ -328,7 +336,7 @@ def more_devices_hint(
     best = fewest_devices(model, hardware, world, global_batch, local_batch=local_batch)
     if best is None:
         batch = "batch per replica" if local_batch is not None else "global batch"
-        return (f"No layout fits on up to {DEVICE_REACH * world:,} devices either: use a smaller {batch}, a shorter"
+        return (f"No layout fits on up to {device_reach(world):,} devices either: use a smaller {batch}, a shorter"
                 f" sequence or devices with more memory.")
     return (f"{model.name} fits from {best.world:,} devices: {best.describe()}"
             f" ({_format_bytes(best.memory_bytes)} of {_format_bytes(best.memory_limit)} usable).")

@@ -238,8 +238,13 @@ def test_nothing_fitting_is_reported_not_chosen_and_the_fewest_devices_that_fit_
             return False
 
     assert not any(fits(world) for world in range(16, 128, 8))  # whole nodes below it: none fits
-    assert main(["plan", "--model", "llama3-405b", "--gpus", "8", "--global-batch", "512"]) == 0
+    assert main(["plan", "--model", "llama3-405b", "--gpus", "8", "--global-batch", "512"]) == 1  # none fits
     assert f"Llama 3.1 405B fits from 128 devices: {fewest.describe()}" in capsys.readouterr().out
+    # from one device too, though 128 is more than 64 times as many
+    assert main(["plan", "--model", "llama3-405b", "--gpus", "1", "--gpu", "a100", "--json", "--top", "1"]) == 1
+    assert "Llama 3.1 405B fits from 128 devices: dp=" in capsys.readouterr().err  # beside the JSON rows
+    assert main(["plan", "--model", "llama3-405b", "--gpus", "8", "--global-batch", "0"]) == 2
+    assert "global_batch=0: a layout needs a whole number of sequences" in capsys.readouterr().err
 
 
 def test_what_would_fit_on_the_same_devices_is_named_each_change_alone():
@@ -432,17 +437,18 @@ def test_command_line(capsys):
     assert "tp must divide" in capsys.readouterr().err
     # what the run will use is fixed too: the schedule, microbatches and recomputation
     pipelined = ["plan", "--model", "llama3-70b", "--gpus", "64", "--pp", "4", "--tp", "8", "--json"]
-    assert main([*pipelined, "--schedule", "gpipe", "--microbatches", "16", "--recompute", "no"]) == 0
+    # (none of these fits: exit status 1, the rows still estimated)
+    assert main([*pipelined, "--schedule", "gpipe", "--microbatches", "16", "--recompute", "no"]) == 1
     rows = json.loads(capsys.readouterr().out)
     assert {(r["schedule"], r["microbatches"], r["recompute"]) for r in rows} == {("gpipe", 16, False)}
     fixed = [*pipelined, "--zero", "1", "--microbatches", "16", "--recompute", "no", "--virtual-stages", "1"]
-    assert main(fixed) == 0
+    assert main(fixed) == 1
     (gathered_again,) = json.loads(capsys.readouterr().out)
-    assert main([*fixed, "--keep-gathered-inputs"]) == 0
+    assert main([*fixed, "--keep-gathered-inputs"]) == 1
     (kept,) = json.loads(capsys.readouterr().out)
     assert kept["layout"] == gathered_again["layout"] and kept["memory_bytes"] > gathered_again["memory_bytes"]
     # and the precision: fp32 keeps twice the bytes of bf16 per parameter copy and activation value
-    assert main([*fixed, "--precision", "32-true"]) == 0
+    assert main([*fixed, "--precision", "32-true"]) == 1
     (fp32,) = json.loads(capsys.readouterr().out)
     assert fp32["layout"] == gathered_again["layout"] and fp32["memory_bytes"] > 1.3 * gathered_again["memory_bytes"]
     # bf16 "true" precision keeps no fp32 state: 7 bytes per parameter where the MixedPrecision callback keeps 12
@@ -456,7 +462,7 @@ def test_command_line(capsys):
     # 405B fits no layout of 64 H100s, unless the optimizer state waits in host memory
     big = ["plan", "--model", "llama3-405b", "--gpus", "64", "--json", "--top", "1"]
     for flags, fits in (([], False), (["--offload-optimizer"], True), (["--offload-activations", "1"], False)):
-        assert main([*big, *flags]) == 0
+        assert main([*big, *flags]) == (0 if fits else 1)
         assert json.loads(capsys.readouterr().out)[0]["fits"] is fits, flags
     with pytest.raises(SystemExit):
         main([*big, "--offload-activations", "2"])
@@ -482,6 +488,7 @@ def test_command_line_plans_a_model_given_by_its_shape_as_it_plans_the_same_pres
     assert rows and all(r["memory_bytes"] <= 0.9 * 24e9 for r in rows if r["fits"])
     for argv, message in ((["--layers", "8"], "--hidden, --heads, --vocab missing"),
                           (["--model", "llama3-8b", "--heads", "30"], "--heads 30 must divide --hidden 4096"),
+                          (["--model", "llama3-8b", "--kv-heads", "3"], "--kv-heads 3 must divide --heads 32"),
                           (["--model", "llama3-8b", "--gpu-memory", "0"], "--gpu-memory 0: give a number > 0")):
         with pytest.raises(SystemExit):
             main(["plan", *argv, "--gpus", "8"])
