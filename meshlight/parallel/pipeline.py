@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -220,6 +221,13 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     if callable(init_weights):
         init_weights()
         return
+    rank_zero_warn(
+        f"{type(module).__name__} was built on the meta device (configure_model under pipelining) and has no"
+        " init_weights(): each stage's modules are initialized with their own reset_parameters(), so the weights"
+        " differ from those one process draws, and initialization done in configure_model is not applied. Give"
+        f" {type(module).__name__} an init_weights() method that initializes its parameters (from a seed per"
+        " parameter, as meshlight's GPT does, for the same weights under any layout)."
+    )
     for submodule in module.modules():
         reset = getattr(submodule, "reset_parameters", None)
         if callable(reset):

@@ -121,6 +121,20 @@ def test_materializing_a_meta_stage_gives_the_weights_of_an_unsplit_model():
         assert torch.equal(param, expected[name]), name
 
 
+def test_a_meta_stage_without_init_weights_is_reset_and_the_user_is_told():
+    class Plain(torch.nn.Module):  # a user's model built in configure_model, no init_weights()
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    with torch.device("meta"):
+        model = Plain()
+    with pytest.warns(UserWarning, match=r"Plain was built on the meta device .* has no init_weights\(\): each"
+                                         r" stage's modules are initialized with their own reset_parameters\(\)"):
+        materialize(model, torch.device("cpu"))
+    assert all(not p.is_meta and p.abs().sum() > 0 for p in model.parameters())
+
+
 @pytest.mark.parametrize(("schedule", "virtual", "message"), [
     ("1f2b", 1, r"Unknown pipeline schedule '1f2b'; choose one of \['gpipe', '1f1b'"),
     ("1f1b", 2, "runs one stage per rank"),
