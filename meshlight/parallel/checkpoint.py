@@ -12,6 +12,7 @@ from __future__ import annotations
 import pickle
 import re
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -222,7 +223,10 @@ def load_rng_state(path: PathLike) -> Optional[dict[str, Any]]:
 def _read(state: dict[str, Any], path: PathLike, *, no_dist: bool = False) -> None:
     """``dcp.load`` in place, a damaged shard reported as a :class:`CheckpointError` naming the checkpoint."""
     try:
-        dcp.load(state, storage_reader=_storage(path), no_dist=no_dist)
+        with warnings.catch_warnings():
+            # DCP warns that it "assumes" one process even when told so (no_dist=True): here that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, storage_reader=_storage(path), no_dist=no_dist)
     except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
         failures = getattr(error, "failures", None)  # rank -> the exception it raised
         rank, cause = next(iter(failures.items())) if failures else (_rank(), error)
@@ -326,7 +330,7 @@ def load_model_weights(module: nn.Module, path: PathLike, *, strict: bool = True
     """
     state = get_model_state_dict(module) if _is_distributed(module) else module.state_dict()
     state = _select(state, _check_names(set(state), checkpoint_keys(path).get(MODEL_KEY, set()), strict, path))
-    dcp.load({MODEL_KEY: state}, storage_reader=_storage(path), no_dist=not dist.is_initialized())
+    _read({MODEL_KEY: state}, path, no_dist=not dist.is_initialized())
     if _is_distributed(module):
         set_model_state_dict(module, state, options=StateDictOptions(strict=False))
     else:
