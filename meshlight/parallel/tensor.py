@@ -377,12 +377,15 @@ def _reject_unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]
     ``nn.MultiheadAttention``'s, a per-channel scale) would stay whole on every rank and meet the activations
     of this rank's share of the sequence: their gradients would differ between ranks, or the op would mix
     plain tensors and DTensors. Refused, naming them."""
+    from meshlight.nn import MoE  # (not split by tensor parallelism: refused with its own message)
+
     owners = set(_colwise_parents(plan))
     for block_name, block in blocks:
+        experts = [_join(block_name, n) for n, m in block.named_modules() if isinstance(m, MoE)]
         for name, module in block.named_modules():
             full = _join(block_name, name)
-            inside_group = any(full == o or full.startswith(o + ".") for o in owners)
-            if inside_group or full in plan or isinstance(module, nn.Linear):
+            inside = any(full == o or full.startswith(o + ".") for o in (*owners, *experts))
+            if inside or full in plan or isinstance(module, nn.Linear):
                 continue
             own = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
             if own:
@@ -392,7 +395,7 @@ def _reject_unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]
                 raise TensorParallelError(
                     f"{_shown(full)} ({type(module).__name__}) holds parameters the automatic tensor-parallel plan"
                     f" cannot split: {listed}{packed}. Write attention with separate q, k, v nn.Linear layers (and an"
-                    " output projection), keep other parameters in a norm or a Linear, or pass a plan."
+                    " output projection), and keep other parameters in a norm or a Linear."
                 )
 
 
@@ -401,23 +404,27 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
     gathered over the sequence, as a DTensor — and an attention group must say how many heads it has."""
     modules = dict(model.named_modules())
     blocks = {id(b) for b in repeated_blocks(model)}
-    for owner in _colwise_parents(plan):
+    owners = _colwise_parents(plan)
+    for owner in owners:
         module = modules[owner]
-        group = [n for n in modules if n.rpartition(".")[0] == owner and plan.get(n) in ("colwise", "rowwise")]
-        others = [_join(owner, n) for n, m in module.named_modules() if n and _join(owner, n) not in group
-                  and (isinstance(m, (nn.Linear, nn.Embedding)) or plan.get(_join(owner, n)) == "norm")]
-        if id(module) in blocks or not owner or others:
+        # the group: the owner's children with a role of their own (a string, or a ParallelStyle given)
+        group = [n for n in modules if n.rpartition(".")[0] == owner and n in plan
+                 and plan[n] not in ("norm", "replicate")]
+        nested = [o for o in owners if o != owner and (not owner or o.startswith(owner + "."))]
+        others = [full for n, m in module.named_modules() if n and (full := _join(owner, n)) not in group
+                  and not any(full == o or full.startswith(o + ".") for o in nested)
+                  and (isinstance(m, (nn.Linear, nn.Embedding)) or plan.get(full) == "norm")]
+        if others:
             what = "a repeated block" if id(module) in blocks else "the whole model" if not owner else "a module"
-            besides = f", and also {', '.join(map(_shown, others[:4]))}" if others else ""
             raise TensorParallelError(
                 f"{_shown(owner) or _model_name(module)} ({what}) holds the tensor-parallel group"
-                f" {', '.join(map(_shown, group))}"
-                f"{besides}. Tensor parallelism hands the module that holds a column→row group its input gathered"
-                " over the sequence, as a DTensor, so that module must hold the group alone: move"
+                f" {', '.join(map(_shown, group))}, and also {', '.join(map(_shown, others[:4]))}. Tensor"
+                " parallelism hands the module that holds a column→row group its input gathered over the sequence,"
+                " as a DTensor, so that module must hold the group alone: move"
                 f" {', '.join(n.rpartition('.')[2] for n in group)} into a submodule of their own (e.g."
                 " `self.mlp = MLP(dim)` whose forward is `fc2(act(fc1(x)))`)."
             )
-        readers = [modules[n] for n in group if plan[n] == "colwise"]
+        readers = [modules[n] for n in group if plan[n] == "colwise" and isinstance(modules[n], nn.Linear)]
         attention = len(readers) >= 3 or len({m.out_features for m in readers}) > 1
         named = any(isinstance(getattr(module, a, None), int) for a in HEAD_COUNT_ATTRIBUTES + HEAD_DIM_ATTRIBUTES)
         if attention and not named:

@@ -332,7 +332,7 @@ def _replica_batch(module: Any) -> Optional[int]:
     source = getattr(getattr(getattr(trainer, "fit_loop", None), "_data_source", None), "instance", None)
     datamodule = getattr(trainer, "datamodule", None)
     for holder in (source if isinstance(source, DataLoader) else None, datamodule,
-                   getattr(datamodule, "hparams", None), getattr(module, "hparams", None)):
+                   getattr(datamodule, "hparams", None), module, getattr(module, "hparams", None)):
         size = getattr(holder, "batch_size", None)
         if isinstance(size, int) and not isinstance(size, bool) and size > 0:
             return size

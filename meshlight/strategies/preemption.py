@@ -201,6 +201,7 @@ def requeue_slurm_job(attempts: int = 3) -> bool:
     if not re.fullmatch(r"[0-9_]+", job):
         rank_zero_warn(f"SLURM's requeue signal: no job to requeue (SLURM_JOB_ID={job!r}).")
         return False
+    timed_out = False
     for attempt in range(1, attempts + 1):
         try:
             result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
@@ -209,13 +210,16 @@ def requeue_slurm_job(attempts: int = 3) -> bool:
             rank_zero_warn(f"SLURM's requeue signal: `scontrol` is not on PATH; job {job} was not requeued.")
             return False
         except subprocess.TimeoutExpired:
-            problem = f"no answer in {SCONTROL_TIMEOUT:g} s"
+            problem, timed_out = f"no answer in {SCONTROL_TIMEOUT:g} s", True
         else:
             if result.returncode == 0:
                 rank_zero_info(f"SLURM's requeue signal: requeued job {job}")
                 return True
             problem = f"{result.returncode}: {result.stderr.strip()}"
-        again = f"; trying again in {RETRY_WAIT * attempt:g} s" if attempt < attempts else "; job not requeued"
+        # an unanswered request may still have been carried out: then the retries fail, the job being pending
+        last = (f"; job {job} may not be requeued: see `scontrol show job {job}`" if timed_out
+                else "; job not requeued")
+        again = f"; trying again in {RETRY_WAIT * attempt:g} s" if attempt < attempts else last
         rank_zero_warn(f"`scontrol requeue {job}` failed ({problem}), attempt {attempt} of {attempts}{again}.")
         if attempt < attempts:
             time.sleep(RETRY_WAIT * attempt)

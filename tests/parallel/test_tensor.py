@@ -151,9 +151,19 @@ def test_an_attention_whose_head_count_meshlight_cannot_scale_is_refused():
 def test_a_column_row_group_must_have_a_module_of_its_own():
     model = _model(mlp_inline=True)
     with pytest.raises(TensorParallelError, match=r"blocks.0 \(a repeated block\) holds the tensor-parallel group"
-                                                  r" blocks.0.fc1, blocks.0.fc2, and also blocks.0.ln1, .* move fc1,"
-                                                  r" fc2 into a submodule of their own"):
+                                                  r" blocks.0.fc1, blocks.0.fc2, and also blocks.0.ln1, blocks.0.ln2\."
+                                                  r" .* move fc1, fc2 into a submodule of their own"):
         validate_plan(model, derive_plan(model), 2, 2)
+    # a block that is the group alone (norm and residual outside it) is fine, and so is a style given as an object
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(2))
+    validate_plan(model, derive_plan(model), 2, 2)
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    llama = LitLlama()
+    plan = resolve_plan(llama, {**DICT_PLAN, "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1))})
+    validate_plan(llama, plan, 2, 2)
     # a plan of its own on a Sequential: the Sequential also runs net.0
     net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     wrapper = nn.Module()
@@ -165,6 +175,12 @@ def test_a_column_row_group_must_have_a_module_of_its_own():
     with pytest.raises(TensorParallelError, match=r"'fc1' matches no module\. Modules that hold parameters: net.0,"
                                                   r" net.2, net.4\."):
         resolve_plan(wrapper, {"fc1": "colwise"})
+
+
+def test_moe_layers_are_left_to_their_own_refusal():
+    from meshlight.nn import MoEConfig
+
+    derive_plan(GPT(GPTConfig.tiny(moe=MoEConfig(num_experts=4))))  # under tp, refused as MoE (parallelize.py)
 
 
 def test_nn_multihead_attention_is_refused_by_the_automatic_plan():

@@ -209,3 +209,9 @@ def test_requeue_tries_again_when_scontrol_fails_or_hangs(tmp_path, slurm_job, m
     assert [str(w.message).split("), ")[1] for w in warned] == [
         "attempt 1 of 3; trying again in 0 s.", "attempt 2 of 3; trying again in 0 s.",
         "attempt 3 of 3; job not requeued."]
+    # a request left unanswered may still have been carried out: the last warning does not say it was not
+    answers.write_text("hang\nfail\nfail\n")
+    with pytest.warns(UserWarning) as warned:
+        assert not preemption.requeue_slurm_job()
+    assert str(warned[-1].message).endswith("attempt 3 of 3; job 4242 may not be requeued: see `scontrol show job"
+                                            " 4242`.")
