@@ -50,6 +50,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshlight.nn.moe import MoE
 from meshlight.parallel.checkpoint import _shorten
 from meshlight.parallel.data_parallel import repeated_blocks
 from meshlight.parallel.precision import is_norm
@@ -377,10 +378,9 @@ def _reject_unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]
     ``nn.MultiheadAttention``'s, a per-channel scale) would stay whole on every rank and meet the activations
     of this rank's share of the sequence: their gradients would differ between ranks, or the op would mix
     plain tensors and DTensors. Refused, naming them."""
-    from meshlight.nn import MoE  # (not split by tensor parallelism: refused with its own message)
-
     owners = set(_colwise_parents(plan))
     for block_name, block in blocks:
+        # MoE layers are not split by tensor parallelism: refused with a message of their own (parallelize.py)
         experts = [_join(block_name, n) for n, m in block.named_modules() if isinstance(m, MoE)]
         for name, module in block.named_modules():
             full = _join(block_name, name)
