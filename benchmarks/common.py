@@ -18,6 +18,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 #: what ``benchmarks/gpu.py --out`` last recorded on a GPU (kept in the repository: CI has no GPU)
 GPU_RESULTS = REPO / "benchmarks" / "gpu_results.json"
+#: what ``benchmarks/host_step.py`` printed on the host of that GPU machine (``run_all.GPU_COMMANDS``)
+GPU_HOST_STEP = REPO / "benchmarks" / "gpu_host_step.json"
 RESULT_PREFIX = "BENCHMARK-RESULT "
 
 

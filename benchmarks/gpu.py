@@ -114,7 +114,7 @@ def main() -> None:
                 "peak_bytes": max(r["peak_bytes"] for r in results),
                 "resident_bytes": max(r["resident_bytes"] for r in results),
                 "rounds": [r["step_seconds"] for r in results],
-                **({"host_step": results[0]["host_step"]} if "host_step" in results[0] else {}),
+                **{key: results[0][key] for key in ("host_step", "host_threads") if key in results[0]},
             }
         sections[section] = {"command": " ".join(["python", "benchmarks/gpu.py", *sys.argv[1:]]),
                              "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
@@ -357,9 +357,12 @@ def run_meshlight(variant: str, config: Any, device: Any, args: Any) -> dict[str
     )
     trainer.fit(Module(config), train_dataloaders=_loader(config, args))
     result: dict[str, Any] = timing.window.result()
-    if "offload optimizer" in variant:  # how the host stepped AdamW
+    if "offload optimizer" in variant:  # how the host stepped AdamW, and on how many threads
+        import torch
+
         fused = all(group["fused"] for optimizer in trainer.optimizers for group in optimizer.param_groups)
         result["host_step"] = "torch's fused host kernel" if fused else "torch's per-parameter loop"
+        result["host_threads"] = torch.get_num_threads()
     return result
 
 

@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from common import GPU_RESULTS
+from common import GPU_HOST_STEP, GPU_RESULTS
 
 #: torchtitan's measured Float8 (tensorwise) speedup over bf16, 70B on 256 H100 with async TP (Jun 2025 table)
 FLOAT8_SPEEDUP = 942.4 / 652.4
@@ -167,10 +167,12 @@ ONE_GPU_VARIANTS = {"meshlight": ({}, False), "meshlight recompute": ({}, True),
                     "meshlight offload activations": ({"offload_activations": 1.0}, False)}
 
 
-def one_gpu(results: Path = GPU_RESULTS) -> Optional[dict]:
+def one_gpu(results: Path = GPU_RESULTS, host_step: Path = GPU_HOST_STEP) -> Optional[dict]:
     """The planner's step time and memory for ``benchmarks/gpu.py``'s memory section (one GPU, zero2, the
     MixedPrecision callback) beside what that run measured — None without a recorded run on a device with a
-    preset. Offload's estimate includes its host copies and the host's optimizer step."""
+    preset. Offload's estimate includes its host copies and the host's optimizer step, with that machine's host
+    as ``host_step`` measured it (fused AdamW: one thread's rate, and all its cores' as the memory bandwidth the
+    step reaches there) on the threads the run stepped with."""
     if not results.exists():
         return None
     import torch
@@ -184,17 +186,34 @@ def one_gpu(results: Path = GPU_RESULTS) -> Optional[dict]:
         return None
     shape = recorded["model"]
     model = ModelSpec.from_gpt_config(model_config(shape["seq"]), shape["seq"])
-    hardware = preset.replace(devices_per_node=1, **precision_bytes("32-true", torch.bfloat16))
+    hardware = preset.replace(devices_per_node=1, **precision_bytes("32-true", torch.bfloat16), **_host(host_step))
     rows = []
     for variant, measured in memory["variants"].items():
         changes, recompute = ONE_GPU_VARIANTS[variant]
+        if "host_threads" in measured:
+            changes = {**changes, "host_threads": measured["host_threads"]}
         predicted = estimate(model, hardware.replace(**changes), 1, shape["batch"], 1, 1, 1, 1, 2, 1, 1, recompute)
         rows.append({"variant": variant, "measured_step": measured["step_seconds"],
                      "predicted_step": predicted.step_time, "host_seconds": predicted.times["host"],
                      "measured_peak_bytes": measured["peak_bytes"], "predicted_bytes": predicted.memory_bytes,
-                     "host_step": measured.get("host_step") if "offload optimizer" in variant else None})
+                     "host_step": measured.get("host_step") if "offload optimizer" in variant else None,
+                     "host_threads": measured.get("host_threads")})
     return {"device": recorded["device"], "date": recorded["date"], "command": memory["command"],
-            "host_bandwidth": hardware.host_bandwidth, "host_step_rate": hardware.host_step_rate, "rows": rows}
+            "host_bandwidth": hardware.host_bandwidth, "host_step_rate": hardware.host_step_rate,
+            "host_memory_bandwidth": hardware.host_memory_bandwidth,
+            "host_measured": host_step.exists(), "rows": rows}
+
+
+def _host(host_step: Path) -> dict[str, float]:
+    """The planner's host-step figures from ``host_step.py``'s fused AdamW rows on the GPU machine's host (none
+    recorded: the preset's): one thread's rate, and the memory bandwidth the most threads reached (7 fp32 values
+    per parameter)."""
+    if not host_step.exists():
+        return {}
+    rows = [r for r in json.loads(host_step.read_text())["rows"] if r["optimizer"] == "AdamW"]
+    one, most = min(rows, key=lambda r: r["threads"]), max(rows, key=lambda r: r["threads"])
+    return {"host_step_rate": one["fused_params_per_second"],
+            "host_memory_bandwidth": 7 * 4 * most["fused_params_per_second"]}
 
 
 def torchtitan_2d_over_3d() -> float:

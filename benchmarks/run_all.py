@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from common import GPU_RESULTS
+from common import GPU_HOST_STEP, GPU_RESULTS
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -32,10 +32,13 @@ COMMANDS = {
     "host_step": "python benchmarks/host_step.py --params 25000000 --steps 5 --rounds 3",
 }
 BELOW_1F1B = ("interleaved1f1b", "interleavedzerobubble", "zbvzerobubble")
-#: Run on a GPU machine (`make bench` here has none); both write benchmarks/gpu_results.json
+#: Run on a GPU machine (`make bench` here has none): the first two write benchmarks/gpu_results.json, the
+#: third its host's optimizer step (the planner's host-step figures beside the memory section)
 GPU_COMMANDS = ("python benchmarks/gpu.py --section speed --rounds 2 --out benchmarks/gpu_results.json",
                 "python benchmarks/gpu.py --section memory --rounds 1 --steps 10 --warmup 5"
-                " --out benchmarks/gpu_results.json")
+                " --out benchmarks/gpu_results.json",
+                "python benchmarks/host_step.py --params 400000000 --steps 3 --rounds 2 --optimizers AdamW"
+                " > benchmarks/gpu_host_step.json")
 #: how the host stepped the optimizer in GPU runs that predate gpu.py recording it
 HOST_STEP_BEFORE = "torch's per-parameter loop (the run predates the fused host step)"
 
@@ -105,9 +108,10 @@ def comm_section(rows: list[dict]) -> str:
         "",
         "Above theory, with sequence parallelism: the all-reduce of the norms' weight gradients (their weights",
         "are replicated, their inputs sharded); in the whole step: loss parallelism's three reductions of B·S",
-        "values. The 4-byte all-reduce in every step is `self.log(..., sync_dist=True)` of the loss. On CPU, gloo",
-        "implements reduce-scatter as an all-reduce internally; the table counts what the program asks for",
-        "(as NCCL would move it), not gloo's internal traffic.",
+        "values. The two 4-byte all-reduces in every step: `self.log(..., sync_dist=True)` of the loss, and the",
+        "ranks agreeing whether a SIGTERM or requeue signal arrived (in place of Lightning's per-step broadcast of",
+        "rank 0's flag). On CPU, gloo implements reduce-scatter as an all-reduce internally; the table counts what",
+        "the program asks for (as NCCL would move it), not gloo's internal traffic.",
         "",
         "Expert parallelism, ep = N (`MoEStrategy`), the same GPT with every MLP a mixture of 8 top-2 experts,",
         "T = 4 × 64 tokens per rank: per MoE layer, dispatch and combine each move T·k·D·(ep−1)/ep elements",
@@ -242,7 +246,9 @@ def one_gpu_lines(one: Optional[dict]) -> list[str]:
         f" {one['device']} ({one['date']}; dp=1 zero=2, the MixedPrecision callback, the same model and batch;",
         "measured peak memory against the planner's per-rank estimate). Offload's estimate counts its host copies"
         f" at {one['host_bandwidth'] / 1e9:.1f} GB/s each way, beyond the compute of their phase, and the host's step"
-        f" at {one['host_step_rate'] / 1e9:.1f} billion parameters/s (one thread's fused AdamW).",
+        f" at {one['host_step_rate'] / 1e9:.2f} billion parameters/s per thread, on the run's threads, up to"
+        f" {one['host_memory_bandwidth'] / 1e9:.0f} GB/s of host memory traffic (fused AdamW, 28 bytes per parameter)"
+        + (f": that machine's host, `{GPU_COMMANDS[2]}` (below)." if one["host_measured"] else ": the preset's."),
         "",
         "| variant | measured step (s) | planner step (s) | of which offload (s) | ratio | measured peak (GB) |"
         " planner (GB) | ratio |",
@@ -252,7 +258,8 @@ def one_gpu_lines(one: Optional[dict]) -> list[str]:
     for r in one["rows"]:
         comparable = not r["variant"].endswith("offload optimizer") or r["host_step"] is not None
         ratio = f"{r['predicted_step'] / r['measured_step']:.2f}" if comparable else "—"
-        lines.append(f"| {r['variant']} | {r['measured_step']:.3f} | {r['predicted_step']:.3f} |"
+        threads = f" ({r['host_threads']} host threads)" if r.get("host_threads") else ""
+        lines.append(f"| {r['variant']}{threads} | {r['measured_step']:.3f} | {r['predicted_step']:.3f} |"
                      f" {r['host_seconds']:.3f} | {ratio} | {r['measured_peak_bytes'] / 1e9:.1f} |"
                      f" {r['predicted_bytes'] / 1e9:.1f} | {r['predicted_bytes'] / r['measured_peak_bytes']:.2f} |")
         if not comparable:
@@ -288,7 +295,7 @@ def recompute_section(result: dict) -> str:
     return "\n".join(lines)
 
 
-def host_step_section(result: dict) -> str:
+def host_step_section(result: dict, on_gpu_host: Optional[dict] = None) -> str:
     lines = [
         "## The host's optimizer step under optimizer offload",
         "",
@@ -296,16 +303,28 @@ def host_step_section(result: dict) -> str:
         f"{result['params']:,} host parameters with torch's default for host tensors (its per-parameter loop) and with",
         "the fused host kernel that optimizer offload from an accelerator gives the groups left to that default",
         "(`fuse_host_steps`), median of interleaved rounds; on one thread (each rank under torchrun's",
-        "`OMP_NUM_THREADS=1`) and on every core here. The last column: the largest difference between the two",
-        "implementations' parameters after the steps.",
+        "`OMP_NUM_THREADS=1`) and on every core here. The last columns: the fused kernel's parameters per second, and",
+        "the largest difference between the two implementations' parameters after the steps.",
         "",
-        "| optimizer | threads | default (s) | fused (s) | speedup | max difference |",
-        "|---|---:|---:|---:|---:|---:|",
+        *_host_step_rows(result),
     ]
+    if on_gpu_host:
+        cores = max(r["threads"] for r in on_gpu_host["rows"])
+        lines += ["", f"The host of the GPU machine below ({cores} cores), command `{GPU_COMMANDS[2]}`"
+                  f" ({on_gpu_host['params']:,} parameters: more than its caches hold). The planner's host step is one"
+                  " thread's rate times the threads, up to the memory bandwidth the most threads reach (28 bytes per"
+                  " parameter).", "", *_host_step_rows(on_gpu_host)]
+    return "\n".join(lines)
+
+
+def _host_step_rows(result: dict) -> list[str]:
+    lines = ["| optimizer | threads | default (s) | fused (s) | speedup | fused (parameters/s) | max difference |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(f"| {r['optimizer']} | {r['threads']} | {r['default_seconds']:.4f} | {r['fused_seconds']:.4f} |"
-                     f" {r['speedup']:.2f}× | {r['max_abs_difference']:.1e} |")
-    return "\n".join(lines)
+                     f" {r['speedup']:.2f}× | {r['fused_params_per_second'] / 1e9:.2f} billion |"
+                     f" {r['max_abs_difference']:.1e} |")
+    return lines
 
 
 def profile_section(rows: list[dict]) -> str:
@@ -533,7 +552,8 @@ def gpu_section(result: object) -> str:
             rounds = " / ".join(f"{seconds:.3f}" for seconds in r["rounds"])
             lines.append(f"| {name} | {r['step_seconds']:.3f} | {rounds} | {r['tokens_per_second']:,.0f} |"
                          f" {r['mfu']:.1%} | {r['peak_bytes'] / 1e9:.2f} | {r['resident_bytes'] / 1e9:.2f} |")
-        notes = [f"Under `{name}` the host stepped AdamW with {r.get('host_step', HOST_STEP_BEFORE)}."
+        notes = [f"Under `{name}` the host stepped AdamW with {r.get('host_step', HOST_STEP_BEFORE)}"
+                 + (f" on {r['host_threads']} threads." if "host_threads" in r else ".")
                  for name, r in run["variants"].items() if "offload optimizer" in name]
         lines += ["", *notes, ""] if notes else [""]
     lines += ["| ratio | value | target |", "|---|---:|---|"]
@@ -557,6 +577,11 @@ def gpu_section(result: object) -> str:
     return "\n".join(lines)
 
 
+def _recorded(path: Path) -> Optional[dict]:
+    """What a GPU machine's command wrote into the repository (None: not recorded)."""
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def main() -> None:
     import lightning
     import torch
@@ -577,8 +602,8 @@ def main() -> None:
     ])
     sections = [header, comm_section(comm), memory_section(memory), overhead_section(overhead), bubble_section(bubble),
                 balance_section(balance), planner_section(planner), recompute_section(recompute),
-                host_step_section(host_step), profile_section(profile),
-                gpu_section(json.loads(GPU_RESULTS.read_text()) if GPU_RESULTS.exists() else None)]
+                host_step_section(host_step, _recorded(GPU_HOST_STEP)), profile_section(profile),
+                gpu_section(_recorded(GPU_RESULTS))]
     text = "\n\n".join(sections) + "\n"
     (HERE / "RESULTS.md").write_text(text)
     print(text)

@@ -75,8 +75,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          help="GB/s each way between a device and host memory, for Offload's copies (default: the"
                               " preset's PCIe link at 85%%, 54.4 for PCIe 5)")
     planner.add_argument("--host-step-rate", type=float,
-                         help="billion parameters per second the host's optimizer steps per device under optimizer"
-                              " offload (default 1.1: one thread's fused AdamW)")
+                         help="billion parameters per second one host thread's optimizer step reaches under optimizer"
+                              " offload (default 0.78: fused AdamW on an H100 machine's host)")
+    planner.add_argument("--host-threads", type=int,
+                         help="host threads each device's process steps its optimizer with (default 1: torchrun's"
+                              " OMP_NUM_THREADS=1)")
+    planner.add_argument("--host-memory-bandwidth", type=float,
+                         help="GB/s of a node's host memory, which its devices' host steps share (default 461: two"
+                              " sockets of eight DDR5-4800 channels at 75%%; 307 for A100 presets)")
     planner.add_argument("--peak-tflops", type=float,
                          help="dense bf16 TFLOP/s per device (default: the preset's; a 32-true run computes at the"
                               " preset's fp32 or TF32 rate)")
@@ -205,7 +211,10 @@ def _hardware_of(args: argparse.Namespace) -> Hardware:
                                             ("host-bandwidth", "host_bandwidth", args.host_bandwidth, GB,
                                              "GB/s to the host"),
                                             ("host-step-rate", "host_step_rate", args.host_step_rate, 1e9,
-                                             "billion parameters/s host step"),
+                                             "billion parameters/s per host thread"),
+                                            ("host-threads", "host_threads", args.host_threads, 1, "host threads"),
+                                            ("host-memory-bandwidth", "host_memory_bandwidth",
+                                             args.host_memory_bandwidth, GB, "GB/s host memory"),
                                             ("peak-tflops", "peak_flops", args.peak_tflops, 1e12, "TFLOP/s")):
         if value is None:
             continue

@@ -234,7 +234,7 @@ def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:
                 f"meshlight.parallel.planner.Hardware(name, memory, peak_flops, intra_bandwidth, inter_bandwidth,"
                 f" fp32_flops=...)) and TrainingMonitor(peak_flops=...).")
         return preset.replace(memory=float(props.total_memory), devices_per_node=processes_per_node,
-                              host_memory=float(host or preset.host_memory),
+                              host_memory=float(host or preset.host_memory), host_threads=torch.get_num_threads(),
                               float32_matmul_precision=torch.get_float32_matmul_precision())
     memory = float(host or HARDWARE["cpu"].memory)
     return HARDWARE["cpu"].replace(memory=memory, host_memory=memory, devices_per_node=processes_per_node)
@@ -533,7 +533,7 @@ def _host_time(model: ModelSpec, hw: Hardware, compute: float, recompute: bool, 
     backward = max(moved + regathers * (master - kept / 4), master) / hw.host_bandwidth
     accumulating = (reductions - 1) * master / hw.host_bandwidth
     return (max(0.0, forward - compute * forward_share) + max(0.0, backward - compute * (1 - forward_share))
-            + accumulating + master / hw.state_bytes / hw.host_step_rate)
+            + accumulating + master / hw.state_bytes / hw.host_steps_per_second)
 
 
 def _bandwidth(hw: Hardware, size: int, stride: int) -> float:

@@ -146,7 +146,9 @@ class Hardware:
     offload_activations: float = 0.0  # share of the blocks whose saved activations wait in host memory
     host_memory: float = 256e9  # bytes of host memory per device, for what is offloaded (2 TB over 8 devices)
     host_bandwidth: float = 0.85 * 64e9  # bytes/s each way between the device and host memory (PCIe 5 x16)
-    host_step_rate: float = 1.1e9  # parameters/s the host's optimizer steps per device under optimizer offload
+    host_step_rate: float = 0.78e9  # parameters/s one host thread's optimizer step reaches (optimizer offload)
+    host_threads: int = 1  # threads each device's process steps with (torchrun's default; at fit: the run's own)
+    host_memory_bandwidth: float = 0.75 * 2 * 8 * 38.4e9  # bytes/s of the node's host memory its host steps share
     fp32_flops: Optional[float] = None  # dense FLOP/s of fp32 matmuls off the tensor cores (None: peak_flops)
     tf32_flops: Optional[float] = None  # ... of fp32 matmuls as TF32 on the tensor cores (None: fp32_flops)
     float32_matmul_precision: str = "highest"  # the run's torch.get_float32_matmul_precision(): high/medium = TF32
@@ -157,13 +159,23 @@ class Hardware:
 
     def __post_init__(self) -> None:
         rates = ("memory", "peak_flops", "intra_bandwidth", "inter_bandwidth", "host_memory", "host_bandwidth",
-                 "host_step_rate")
+                 "host_step_rate", "host_memory_bandwidth")
         bad = [f"{name}={getattr(self, name)!r}" for name in rates if not getattr(self, name) > 0]
-        if bad or self.devices_per_node < 1:
-            raise ValueError(f"Hardware {self.name!r}: {', '.join(bad) or 'devices_per_node < 1'}: give values > 0.")
+        bad += [f"{name}={getattr(self, name)!r}" for name in ("devices_per_node", "host_threads")
+                if getattr(self, name) < 1]
+        if bad:
+            raise ValueError(f"Hardware {self.name!r}: {', '.join(bad)}: give values > 0.")
 
     def replace(self, **changes: Any) -> Hardware:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def host_steps_per_second(self) -> float:
+        """Parameters/s the host's optimizer steps for each device under optimizer offload: its threads' rate, up
+        to the device's share of the node's host memory bandwidth — Adam reads the master copy, the gradient and two
+        moments and writes three of them back, 7 values per parameter, and the node's devices step at once."""
+        return min(self.host_threads * self.host_step_rate,
+                   self.host_memory_bandwidth / self.devices_per_node / (7 * self.state_bytes))
 
     @property
     def compute_flops(self) -> float:
@@ -187,9 +199,13 @@ GB = 1e9
 #: PCIe cards (H100 PCIe, H100 and H200 NVL, A100 PCIe): their datasheets' dense peaks (H100 PCIe 756 bf16 / 51 fp32,
 #: NVL 835 / 60 TFLOP/s); the devices of a node reach each other over PCIe (NVLink bridges join pairs only, which the
 #: one intra-node rate cannot tell), at the host link's rate.
-#: Host step: one host thread's fused AdamW, 1.1e9 parameters/s (``benchmarks/host_step.py`` on the 2-core machine
-#: meshlight is tested on: 25M in 0.0227 s), a floor — torchrun's default ``OMP_NUM_THREADS=1``; more threads
-#: step faster (1.3× on 2 there); ``meshlight plan --host-step-rate`` for other hosts.
+#: Host step: one host thread's fused AdamW, 0.78e9 parameters/s (``benchmarks/host_step.py --params 400000000
+#: --optimizers AdamW`` on the host of the H100 machine ``benchmarks/gpu.py`` ran on: 0.784e9 on one thread, 4.38e9
+#: on its 16), on one thread per device by default (torchrun's ``OMP_NUM_THREADS=1``; at fit, the run's own
+#: count). More threads step faster until the node's host memory bandwidth binds: 75% of two sockets of eight
+#: channels, DDR5-4800 by default (461 GB/s, a DGX H100's), DDR4-3200 for A100 nodes (307 GB/s, a DGX A100's); the
+#: H100 machine's 16 cores reached 123 GB/s. ``meshlight plan --host-step-rate``, ``--host-threads`` and
+#: ``--host-memory-bandwidth`` for other hosts.
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("NVIDIA H100 SXM 80GB", 80 * GB, 989e12, 450 * GB, 50 * GB, fp32_flops=67e12,
                      tf32_flops=989e12 / 2),
@@ -202,9 +218,10 @@ HARDWARE: dict[str, Hardware] = {
     "h200-nvl": Hardware("NVIDIA H200 NVL 141GB", 141 * GB, 835e12, 0.85 * 64 * GB, 50 * GB, fp32_flops=60e12,
                          tf32_flops=835e12 / 2),
     "a100": Hardware("NVIDIA A100 SXM 80GB", 80 * GB, 312e12, 300 * GB, 25 * GB, host_bandwidth=0.85 * 32 * GB,
-                     fp32_flops=19.5e12, tf32_flops=312e12 / 2),
+                     host_memory_bandwidth=0.75 * 2 * 8 * 25.6 * GB, fp32_flops=19.5e12, tf32_flops=312e12 / 2),
     "a100-pcie": Hardware("NVIDIA A100 PCIe 80GB", 80 * GB, 312e12, 0.85 * 32 * GB, 25 * GB,
-                          host_bandwidth=0.85 * 32 * GB, fp32_flops=19.5e12, tf32_flops=312e12 / 2),
+                          host_bandwidth=0.85 * 32 * GB, host_memory_bandwidth=0.75 * 2 * 8 * 25.6 * GB,
+                          fp32_flops=19.5e12, tf32_flops=312e12 / 2),
     "b200": Hardware("NVIDIA B200 192GB", 192 * GB, 2250e12, 900 * GB, 50 * GB, fp32_flops=75e12,
                      tf32_flops=2250e12 / 2),
     "mi300x": Hardware("AMD MI300X 192GB", 192 * GB, 1307e12, 448 * GB, 50 * GB, fp32_flops=163.4e12,
@@ -215,7 +232,7 @@ HARDWARE: dict[str, Hardware] = {
     # gloo processes on one host: one latency per collective, whatever the group (NCCL's hops do not apply); what
     # offload "moves" is already in host memory, and the step is the one the model leaves out without offload
     "cpu": Hardware("CPU process (gloo)", 4 * GB, 50e9, 2 * GB, 1 * GB, devices_per_node=64, param_bytes=4,
-                    host_bandwidth=math.inf, host_step_rate=math.inf,
+                    host_bandwidth=math.inf, host_step_rate=math.inf, host_memory_bandwidth=math.inf,
                     activation_bytes=4, latency=2e-3, hop_latency_intra=0.0, hop_latency_inter=0.0),
 }
 

@@ -324,6 +324,13 @@ def test_offload_costs_its_host_copies_beyond_compute_and_the_host_step(capsys):
     stepped = run(h100.replace(offload_optimizer=True, host_bandwidth=1e15))
     assert stepped.times["host"] == pytest.approx(model.params / h100.host_step_rate, rel=1e-5)  # but a norm
     # its master shard comes in for the gather and its gradient goes out: 4 bytes per parameter each way
+    # on more host threads it steps faster, until the devices of a node share out its host memory bandwidth:
+    # AdamW reads the master copy, the gradient and two moments and writes three back, 28 bytes per parameter
+    threaded = run(h100.replace(offload_optimizer=True, host_bandwidth=1e15, host_threads=2))
+    assert threaded.times["host"] == pytest.approx(stepped.times["host"] / 2, rel=1e-5)
+    node = h100.replace(host_threads=64, devices_per_node=8)
+    assert node.host_steps_per_second == h100.host_memory_bandwidth / 8 / 28 < 64 * h100.host_step_rate
+    assert node.replace(state_bytes=2).host_steps_per_second == 2 * node.host_steps_per_second  # bf16-true
     narrow = run(h100.replace(offload_optimizer=True, host_bandwidth=1e9))
     copies = 4 * model.params / 1e9
     assert narrow.times["host"] == pytest.approx(stepped.times["host"] + 2 * copies - compute, rel=1e-5)
@@ -346,11 +353,12 @@ def test_offload_costs_its_host_copies_beyond_compute_and_the_host_step(capsys):
     offloaded = ["plan", "--model", "llama3-8b", "--gpus", "8", "--offload-optimizer", "--offload-activations", "1",
                  "--zero", "1", "--tp", "1", "--pp", "1", "--recompute", "no", "--json"]
     steps = {}
-    for flags in ([], ["--host-step-rate", "11"], ["--host-bandwidth", "5.44"]):
+    for flags in ([], ["--host-step-rate", "11"], ["--host-bandwidth", "5.44"], ["--host-threads", "2"],
+                  ["--host-threads", "64"], ["--host-threads", "64", "--host-memory-bandwidth", "2000"]):
         assert main([*offloaded, *flags]) == 0
         steps[tuple(flags)] = json.loads(capsys.readouterr().out)[0]["times"]["host"]
-    default, faster, narrower = steps.values()
-    assert faster < default < narrower
+    default, faster, narrower, two, many, wider_memory = steps.values()
+    assert faster < default < narrower and wider_memory < many < two < default
     with pytest.raises(SystemExit):
         main([*offloaded, "--host-bandwidth", "0"])
     assert "--host-bandwidth 0: give a number > 0" in capsys.readouterr().err
@@ -383,8 +391,10 @@ def test_fp32_matmuls_run_at_the_rate_torchs_float32_matmul_precision_gives(caps
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
         name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30))
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 12)
     detected = detect_hardware(torch.device("cuda", 0), 8).replace(**precision_bytes("32-true"))
     assert detected.name == h100.name and detected.compute_flops == 989e12 / 2
+    assert detected.host_threads == 12  # the host step's threads too
 
 
 def test_a_device_without_a_preset_gets_generic_figures_and_a_warning_that_says_how_to_give_its_own(monkeypatch):
@@ -420,6 +430,8 @@ def test_pcie_cards_keep_tensor_parallelism_off_their_slower_links():
 def test_hardware_refuses_rates_a_plan_would_divide_by():
     with pytest.raises(ValueError, match=r"host_bandwidth=0, host_step_rate=-1\.0: give values > 0"):
         HARDWARE["h100"].replace(host_bandwidth=0, host_step_rate=-1.0)
+    with pytest.raises(ValueError, match=r"host_memory_bandwidth=0, host_threads=0: give values > 0"):
+        HARDWARE["h100"].replace(host_memory_bandwidth=0, host_threads=0)
 
 
 def test_cpu_hardware_shares_the_node_memory():
