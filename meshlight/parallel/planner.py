@@ -463,7 +463,8 @@ def estimate(
         routed = s * micro_batch * model.top_k * h * hw.activation_bytes * (ep - 1) / ep
         exchanges = 5 * model.moe_layers / pp * microbatches  # counts, then tokens out and back, both directions
         ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / _bandwidth(hw, ep, tp)
-    host_time = _host_time(model, hw, compute, recompute, moved=per_layer * layers_per_stage * microbatches * offloaded,
+    host_time = _host_time(model, hw, world, compute, recompute,
+                           moved=per_layer * layers_per_stage * microbatches * offloaded,
                            shard=host_state_bytes(dense, dp, zero, hw) + host_state_bytes(experts, dp // ep, zero, hw),
                            gathers=microbatches if zero == 3 else 1,
                            regathers=microbatches if zero == 3 else 0, reductions=reductions,
@@ -513,8 +514,8 @@ def host_state_bytes(params: float, dp: int, zero: int, hardware: Hardware) -> f
     return 4 * hardware.state_bytes * (params / dp if zero else params)
 
 
-def _host_time(model: ModelSpec, hw: Hardware, compute: float, recompute: bool, *, moved: float, shard: float,
-               gathers: int, regathers: int, reductions: int, kept: float) -> float:
+def _host_time(model: ModelSpec, hw: Hardware, world: int, compute: float, recompute: bool, *, moved: float,
+               shard: float, gathers: int, regathers: int, reductions: int, kept: float) -> float:
     """Seconds per step the ``Offload`` callback adds: the host link's copies beyond the compute of their phase,
     each direction at once, and the host's optimizer step. Forward sends the ``moved`` bytes of offloaded
     activations out and, under optimizer offload, brings each parameter's master shard in for each of its
@@ -523,7 +524,8 @@ def _host_time(model: ModelSpec, hw: Hardware, compute: float, recompute: bool, 
     gathered from forward to backward), and sends each gradient shard out after each of its ``reductions`` — all but
     the last while accumulating, which FSDP2 copies synchronously: exposed. ``shard``: the host-held bytes
     (:func:`host_state_bytes`: master copy, gradients and Adam's two moments, a quarter each), whose parameters
-    the host steps after backward, with nothing to overlap."""
+    the host steps after backward, with nothing to overlap, sharing the node's host memory with the ``world``'s other
+    ranks there."""
     if not moved and not shard:
         return 0.0
     master = shard / 4
@@ -533,7 +535,7 @@ def _host_time(model: ModelSpec, hw: Hardware, compute: float, recompute: bool, 
     backward = max(moved + regathers * (master - kept / 4), master) / hw.host_bandwidth
     accumulating = (reductions - 1) * master / hw.host_bandwidth
     return (max(0.0, forward - compute * forward_share) + max(0.0, backward - compute * (1 - forward_share))
-            + accumulating + master / hw.state_bytes / hw.host_steps_per_second)
+            + accumulating + master / hw.state_bytes / hw.host_steps_per_second(world))
 
 
 def _bandwidth(hw: Hardware, size: int, stride: int) -> float:

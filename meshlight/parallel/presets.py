@@ -147,7 +147,8 @@ class Hardware:
     host_memory: float = 256e9  # bytes of host memory per device, for what is offloaded (2 TB over 8 devices)
     host_bandwidth: float = 0.85 * 64e9  # bytes/s each way between the device and host memory (PCIe 5 x16)
     host_step_rate: float = 0.78e9  # parameters/s one host thread's optimizer step reaches (optimizer offload)
-    host_threads: int = 1  # threads each device's process steps with (torchrun's default; at fit: the run's own)
+    # threads each device's process steps its optimizer with (None: at fit the run's own, on the command line 1)
+    host_threads: Optional[int] = None
     host_memory_bandwidth: float = 0.75 * 2 * 8 * 38.4e9  # bytes/s of the node's host memory its host steps share
     fp32_flops: Optional[float] = None  # dense FLOP/s of fp32 matmuls off the tensor cores (None: peak_flops)
     tf32_flops: Optional[float] = None  # ... of fp32 matmuls as TF32 on the tensor cores (None: fp32_flops)
@@ -162,20 +163,21 @@ class Hardware:
                  "host_step_rate", "host_memory_bandwidth")
         bad = [f"{name}={getattr(self, name)!r}" for name in rates if not getattr(self, name) > 0]
         bad += [f"{name}={getattr(self, name)!r}" for name in ("devices_per_node", "host_threads")
-                if getattr(self, name) < 1]
+                if getattr(self, name) is not None and not getattr(self, name) >= 1]
         if bad:
             raise ValueError(f"Hardware {self.name!r}: {', '.join(bad)}: give values > 0.")
 
     def replace(self, **changes: Any) -> Hardware:
         return dataclasses.replace(self, **changes)
 
-    @property
-    def host_steps_per_second(self) -> float:
+    def host_steps_per_second(self, world: int) -> float:
         """Parameters/s the host's optimizer steps for each device under optimizer offload: its threads' rate, up
-        to the device's share of the node's host memory bandwidth — Adam reads the master copy, the gradient and two
-        moments and writes three of them back, 7 values per parameter, and the node's devices step at once."""
-        return min(self.host_threads * self.host_step_rate,
-                   self.host_memory_bandwidth / self.devices_per_node / (7 * self.state_bytes))
+        to the device's share of the node's host memory bandwidth — Adam(W) reads the master copy, the gradient and
+        two moments and writes three of them back, 7 values per parameter, and the devices of a node (those of a
+        ``world`` smaller than one node: all of them) step at once."""
+        sharing = min(self.devices_per_node, world)
+        return min((self.host_threads or 1) * self.host_step_rate,
+                   self.host_memory_bandwidth / sharing / (7 * self.state_bytes))
 
     @property
     def compute_flops(self) -> float:

@@ -29,6 +29,8 @@ def test_gpu_benchmark_runs_every_variant_and_formats(tmp_path):
         sys.path.remove(str(REPO / "benchmarks"))
     section = run_all.gpu_section(result)
     assert "| meshlight recompute |" in section and "| meshlight / plain fsdp2 |" in section
+    threads = memory["variants"]["meshlight offload optimizer"]["host_threads"]  # what the host stepped on
+    assert threads >= 1 and f" on {threads} threads." in section
 
 
 def test_gpu_benchmark_merges_only_sections_of_the_same_setup(tmp_path, capsys):

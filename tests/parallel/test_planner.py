@@ -3,6 +3,7 @@ reads, it ranks the published layouts of large runs among its best, bad sizes fa
 constraints, and `meshlight plan` prints a table."""
 
 import json
+import math
 import types
 
 import pytest
@@ -329,8 +330,14 @@ def test_offload_costs_its_host_copies_beyond_compute_and_the_host_step(capsys):
     threaded = run(h100.replace(offload_optimizer=True, host_bandwidth=1e15, host_threads=2))
     assert threaded.times["host"] == pytest.approx(stepped.times["host"] / 2, rel=1e-5)
     node = h100.replace(host_threads=64, devices_per_node=8)
-    assert node.host_steps_per_second == h100.host_memory_bandwidth / 8 / 28 < 64 * h100.host_step_rate
-    assert node.replace(state_bytes=2).host_steps_per_second == 2 * node.host_steps_per_second  # bf16-true
+    assert node.host_steps_per_second(64) == pytest.approx(0.75 * 2 * 8 * 38.4e9 / 8 / 28)  # DDR5 nodes: 461 GB/s
+    assert node.host_steps_per_second(64) < 64 * h100.host_step_rate
+    assert node.replace(state_bytes=2).host_steps_per_second(64) == pytest.approx(2 * node.host_steps_per_second(64))
+    assert node.host_steps_per_second(2) == pytest.approx(4 * node.host_steps_per_second(64))  # 2 devices busy, not 8
+    a100 = HARDWARE["a100"].replace(host_threads=64)  # DDR4 nodes: 307 GB/s
+    assert a100.host_steps_per_second(8) == pytest.approx(307.2e9 / 8 / 28)
+    assert h100.host_steps_per_second(8) == h100.host_step_rate  # one thread unless told or measured at fit
+    assert CPU.replace(host_threads=8).host_steps_per_second(2) == math.inf  # CPU processes: no host step
     narrow = run(h100.replace(offload_optimizer=True, host_bandwidth=1e9))
     copies = 4 * model.params / 1e9
     assert narrow.times["host"] == pytest.approx(stepped.times["host"] + 2 * copies - compute, rel=1e-5)
@@ -359,9 +366,10 @@ def test_offload_costs_its_host_copies_beyond_compute_and_the_host_step(capsys):
         steps[tuple(flags)] = json.loads(capsys.readouterr().out)[0]["times"]["host"]
     default, faster, narrower, two, many, wider_memory = steps.values()
     assert faster < default < narrower and wider_memory < many < two < default
-    with pytest.raises(SystemExit):
-        main([*offloaded, "--host-bandwidth", "0"])
-    assert "--host-bandwidth 0: give a number > 0" in capsys.readouterr().err
+    for flag in ("--host-bandwidth", "--host-threads"):
+        with pytest.raises(SystemExit):
+            main([*offloaded, flag, "0"])
+        assert f"{flag} 0: give a number > 0" in capsys.readouterr().err
     # on CPU processes offload moves nothing and the step is the one every run takes: no cost
     assert estimate(model, CPU.replace(offload_optimizer=True, offload_activations=1.0), 2, 4, 2, 1, 1, 1, 1, 1, 1,
                     False).times["host"] == 0
@@ -432,6 +440,8 @@ def test_hardware_refuses_rates_a_plan_would_divide_by():
         HARDWARE["h100"].replace(host_bandwidth=0, host_step_rate=-1.0)
     with pytest.raises(ValueError, match=r"host_memory_bandwidth=0, host_threads=0: give values > 0"):
         HARDWARE["h100"].replace(host_memory_bandwidth=0, host_threads=0)
+    with pytest.raises(ValueError, match=r"host_threads=nan: give values > 0"):
+        HARDWARE["h100"].replace(host_threads=math.nan)
 
 
 def test_cpu_hardware_shares_the_node_memory():

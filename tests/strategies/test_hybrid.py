@@ -204,13 +204,18 @@ def test_what_would_fit_on_the_same_process_is_named_and_does_fit():
     assert trainer.global_step == 1
 
 
-def test_the_monitors_mfu_divides_by_the_peak_of_the_device_the_strategy_planned_for():
+def test_a_given_device_gives_the_monitors_mfu_its_peak_and_the_host_step_the_runs_threads():
     from meshlight.callbacks import TrainingMonitor
     from meshlight.parallel.planner import HARDWARE
 
-    monitor = TrainingMonitor()
-    _fit_on_one_process(ml.Hybrid3DStrategy(hardware=HARDWARE["cpu"].replace(peak_flops=123e9)), [monitor])
+    monitor, strategy = TrainingMonitor(), ml.Hybrid3DStrategy(hardware=HARDWARE["cpu"].replace(peak_flops=123e9))
+    _fit_on_one_process(strategy, [monitor])
     assert monitor.peak_flops == 123e9
+    # a device given without a host thread count is planned with the run's own; one given with it keeps it
+    assert strategy.hardware.host_threads == torch.get_num_threads()
+    strategy = ml.Hybrid3DStrategy(hardware=HARDWARE["cpu"].replace(host_threads=5))
+    _fit_on_one_process(strategy)
+    assert strategy.hardware.host_threads == 5
 
 
 def test_the_recomputation_the_layout_was_planned_with_is_what_runs(caplog):
