@@ -234,7 +234,7 @@ def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:
                 f"meshlight.parallel.planner.Hardware(name, memory, peak_flops, intra_bandwidth, inter_bandwidth,"
                 f" fp32_flops=...)) and TrainingMonitor(peak_flops=...).")
         return preset.replace(memory=float(props.total_memory), devices_per_node=processes_per_node,
-                              host_memory=float(host or preset.host_memory), host_threads=torch.get_num_threads(),
+                              host_memory=float(host or preset.host_memory),
                               float32_matmul_precision=torch.get_float32_matmul_precision())
     memory = float(host or HARDWARE["cpu"].memory)
     return HARDWARE["cpu"].replace(memory=memory, host_memory=memory, devices_per_node=processes_per_node)

@@ -199,7 +199,7 @@ class Hybrid3DStrategy(MeshStrategy):
         """The device the planner assumes (given, else detected), with the bytes this run's precision keeps per
         parameter, activation value and value of state, and what an ``Offload`` callback moves to host memory."""
         hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)
-        if hardware.host_threads is None:  # given without: the threads this run's host steps with
+        if hardware.host_threads is None:  # detected, or given without: the threads this run's host steps with
             hardware = hardware.replace(host_threads=torch.get_num_threads())
         mixed, offload = self._callback(MixedPrecision), self._callback(Offload)
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))

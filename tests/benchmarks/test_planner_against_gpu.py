@@ -44,10 +44,12 @@ def test_the_host_step_is_planned_with_that_machines_host_on_the_runs_threads(pl
     assert one["host_measured"] and one["host_step_rate"] == threads[1]
     assert one["host_memory_bandwidth"] == 28 * threads[max(threads)]  # AdamW: 7 fp32 values per parameter
     rows = {row["variant"]: row for row in one["rows"]}
-    assert rows["meshlight offload optimizer"]["host_threads"] == 16
-    # the same run recorded on one thread is planned as one thread's step: several times longer
     recorded = json.loads(planner_benchmark.GPU_RESULTS.read_text())
-    recorded["sections"]["memory"]["variants"]["meshlight offload optimizer"]["host_threads"] = 1
+    offloaded = recorded["sections"]["memory"]["variants"]["meshlight offload optimizer"]
+    offloaded_threads = offloaded["host_threads"]
+    assert rows["meshlight offload optimizer"]["host_threads"] == offloaded_threads
+    # the same run recorded on one thread is planned as one thread's step: several times longer
+    offloaded["host_threads"] = 1
     (tmp_path / "one_thread.json").write_text(json.dumps(recorded))
     one_thread = {row["variant"]: row for row in planner_benchmark.one_gpu(tmp_path / "one_thread.json")["rows"]}
     assert one_thread["meshlight offload optimizer"]["host_seconds"] > 4 * rows["meshlight offload optimizer"][
@@ -58,7 +60,8 @@ def test_the_host_step_is_planned_with_that_machines_host_on_the_runs_threads(pl
     assert not preset["host_measured"] and preset["host_step_rate"] == 0.78e9
     assert "the preset's." in " ".join(run_all.one_gpu_lines(preset))
     text = "\n".join(run_all.one_gpu_lines(one))
-    assert "| meshlight offload optimizer (16 host threads) | 0.537 |" in text and "that machine's host" in text
+    assert f"| meshlight offload optimizer ({offloaded_threads} host threads) |" in text
+    assert "that machine's host" in text
     section = run_all.host_step_section(measured, measured)
-    assert "The host of the GPU machine below (16 cores)" in section
-    assert "| AdamW | 16 | 0.6515 | 0.0913 | 7.13× | 4.38 billion | 2.4e-07 |" in section
+    assert f"The host of the GPU machine below ({max(threads)} cores)" in section
+    assert f"| {threads[max(threads)] / 1e9:.2f} billion |" in section
