@@ -79,7 +79,7 @@ def parallelize(
     broadcast_module_states(module, axis(mesh, "stage").get_group(), shard_group=axis(mesh, "dp").get_group())
     if layout.tp > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):
         plan = model_plan(module, tp_plan)
-        validate_plan(module, plan, layout.tp, layout.world_size)
+        validate_plan(module, plan, layout.tp, layout.world_size, sequence_parallel=sequence_parallel)
         apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=sequence_parallel,
                               loss_parallel=loss_parallel, keep_gathered_inputs=keep_gathered_inputs)
     if moe_layers:

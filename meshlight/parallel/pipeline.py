@@ -185,6 +185,11 @@ def split_stages(module: nn.Module, plan: StagePlan, stages: Sequence[int]) -> l
 def _stage_view(module: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
     view = copy.copy(module)
     view._modules = dict(module._modules)
+    # Hooks registered on a view (FSDP's root, sequence-share inputs) are its own: a shallow copy would share
+    # the hook dicts with the whole module — run by the step's call to it — and with the rank's other stages.
+    for name, value in vars(module).items():
+        if "hooks" in name and isinstance(value, dict):
+            setattr(view, name, copy.copy(value))
     owned = plan.owned(stage)
     for name in (*plan.pre, *plan.post):
         if name not in owned:

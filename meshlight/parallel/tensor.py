@@ -10,8 +10,9 @@ role            what it does
 ``embedding``   token embedding sharded by vocabulary (masked lookup, outputs summed over tp)
 ``head``        LM head sharded by vocabulary; in training its logits stay sharded for loss parallelism
 ``norm``        with sequence parallelism: runs on this rank's share of the sequence
-``replicate``   left whole on every rank (an Embedding's output is cut to this rank's share of the sequence
-                under sequence parallelism, e.g. learned positions)
+``replicate``   left whole on every rank. Under sequence parallelism an Embedding's output is cut to this
+                rank's share of the sequence (learned positions), and a Linear runs on that share with its
+                weights a replicated DTensor, so its gradient is the sum over the shares (a gate)
 =============== =========================================================================================
 
 Per block the traffic is Megatron-LM's: in forward the input of each colwise group is gathered once — an
@@ -58,7 +59,7 @@ from meshlight.parallel.sequence_gather import register_sequence_gather
 
 __all__ = [
     "ROLES", "TensorParallelError", "apply_tensor_parallel", "derive_plan", "model_plan", "reduce_partial_gradients",
-    "resolve_plan", "stage_plan", "validate_plan",
+    "resolve_plan", "sequence_share_input", "stage_plan", "validate_plan",
 ]
 
 ROLES = ("colwise", "rowwise", "embedding", "head", "norm", "replicate")
@@ -85,7 +86,7 @@ def derive_plan(model: nn.Module) -> Plan:
 
     Inside each repeated block, Linears are grouped by the module that owns them. In each group the last
     Linear that writes the hidden size ``D`` back is rowwise and the Linears that read ``D`` are colwise;
-    groups without such a writer (a router, a gate) stay whole. Outside the blocks: the Embedding whose
+    groups without such a writer (a gate) are replicated. Outside the blocks: the Embedding whose
     vocabulary the LM head produces is the token embedding, other ``D``-wide Embeddings are position tables,
     and parameter-only modules of width ``D`` (norms) run sequence parallel.
     """
@@ -109,8 +110,7 @@ def derive_plan(model: nn.Module) -> Plan:
                 plan[_join(prefix, writers[-1])] = "rowwise"
                 plan.update({_join(prefix, n): "colwise" for n in readers})
     plan = {**plan, **_structural_roles(model, blocks, hidden)}
-    _reject_unsplit(blocks, plan)
-    return plan
+    return {**_left_whole(blocks, plan), **plan}
 
 
 def _structural_roles(model: nn.Module, blocks: list[tuple[str, nn.Module]], hidden: int) -> Plan:
@@ -166,8 +166,8 @@ def resolve_plan(model: nn.Module, patterns: UserPlan) -> dict[str, Union[str, P
             raise TensorParallelError(f"The tensor-parallel plan pattern {pattern!r} matches no module. {listed}")
         resolved.update(dict.fromkeys(matches, style))
     blocks = _named_blocks(model)
-    structural = _structural_roles(model, blocks, _hidden_size(blocks)) if blocks else {}
-    return {**structural, **resolved}
+    plan = {**(_structural_roles(model, blocks, _hidden_size(blocks)) if blocks else {}), **resolved}
+    return {**_left_whole(blocks, plan), **plan}
 
 
 def model_plan(model: nn.Module, patterns: Optional[UserPlan] = None) -> dict[str, Union[str, ParallelStyle]]:
@@ -186,9 +186,11 @@ def stage_plan(plan: Mapping[str, Union[str, ParallelStyle]], stage: nn.Module) 
     return {name: role for name, role in plan.items() if name in owned}
 
 
-def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]], tp: int, world_size: int) -> None:
+def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]], tp: int, world_size: int, *,
+                  sequence_parallel: bool = True) -> None:
     """Raise, naming the valid tp values, when ``tp`` does not divide every dimension the plan shards, the
-    attention head counts, or the hidden size."""
+    attention head counts, or the hidden size; and naming the fix when a block holds parameters the plan leaves
+    whole where they would train wrong (:func:`_reject_unsplit`)."""
     modules = dict(model.named_modules())
     constraints: list[tuple[str, int]] = []
     hidden: Optional[int] = None
@@ -206,6 +208,7 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
     if hidden is not None:
         constraints.append(("hidden size", hidden))
     _check_groups(model, plan)
+    _reject_unsplit(_named_blocks(model), plan, sequence_parallel)
     for parent, attribute, count in _head_counts(model, plan):
         constraints.append((_join(parent, attribute), count))
     for _, name, heads in _heads_from_head_dim(model, plan):
@@ -250,8 +253,8 @@ def apply_tensor_parallel(
             styles[name] = _LMHead(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         elif role == "norm" and sequence_parallel:
             styles[name] = SequenceParallel()
-        elif role == "replicate" and sequence_parallel and isinstance(modules[name], nn.Embedding):
-            styles[name] = _SequenceSlicedEmbedding()
+        elif role == "replicate" and sequence_parallel and isinstance(modules[name], (nn.Embedding, nn.Linear)):
+            styles[name] = _ReplicatedOnSequence(name)
     parallelize_module(model, mesh, styles)
     for parent in _colwise_parents(plan):
         register_sequence_gather(modules[parent], mesh, sequence_parallel=sequence_parallel,
@@ -262,6 +265,31 @@ def apply_tensor_parallel(
         for module in modules.values():
             if isinstance(module, nn.Embedding):
                 module.register_forward_pre_hook(_check_sequence_divisible(tp))
+
+
+def sequence_share_input(stage: nn.Module, mesh: DeviceMesh) -> None:
+    """Let a pipeline stage after the first read the whole sequence's length from its input under sequence
+    parallelism.
+
+    Stages hand on what flows between blocks, this rank's share of the sequence (1/tp of the bytes). The
+    pipelined module's own forward still runs on every stage and may read lengths from its input (a rotary
+    table cut to ``x.shape[1]``): given the share, it would cut it 1/tp long. The share is made a DTensor
+    sharded over the sequence (dimension 1) on the 1-D ``mesh``, whose shape is the whole sequence's, and the
+    stage's blocks get it back as the plain share that sequence parallelism passes between them."""
+
+    def whole_shape(module: nn.Module, args: tuple) -> Optional[tuple]:
+        if args and isinstance(args[0], Tensor) and not isinstance(args[0], DTensor):
+            return (DTensor.from_local(args[0], mesh, [Shard(1)], run_check=False), *args[1:])
+        return None
+
+    def share(module: nn.Module, args: tuple) -> Optional[tuple]:
+        if args and isinstance(args[0], DTensor) and tuple(args[0].placements) == (Shard(1),):
+            return (args[0].to_local(), *args[1:])
+        return None
+
+    stage.register_forward_pre_hook(whole_shape)
+    for block in repeated_blocks(stage):
+        block.register_forward_pre_hook(share, prepend=True)
 
 
 def reduce_partial_gradients(parameters: Iterable[Tensor]) -> None:
@@ -325,24 +353,46 @@ class _LMHead(ColwiseParallel):
         return module
 
 
-class _SequenceSlicedEmbedding(ParallelStyle):
-    """A replicated lookup table (learned positions) whose output keeps only this rank's share of the sequence
-    (dimension -2); its weight is a replicated DTensor so the gradients of all shares are summed."""
+class _ReplicatedOnSequence(ParallelStyle):
+    """A module left whole on every rank that, under sequence parallelism, works on this rank's share of the
+    sequence: its weights become replicated DTensors, so the gradients of all shares are summed (reduced with
+    the norms'). An Embedding (learned positions) reads the whole sequence and keeps its output's share; a
+    Linear (a gate) reads the share — a plain tensor between blocks, or a norm's DTensor — and hands
+    on its output's. ``name`` is the module's, for the error when its output is not a share of a sequence."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        whole_input = isinstance(module, nn.Embedding)
+
         def replicate_params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for param_name, param in list(mod.named_parameters(recurse=False)):
                 mod.register_parameter(param_name, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()],
                                                                                    run_check=False)))
 
-        def inputs_replicated(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-            return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, Tensor)
+        def inputs_as_dtensors(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            layout = [Replicate()] if whole_input else [Shard(1)]
+            return tuple(DTensor.from_local(t, mesh, layout, run_check=False) if isinstance(t, Tensor)
                          and not isinstance(t, DTensor) else t for t in inputs)
 
-        def output_sliced(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
-            return output.redistribute(mesh, [Shard(output.dim() - 2)]).to_local()
+        def output_share(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
+            if whole_input:  # (batch,) sequence, width
+                return output.redistribute(mesh, [Shard(output.dim() - 2)]).to_local()
+            if tuple(output.placements) != (Shard(1),):
+                placement = output.placements[0]
+                held = ("a partial sum over the ranks" if placement.is_partial() else "the same on every rank"
+                        if placement.is_replicate() else f"split along dimension {placement.dim}")
+                raise TensorParallelError(
+                    f"{_shown(self.name)} ({type(mod).__name__}) is left whole on every tensor-parallel rank and, under"
+                    " sequence parallelism, reads this rank's share of the sequence (dimension 1), but its output"
+                    f" {tuple(output.shape)} is not a share of the sequence ({held}). Give it a role"
+                    " in the plan, or pass sequence_parallel=False."
+                )
+            return output.to_local()
 
-        return distribute_module(module, device_mesh, replicate_params, inputs_replicated, output_sliced)
+        return distribute_module(module, device_mesh, replicate_params, inputs_as_dtensors, output_share)
 
 
 def _check_sequence_divisible(tp: int):  # noqa: ANN202 - a forward pre-hook
@@ -373,30 +423,44 @@ def _reject_fused(group: str, readers: list[nn.Linear], writer: nn.Linear) -> No
         )
 
 
-def _reject_unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> None:
-    """A block's parameters outside any role or column→row group (a packed q|k|v weight such as
-    ``nn.MultiheadAttention``'s, a per-channel scale) would stay whole on every rank and meet the activations
-    of this rank's share of the sequence: their gradients would differ between ranks, or the op would mix
-    plain tensors and DTensors. Refused, naming them."""
-    owners = set(_colwise_parents(plan))
+def _left_whole(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> Plan:
+    """The blocks' Linears outside every column→row group and every role (a gate): ``replicate``.
+    Under sequence parallelism they run on this rank's share of the sequence; left plain, each rank's weight
+    would get the gradient of its share alone and the ranks' weights would drift apart without an error."""
+    return {name: "replicate" for name, module in _unsplit(blocks, plan) if isinstance(module, nn.Linear)}
+
+
+def _unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> Iterator[tuple[str, nn.Module]]:
+    """The blocks' modules outside every column→row group, role and MoE layer (MoE layers are not split by
+    tensor parallelism: refused with a message of their own, in parallelize.py)."""
+    owners = _colwise_parents(plan)
     for block_name, block in blocks:
-        # MoE layers are not split by tensor parallelism: refused with a message of their own (parallelize.py)
         experts = [_join(block_name, n) for n, m in block.named_modules() if isinstance(m, MoE)]
         for name, module in block.named_modules():
             full = _join(block_name, name)
-            inside = any(full == o or full.startswith(o + ".") for o in (*owners, *experts))
-            if inside or full in plan or isinstance(module, nn.Linear):
-                continue
-            own = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
-            if own:
-                packed = (" (nn.MultiheadAttention packs q, k and v into one parameter)"
-                          if isinstance(module, nn.MultiheadAttention) else "")
-                listed = ", ".join(f"{n} {list(shape)}" for n, shape in own)
-                raise TensorParallelError(
-                    f"{_shown(full)} ({type(module).__name__}) holds parameters the automatic tensor-parallel plan"
-                    f" cannot split: {listed}{packed}. Write attention with separate q, k, v nn.Linear layers (and an"
-                    " output projection), and keep other parameters in a norm or a Linear."
-                )
+            if full not in plan and not any(full == o or full.startswith(o + ".") for o in (*owners, *experts)):
+                yield full, module
+
+
+def _reject_unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any], sequence_parallel: bool) -> None:
+    """A block's parameters outside any role or column→row group would stay whole on every rank. Under sequence
+    parallelism they meet the activations of this rank's share of the sequence: their gradients would differ
+    between ranks, or the op would mix plain tensors and DTensors (a per-channel scale). A packed q|k|v weight
+    (``nn.MultiheadAttention``'s) is refused either way: the attention would not be split at all. Refused,
+    naming them."""
+    for full, module in _unsplit(blocks, plan):
+        packed = isinstance(module, nn.MultiheadAttention)
+        own = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
+        if own and (sequence_parallel or packed):
+            why = (" (nn.MultiheadAttention packs q, k and v into one parameter)" if packed else
+                   ": under sequence parallelism each rank would train them on its share of the sequence alone")
+            listed = ", ".join(f"{n} {list(shape)}" for n, shape in own)
+            fix = "" if packed else " (or pass sequence_parallel=False)"
+            raise TensorParallelError(
+                f"{_shown(full)} ({type(module).__name__}) holds parameters the automatic tensor-parallel plan"
+                f" cannot split: {listed}{why}. Write attention with separate q, k, v nn.Linear layers (and an"
+                f" output projection), and keep other parameters in a norm or a Linear{fix}."
+            )
 
 
 def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:

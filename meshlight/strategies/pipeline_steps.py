@@ -69,11 +69,11 @@ def setup_pipeline(
     mesh: DeviceMesh,
     options: PipelineOptions,
     device: torch.device,
-    parallelize_stage: Callable[[nn.Module], nn.Module],
+    parallelize_stage: Callable[[nn.Module, int], nn.Module],
 ) -> tuple[PipelineSteps, nn.Module]:
     """Split ``lightning_module``'s pipelined module into ``pp × virtual_stages`` stages, keep this rank's
-    (materializing them from the meta device if needed), parallelize each stage, and return the steps runner
-    and a module holding the stages (the strategy's model)."""
+    (materializing them from the meta device if needed), parallelize each stage (``parallelize_stage(module,
+    index)``), and return the steps runner and a module holding the stages (the strategy's model)."""
     name, pipelined, container = find_pipelined_module(lightning_module)
     outside = [n for n, _ in lightning_module.named_parameters() if name and not n.startswith(f"{name}.")]
     if outside:
@@ -97,7 +97,7 @@ def setup_pipeline(
     indices = stages_of_rank(mesh["pp"].get_local_rank(), layout.pp, options.virtual_stages, options.schedule)
     stage_modules = split_stages(pipelined, plan, indices)
     materialize(pipelined, device)
-    stage_modules = [parallelize_stage(module) for module in stage_modules]
+    stage_modules = [parallelize_stage(module, index) for module, index in zip(stage_modules, indices)]
     microbatches = options.microbatches or num_stages
     if options.schedule in ("interleavedzerobubble", "zbvzerobubble") and layout.dp > 1 and microbatches < num_stages:
         # torch 2.13 reduces FSDP gradients before these schedules' last deferred weight-gradient passes when

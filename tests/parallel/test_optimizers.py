@@ -35,17 +35,10 @@ def test_other_optimizers_are_left_alone():
     assert opt.param_groups[0]["foreach"] is True  # only groups mixing DTensors and plain tensors lose it
 
 
-def test_a_group_mixing_dtensors_and_plain_tensors_keeps_stepping_one_at_a_time_after_a_resume():
-    import socket
-
-    import torch.distributed as dist
+def test_a_group_mixing_dtensors_and_plain_tensors_keeps_stepping_one_at_a_time_after_a_resume(one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     sharded = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
     plain = torch.nn.Parameter(torch.randn(4))

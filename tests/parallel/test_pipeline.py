@@ -71,6 +71,20 @@ def test_split_keeps_only_the_pieces_of_this_ranks_stages():
     assert views[1].head is model.head and views[0].blocks[2] is model.blocks[2]
 
 
+def test_each_stage_runs_only_its_own_hooks():
+    # the strategy hooks stages (FSDP's root, sequence-parallel inputs); a view sharing the module's hook dicts
+    # would run them for the rank's other stages and for the step's call to the whole module
+    model = gpt()
+    views = split_stages(model, plan_stages(model, "blocks", 4, "layers"), [1, 3])
+    calls, hidden = [], torch.zeros(2, 12, model.config.dim)
+    views[0].register_forward_pre_hook(lambda module, args: calls.append(module))
+    views[1](hidden)
+    model(hidden)
+    assert calls == []
+    views[0](hidden)
+    assert calls == [views[0]]
+
+
 @pytest.mark.parametrize("module", [gpt(), gpt(positions="rotary", mlp="swiglu"), LitLlama().model])
 def test_chain_check_accepts_chain_models(module):
     _, pipelined, container = find_pipelined_module(module)

@@ -183,13 +183,67 @@ def test_moe_layers_are_left_to_their_own_refusal():
     derive_plan(GPT(GPTConfig.tiny(moe=MoEConfig(num_experts=4))))  # under tp, refused as MoE (parallelize.py)
 
 
-def test_nn_multihead_attention_is_refused_by_the_automatic_plan():
+def test_nn_multihead_attention_is_refused_with_or_without_sequence_parallelism():
     class MHA(nn.Module):
         def __init__(self):
             super().__init__()
             self.mha = nn.MultiheadAttention(32, 4, batch_first=True, bias=False)
 
-    with pytest.raises(TensorParallelError, match=r"blocks.0.attn.mha \(MultiheadAttention\) holds parameters the"
-                                                  r" automatic tensor-parallel plan cannot split: in_proj_weight"
-                                                  r" \[96, 32\] \(nn.MultiheadAttention packs q, k and v"):
-        derive_plan(_model(attention=MHA))
+    model = _model(attention=MHA)
+    for sequence_parallel in (True, False):  # either way, the attention would not be split at all
+        with pytest.raises(TensorParallelError, match=r"blocks.0.attn.mha \(MultiheadAttention\) holds parameters the"
+                                                      r" automatic tensor-parallel plan cannot split: in_proj_weight"
+                                                      r" \[96, 32\] \(nn.MultiheadAttention packs q, k and v"):
+            validate_plan(model, derive_plan(model), 2, 2, sequence_parallel=sequence_parallel)
+
+
+def test_a_layer_scale_in_a_block_is_refused_under_sequence_parallelism_only():
+    model = _model()
+    for block in model.blocks:
+        block.scale = nn.Parameter(torch.ones(32))  # x + scale * mlp(x): each rank would train it on its share
+    plan = derive_plan(model)
+    with pytest.raises(TensorParallelError, match=r"blocks.0 \(_Block\) holds parameters the automatic tensor-parallel"
+                                                  r" plan cannot split: scale \[32\]: under sequence parallelism each"
+                                                  r" rank would train them on its share of the sequence alone\..*"
+                                                  r" keep other parameters in a norm or a Linear \(or pass"
+                                                  r" sequence_parallel=False\)\."):
+        validate_plan(model, plan, 2, 2)
+    validate_plan(model, plan, 2, 2, sequence_parallel=False)  # whole activations on every rank: same gradients
+
+
+def test_a_linear_no_column_row_group_holds_is_replicated():
+    model = _model()
+    for block in model.blocks:
+        block.gate = nn.Linear(32, 1)  # x + sigmoid(gate(x)) * mlp(ln2(x))
+    plan = derive_plan(model)
+    assert plan["blocks.0.gate"] == plan["blocks.1.gate"] == "replicate"
+    assert (plan["blocks.0.attn.q"], plan["blocks.0.mlp.fc2"]) == ("colwise", "rowwise")
+    validate_plan(model, plan, 2, 2)
+    user = resolve_plan(model, {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
+                                "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise"})
+    assert user["blocks.1.gate"] == user["blocks.1.mlp.fc1"] == "replicate"  # a user plan's unsplit Linears too
+    gated = LitLlama(gated=True)
+    assert derive_plan(gated)["model.layers.0.gate"] == resolve_plan(gated, DICT_PLAN)["model.layers.0.gate"] \
+        == "replicate"
+
+
+def test_a_replicated_linear_runs_on_the_sequence_share_and_refuses_an_output_that_is_not_one(one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from meshlight.parallel.tensor import apply_tensor_parallel
+
+    model = nn.Module()
+    model.gate = nn.Linear(32, 4)
+    apply_tensor_parallel(model, init_device_mesh("cpu", (1,)), {"gate": "replicate"})
+    assert isinstance(model.gate.weight, DTensor) and model.gate.weight.placements == (Replicate(),)
+    share = torch.randn(2, 6, 32)
+    out = model.gate(share)
+    assert type(out) is torch.Tensor and torch.equal(out, share @ model.gate.weight.to_local().T
+                                                     + model.gate.bias.to_local())
+    with pytest.raises(TensorParallelError, match=r"gate \(Linear\) is left whole on every tensor-parallel rank and,"
+                                                  r" under sequence parallelism, reads this rank's share of the"
+                                                  r" sequence \(dimension 1\), but its output \(2, 4\) is not a share"
+                                                  r" of the sequence \(a partial sum over the ranks\)\. Give it a"
+                                                  r" role in the plan, or pass sequence_parallel=False\."):
+        model.gate(share.mean(1))  # pooled over the sequence: the Linear reads features, not a sequence share

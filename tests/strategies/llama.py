@@ -3,7 +3,9 @@
 RMSNorm, rotary embeddings, grouped-query attention that reshapes with its own head-count attributes
 (``view(b, t, self.n_heads, self.head_dim)``), SwiGLU with Meta's ``w1, w2, w3`` registration order, and a
 ``training_step`` that calls ``F.cross_entropy`` on the logits itself. ``LitLlama(experts=8)`` makes every
-feed-forward a ``meshlight.nn.MoE``, as a user adopting meshlight's layer would.
+feed-forward a ``meshlight.nn.MoE``, as a user adopting meshlight's layer would; ``LitLlama(gated=True)`` scales
+each feed-forward's output by a gate that reads the residual stream (``sigmoid(gate(x))``, a Linear no column→row
+group holds: tensor parallelism leaves it whole).
 """
 
 from __future__ import annotations
@@ -79,22 +81,24 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, experts: int = 0) -> None:
+    def __init__(self, experts: int = 0, gated: bool = False) -> None:
         super().__init__()
         self.attention_norm, self.attention = RMSNorm(DIM), Attention()
         self.ffn_norm = RMSNorm(DIM)
         self.feed_forward = MoE(DIM, HIDDEN // 2, experts, top_k=2) if experts else FeedForward()
+        self.gate = nn.Linear(DIM, 1) if gated else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        scale = torch.sigmoid(self.gate(x)) if self.gate is not None else 1.0
+        return x + scale * self.feed_forward(self.ffn_norm(x))
 
 
 class Llama(nn.Module):
-    def __init__(self, experts: int = 0) -> None:
+    def __init__(self, experts: int = 0, gated: bool = False) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(TransformerBlock(experts) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(TransformerBlock(experts, gated) for _ in range(LAYERS))
         self.norm = RMSNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
         head_dim = DIM // HEADS
@@ -111,10 +115,10 @@ class Llama(nn.Module):
 
 
 class LitLlama(pl.LightningModule):
-    def __init__(self, lr: float = 1e-2, experts: int = 0) -> None:
+    def __init__(self, lr: float = 1e-2, experts: int = 0, gated: bool = False) -> None:
         super().__init__()
         self.lr = lr
-        self.model = Llama(experts)
+        self.model = Llama(experts, gated)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = batch

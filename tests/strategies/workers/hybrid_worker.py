@@ -1,8 +1,12 @@
 """torchrun worker: 3-D parity runs — (dp, pp, tp) with ZeRO-1 and ZeRO-3 under 1F1B and Interleaved1F1B on a
 4-block GPT (one block per virtual stage), an MoE GPT under dp=2 × pp=2 × ep=2, and strategy="3d" with no sizes
-(the planner's layout) — for the world size it is launched with (4 or 8); on 4 also torchmetrics under pp=2 × tp=2.
+(the planner's layout) — for the world size it is launched with (4 or 8); on 4 also torchmetrics under pp=2 × tp=2,
+and under pp=2 × tp=2 with sequence parallelism models whose forward reads the sequence length from its input on
+every stage (rotary tables: the GPT with rotary positions, the user-written Llama, here with a gate Linear that
+tensor parallelism leaves whole).
 """
 
+import functools
 import sys
 import warnings
 
@@ -16,6 +20,7 @@ import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 from meshlight.nn import MoEConfig
+from tests.strategies.llama import LitLlama
 from tests.strategies.parity import Recorder, train
 
 SCHEDULES = ("1f1b", "interleaved1f1b")
@@ -34,7 +39,8 @@ def moe_gpt4() -> LitGPT:
     return gpt4(moe=MoEConfig(num_experts=4), moe_every=2)
 
 
-MODELS = {"gpt4": gpt4, "moe": moe_gpt4}
+MODELS = {"gpt4": gpt4, "moe": moe_gpt4, "gpt4-rotary": functools.partial(gpt4, positions="rotary"),
+          "llama-gated": functools.partial(LitLlama, gated=True)}
 
 
 class Counting(LitGPT):
@@ -85,7 +91,8 @@ def runs(world: int) -> list[tuple[int, int, int, int, int, str, str]]:
     grid = [(dp, pp, tp, 1, zero, schedule, "gpt4") for dp, pp, tp in layouts for zero in (1, 3)
             for schedule in SCHEDULES]
     if world == 4:
-        grid += [(2, 2, 1, 2, 1, "1f1b", "moe")]
+        grid += [(2, 2, 1, 2, 1, "1f1b", "moe"), (1, 2, 2, 1, 1, "interleaved1f1b", "gpt4-rotary"),
+                 (1, 2, 2, 1, 1, "1f1b", "llama-gated")]
     return grid
 
 
