@@ -98,7 +98,19 @@ def derive_plan(model: nn.Module) -> Plan:
             '"layers.*.attn.q": "colwise", …}).'
         )
     hidden = _hidden_size(blocks)
+    modules = dict(model.named_modules())
     plan: Plan = {}
+    for prefix, readers, writer in _column_row_groups(blocks, hidden):
+        _reject_fused(prefix, [modules[n] for n in readers], modules[writer])
+        plan[writer] = "rowwise"
+        plan.update(dict.fromkeys(readers, "colwise"))
+    plan = {**plan, **_structural_roles(model, blocks, hidden)}
+    return {**_left_whole(blocks, plan, hidden), **plan}
+
+
+def _column_row_groups(blocks: list[tuple[str, nn.Module]], hidden: int) -> Iterator[tuple[str, list[str], str]]:
+    """(owner, readers, writer) by full name: in each module of the blocks, its Linears that read the hidden size
+    and the last one that writes it back (a module without such a pair — a gate — holds no group)."""
     for block_name, block in blocks:
         for group_name, group in block.named_modules():
             linears = [(n, m) for n, m in group.named_children() if isinstance(m, nn.Linear)]
@@ -106,11 +118,7 @@ def derive_plan(model: nn.Module) -> Plan:
             readers = [n for n, m in linears if m.in_features == hidden and (not writers or n != writers[-1])]
             if writers and readers:
                 prefix = _join(block_name, group_name)
-                _reject_fused(prefix, [m for n, m in linears if n in readers], dict(linears)[writers[-1]])
-                plan[_join(prefix, writers[-1])] = "rowwise"
-                plan.update({_join(prefix, n): "colwise" for n in readers})
-    plan = {**plan, **_structural_roles(model, blocks, hidden)}
-    return {**_left_whole(blocks, plan), **plan}
+                yield prefix, [_join(prefix, n) for n in readers], _join(prefix, writers[-1])
 
 
 def _structural_roles(model: nn.Module, blocks: list[tuple[str, nn.Module]], hidden: int) -> Plan:
@@ -166,8 +174,11 @@ def resolve_plan(model: nn.Module, patterns: UserPlan) -> dict[str, Union[str, P
             raise TensorParallelError(f"The tensor-parallel plan pattern {pattern!r} matches no module. {listed}")
         resolved.update(dict.fromkeys(matches, style))
     blocks = _named_blocks(model)
-    plan = {**(_structural_roles(model, blocks, _hidden_size(blocks)) if blocks else {}), **resolved}
-    return {**_left_whole(blocks, plan), **plan}
+    if not blocks:
+        return resolved
+    hidden = _hidden_size(blocks)
+    plan = {**_structural_roles(model, blocks, hidden), **resolved}
+    return {**_left_whole(blocks, plan, hidden), **plan}
 
 
 def model_plan(model: nn.Module, patterns: Optional[UserPlan] = None) -> dict[str, Union[str, ParallelStyle]]:
@@ -358,7 +369,7 @@ class _ReplicatedOnSequence(ParallelStyle):
     sequence: its weights become replicated DTensors, so the gradients of all shares are summed (reduced with
     the norms'). An Embedding (learned positions) reads the whole sequence and keeps its output's share; a
     Linear (a gate) reads the share — a plain tensor between blocks, or a norm's DTensor — and hands
-    on its output's. ``name`` is the module's, for the error when its output is not a share of a sequence."""
+    on its output's. ``name`` is the module's, for the error when its input is not a share of a sequence."""
 
     def __init__(self, name: str) -> None:
         super().__init__()
@@ -369,27 +380,31 @@ class _ReplicatedOnSequence(ParallelStyle):
 
         def replicate_params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for param_name, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(param_name, nn.Parameter(DTensor.from_local(param, mesh, [Replicate()],
-                                                                                   run_check=False)))
+                replicated = DTensor.from_local(param, mesh, [Replicate()], run_check=False)
+                mod.register_parameter(param_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
 
         def inputs_as_dtensors(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-            layout = [Replicate()] if whole_input else [Shard(1)]
-            return tuple(DTensor.from_local(t, mesh, layout, run_check=False) if isinstance(t, Tensor)
-                         and not isinstance(t, DTensor) else t for t in inputs)
+            if whole_input:
+                return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, Tensor)
+                             and not isinstance(t, DTensor) else t for t in inputs)
+            share = inputs[0]
+            if isinstance(share, DTensor) and tuple(share.placements) == (Shard(1),):
+                return inputs
+            if not isinstance(share, DTensor) and share.dim() >= 3:  # [batch, sequence share, ...]
+                return (DTensor.from_local(share, mesh, [Shard(1)], run_check=False), *inputs[1:])
+            given = (f"a DTensor {tuple(share.shape)} placed {share.placements[0]}" if isinstance(share, DTensor)
+                     else f"a {share.dim()}-D tensor {tuple(share.shape)}")
+            raise TensorParallelError(
+                f"{_shown(self.name)} ({type(mod).__name__}) is left whole on every tensor-parallel rank, and under"
+                " sequence parallelism it must read this rank's share of a sequence ([batch, sequence, ...], split"
+                f" along dimension 1) so that its gradient can be summed over the shares; it was given {given} (a"
+                " pooled or conditioning input?). Give it a role in the plan, parallelize it yourself in"
+                " configure_model(), or pass sequence_parallel=False."
+            )
 
         def output_share(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
             if whole_input:  # (batch,) sequence, width
                 return output.redistribute(mesh, [Shard(output.dim() - 2)]).to_local()
-            if tuple(output.placements) != (Shard(1),):
-                placement = output.placements[0]
-                held = ("a partial sum over the ranks" if placement.is_partial() else "the same on every rank"
-                        if placement.is_replicate() else f"split along dimension {placement.dim}")
-                raise TensorParallelError(
-                    f"{_shown(self.name)} ({type(mod).__name__}) is left whole on every tensor-parallel rank and, under"
-                    " sequence parallelism, reads this rank's share of the sequence (dimension 1), but its output"
-                    f" {tuple(output.shape)} is not a share of the sequence ({held}). Give it a role"
-                    " in the plan, or pass sequence_parallel=False."
-                )
             return output.to_local()
 
         return distribute_module(module, device_mesh, replicate_params, inputs_as_dtensors, output_share)
@@ -423,35 +438,49 @@ def _reject_fused(group: str, readers: list[nn.Linear], writer: nn.Linear) -> No
         )
 
 
-def _left_whole(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> Plan:
-    """The blocks' Linears outside every column→row group and every role (a gate): ``replicate``.
-    Under sequence parallelism they run on this rank's share of the sequence; left plain, each rank's weight
-    would get the gradient of its share alone and the ranks' weights would drift apart without an error."""
-    return {name: "replicate" for name, module in _unsplit(blocks, plan) if isinstance(module, nn.Linear)}
+def _left_whole(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any], hidden: int) -> Plan:
+    """The blocks' Linears outside every column→row group and every role (a gate): ``replicate``. Under
+    sequence parallelism they run on this rank's share of the sequence; left plain, each rank's weight would get
+    the gradient of its share alone and the ranks' weights would drift apart without an error. Linears the
+    automatic plan would split (a group a user plan leaves out) stay as they are, for
+    :func:`_reject_unsplit`: run on the share, attention would see only that share of the sequence."""
+    grouped = {name for _, readers, writer in _column_row_groups(blocks, hidden) for name in (*readers, writer)}
+    return {name: "replicate" for name, module in _unsplit(blocks, plan)
+            if isinstance(module, nn.Linear) and name not in grouped}
 
 
 def _unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> Iterator[tuple[str, nn.Module]]:
-    """The blocks' modules outside every column→row group, role and MoE layer (MoE layers are not split by
-    tensor parallelism: refused with a message of their own, in parallelize.py)."""
-    owners = _colwise_parents(plan)
+    """The blocks' modules outside every column→row group, planned module (a style given to a parent covers its
+    children) and MoE layer (not split by tensor parallelism: refused with a message of their own, in
+    parallelize.py)."""
+    covered = (*_colwise_parents(plan), *plan)
     for block_name, block in blocks:
         experts = [_join(block_name, n) for n, m in block.named_modules() if isinstance(m, MoE)]
         for name, module in block.named_modules():
             full = _join(block_name, name)
-            if full not in plan and not any(full == o or full.startswith(o + ".") for o in (*owners, *experts)):
+            if full not in plan and not any(full.startswith(o + ".") or full == o for o in (*covered, *experts)):
                 yield full, module
 
 
 def _reject_unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any], sequence_parallel: bool) -> None:
     """A block's parameters outside any role or column→row group would stay whole on every rank. Under sequence
     parallelism they meet the activations of this rank's share of the sequence: their gradients would differ
-    between ranks, or the op would mix plain tensors and DTensors (a per-channel scale). A packed q|k|v weight
-    (``nn.MultiheadAttention``'s) is refused either way: the attention would not be split at all. Refused,
-    naming them."""
+    between ranks, or the op would mix plain tensors and DTensors (a per-channel scale), or a group a user plan
+    leaves out would attend over the share alone. A packed q|k|v weight (``nn.MultiheadAttention``'s) is refused
+    either way: the attention would not be split at all. Refused, naming them."""
     for full, module in _unsplit(blocks, plan):
-        packed = isinstance(module, nn.MultiheadAttention)
         own = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
-        if own and (sequence_parallel or packed):
+        if not own:
+            continue
+        if isinstance(module, nn.Linear) and sequence_parallel:
+            raise TensorParallelError(
+                f"{_shown(full)} reads or writes the hidden state in a column→row group the tensor-parallel plan leaves"
+                " out: under sequence parallelism it would run on this rank's share of the sequence, and attention"
+                " between such Linears would see only that share. Give the group roles (colwise, rowwise), give a"
+                " Linear that works token by token 'replicate', or pass sequence_parallel=False."
+            )
+        packed = isinstance(module, nn.MultiheadAttention)
+        if sequence_parallel or packed:
             why = (" (nn.MultiheadAttention packs q, k and v into one parameter)" if packed else
                    ": under sequence parallelism each rank would train them on its share of the sequence alone")
             listed = ", ".join(f"{n} {list(shape)}" for n, shape in own)
@@ -465,7 +494,8 @@ def _reject_unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]
 
 def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
     """Each module holding a column→row group must hold it alone — tensor parallelism hands it its input
-    gathered over the sequence, as a DTensor — and an attention group must say how many heads it has."""
+    gathered over the sequence, as a DTensor, and it computes 1/tp of the heads (parameters beside the group
+    would see only those) — and an attention group must say how many heads it has."""
     modules = dict(model.named_modules())
     blocks = {id(b) for b in repeated_blocks(model)}
     owners = _colwise_parents(plan)
@@ -487,6 +517,19 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
                 " as a DTensor, so that module must hold the group alone: move"
                 f" {', '.join(n.rpartition('.')[2] for n in group)} into a submodule of their own (e.g."
                 " `self.mlp = MLP(dim)` whose forward is `fc2(act(fc1(x)))`)."
+            )
+        stray = [f"{_shown(_join(owner, n, p))} {list(t.shape)}" for n, m in module.named_modules()
+                 if (full := _join(owner, n)) not in group
+                 and not any(full == o or full.startswith(o + ".") for o in nested)
+                 for p, t in m.named_parameters(recurse=False)]
+        if stray:
+            raise TensorParallelError(
+                f"{_shown(owner) or _model_name(module)} holds the tensor-parallel group"
+                f" {', '.join(map(_shown, group))} and also the parameters {', '.join(stray[:4])}, which tensor"
+                " parallelism does not split: each rank computes 1/tp of the group's heads (or hidden units) and"
+                " would train them on those alone (a norm"
+                " over each head, a learned scale, attention sinks). Splitting them is not supported yet: parallelize"
+                " the module yourself in configure_model(), or train without tensor parallelism (pp, ZeRO)."
             )
         readers = [modules[n] for n in group if plan[n] == "colwise" and isinstance(modules[n], nn.Linear)]
         attention = len(readers) >= 3 or len({m.out_features for m in readers}) > 1

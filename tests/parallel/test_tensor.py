@@ -219,31 +219,66 @@ def test_a_linear_no_column_row_group_holds_is_replicated():
     assert plan["blocks.0.gate"] == plan["blocks.1.gate"] == "replicate"
     assert (plan["blocks.0.attn.q"], plan["blocks.0.mlp.fc2"]) == ("colwise", "rowwise")
     validate_plan(model, plan, 2, 2)
-    user = resolve_plan(model, {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
-                                "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise"})
-    assert user["blocks.1.gate"] == user["blocks.1.mlp.fc1"] == "replicate"  # a user plan's unsplit Linears too
     gated = LitLlama(gated=True)
     assert derive_plan(gated)["model.layers.0.gate"] == resolve_plan(gated, DICT_PLAN)["model.layers.0.gate"] \
         == "replicate"
+    # a style given to a parent covers its children
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    for block in model.blocks:
+        block.gating = nn.Sequential(nn.Linear(32, 1), nn.Sigmoid())
+    assert derive_plan(model)["blocks.0.gating.0"] == "replicate"
+    styled = resolve_plan(model, {"blocks.*.gating": PrepareModuleInput()})
+    assert isinstance(styled["blocks.0.gating"], PrepareModuleInput) and "blocks.0.gating.0" not in styled
 
 
-def test_a_replicated_linear_runs_on_the_sequence_share_and_refuses_an_output_that_is_not_one(one_process_group):
+def test_a_group_a_user_plan_leaves_out_is_refused_under_sequence_parallelism():
+    # run on each rank's share of the sequence, attention would attend over that share alone
+    model = _model()
+    plan = resolve_plan(model, {"blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"})
+    assert not any(name.startswith("blocks.0.attn.") for name in plan)
+    with pytest.raises(TensorParallelError, match=r"blocks.0.attn.q reads or writes the hidden state in a column→row"
+                                                  r" group the tensor-parallel plan leaves out: .* Give the group roles"
+                                                  r" \(colwise, rowwise\), give a Linear that works token by token"
+                                                  r" 'replicate', or pass sequence_parallel=False\."):
+        validate_plan(model, plan, 2, 2)
+    validate_plan(model, plan, 2, 2, sequence_parallel=False)  # whole on every rank: the whole sequence
+
+
+def test_parameters_beside_a_group_in_its_module_are_refused():
+    class QKNormAttention(_Attention):  # a norm over each head: each rank would train it on its heads alone
+        def __init__(self):
+            super().__init__()
+            self.head_dim = 8
+            self.q_norm = nn.RMSNorm(8)
+
+    model = _model(attention=QKNormAttention)
+    for sequence_parallel in (True, False):
+        with pytest.raises(TensorParallelError, match=r"blocks.0.attn holds the tensor-parallel group blocks.0.attn.q,"
+                                                      r" .* and also the parameters blocks.0.attn.q_norm.weight \[8\],"
+                                                      r" which tensor parallelism does not split: .* Splitting them is"
+                                                      r" not supported yet"):
+            validate_plan(model, derive_plan(model), 2, 2, sequence_parallel=sequence_parallel)
+
+
+def test_a_replicated_linear_runs_on_the_sequence_share_and_refuses_an_input_that_is_not_one(one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
     from meshlight.parallel.tensor import apply_tensor_parallel
 
     model = nn.Module()
-    model.gate = nn.Linear(32, 4)
-    apply_tensor_parallel(model, init_device_mesh("cpu", (1,)), {"gate": "replicate"})
+    model.gate, model.frozen = nn.Linear(32, 4), nn.Linear(32, 4)
+    model.frozen.requires_grad_(False)
+    apply_tensor_parallel(model, init_device_mesh("cpu", (1,)), {"gate": "replicate", "frozen": "replicate"})
     assert isinstance(model.gate.weight, DTensor) and model.gate.weight.placements == (Replicate(),)
+    assert model.gate.weight.requires_grad and not model.frozen.weight.requires_grad  # a frozen Linear stays so
     share = torch.randn(2, 6, 32)
     out = model.gate(share)
     assert type(out) is torch.Tensor and torch.equal(out, share @ model.gate.weight.to_local().T
                                                      + model.gate.bias.to_local())
-    with pytest.raises(TensorParallelError, match=r"gate \(Linear\) is left whole on every tensor-parallel rank and,"
-                                                  r" under sequence parallelism, reads this rank's share of the"
-                                                  r" sequence \(dimension 1\), but its output \(2, 4\) is not a share"
-                                                  r" of the sequence \(a partial sum over the ranks\)\. Give it a"
-                                                  r" role in the plan, or pass sequence_parallel=False\."):
-        model.gate(share.mean(1))  # pooled over the sequence: the Linear reads features, not a sequence share
+    with pytest.raises(TensorParallelError, match=r"gate \(Linear\) is left whole on every tensor-parallel rank, and"
+                                                  r" under sequence parallelism it must read this rank's share of a"
+                                                  r" sequence .* it was given a 2-D tensor \(2, 32\) \(a pooled or"
+                                                  r" conditioning input\?\)\. Give it a role in the plan"):
+        model.gate(share.mean(1))  # pooled over the sequence: features, not a share of a sequence
