@@ -10,6 +10,8 @@ role            what it does
 ``embedding``   token embedding sharded by vocabulary (masked lookup, outputs summed over tp)
 ``head``        LM head sharded by vocabulary; in training its logits stay sharded for loss parallelism
 ``norm``        with sequence parallelism: runs on this rank's share of the sequence
+``head_norm``   a norm over each head inside attention (QK-norm): runs on this rank's heads, its weight a
+                replicated DTensor, so its gradient is the sum over the ranks' heads
 ``replicate``   left whole on every rank. Under sequence parallelism an Embedding's output is cut to this
                 rank's share of the sequence (learned positions), and a Linear runs on that share with its
                 weights a replicated DTensor, so its gradient is the sum over the shares (a gate)
@@ -62,7 +64,7 @@ __all__ = [
     "resolve_plan", "sequence_share_input", "stage_plan", "validate_plan",
 ]
 
-ROLES = ("colwise", "rowwise", "embedding", "head", "norm", "replicate")
+ROLES = ("colwise", "rowwise", "embedding", "head", "norm", "head_norm", "replicate")
 Plan = dict[str, str]
 UserPlan = Mapping[str, Union[str, ParallelStyle]]
 
@@ -122,11 +124,16 @@ def _column_row_groups(blocks: list[tuple[str, nn.Module]], hidden: int) -> Iter
 
 
 def _structural_roles(model: nn.Module, blocks: list[tuple[str, nn.Module]], hidden: int) -> Plan:
-    """Every role but the blocks' Linears: norms (in and outside the blocks), the LM head, the token
-    embedding whose vocabulary it produces, and other ``D``-wide embeddings (positions) replicated."""
+    """Every role but the blocks' Linears: norms (in and outside the blocks, and over each head inside
+    attention), the LM head, the token embedding whose vocabulary it produces, and other ``D``-wide embeddings
+    (positions) replicated."""
     roles: Plan = {}
     for block_name, block in blocks:
         roles.update({_join(block_name, n): "norm" for n, m in block.named_modules() if _is_norm(m, hidden)})
+        for owner_name, owner in block.named_modules():  # QK-norms: norms as wide as the attention's head_dim
+            head_dim = _head_dim(owner)
+            roles.update({_join(block_name, owner_name, n): "head_norm" for n, m in owner.named_children()
+                          if head_dim not in (None, hidden) and _is_norm(m, head_dim)})
     in_blocks = {id(m) for _, block in blocks for m in block.modules()}
     outside = [(n, m) for n, m in model.named_modules() if id(m) not in in_blocks]
     embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding) and m.embedding_dim == hidden]
@@ -264,8 +271,12 @@ def apply_tensor_parallel(
             styles[name] = _LMHead(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         elif role == "norm" and sequence_parallel:
             styles[name] = SequenceParallel()
-        elif role == "replicate" and sequence_parallel and isinstance(modules[name], (nn.Embedding, nn.Linear)):
-            styles[name] = _ReplicatedOnSequence(name)
+        elif role == "head_norm":
+            styles[name] = _Replicated(name, over="heads")
+        elif role == "replicate" and sequence_parallel and isinstance(modules[name], nn.Embedding):
+            styles[name] = _Replicated(name, over="whole")
+        elif role == "replicate" and sequence_parallel and isinstance(modules[name], nn.Linear):
+            styles[name] = _Replicated(name, over="sequence")
     parallelize_module(model, mesh, styles)
     for parent in _colwise_parents(plan):
         register_sequence_gather(modules[parent], mesh, sequence_parallel=sequence_parallel,
@@ -364,50 +375,56 @@ class _LMHead(ColwiseParallel):
         return module
 
 
-class _ReplicatedOnSequence(ParallelStyle):
-    """A module left whole on every rank that, under sequence parallelism, works on this rank's share of the
-    sequence: its weights become replicated DTensors, so the gradients of all shares are summed (reduced with
-    the norms'). An Embedding (learned positions) reads the whole sequence and keeps its output's share; a
-    Linear (a gate) reads the share — a plain tensor between blocks, or a norm's DTensor — and hands
-    on its output's. ``name`` is the module's, for the error when its input is not a share of a sequence."""
+class _Replicated(ParallelStyle):
+    """A module left whole on every rank whose input differs between them: its weights become replicated
+    DTensors, so the gradients of all ranks are summed (reduced with the norms'). ``over``:
 
-    def __init__(self, name: str) -> None:
+    - ``"whole"``: an Embedding (learned positions) under sequence parallelism reads the whole sequence and
+      keeps its output's share;
+    - ``"sequence"``: a Linear (a gate) under sequence parallelism reads this rank's share of the sequence — a
+      plain ``[batch, sequence, ...]`` tensor between blocks, or a norm's DTensor — and hands on its output's;
+    - ``"heads"``: a norm over each head (QK-norm) reads this rank's heads (``[..., heads, head_dim]``).
+
+    ``name`` is the module's, for the error when its input is not a share of a sequence."""
+
+    def __init__(self, name: str, *, over: str) -> None:
         super().__init__()
-        self.name = name
+        self.name, self.over = name, over
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        whole_input = isinstance(module, nn.Embedding)
-
         def replicate_params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for param_name, param in list(mod.named_parameters(recurse=False)):
                 replicated = DTensor.from_local(param, mesh, [Replicate()], run_check=False)
                 mod.register_parameter(param_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
 
         def inputs_as_dtensors(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-            if whole_input:
+            if self.over == "whole":
                 return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, Tensor)
                              and not isinstance(t, DTensor) else t for t in inputs)
             share = inputs[0]
+            if self.over == "heads" and not isinstance(share, DTensor) and share.dim() >= 2:
+                return (DTensor.from_local(share, mesh, [Shard(share.dim() - 2)], run_check=False), *inputs[1:])
             if isinstance(share, DTensor) and tuple(share.placements) == (Shard(1),):
                 return inputs
             if not isinstance(share, DTensor) and share.dim() >= 3:  # [batch, sequence share, ...]
                 return (DTensor.from_local(share, mesh, [Shard(1)], run_check=False), *inputs[1:])
             given = (f"a DTensor {tuple(share.shape)} placed {share.placements[0]}" if isinstance(share, DTensor)
                      else f"a {share.dim()}-D tensor {tuple(share.shape)}")
+            wanted = ("this rank's heads ([..., heads, head_dim])" if self.over == "heads" else
+                      "this rank's share of a sequence ([batch, sequence, ...], split along dimension 1)")
             raise TensorParallelError(
-                f"{_shown(self.name)} ({type(mod).__name__}) is left whole on every tensor-parallel rank, and under"
-                " sequence parallelism it must read this rank's share of a sequence ([batch, sequence, ...], split"
-                f" along dimension 1) so that its gradient can be summed over the shares; it was given {given} (a"
-                " pooled or conditioning input?). Give it a role in the plan, parallelize it yourself in"
-                " configure_model(), or pass sequence_parallel=False."
+                f"{_shown(self.name)} ({type(mod).__name__}) is left whole on every tensor-parallel rank, and it must"
+                f" read {wanted} so that its gradient can be summed over the ranks; it was given {given} (a pooled"
+                " or conditioning input?). Give it a role in the plan, or parallelize it yourself in"
+                f" configure_model(){'' if self.over == 'heads' else ', or pass sequence_parallel=False'}."
             )
 
-        def output_share(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
-            if whole_input:  # (batch,) sequence, width
+        def output_local(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
+            if self.over == "whole":  # (batch,) sequence, width
                 return output.redistribute(mesh, [Shard(output.dim() - 2)]).to_local()
             return output.to_local()
 
-        return distribute_module(module, device_mesh, replicate_params, inputs_as_dtensors, output_share)
+        return distribute_module(module, device_mesh, replicate_params, inputs_as_dtensors, output_local)
 
 
 def _check_sequence_divisible(tp: int):  # noqa: ANN202 - a forward pre-hook
@@ -503,11 +520,12 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
         module = modules[owner]
         # the group: the owner's children with a role of their own (a string, or a ParallelStyle given)
         group = [n for n in modules if n.rpartition(".")[0] == owner and n in plan
-                 and plan[n] not in ("norm", "replicate")]
+                 and plan[n] not in ("norm", "head_norm", "replicate")]
         nested = [o for o in owners if o != owner and (not owner or o.startswith(owner + "."))]
+        block_or_model = id(module) in blocks or not owner  # where norms live beside the sublayers
         others = [full for n, m in module.named_modules() if n and (full := _join(owner, n)) not in group
                   and not any(full == o or full.startswith(o + ".") for o in nested)
-                  and (isinstance(m, (nn.Linear, nn.Embedding)) or plan.get(full) == "norm")]
+                  and (isinstance(m, (nn.Linear, nn.Embedding)) or (block_or_model and plan.get(full) == "norm"))]
         if others:
             what = "a repeated block" if id(module) in blocks else "the whole model" if not owner else "a module"
             raise TensorParallelError(
@@ -519,7 +537,7 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
                 " `self.mlp = MLP(dim)` whose forward is `fc2(act(fc1(x)))`)."
             )
         stray = [f"{_shown(_join(owner, n, p))} {list(t.shape)}" for n, m in module.named_modules()
-                 if (full := _join(owner, n)) not in group
+                 if (full := _join(owner, n)) not in group and plan.get(full) != "head_norm"
                  and not any(full == o or full.startswith(o + ".") for o in nested)
                  for p, t in m.named_parameters(recurse=False)]
         if stray:
@@ -527,9 +545,9 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
                 f"{_shown(owner) or _model_name(module)} holds the tensor-parallel group"
                 f" {', '.join(map(_shown, group))} and also the parameters {', '.join(stray[:4])}, which tensor"
                 " parallelism does not split: each rank computes 1/tp of the group's heads (or hidden units) and"
-                " would train them on those alone (a norm"
-                " over each head, a learned scale, attention sinks). Splitting them is not supported yet: parallelize"
-                " the module yourself in configure_model(), or train without tensor parallelism (pp, ZeRO)."
+                " would train them on those alone (a norm over all heads at once, a learned scale, attention sinks;"
+                " a norm as wide as one head is split). Splitting them is not supported yet: parallelize the module"
+                " yourself in configure_model(), or train without tensor parallelism (pp, ZeRO)."
             )
         readers = [modules[n] for n in group if plan[n] == "colwise" and isinstance(modules[n], nn.Linear)]
         attention = len(readers) >= 3 or len({m.out_features for m in readers}) > 1
@@ -578,12 +596,15 @@ def _head_counts(model: nn.Module, plan: Mapping[str, Any]) -> Iterator[tuple[st
                 yield parent, attribute, value
 
 
+def _head_dim(module: nn.Module) -> Optional[int]:
+    return next((getattr(module, a) for a in HEAD_DIM_ATTRIBUTES if isinstance(getattr(module, a, None), int)), None)
+
+
 def _heads_from_head_dim(model: nn.Module, plan: Mapping[str, Any]) -> Iterator[tuple[str, str, int]]:
     """Head counts of colwise Linears in modules that only record ``head_dim`` (and reshape with -1)."""
     modules = dict(model.named_modules())
     for parent in _colwise_parents(plan):
-        head_dim = next((getattr(modules[parent], a) for a in HEAD_DIM_ATTRIBUTES
-                         if isinstance(getattr(modules[parent], a, None), int)), None)
+        head_dim = _head_dim(modules[parent])
         if not head_dim:
             continue
         for name, role in plan.items():

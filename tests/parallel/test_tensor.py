@@ -245,20 +245,31 @@ def test_a_group_a_user_plan_leaves_out_is_refused_under_sequence_parallelism():
     validate_plan(model, plan, 2, 2, sequence_parallel=False)  # whole on every rank: the whole sequence
 
 
-def test_parameters_beside_a_group_in_its_module_are_refused():
-    class QKNormAttention(_Attention):  # a norm over each head: each rank would train it on its heads alone
-        def __init__(self):
-            super().__init__()
-            self.head_dim = 8
-            self.q_norm = nn.RMSNorm(8)
+class _QKNormAttention(_Attention):
+    def __init__(self, norm_width=8, sinks=False):
+        super().__init__()
+        self.head_dim = 8
+        self.q_norm, self.k_norm = nn.RMSNorm(norm_width), nn.RMSNorm(norm_width)
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(4))
 
-    model = _model(attention=QKNormAttention)
-    for sequence_parallel in (True, False):
-        with pytest.raises(TensorParallelError, match=r"blocks.0.attn holds the tensor-parallel group blocks.0.attn.q,"
-                                                      r" .* and also the parameters blocks.0.attn.q_norm.weight \[8\],"
-                                                      r" which tensor parallelism does not split: .* Splitting them is"
-                                                      r" not supported yet"):
-            validate_plan(model, derive_plan(model), 2, 2, sequence_parallel=sequence_parallel)
+
+def test_a_norm_over_each_head_runs_on_the_ranks_heads_and_other_parameters_beside_a_group_are_refused():
+    model = _model(attention=_QKNormAttention)  # QK-norm as Qwen3 has it: a norm as wide as one head
+    plan = derive_plan(model)
+    assert plan["blocks.0.attn.q_norm"] == plan["blocks.1.attn.k_norm"] == "head_norm"
+    validate_plan(model, plan, 2, 2)
+    # a norm over all heads at once (each rank holds 1/tp of its width), attention sinks: trained on the rank's
+    # heads alone, with or without sequence parallelism
+    for attention, listed in [(lambda: _QKNormAttention(norm_width=32), r"blocks.0.attn.q_norm.weight \[32\]"),
+                              (lambda: _QKNormAttention(sinks=True), r"blocks.0.attn.sinks \[4\]")]:
+        model = _model(attention=attention)
+        for sequence_parallel in (True, False):
+            with pytest.raises(TensorParallelError, match=r"blocks.0.attn holds the tensor-parallel group"
+                                                          rf" blocks.0.attn.q, .* and also the parameters {listed}.*,"
+                                                          r" which tensor parallelism does not split: .* Splitting"
+                                                          r" them is not supported yet"):
+                validate_plan(model, derive_plan(model), 2, 2, sequence_parallel=sequence_parallel)
 
 
 def test_a_replicated_linear_runs_on_the_sequence_share_and_refuses_an_input_that_is_not_one(one_process_group):
@@ -278,7 +289,7 @@ def test_a_replicated_linear_runs_on_the_sequence_share_and_refuses_an_input_tha
     assert type(out) is torch.Tensor and torch.equal(out, share @ model.gate.weight.to_local().T
                                                      + model.gate.bias.to_local())
     with pytest.raises(TensorParallelError, match=r"gate \(Linear\) is left whole on every tensor-parallel rank, and"
-                                                  r" under sequence parallelism it must read this rank's share of a"
-                                                  r" sequence .* it was given a 2-D tensor \(2, 32\) \(a pooled or"
-                                                  r" conditioning input\?\)\. Give it a role in the plan"):
+                                                  r" it must read this rank's share of a sequence .* it was given a"
+                                                  r" 2-D tensor \(2, 32\) \(a pooled or conditioning input\?\)\."
+                                                  r" Give it a role in the plan"):
         model.gate(share.mean(1))  # pooled over the sequence: features, not a share of a sequence

@@ -5,7 +5,8 @@ RMSNorm, rotary embeddings, grouped-query attention that reshapes with its own h
 ``training_step`` that calls ``F.cross_entropy`` on the logits itself. ``LitLlama(experts=8)`` makes every
 feed-forward a ``meshlight.nn.MoE``, as a user adopting meshlight's layer would; ``LitLlama(gated=True)`` scales
 each feed-forward's output by a gate that reads the residual stream (``sigmoid(gate(x))``, a Linear no column→row
-group holds: tensor parallelism leaves it whole).
+group holds: tensor parallelism leaves it whole); ``LitLlama(qk_norm=True)`` normalizes each head of q and k
+(Qwen3's QK-norm).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, qk_norm: bool = False) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = HEADS, KV_HEADS, DIM // HEADS
         self.n_rep = HEADS // KV_HEADS
@@ -57,12 +58,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(DIM, KV_HEADS * self.head_dim, bias=False)
         self.wv = nn.Linear(DIM, KV_HEADS * self.head_dim, bias=False)
         self.wo = nn.Linear(HEADS * self.head_dim, DIM, bias=False)
+        # Qwen3's QK-norm: an RMSNorm over each head of q and k
+        self.q_norm, self.k_norm = (RMSNorm(self.head_dim), RMSNorm(self.head_dim)) if qk_norm else (None, None)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k, v = k.repeat_interleave(self.n_rep, dim=2), v.repeat_interleave(self.n_rep, dim=2)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
@@ -81,9 +86,9 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, experts: int = 0, gated: bool = False) -> None:
+    def __init__(self, experts: int = 0, gated: bool = False, qk_norm: bool = False) -> None:
         super().__init__()
-        self.attention_norm, self.attention = RMSNorm(DIM), Attention()
+        self.attention_norm, self.attention = RMSNorm(DIM), Attention(qk_norm)
         self.ffn_norm = RMSNorm(DIM)
         self.feed_forward = MoE(DIM, HIDDEN // 2, experts, top_k=2) if experts else FeedForward()
         self.gate = nn.Linear(DIM, 1) if gated else None
@@ -95,10 +100,10 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, experts: int = 0, gated: bool = False) -> None:
+    def __init__(self, experts: int = 0, gated: bool = False, qk_norm: bool = False) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(TransformerBlock(experts, gated) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(TransformerBlock(experts, gated, qk_norm) for _ in range(LAYERS))
         self.norm = RMSNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
         head_dim = DIM // HEADS
@@ -115,10 +120,10 @@ class Llama(nn.Module):
 
 
 class LitLlama(pl.LightningModule):
-    def __init__(self, lr: float = 1e-2, experts: int = 0, gated: bool = False) -> None:
+    def __init__(self, lr: float = 1e-2, experts: int = 0, gated: bool = False, qk_norm: bool = False) -> None:
         super().__init__()
         self.lr = lr
-        self.model = Llama(experts, gated)
+        self.model = Llama(experts, gated, qk_norm)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = batch

@@ -1,7 +1,8 @@
 """Tensor parallelism reproduces single-process training — tp=2 on 2 processes, tp=4 and tp=2 × dp=2 on 4,
 with and without sequence parallelism, for meshlight's GPT and a Llama-shaped LightningModule under the
 automatic plan, a dict plan and its own configure_model(), the Llama with a gate Linear no column→row group holds
-(left whole: under sequence parallelism it reads each rank's share, and its gradient is summed over the shares), and
+(left whole: under sequence parallelism it reads each rank's share, and its gradient is summed over the shares), the
+Llama with a norm over each head of q and k (each rank normalizes its heads; the gradients are summed), and
 Adafactor over tp × dp shards — shards its
 layers to 1/tp per rank, reduces partial-sum gradients once per step, and keeps dropout consistent."""
 

@@ -30,13 +30,15 @@ def lit_gpt(dropout: float = 0.0, **options: object) -> LitGPT:
 # model name -> (factory, plan)
 MODELS = {"gpt": (lit_gpt, None), "llama-auto": (LitLlama, None), "llama-dict": (LitLlama, DICT_PLAN),
           "llama-configure-model": (LitLlamaParallelizedByUser, None),
-          "llama-gated": (functools.partial(LitLlama, gated=True), None)}
+          "llama-gated": (functools.partial(LitLlama, gated=True), None),
+          "llama-qknorm": (functools.partial(LitLlama, qk_norm=True), None)}
 
 
 def runs(world: int) -> list[tuple[str, str, bool, str]]:
     """(layout, model, sequence_parallel, variant) for this world size."""
     grid = [(layout, model, sp, "adamw") for layout in LAYOUTS[world] for model in MODELS for sp in (True, False)
-            if model != "llama-configure-model" and (model != "llama-gated" or sp or world == 2)]
+            if model != "llama-configure-model" and (model != "llama-gated" or sp or world == 2)
+            and (model != "llama-qknorm" or layout != "tp4" and (sp or world == 2))]
     if world == 2:  # sequence parallelism is the user's business here; their plan has none
         grid.append(("tp2", "llama-configure-model", False, "adamw"))
         # norms left plain beside DTensor weights, nothing sharding them over data ranks: multi-tensor AdamW
