@@ -29,7 +29,7 @@ from meshlight.parallel.layout import ParallelLayout, axis
 from meshlight.parallel.offload import OffloadPolicy, apply_activation_offload
 from meshlight.parallel.precision import PrecisionPolicy
 from meshlight.parallel.recompute import apply_recompute
-from meshlight.parallel.tensor import apply_tensor_parallel, model_plan, validate_plan
+from meshlight.parallel.tensor import apply_tensor_parallel, model_plan, sequence_share_input, validate_plan
 
 __all__ = ["parallelize"]
 
@@ -48,6 +48,7 @@ def parallelize(
     precision: Optional[PrecisionPolicy] = None,
     offload: Optional[OffloadPolicy] = None,
     compile: Optional[CompilePolicy] = None,  # noqa: A002 - the transform's name
+    later_stage: bool = False,
 ) -> nn.Module:
     """Apply every transform ``layout`` asks for to ``module`` in place; ``module`` becomes the root whose
     forward runs the collectives. ``tp_plan`` (module-name patterns → roles) replaces the automatic
@@ -59,7 +60,9 @@ def parallelize(
     blocks whose activations are recomputed in backward (:mod:`meshlight.parallel.recompute`); ``precision``
     makes parameters and compute low-precision with fp32 master weights (:mod:`meshlight.parallel.precision`);
     ``offload`` moves optimizer state and chosen blocks' activations to host memory (:mod:`meshlight.parallel.offload`);
-    ``compile`` compiles chosen blocks' forward (:mod:`meshlight.parallel.compile`).
+    ``compile`` compiles chosen blocks' forward (:mod:`meshlight.parallel.compile`). ``later_stage``: ``module``
+    is a pipeline stage after the first, which receives the sequence parallelism's share of the sequence
+    (:func:`~meshlight.parallel.tensor.sequence_share_input`).
     """
     moe_layers = expert_layers(module)
     if layout.ep > 1 and not moe_layers and layout.pp == 1:
@@ -82,6 +85,8 @@ def parallelize(
         validate_plan(module, plan, layout.tp, layout.world_size, sequence_parallel=sequence_parallel)
         apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=sequence_parallel,
                               loss_parallel=loss_parallel, keep_gathered_inputs=keep_gathered_inputs)
+        if later_stage and sequence_parallel:
+            sequence_share_input(module, mesh["tp"])
     if moe_layers:
         apply_expert_parallel(module, mesh, layout.ep)
     # Recomputation runs inside the compiled block, where the compiler sees what it recomputes — unless the blocks

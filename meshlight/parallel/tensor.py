@@ -475,7 +475,7 @@ def _unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> It
         experts = [_join(block_name, n) for n, m in block.named_modules() if isinstance(m, MoE)]
         for name, module in block.named_modules():
             full = _join(block_name, name)
-            if full not in plan and not any(full.startswith(o + ".") or full == o for o in (*covered, *experts)):
+            if full not in plan and not _within(full, (*covered, *experts)):
                 yield full, module
 
 
@@ -524,7 +524,7 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
         nested = [o for o in owners if o != owner and (not owner or o.startswith(owner + "."))]
         block_or_model = id(module) in blocks or not owner  # where norms live beside the sublayers
         others = [full for n, m in module.named_modules() if n and (full := _join(owner, n)) not in group
-                  and not any(full == o or full.startswith(o + ".") for o in nested)
+                  and not _within(full, nested)
                   and (isinstance(m, (nn.Linear, nn.Embedding)) or (block_or_model and plan.get(full) == "norm"))]
         if others:
             what = "a repeated block" if id(module) in blocks else "the whole model" if not owner else "a module"
@@ -538,7 +538,7 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
             )
         stray = [f"{_shown(_join(owner, n, p))} {list(t.shape)}" for n, m in module.named_modules()
                  if (full := _join(owner, n)) not in group and plan.get(full) != "head_norm"
-                 and not any(full == o or full.startswith(o + ".") for o in nested)
+                 and not _within(full, nested)
                  for p, t in m.named_parameters(recurse=False)]
         if stray:
             raise TensorParallelError(
@@ -635,6 +635,11 @@ def _model_name(model: nn.Module) -> str:
     """The class of the user's model: inside a wrapper whose one child is ``module``, that child's."""
     inner = getattr(model, "module", None)
     return type(inner if isinstance(inner, nn.Module) and len(list(model.children())) == 1 else model).__name__
+
+
+def _within(name: str, modules: Iterable[str]) -> bool:
+    """Whether module ``name`` is one of ``modules`` or inside one of them."""
+    return any(name == m or name.startswith(m + ".") for m in modules)
 
 
 def _join(*parts: str) -> str:

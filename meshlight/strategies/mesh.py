@@ -70,7 +70,7 @@ from meshlight.parallel.parallelize import parallelize
 from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, validate_schedule
 from meshlight.parallel.precision import MeshGradScaler, PrecisionPolicy
 from meshlight.parallel.sampling import ResumableSampler
-from meshlight.parallel.tensor import model_plan, reduce_partial_gradients, sequence_share_input, stage_plan
+from meshlight.parallel.tensor import model_plan, reduce_partial_gradients, stage_plan
 from meshlight.strategies.launcher import ForkingScriptLauncher
 from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps, setup_pipeline
 from meshlight.strategies.preemption import AgreedSignals, newest_whole_hpc_checkpoint
@@ -333,13 +333,8 @@ class MeshStrategy(ParallelStrategy):
 
             def parallelize_stage(stage: nn.Module, index: int) -> nn.Module:
                 options = {**self._tensor_parallel, "tp_plan": stage_plan(plan, stage) if plan is not None else None}
-                # a later stage receives the share of the sequence where meshlight applies sequence parallelism
-                shares = (index > 0 and plan is not None and options["sequence_parallel"]
-                          and not any(isinstance(p, DTensor) for p in stage.parameters()))
-                stage = parallelize(stage, self.layout, self.device_mesh, **options, **self._callback_transforms)
-                if shares:
-                    sequence_share_input(stage, self.device_mesh["tp"])
-                return stage
+                return parallelize(stage, self.layout, self.device_mesh, **options, **self._callback_transforms,
+                                   later_stage=index > 0)
 
             self._pipeline, stages = setup_pipeline(
                 lightning_module, self.layout, self.device_mesh, self._pipeline_options, self.root_device,
