@@ -30,6 +30,7 @@ from meshlight.parallel.offload import OffloadPolicy, apply_activation_offload
 from meshlight.parallel.precision import PrecisionPolicy
 from meshlight.parallel.recompute import apply_recompute
 from meshlight.parallel.tensor import apply_tensor_parallel, model_plan, sequence_share_input, validate_plan
+from meshlight.parallel.tensor import sequence_region as find_sequence_region
 
 __all__ = ["parallelize"]
 
@@ -49,6 +50,7 @@ def parallelize(
     offload: Optional[OffloadPolicy] = None,
     compile: Optional[CompilePolicy] = None,  # noqa: A002 - the transform's name
     later_stage: bool = False,
+    sequence_region: Union[str, tuple[str, str], None] = "auto",
 ) -> nn.Module:
     """Apply every transform ``layout`` asks for to ``module`` in place; ``module`` becomes the root whose
     forward runs the collectives. ``tp_plan`` (module-name patterns → roles) replaces the automatic
@@ -62,7 +64,9 @@ def parallelize(
     ``offload`` moves optimizer state and chosen blocks' activations to host memory (:mod:`meshlight.parallel.offload`);
     ``compile`` compiles chosen blocks' forward (:mod:`meshlight.parallel.compile`). ``later_stage``: ``module``
     is a pipeline stage after the first, which receives the sequence parallelism's share of the sequence
-    (:func:`~meshlight.parallel.tensor.sequence_share_input`).
+    (:func:`~meshlight.parallel.tensor.sequence_share_input`). ``sequence_region``: where sequence parallelism
+    holds shares of the sequence (:func:`~meshlight.parallel.tensor.sequence_region`), found from ``module`` when
+    ``"auto"``; a pipeline stage is given its whole model's.
     """
     moe_layers = expert_layers(module)
     if layout.ep > 1 and not moe_layers and layout.pp == 1:
@@ -83,8 +87,11 @@ def parallelize(
     if layout.tp > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):
         plan = model_plan(module, tp_plan)
         validate_plan(module, plan, layout.tp, layout.world_size, sequence_parallel=sequence_parallel)
+        if sequence_region == "auto":
+            sequence_region = find_sequence_region(module, plan) if sequence_parallel else None
         apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=sequence_parallel,
-                              loss_parallel=loss_parallel, keep_gathered_inputs=keep_gathered_inputs)
+                              loss_parallel=loss_parallel, keep_gathered_inputs=keep_gathered_inputs,
+                              sequence_region=sequence_region)
         if later_stage and sequence_parallel:
             sequence_share_input(module, mesh["tp"])
     if moe_layers:

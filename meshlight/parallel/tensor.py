@@ -17,6 +17,13 @@ role            what it does
                 weights a replicated DTensor, so its gradient is the sum over the shares (a gate)
 =============== =========================================================================================
 
+With sequence parallelism the region that runs on this rank's share of the sequence is Megatron-LM's when the model
+holds nothing outside its blocks but a token embedding, position tables, norms and an LM head: the embedding's output is
+reduce-scattered over the sequence and the LM head gathers its input. A model with more outside its blocks (an adapter,
+a factorized embedding's projection, a value head, a class token) keeps those on the whole sequence, as without
+sequence parallelism: the first block's input is cut to this rank's share and the last block's output gathered
+(:func:`sequence_region`).
+
 Per block the traffic is Megatron-LM's: in forward the input of each colwise group is gathered once — an
 all-gather of the sequence with sequence parallelism, nothing otherwise — and in backward its gradient is
 reduced once; each rowwise output is reduce-scattered over the sequence (or all-reduced without sequence
@@ -61,7 +68,7 @@ from meshlight.parallel.sequence_gather import register_sequence_gather
 
 __all__ = [
     "ROLES", "TensorParallelError", "apply_tensor_parallel", "derive_plan", "model_plan", "reduce_partial_gradients",
-    "resolve_plan", "sequence_share_input", "stage_plan", "validate_plan",
+    "resolve_plan", "sequence_region", "sequence_share_input", "stage_plan", "validate_plan",
 ]
 
 ROLES = ("colwise", "rowwise", "embedding", "head", "norm", "head_norm", "replicate")
@@ -136,19 +143,57 @@ def _structural_roles(model: nn.Module, blocks: list[tuple[str, nn.Module]], hid
                           if head_dim not in (None, hidden) and _is_norm(m, head_dim)})
     in_blocks = {id(m) for _, block in blocks for m in block.modules()}
     outside = [(n, m) for n, m in model.named_modules() if id(m) not in in_blocks]
-    embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding) and m.embedding_dim == hidden]
+    embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding)]
     vocabularies = {m.num_embeddings for _, m in embeddings}
     heads = [(n, m) for n, m in outside if isinstance(m, nn.Linear) and m.in_features == hidden
              and m.out_features in vocabularies]
     roles.update({n: "norm" for n, m in outside if _is_norm(m, hidden)})
+    vocabulary = heads[-1][1].out_features if heads else None
     if heads:
-        head_name, head = heads[-1]
-        roles[head_name] = "head"
-        roles.update({n: "embedding" if m.num_embeddings == head.out_features else "replicate"
-                      for n, m in embeddings})
-    else:
-        roles.update({n: "replicate" for n, _ in embeddings})
+        roles[heads[-1][0]] = "head"
+    # the token embedding (any width: a factorized one is projected to D after it); other D-wide tables: positions
+    roles.update({n: "embedding" if m.num_embeddings == vocabulary else "replicate" for n, m in embeddings
+                  if m.num_embeddings == vocabulary or m.embedding_dim == hidden})
     return roles
+
+
+def sequence_region(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]]) -> Optional[tuple[str, str]]:
+    """Where sequence parallelism holds this rank's share of the sequence; ``None``: Megatron-LM's region, from the
+    token embedding's output to the LM head's input.
+
+    That region needs everything outside the blocks to have a role: a token embedding that hands on the share, an
+    LM head that gathers it, norms and position tables that run on it. A module outside the blocks the plan gives
+    no role (an adapter after the embedding, a factorized embedding's projection, a value or classification head,
+    a learned class token) would read a share where it expects the sequence — trained on its share alone, or
+    failing on the shapes. Then the region is the blocks only, returned as (first block, last block): the first
+    block's input is cut to the share and the last block's output gathered, and the rest runs on the whole
+    sequence, as without sequence parallelism. Styles a user plan gives to modules outside the blocks keep
+    Megatron-LM's region (the user chose their layouts); beside a module outside the blocks with no role they are
+    refused, as no region suits both."""
+    blocks = _named_blocks(model)
+    if not blocks:
+        return None
+    outside = {name: role for name, role in plan.items() if not _within(name, [n for n, _ in blocks])}
+    styled = [name for name, role in outside.items() if isinstance(role, ParallelStyle)]
+    unplanned = _outside_unplanned(model, blocks, plan)
+    if styled and unplanned:
+        raise TensorParallelError(
+            f"The tensor-parallel plan gives styles to {', '.join(map(_shown, styled[:3]))} outside the blocks and no"
+            f" role to {', '.join(map(_shown, unplanned[:3]))}, also outside them: under sequence parallelism the"
+            " styles expect Megatron-LM's layouts (shares of the sequence from the token embedding to the LM head),"
+            " which would train the latter on this rank's share alone. Give them styles too, leave the modules"
+            " outside the blocks to meshlight, or pass sequence_parallel=False."
+        )
+    if styled or {"embedding", "head"} <= set(outside.values()) and not unplanned:
+        return None
+    return blocks[0][0], blocks[-1][0]
+
+
+def _outside_unplanned(model: nn.Module, blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> list[str]:
+    """Parameters outside the blocks that no role covers, by full name."""
+    in_blocks = {id(m) for _, block in blocks for m in block.modules()}
+    return [_join(name, p) for name, module in model.named_modules() if id(module) not in in_blocks
+            and not _within(name, plan) for p, _ in module.named_parameters(recurse=False)]
 
 
 def resolve_plan(model: nn.Module, patterns: UserPlan) -> dict[str, Union[str, ParallelStyle]]:
@@ -250,14 +295,20 @@ def apply_tensor_parallel(
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
     keep_gathered_inputs: bool = False,
+    sequence_region: Optional[tuple[str, str]] = None,
 ) -> None:
     """Shard ``model`` in place over the 1-D ``mesh`` (the tp axis) following ``plan`` (name → role or style).
     ``keep_gathered_inputs``: backward keeps each colwise group's sequence-gathered input whole rather than
-    gathering it again (more memory, one all-gather fewer per group)."""
+    gathering it again (more memory, one all-gather fewer per group). ``sequence_region``: with sequence
+    parallelism, :func:`sequence_region` of the whole model (``model`` may be a pipeline stage cut from it)."""
     tp = mesh.size()
     modules = dict(model.named_modules())
+    blocks = [name for name, _ in _named_blocks(model)]
+    # with sequence parallelism, whether the modules outside the blocks run on this rank's share of the sequence
+    shares_outside = sequence_parallel and sequence_region is None
     styles: dict[str, ParallelStyle] = {}
     for name, role in plan.items():
+        on_share = sequence_parallel if _within(name, blocks) else shares_outside
         if isinstance(role, ParallelStyle):
             styles[name] = role
         elif role == "colwise":
@@ -266,16 +317,16 @@ def apply_tensor_parallel(
             styles[name] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
         elif role == "embedding":
             styles[name] = RowwiseParallel(input_layouts=Replicate(),
-                                           output_layouts=Shard(1) if sequence_parallel else Replicate())
+                                           output_layouts=Shard(1) if on_share else Replicate())
         elif role == "head":
-            styles[name] = _LMHead(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-        elif role == "norm" and sequence_parallel:
+            styles[name] = _LMHead(sequence_parallel=on_share, loss_parallel=loss_parallel)
+        elif role == "norm" and on_share:
             styles[name] = SequenceParallel()
         elif role == "head_norm":
             styles[name] = _Replicated(name, over="heads")
-        elif role == "replicate" and sequence_parallel and isinstance(modules[name], nn.Embedding):
+        elif role == "replicate" and on_share and isinstance(modules[name], nn.Embedding):
             styles[name] = _Replicated(name, over="whole")
-        elif role == "replicate" and sequence_parallel and isinstance(modules[name], nn.Linear):
+        elif role == "replicate" and on_share and isinstance(modules[name], nn.Linear):
             styles[name] = _Replicated(name, over="sequence")
     parallelize_module(model, mesh, styles)
     for parent in _colwise_parents(plan):
@@ -284,9 +335,18 @@ def apply_tensor_parallel(
     for parent_name, attribute, count in _head_counts(model, plan):
         setattr(modules[parent_name], attribute, count // tp)
     if sequence_parallel:
+        for name in blocks:
+            modules[name].register_forward_pre_hook(_unwrap_share, prepend=True)
+    if shares_outside:
         for module in modules.values():
             if isinstance(module, nn.Embedding):
                 module.register_forward_pre_hook(_check_sequence_divisible(tp))
+    elif sequence_parallel:  # the blocks only: cut where the first begins, gather where the last ends (this stage's)
+        first, last = sequence_region
+        if first in blocks:
+            modules[first].register_forward_pre_hook(_cut_to_share(mesh))
+        if last in blocks:
+            modules[last].register_forward_hook(_gather_sequence(mesh))
 
 
 def sequence_share_input(stage: nn.Module, mesh: DeviceMesh) -> None:
@@ -297,21 +357,23 @@ def sequence_share_input(stage: nn.Module, mesh: DeviceMesh) -> None:
     pipelined module's own forward still runs on every stage and may read lengths from its input (a rotary
     table cut to ``x.shape[1]``): given the share, it would cut it 1/tp long. The share is made a DTensor
     sharded over the sequence (dimension 1) on the 1-D ``mesh``, whose shape is the whole sequence's, and the
-    stage's blocks get it back as the plain share that sequence parallelism passes between them."""
+    stage's blocks get it back as the plain share that sequence parallelism passes between them
+    (:func:`apply_tensor_parallel` has them unwrap such inputs)."""
 
     def whole_shape(module: nn.Module, args: tuple) -> Optional[tuple]:
         if args and isinstance(args[0], Tensor) and not isinstance(args[0], DTensor):
             return (DTensor.from_local(args[0], mesh, [Shard(1)], run_check=False), *args[1:])
         return None
 
-    def share(module: nn.Module, args: tuple) -> Optional[tuple]:
-        if args and isinstance(args[0], DTensor) and tuple(args[0].placements) == (Shard(1),):
-            return (args[0].to_local(), *args[1:])
-        return None
-
     stage.register_forward_pre_hook(whole_shape)
-    for block in repeated_blocks(stage):
-        block.register_forward_pre_hook(share, prepend=True)
+
+
+def _unwrap_share(module: nn.Module, args: tuple) -> Optional[tuple]:
+    """A block's forward pre-hook: a DTensor sharded over the sequence (a norm's output before the blocks, a later
+    pipeline stage's input) becomes the plain share that sequence parallelism passes between blocks."""
+    if args and isinstance(args[0], DTensor) and tuple(args[0].placements) == (Shard(1),):
+        return (args[0].to_local(), *args[1:])
+    return None
 
 
 def reduce_partial_gradients(parameters: Iterable[Tensor]) -> None:
@@ -436,6 +498,46 @@ def _check_sequence_divisible(tp: int):  # noqa: ANN202 - a forward pre-hook
                 " sequence over the tensor-parallel ranks. Pad sequences to a multiple of tp or pass"
                 " sequence_parallel=False."
             )
+
+    return hook
+
+
+def _cut_to_share(mesh: DeviceMesh):  # noqa: ANN202 - a forward pre-hook
+    """The first block's whole ``[batch, sequence, ...]`` input (the same on every tp rank) → this rank's share;
+    in backward the shares' gradients are gathered (the region before the blocks runs on the whole sequence)."""
+    check = _check_sequence_divisible(mesh.size())
+
+    def hook(module: nn.Module, args: tuple) -> Optional[tuple]:
+        whole = args[0] if args else None
+        if not isinstance(whole, Tensor) or isinstance(whole, DTensor) or whole.dim() < 2:
+            raise TensorParallelError(
+                f"Under sequence parallelism the first block ({type(module).__name__}) must receive the hidden"
+                " state [batch, sequence, ...] as its first argument, to cut it to this rank's share of the"
+                f" sequence; it received {type(whole).__name__}. Pass the hidden state first, or pass"
+                " sequence_parallel=False."
+            )
+        check(module, args)
+        share = DTensor.from_local(whole, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
+        return (share.to_local(), *args[1:])
+
+    return hook
+
+
+def _gather_sequence(mesh: DeviceMesh):  # noqa: ANN202 - a forward hook
+    """The last block's output, this rank's share → the whole sequence, as the modules after the blocks expect."""
+
+    def gather(share: Tensor) -> Tensor:
+        return DTensor.from_local(share, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, Tensor):
+            return gather(output)
+        if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
+            return (gather(output[0]), *output[1:])
+        raise TensorParallelError(
+            f"Under sequence parallelism the last block ({type(module).__name__}) must return the hidden state (or a"
+            f" tuple that starts with it), to gather it over the sequence; it returned {type(output).__name__}."
+        )
 
     return hook
 

@@ -70,7 +70,7 @@ from meshlight.parallel.parallelize import parallelize
 from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, validate_schedule
 from meshlight.parallel.precision import MeshGradScaler, PrecisionPolicy
 from meshlight.parallel.sampling import ResumableSampler
-from meshlight.parallel.tensor import model_plan, reduce_partial_gradients, stage_plan
+from meshlight.parallel.tensor import model_plan, reduce_partial_gradients, sequence_region, stage_plan
 from meshlight.strategies.launcher import ForkingScriptLauncher
 from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps, setup_pipeline
 from meshlight.strategies.preemption import AgreedSignals, newest_whole_hpc_checkpoint
@@ -296,7 +296,10 @@ class MeshStrategy(ParallelStrategy):
             self._contexts.enter_context(loss_parallel())
         if self._base_seed is None:
             self._base_seed = torch.initial_seed()
-        separate = self.layout.tp > 1 and self._tensor_parallel["sequence_parallel"]
+        # Sequence parallelism over the blocks only leaves replicated activations outside them (dropout there must
+        # match on every tp rank): the tp ranks share a stream then, as they do without sequence parallelism.
+        region = getattr(self.model, "sequence_region", None)
+        separate = self.layout.tp > 1 and self._tensor_parallel["sequence_parallel"] and region is None
         seed_by_mesh_position(self.device_mesh, self._base_seed, separate_tensor_ranks=separate)
         self._count_metric_samples_once()
 
@@ -327,25 +330,25 @@ class MeshStrategy(ParallelStrategy):
         if runner is None and self.layout.pp > 1:
             self._state_names = set(lightning_module.state_dict())  # before the split: the whole model's names
             # Tensor-parallel roles are planned on the whole model, before the split frees other stages' pieces.
-            plan = None
-            if self.layout.tp > 1:
-                plan = model_plan(find_pipelined_module(lightning_module)[1], self._tensor_parallel["tp_plan"])
+            plan, region = self._tensor_plan(find_pipelined_module(lightning_module)[1])
 
             def parallelize_stage(stage: nn.Module, index: int) -> nn.Module:
                 options = {**self._tensor_parallel, "tp_plan": stage_plan(plan, stage) if plan is not None else None}
                 return parallelize(stage, self.layout, self.device_mesh, **options, **self._callback_transforms,
-                                   later_stage=index > 0)
+                                   later_stage=index > 0, sequence_region=region)
 
             self._pipeline, stages = setup_pipeline(
                 lightning_module, self.layout, self.device_mesh, self._pipeline_options, self.root_device,
                 parallelize_stage,
             )
-            runner = _StepRunner(stages, self.layout, self._pipeline, self._pipeline_options)
+            runner = _StepRunner(stages, self.layout, self._pipeline, self._pipeline_options, region)
             _RUNNERS[lightning_module] = runner
         elif runner is None:
             runner = _StepRunner(lightning_module, self.layout)
-            parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs, **self._tensor_parallel,
-                        **self._callback_transforms)
+            plan, runner.sequence_region = self._tensor_plan(runner)
+            options = {**self._tensor_parallel, "tp_plan": plan or self._tensor_parallel["tp_plan"]}
+            parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs, **options,
+                        **self._callback_transforms, sequence_region=runner.sequence_region)
             _RUNNERS[lightning_module] = runner
         elif runner.layout != self.layout:
             raise RuntimeError(
@@ -363,6 +366,15 @@ class MeshStrategy(ParallelStrategy):
                 )
             self._pipeline = runner.pipeline
         return runner
+
+    def _tensor_plan(self, model: nn.Module) -> tuple[Optional[dict[str, Any]], Optional[tuple[str, str]]]:
+        """The tensor-parallel plan of the whole ``model`` and, with sequence parallelism, where the sequence is
+        held in shares (:func:`~meshlight.parallel.tensor.sequence_region`); ``(None, None)`` without tensor
+        parallelism or when ``configure_model`` applied it."""
+        if self.layout.tp == 1 or any(isinstance(p, DTensor) for p in model.parameters()):
+            return None, None
+        plan = model_plan(model, self._tensor_parallel["tp_plan"])
+        return plan, sequence_region(model, plan) if self._tensor_parallel["sequence_parallel"] else None
 
     @property
     def _callback_transforms(self) -> dict[str, Any]:
@@ -717,11 +729,13 @@ class _StepRunner(nn.Module):
     """
 
     def __init__(self, module: nn.Module, layout: ParallelLayout, pipeline: Optional[PipelineSteps] = None,
-                 pipeline_options: Optional[PipelineOptions] = None) -> None:
+                 pipeline_options: Optional[PipelineOptions] = None,
+                 sequence_region: Optional[tuple[str, str]] = None) -> None:
         super().__init__()
         self.module = module
         self.layout = layout
         self.pipeline, self.pipeline_options = pipeline, pipeline_options  # under pipelining: module = the stages
+        self.sequence_region = sequence_region  # with sequence parallelism over the blocks only: (first, last)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

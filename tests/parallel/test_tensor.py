@@ -7,7 +7,7 @@ from torch import nn
 
 import meshlight as ml
 from meshlight.models import GPT, GPTConfig
-from meshlight.parallel.tensor import TensorParallelError, derive_plan, resolve_plan, validate_plan
+from meshlight.parallel.tensor import TensorParallelError, derive_plan, resolve_plan, sequence_region, validate_plan
 from tests.strategies.llama import DICT_PLAN, LitLlama
 
 
@@ -232,6 +232,40 @@ def test_a_linear_no_column_row_group_holds_is_replicated():
     assert isinstance(styled["blocks.0.gating"], PrepareModuleInput) and "blocks.0.gating.0" not in styled
 
 
+def test_sequence_parallelism_covers_the_blocks_only_when_modules_outside_them_have_no_role():
+    # Megatron-LM's region, from the token embedding's output to the LM head's input, when nothing else is outside
+    for model in (GPT(GPTConfig.tiny(n_layers=2)), GPT(GPTConfig.tiny(n_layers=2, tie_embeddings=True)), LitLlama()):
+        assert sequence_region(model, derive_plan(model)) is None
+    # a factorized embedding (16 wide, then projected) and a transform before the head: the blocks only
+    outside = LitLlama(outside=True)
+    plan = derive_plan(outside)
+    assert (plan["model.tok_embeddings"], plan["model.output"], plan["model.transform.2"]) == ("embedding", "head",
+                                                                                                "norm")
+    assert "model.project" not in plan and "model.transform.0" not in plan
+    assert sequence_region(outside, plan) == ("model.layers.0", "model.layers.1")
+    assert sequence_region(outside, resolve_plan(outside, DICT_PLAN)) == ("model.layers.0", "model.layers.1")
+    # so do a value head, a learned token beside the embedding, and a model without an LM head
+    for extra in ("value", "token", "no head"):
+        model = _model()
+        if extra == "value":
+            model.value = nn.Linear(32, 1)
+        elif extra == "token":
+            model.register_parameter("cls", nn.Parameter(torch.zeros(1, 1, 32)))
+        else:
+            model.head = nn.Linear(32, 10)
+        assert sequence_region(model, derive_plan(model)) == ("blocks.0", "blocks.1"), extra
+    # a style the user gives a module outside the blocks keeps their layouts
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    model = _model()
+    model.value = nn.Linear(32, 1)
+    assert sequence_region(model, resolve_plan(model, {"value": ColwiseParallel()})) is None
+    model.adapter = nn.Linear(32, 32)  # which no region suits: refused
+    with pytest.raises(TensorParallelError, match=r"gives styles to value outside the blocks and no role to"
+                                                  r" adapter.weight, adapter.bias, also outside them"):
+        sequence_region(model, resolve_plan(model, {"value": ColwiseParallel()}))
+
+
 def test_a_group_a_user_plan_leaves_out_is_refused_under_sequence_parallelism():
     # run on each rank's share of the sequence, attention would attend over that share alone
     model = _model()
@@ -293,3 +327,22 @@ def test_a_replicated_linear_runs_on_the_sequence_share_and_refuses_an_input_tha
                                                   r" 2-D tensor \(2, 32\) \(a pooled or conditioning input\?\)\."
                                                   r" Give it a role in the plan"):
         model.gate(share.mean(1))  # pooled over the sequence: features, not a share of a sequence
+
+
+def test_a_norm_after_the_embedding_and_modules_outside_the_blocks_run_under_sequence_parallelism(one_process_group):
+    # on a mesh of one rank the splits are no-ops, but the layouts are not: a DTensor met a plain tensor
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshlight.parallel.tensor import apply_tensor_parallel
+    from tests.strategies.llama import RMSNorm
+
+    embedding_norm = LitLlama()  # BLOOM's norm after the embedding: its output is a DTensor sharded over the sequence
+    embedding_norm.model.tok_embeddings = nn.Sequential(embedding_norm.model.tok_embeddings, RMSNorm(64))
+    for lit in (embedding_norm, LitLlama(outside=True)):
+        split, tokens = copy.deepcopy(lit.model), torch.randint(0, 16, (2, 12))
+        plan = derive_plan(split)
+        apply_tensor_parallel(split, init_device_mesh("cpu", (1,)), plan, loss_parallel=False,
+                              sequence_region=sequence_region(split, plan))
+        torch.testing.assert_close(split(tokens), lit.model(tokens))

@@ -6,7 +6,9 @@ RMSNorm, rotary embeddings, grouped-query attention that reshapes with its own h
 feed-forward a ``meshlight.nn.MoE``, as a user adopting meshlight's layer would; ``LitLlama(gated=True)`` scales
 each feed-forward's output by a gate that reads the residual stream (``sigmoid(gate(x))``, a Linear no column→row
 group holds: tensor parallelism leaves it whole); ``LitLlama(qk_norm=True)`` normalizes each head of q and k
-(Qwen3's QK-norm).
+(Qwen3's QK-norm); ``LitLlama(outside=True)`` holds modules outside the blocks that no tensor-parallel role
+describes: a factorized token embedding (16 wide, projected to the model's width, ALBERT's) and a transform between
+the final norm and the LM head (Linear, GELU, norm: BERT's masked-LM head).
 """
 
 from __future__ import annotations
@@ -100,11 +102,13 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, experts: int = 0, gated: bool = False, qk_norm: bool = False) -> None:
+    def __init__(self, experts: int = 0, gated: bool = False, qk_norm: bool = False, outside: bool = False) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.tok_embeddings = nn.Embedding(VOCAB, 16 if outside else DIM)
+        self.project = nn.Linear(16, DIM, bias=False) if outside else None
         self.layers = nn.ModuleList(TransformerBlock(experts, gated, qk_norm) for _ in range(LAYERS))
         self.norm = RMSNorm(DIM)
+        self.transform = nn.Sequential(nn.Linear(DIM, DIM), nn.GELU(), RMSNorm(DIM)) if outside else None
         self.output = nn.Linear(DIM, VOCAB, bias=False)
         head_dim = DIM // HEADS
         angles = torch.outer(torch.arange(SEQ).float(), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
@@ -113,17 +117,21 @@ class Llama(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         h = self.tok_embeddings(tokens)
+        if self.project is not None:
+            h = self.project(h)
         cos, sin = self.cos[: tokens.shape[1]], self.sin[: tokens.shape[1]]
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        return self.output(self.transform(h) if self.transform is not None else h)
 
 
 class LitLlama(pl.LightningModule):
-    def __init__(self, lr: float = 1e-2, experts: int = 0, gated: bool = False, qk_norm: bool = False) -> None:
+    def __init__(self, lr: float = 1e-2, experts: int = 0, gated: bool = False, qk_norm: bool = False,
+                 outside: bool = False) -> None:
         super().__init__()
         self.lr = lr
-        self.model = Llama(experts, gated, qk_norm)
+        self.model = Llama(experts, gated, qk_norm, outside)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = batch

@@ -2,7 +2,9 @@
 and (2, 2, 1) on 4, each with ZeRO-1 and ZeRO-3 under 1F1B and Interleaved1F1B (4-block GPT), and an MoE GPT under
 dp=2 × pp=2 × ep=2, and strategy="3d" with no sizes on 4 processes — logged losses and final weights within 1e-4
 over 20 steps; models that read the sequence length on every pipeline stage (rotary GPT, a user-written Llama)
-under pp=2 × tp=2 with sequence parallelism; and torchmetrics and a loss left a DTensor under pp=2 × tp=2."""
+under pp=2 × tp=2 with sequence parallelism, and a Llama with modules outside its blocks that no tensor-parallel role
+describes (sequence parallelism then covers the blocks only) under pp=2 × tp=2 ZeRO-3; and torchmetrics and a loss
+left a DTensor under pp=2 × tp=2."""
 
 from pathlib import Path
 

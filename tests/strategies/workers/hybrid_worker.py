@@ -40,7 +40,8 @@ def moe_gpt4() -> LitGPT:
 
 
 MODELS = {"gpt4": gpt4, "moe": moe_gpt4, "gpt4-rotary": functools.partial(gpt4, positions="rotary"),
-          "llama-gated": functools.partial(LitLlama, gated=True)}
+          "llama-gated": functools.partial(LitLlama, gated=True),
+          "llama-outside": functools.partial(LitLlama, outside=True)}
 
 
 class Counting(LitGPT):
@@ -92,7 +93,7 @@ def runs(world: int) -> list[tuple[int, int, int, int, int, str, str]]:
             for schedule in SCHEDULES]
     if world == 4:
         grid += [(2, 2, 1, 2, 1, "1f1b", "moe"), (1, 2, 2, 1, 1, "interleaved1f1b", "gpt4-rotary"),
-                 (1, 2, 2, 1, 1, "1f1b", "llama-gated")]
+                 (1, 2, 2, 1, 1, "1f1b", "llama-gated"), (1, 2, 2, 1, 3, "1f1b", "llama-outside")]
     return grid
 
 

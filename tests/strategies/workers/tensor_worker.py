@@ -31,14 +31,16 @@ def lit_gpt(dropout: float = 0.0, **options: object) -> LitGPT:
 MODELS = {"gpt": (lit_gpt, None), "llama-auto": (LitLlama, None), "llama-dict": (LitLlama, DICT_PLAN),
           "llama-configure-model": (LitLlamaParallelizedByUser, None),
           "llama-gated": (functools.partial(LitLlama, gated=True), None),
-          "llama-qknorm": (functools.partial(LitLlama, qk_norm=True), None)}
+          "llama-qknorm": (functools.partial(LitLlama, qk_norm=True), None),
+          "llama-outside": (functools.partial(LitLlama, outside=True), None)}
 
 
 def runs(world: int) -> list[tuple[str, str, bool, str]]:
     """(layout, model, sequence_parallel, variant) for this world size."""
     grid = [(layout, model, sp, "adamw") for layout in LAYOUTS[world] for model in MODELS for sp in (True, False)
             if model != "llama-configure-model" and (model != "llama-gated" or sp or world == 2)
-            and (model != "llama-qknorm" or layout != "tp4" and (sp or world == 2))]
+            and (model != "llama-qknorm" or layout != "tp4" and (sp or world == 2))
+            and (model != "llama-outside" or layout != "tp4" and (sp or world == 2))]
     if world == 2:  # sequence parallelism is the user's business here; their plan has none
         grid.append(("tp2", "llama-configure-model", False, "adamw"))
         # norms left plain beside DTensor weights, nothing sharding them over data ranks: multi-tensor AdamW
@@ -166,6 +168,29 @@ def dropout_probe(world: int) -> list[torch.Tensor]:
     return gathered
 
 
+def outside_dropout_probe() -> bool:
+    """Whether the replicated modules outside the blocks of ``LitLlama(outside=True)`` (the region sequence
+    parallelism leaves whole) still hold the same weights on both tp ranks after steps with dropout there: their
+    masks must agree, or the ranks' gradients and weights drift apart."""
+
+    def dropout_after(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(output, 0.3, module.training)
+
+    pl.seed_everything(0, verbose=False)
+    module = LitLlama(outside=True)
+    module.model.project.register_forward_hook(dropout_after)
+    module.model.transform[0].register_forward_hook(dropout_after)
+    trainer = ml.Trainer(strategy=ml.TensorParallelStrategy(tp=2), devices=2, accelerator="cpu", max_steps=3,
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, make_data(4))
+    weights = torch.cat([module.model.project.weight.detach().flatten(),
+                         module.model.transform[0].weight.detach().flatten()])
+    gathered = [None] * 2
+    dist.all_gather_object(gathered, weights)
+    return torch.equal(*gathered)
+
+
 if __name__ == "__main__":
     out, world = sys.argv[1], int(sys.argv[2])
     results = {}
@@ -186,6 +211,7 @@ if __name__ == "__main__":
         results[(layout, model, sp, variant)] = result
     if world == 2:
         results["partial_gradient_reduction"] = partial_gradient_reduction()
+        results["outside_dropout_agrees"] = outside_dropout_probe()
         results["saved_activations"] = {(name, keep): saved_activation_values(name, world, keep)[0]
                                         for name in ACTIVATION_CONFIGS for keep in (False, True)}
     if world == 4:
