@@ -461,18 +461,42 @@ class MeshStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
-            return super().training_step(*args, **kwargs)
+            with self._explaining_mixed_tensors():
+                return super().training_step(*args, **kwargs)
         batch, batch_idx = args[0], args[1]
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        with self.precision_plugin.train_step_context():
+        with self.precision_plugin.train_step_context(), self._explaining_mixed_tensors():
             return self._pipeline.training_step(batch, batch_idx, clear_gradients=batch_idx % accumulate == 0,
                                                 accumulate=accumulate,
                                                 scaler=getattr(self.precision_plugin, "scaler", None))
 
+    @contextmanager
+    def _explaining_mixed_tensors(self) -> Generator[None, None, None]:
+        """Add what meshlight knows to PyTorch's error when a plain tensor meets a DTensor in a training step (or its
+        backward)."""
+        try:
+            yield
+        except RuntimeError as error:
+            if self.layout.tp > 1 and "got mixed torch.Tensor and DTensor" in str(error):
+                if self._tensor_parallel["loss_parallel"]:
+                    error.add_note(
+                        "meshlight: under tensor parallelism the LM head's training logits are a DTensor sharded over"
+                        " the vocabulary (loss parallelism), and F.cross_entropy on them returns a DTensor. Call"
+                        " loss.full_tensor() (or logits.full_tensor()) before combining them with plain tensors (an"
+                        " auxiliary loss), or pass loss_parallel=False."
+                    )
+                error.add_note(
+                    "meshlight: inside the model, a plain tensor meeting a DTensor is a module or parameter tensor"
+                    " parallelism does not split: give it a role in the plan (tp_plan=...) or pass"
+                    " sequence_parallel=False."
+                )
+            raise
+
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            with self._explaining_mixed_tensors():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule already ran backward inside training_step; hand its gradients back, with the hooks.
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)

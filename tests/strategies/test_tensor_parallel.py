@@ -125,6 +125,13 @@ def test_dropout_outside_the_blocks_agrees_across_tensor_ranks_when_sequence_par
     assert distributed[2]["outside_dropout_agrees"]
 
 
+def test_a_plain_auxiliary_loss_added_to_the_loss_parallel_loss_fails_saying_what_to_call(distributed):
+    error, *notes = distributed[2]["mixed_tensor_notes"]
+    assert error == "aten.mul.Tensor got mixed torch.Tensor and DTensor"
+    assert "Call loss.full_tensor() (or logits.full_tensor()) before combining them with plain tensors" in notes[0]
+    assert "give it a role in the plan" in notes[1]
+
+
 def test_a_tp_that_does_not_divide_the_heads_fails_on_every_rank_before_training():
     result = torchrun(Path(bad_tp_worker.__file__), 2, timeout=120, check=False)
     output = result.stdout + result.stderr

@@ -2,6 +2,7 @@
 
 import functools
 import sys
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -191,6 +192,32 @@ def outside_dropout_probe() -> bool:
     return torch.equal(*gathered)
 
 
+class LitLlamaWithAuxiliaryLoss(LitLlama):
+    """Adds a plain tensor's penalty to the cross-entropy, which loss parallelism leaves a DTensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self.model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return loss + 0.01 * self.scale.pow(2).sum()
+
+
+def mixed_tensor_notes() -> list[str]:
+    """The notes meshlight adds to PyTorch's error when an auxiliary loss meets the DTensor loss."""
+    trainer = ml.Trainer(strategy=ml.TensorParallelStrategy(tp=2), devices=2, accelerator="cpu", max_steps=1,
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    try:
+        trainer.fit(LitLlamaWithAuxiliaryLoss(), make_data(4))
+    except RuntimeError as error:
+        return [str(error).split(",")[0], *getattr(error, "__notes__", [])]
+    return []
+
+
 if __name__ == "__main__":
     out, world = sys.argv[1], int(sys.argv[2])
     results = {}
@@ -212,6 +239,7 @@ if __name__ == "__main__":
     if world == 2:
         results["partial_gradient_reduction"] = partial_gradient_reduction()
         results["outside_dropout_agrees"] = outside_dropout_probe()
+        results["mixed_tensor_notes"] = mixed_tensor_notes()
         results["saved_activations"] = {(name, keep): saved_activation_values(name, world, keep)[0]
                                         for name in ACTIVATION_CONFIGS for keep in (False, True)}
     if world == 4:
