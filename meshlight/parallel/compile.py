@@ -20,6 +20,7 @@ break inside would run the whole block eagerly (``meshlight.parallel.parallelize
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,23 @@ def apply_compile(module: nn.Module, policy: CompilePolicy) -> list[nn.Module]:
     chosen = policy.blocks.select(module)
     for block in chosen:
         if not getattr(block, "_meshlight_compiled", False):
-            block.forward = torch.compile(block.forward, **policy.arguments)  # type: ignore[method-assign]
+            compiled = torch.compile(block.forward, **policy.arguments)
+            block.forward = _unaliased_inputs(compiled)  # type: ignore[method-assign]
             block._meshlight_compiled = True
     return chosen
+
+
+def _unaliased_inputs(forward: Any) -> Any:
+    """Hand a compiled forward a copy of each input that is a view needing gradients. Tensor parallelism hands
+    the first block one: ``DTensor.to_local()`` returns a view of the local tensor (the token embedding's output,
+    a stage's or the region's share). PyTorch 2.13's compiled backward sent its gradient past ``to_local``'s
+    backward, as a plain tensor into the DTensor redistribution before it ("'Tensor' object has no attribute
+    '_local_tensor'"). The copy is one activation per block call, and only of such views."""
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.requires_grad and a._is_view() else a
+                     for a in args)
+        return forward(*args, **kwargs)
+
+    return run

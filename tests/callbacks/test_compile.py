@@ -13,6 +13,7 @@ from meshlight.models import GPT, GPTConfig
 from meshlight.parallel.compile import CompilePolicy, apply_compile
 from meshlight.parallel.data_parallel import BlockSelection
 from meshlight.parallel.precision import is_norm
+from tests.strategies.llama import LitLlama
 from tests.strategies.parity import assert_parity, train
 
 DENSE_RUNS = ["ddp", "zero3 recompute", "tp", "pipeline"]
@@ -38,6 +39,12 @@ def test_compiled_blocks_train_as_single_process_eager_training(runs, control, r
     result = runs[run]
     assert result["compiled"] and result["frames"] >= 1
     assert_parity(result, control)
+
+
+def test_compiled_blocks_of_a_user_written_llama_train_as_single_process_eager_training_under_tp(runs):
+    result = runs["tp llama"]
+    assert result["compiled"] and result["frames"] >= 1
+    assert_parity(result, train("adamw-3e-3", model=LitLlama))
 
 
 def test_compiled_moe_blocks_train_as_eager_ones(runs):
