@@ -61,16 +61,20 @@ def apply_compile(module: nn.Module, policy: CompilePolicy) -> list[nn.Module]:
 
 
 def _unaliased_inputs(forward: Any) -> Any:
-    """Hand a compiled forward a copy of each input that is a view needing gradients. Tensor parallelism hands
-    the first block one: ``DTensor.to_local()`` returns a view of the local tensor (the token embedding's output,
-    a stage's or the region's share). PyTorch 2.13's compiled backward sent its gradient past ``to_local``'s
-    backward, as a plain tensor into the DTensor redistribution before it ("'Tensor' object has no attribute
-    '_local_tensor'"). The copy is one activation per block call, and only of such views."""
+    """Hand a compiled forward a copy of each input that ``DTensor.to_local()`` made: a view, needing gradients, of
+    a tensor that needs none (the DTensor's local tensor). Tensor parallelism hands the first block one (the token
+    embedding's output, a stage's or the region's share of the sequence). PyTorch 2.13's compiled backward sent its
+    gradient past ``to_local``'s backward, as a plain tensor into the DTensor redistribution before it ("'Tensor'
+    object has no attribute '_local_tensor'"). The copy is one activation per such input."""
+
+    def unaliased(value: Any) -> Any:
+        if (isinstance(value, torch.Tensor) and value.requires_grad and value._is_view()
+                and not value._base.requires_grad):
+            return value.clone()
+        return value
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.requires_grad and a._is_view() else a
-                     for a in args)
-        return forward(*args, **kwargs)
+        return forward(*map(unaliased, args), **{name: unaliased(value) for name, value in kwargs.items()})
 
     return run

@@ -9,11 +9,12 @@ role            what it does
 ``rowwise``     Linear sharded by input features, output summed over tp (a block's output projections)
 ``embedding``   token embedding sharded by vocabulary (masked lookup, outputs summed over tp)
 ``head``        LM head sharded by vocabulary; in training its logits stay sharded for loss parallelism
-``norm``        with sequence parallelism: runs on this rank's share of the sequence
+``norm``        with sequence parallelism: runs on this rank's share of the sequence (outside the blocks, only in
+                Megatron-LM's region; see below)
 ``head_norm``   a norm over each head inside attention (QK-norm): runs on this rank's heads, its weight a
                 replicated DTensor, so its gradient is the sum over the ranks' heads
-``replicate``   left whole on every rank. Under sequence parallelism an Embedding's output is cut to this
-                rank's share of the sequence (learned positions), and a Linear runs on that share with its
+``replicate``   left whole on every rank. Under sequence parallelism (in its region) an Embedding's output is cut
+                to this rank's share of the sequence (learned positions), and a Linear runs on that share with its
                 weights a replicated DTensor, so its gradient is the sum over the shares (a gate)
 =============== =========================================================================================
 
@@ -174,15 +175,17 @@ def sequence_region(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyl
     if not blocks:
         return None
     outside = {name: role for name, role in plan.items() if not _within(name, [n for n, _ in blocks])}
-    styled = [name for name, role in outside.items() if isinstance(role, ParallelStyle)]
+    # layouts a user plan chose there (a style, or a column→row group, which splits a share of the sequence)
+    styled = [name for name, role in outside.items()
+              if isinstance(role, ParallelStyle) or role in ("colwise", "rowwise")]
     unplanned = _outside_unplanned(model, blocks, plan)
     if styled and unplanned:
         raise TensorParallelError(
-            f"The tensor-parallel plan gives styles to {', '.join(map(_shown, styled[:3]))} outside the blocks and no"
-            f" role to {', '.join(map(_shown, unplanned[:3]))}, also outside them: under sequence parallelism the"
-            " styles expect Megatron-LM's layouts (shares of the sequence from the token embedding to the LM head),"
-            " which would train the latter on this rank's share alone. Give them styles too, leave the modules"
-            " outside the blocks to meshlight, or pass sequence_parallel=False."
+            f"The tensor-parallel plan splits {', '.join(map(_shown, styled[:3]))} outside the blocks (a style, or a"
+            f" colwise/rowwise role) and gives no role to {', '.join(map(_shown, unplanned[:3]))}, also outside them:"
+            " under sequence parallelism those layouts expect Megatron-LM's (shares of the sequence from the token"
+            " embedding to the LM head), which would train the latter on this rank's share alone. Give them roles or"
+            " styles too, leave the modules outside the blocks to meshlight, or pass sequence_parallel=False."
         )
     if styled or {"embedding", "head"} <= set(outside.values()) and not unplanned:
         return None
@@ -190,10 +193,12 @@ def sequence_region(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyl
 
 
 def _outside_unplanned(model: nn.Module, blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> list[str]:
-    """Parameters outside the blocks that no role covers, by full name."""
+    """Parameters outside the blocks that no role covers, by full name (a role names one module; a style covers
+    the modules inside it too)."""
     in_blocks = {id(m) for _, block in blocks for m in block.modules()}
+    styled = [name for name, role in plan.items() if isinstance(role, ParallelStyle)]
     return [_join(name, p) for name, module in model.named_modules() if id(module) not in in_blocks
-            and not _within(name, plan) for p, _ in module.named_parameters(recurse=False)]
+            and name not in plan and not _within(name, styled) for p, _ in module.named_parameters(recurse=False)]
 
 
 def resolve_plan(model: nn.Module, patterns: UserPlan) -> dict[str, Union[str, ParallelStyle]]:
@@ -343,6 +348,10 @@ def apply_tensor_parallel(
                 module.register_forward_pre_hook(_check_sequence_divisible(tp))
     elif sequence_parallel:  # the blocks only: cut where the first begins, gather where the last ends (this stage's)
         first, last = sequence_region
+        if first not in modules or last not in modules:  # a stage holds the others' under their names too
+            raise ValueError(f"sequence_region {sequence_region} names no blocks of this {type(model).__name__}: it"
+                             " must come from sequence_region() of the same model (or of the model a stage is cut"
+                             " from).")
         if first in blocks:
             modules[first].register_forward_pre_hook(_cut_to_share(mesh))
         if last in blocks:
@@ -513,7 +522,8 @@ def _cut_to_share(mesh: DeviceMesh):  # noqa: ANN202 - a forward pre-hook
             raise TensorParallelError(
                 f"Under sequence parallelism the first block ({type(module).__name__}) must receive the hidden"
                 " state [batch, sequence, ...] as its first argument, to cut it to this rank's share of the"
-                f" sequence; it received {type(whole).__name__}. Pass the hidden state first, or pass"
+                f" sequence; it received {type(whole).__name__ if args else 'no positional argument'}. Pass the hidden"
+                " state first, positionally, or pass"
                 " sequence_parallel=False."
             )
         check(module, args)
@@ -570,9 +580,10 @@ def _left_whole(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any], hi
 
 def _unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> Iterator[tuple[str, nn.Module]]:
     """The blocks' modules outside every column→row group, planned module (a style given to a parent covers its
-    children) and MoE layer (not split by tensor parallelism: refused with a message of their own, in
+    children; a role names one module: ``replicate`` on a container reaches its Linears through
+    :func:`_left_whole`) and MoE layer (not split by tensor parallelism: refused with a message of their own, in
     parallelize.py)."""
-    covered = (*_colwise_parents(plan), *plan)
+    covered = (*_colwise_parents(plan), *(name for name, role in plan.items() if isinstance(role, ParallelStyle)))
     for block_name, block in blocks:
         experts = [_join(block_name, n) for n, m in block.named_modules() if isinstance(m, MoE)]
         for name, module in block.named_modules():

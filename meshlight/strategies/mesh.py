@@ -477,7 +477,8 @@ class MeshStrategy(ParallelStrategy):
         try:
             yield
         except RuntimeError as error:
-            if self.layout.tp > 1 and "got mixed torch.Tensor and DTensor" in str(error):
+            explained = any(note.startswith("meshlight:") for note in getattr(error, "__notes__", ()))
+            if self.layout.tp > 1 and "got mixed torch.Tensor and DTensor" in str(error) and not explained:
                 if self._tensor_parallel["loss_parallel"]:
                     error.add_note(
                         "meshlight: under tensor parallelism the LM head's training logits are a DTensor sharded over"
@@ -487,8 +488,8 @@ class MeshStrategy(ParallelStrategy):
                     )
                 error.add_note(
                     "meshlight: inside the model, a plain tensor meeting a DTensor is a module or parameter tensor"
-                    " parallelism does not split: give it a role in the plan (tp_plan=...) or pass"
-                    " sequence_parallel=False."
+                    " parallelism does not split: give it a role in the tensor-parallel plan (the strategy's plan= or"
+                    " tp_plan=) or pass sequence_parallel=False."
                 )
             raise
 

@@ -230,6 +230,8 @@ def test_a_linear_no_column_row_group_holds_is_replicated():
     assert derive_plan(model)["blocks.0.gating.0"] == "replicate"
     styled = resolve_plan(model, {"blocks.*.gating": PrepareModuleInput()})
     assert isinstance(styled["blocks.0.gating"], PrepareModuleInput) and "blocks.0.gating.0" not in styled
+    # a role names one module: its Linears get "replicate" of their own (a container takes no style)
+    assert resolve_plan(model, {"blocks.*.gating": "replicate"})["blocks.0.gating.0"] == "replicate"
 
 
 def test_sequence_parallelism_covers_the_blocks_only_when_modules_outside_them_have_no_role():
@@ -260,9 +262,15 @@ def test_sequence_parallelism_covers_the_blocks_only_when_modules_outside_them_h
     model = _model()
     model.value = nn.Linear(32, 1)
     assert sequence_region(model, resolve_plan(model, {"value": ColwiseParallel()})) is None
+    model.adapter = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 32))
+    # a role names one module: "replicate" on the container leaves its Linears without one
+    assert sequence_region(model, resolve_plan(model, {"adapter": "replicate"})) == ("blocks.0", "blocks.1")
+    # a column→row group the user places outside the blocks splits shares of the sequence: Megatron-LM's region
+    group = {"adapter.0": "colwise", "adapter.2": "rowwise", "value": ColwiseParallel()}
+    assert sequence_region(model, resolve_plan(model, group)) is None
     model.adapter = nn.Linear(32, 32)  # which no region suits: refused
-    with pytest.raises(TensorParallelError, match=r"gives styles to value outside the blocks and no role to"
-                                                  r" adapter.weight, adapter.bias, also outside them"):
+    with pytest.raises(TensorParallelError, match=r"splits value outside the blocks \(a style, or a colwise/rowwise"
+                                                  r" role\) and gives no role to adapter.weight, adapter.bias"):
         sequence_region(model, resolve_plan(model, {"value": ColwiseParallel()}))
 
 

@@ -129,7 +129,8 @@ def test_a_plain_auxiliary_loss_added_to_the_loss_parallel_loss_fails_saying_wha
     error, *notes = distributed[2]["mixed_tensor_notes"]
     assert error == "aten.mul.Tensor got mixed torch.Tensor and DTensor"
     assert "Call loss.full_tensor() (or logits.full_tensor()) before combining them with plain tensors" in notes[0]
-    assert "give it a role in the plan" in notes[1]
+    assert "give it a role in the tensor-parallel plan (the strategy's plan= or tp_plan=)" in notes[1]
+    assert len(notes) == 2
 
 
 def test_a_tp_that_does_not_divide_the_heads_fails_on_every_rank_before_training():
