@@ -168,9 +168,9 @@ def sequence_region(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyl
     a learned class token) would read a share where it expects the sequence — trained on its share alone, or
     failing on the shapes. Then the region is the blocks only, returned as (first block, last block): the first
     block's input is cut to the share and the last block's output gathered, and the rest runs on the whole
-    sequence, as without sequence parallelism. Styles a user plan gives to modules outside the blocks keep
-    Megatron-LM's region (the user chose their layouts); beside a module outside the blocks with no role they are
-    refused, as no region suits both."""
+    sequence, as without sequence parallelism. Layouts a user plan gives to modules outside the blocks (styles,
+    colwise/rowwise roles) keep Megatron-LM's region (the user chose them); beside a module outside the blocks with
+    no role they are refused, as no region suits both."""
     blocks = _named_blocks(model)
     if not blocks:
         return None
