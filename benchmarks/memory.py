@@ -36,7 +36,7 @@ def worker() -> None:
 
     import meshlight as ml
     from meshlight.demos import LitGPT, RandomTokensDataModule
-    from meshlight.parallel.tensor import derive_plan
+    from meshlight.parallel.tensor_plan import derive_plan
 
     class StateProbe(Callback):
         def __init__(self, moment: str) -> None:

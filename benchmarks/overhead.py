@@ -78,7 +78,8 @@ def worker(name: str, rotations: int, steps: int) -> None:
     from meshlight.nn import MoEConfig
     from meshlight.parallel import ParallelLayout, build_device_mesh, parallelize
     from meshlight.parallel.pipeline import plan_stages, split_stages
-    from meshlight.parallel.tensor import apply_tensor_parallel, model_plan
+    from meshlight.parallel.tensor import apply_tensor_parallel
+    from meshlight.parallel.tensor_plan import model_plan
 
     strategy = "ddp" if name == "loop" else name  # the engines; "loop" measures them on a tiny model
     moe = MoEConfig(num_experts=4) if strategy == "moe" else None

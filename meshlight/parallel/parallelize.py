@@ -29,8 +29,9 @@ from meshlight.parallel.layout import ParallelLayout, axis
 from meshlight.parallel.offload import OffloadPolicy, apply_activation_offload
 from meshlight.parallel.precision import PrecisionPolicy
 from meshlight.parallel.recompute import apply_recompute
-from meshlight.parallel.tensor import apply_tensor_parallel, model_plan, sequence_share_input, validate_plan
-from meshlight.parallel.tensor import sequence_region as find_sequence_region
+from meshlight.parallel.tensor import apply_tensor_parallel, sequence_share_input
+from meshlight.parallel.tensor_plan import model_plan, validate_plan
+from meshlight.parallel.tensor_plan import sequence_region as find_sequence_region
 
 __all__ = ["parallelize"]
 
@@ -54,7 +55,7 @@ def parallelize(
 ) -> nn.Module:
     """Apply every transform ``layout`` asks for to ``module`` in place; ``module`` becomes the root whose
     forward runs the collectives. ``tp_plan`` (module-name patterns → roles) replaces the automatic
-    tensor-parallel plan; see :mod:`meshlight.parallel.tensor`.
+    tensor-parallel plan; see :mod:`meshlight.parallel.tensor_plan`.
 
     With pipeline parallelism ``module`` is one stage (see :mod:`meshlight.parallel.pipeline`, which splits
     the model first). A transform the model already carries — DTensor parameters from its own tensor
@@ -65,7 +66,7 @@ def parallelize(
     ``compile`` compiles chosen blocks' forward (:mod:`meshlight.parallel.compile`). ``later_stage``: ``module``
     is a pipeline stage after the first, which receives the sequence parallelism's share of the sequence
     (:func:`~meshlight.parallel.tensor.sequence_share_input`). ``sequence_region``: where sequence parallelism
-    holds shares of the sequence (:func:`~meshlight.parallel.tensor.sequence_region`), found from ``module`` when
+    holds shares of the sequence (:func:`~meshlight.parallel.tensor_plan.sequence_region`), found from ``module`` when
     ``"auto"``; a pipeline stage is given its whole model's.
     """
     moe_layers = expert_layers(module)

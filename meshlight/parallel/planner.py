@@ -165,7 +165,7 @@ def model_spec_of(module: nn.Module, seq_len: Optional[int] = None) -> ModelSpec
             return ModelSpec.from_gpt_config(config, seq_len)
     from meshlight.nn import MoE
     from meshlight.parallel.data_parallel import repeated_blocks
-    from meshlight.parallel.tensor import HEAD_COUNT_ATTRIBUTES
+    from meshlight.parallel.tensor_plan import HEAD_COUNT_ATTRIBUTES
 
     blocks = repeated_blocks(module)
     if not blocks:

@@ -70,7 +70,8 @@ from meshlight.parallel.parallelize import parallelize
 from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, validate_schedule
 from meshlight.parallel.precision import MeshGradScaler, PrecisionPolicy
 from meshlight.parallel.sampling import ResumableSampler
-from meshlight.parallel.tensor import model_plan, reduce_partial_gradients, sequence_region, stage_plan
+from meshlight.parallel.tensor import reduce_partial_gradients
+from meshlight.parallel.tensor_plan import model_plan, sequence_region, stage_plan
 from meshlight.strategies.launcher import ForkingScriptLauncher
 from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps, setup_pipeline
 from meshlight.strategies.preemption import AgreedSignals, newest_whole_hpc_checkpoint
@@ -369,7 +370,7 @@ class MeshStrategy(ParallelStrategy):
 
     def _tensor_plan(self, model: nn.Module) -> tuple[Optional[dict[str, Any]], Optional[tuple[str, str]]]:
         """The tensor-parallel plan of the whole ``model`` and, with sequence parallelism, where the sequence is
-        held in shares (:func:`~meshlight.parallel.tensor.sequence_region`); ``(None, None)`` without tensor
+        held in shares (:func:`~meshlight.parallel.tensor_plan.sequence_region`); ``(None, None)`` without tensor
         parallelism or when ``configure_model`` applied it."""
         if self.layout.tp == 1 or any(isinstance(p, DTensor) for p in model.parameters()):
             return None, None

@@ -7,7 +7,13 @@ from torch import nn
 
 import meshlight as ml
 from meshlight.models import GPT, GPTConfig
-from meshlight.parallel.tensor import TensorParallelError, derive_plan, resolve_plan, sequence_region, validate_plan
+from meshlight.parallel.tensor_plan import (
+    TensorParallelError,
+    derive_plan,
+    resolve_plan,
+    sequence_region,
+    validate_plan,
+)
 from tests.strategies.llama import DICT_PLAN, LitLlama
 
 

@@ -138,5 +138,5 @@ def test_a_tp_that_does_not_divide_the_heads_fails_on_every_rank_before_training
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "training started" not in output
     for rank in (0, 1):
-        assert f"[rank{rank}]: meshlight.parallel.tensor.TensorParallelError: tp=2 does not divide" in output
+        assert f"[rank{rank}]: meshlight.parallel.tensor_plan.TensorParallelError: tp=2 does not divide" in output
     assert "choose tp in [1]" in output

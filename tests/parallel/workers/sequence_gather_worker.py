@@ -14,7 +14,8 @@ from meshlight.models import GPT, GPTConfig
 from meshlight.parallel import CollectiveTraffic
 from meshlight.parallel.data_parallel import BlockSelection
 from meshlight.parallel.recompute import apply_recompute
-from meshlight.parallel.tensor import apply_tensor_parallel, model_plan
+from meshlight.parallel.tensor import apply_tensor_parallel
+from meshlight.parallel.tensor_plan import model_plan
 
 CONFIG = GPTConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=4, n_kv_heads=2, dim=32, mlp="swiglu",
                    positions="rotary", bias=False)

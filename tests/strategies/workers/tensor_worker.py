@@ -14,7 +14,8 @@ import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPT, GPTConfig
 from meshlight.parallel import CollectiveTraffic
-from meshlight.parallel.tensor import apply_tensor_parallel, derive_plan, model_plan, reduce_partial_gradients
+from meshlight.parallel.tensor import apply_tensor_parallel, reduce_partial_gradients
+from meshlight.parallel.tensor_plan import derive_plan, model_plan
 from tests.strategies.llama import DICT_PLAN, LitLlama, LitLlamaParallelizedByUser
 from tests.strategies.parity import VARIANTS, make_data, train
 

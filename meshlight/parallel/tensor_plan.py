@@ -1,0 +1,454 @@
+"""Tensor-parallel plans: which role each module of a model takes (:mod:`meshlight.parallel.tensor` applies them).
+
+Plans come from :func:`derive_plan` (structure: inside each repeated block, the Linears that read the
+hidden state are colwise and the one that writes back to it is rowwise) or from a user dict of
+module-name patterns, resolved by :func:`resolve_plan`. A model must keep its head counts in attributes the
+strategy can scale (``n_heads``, ``num_key_value_heads`` …), or keep ``head_dim`` and reshape heads with ``-1``;
+:func:`validate_plan` refuses attention with neither (it would train narrower heads without an error) and a
+column→row group that does not have a module of its own (that module's input is gathered for the group).
+:func:`sequence_region` decides where sequence parallelism holds shares of the sequence.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from fnmatch import fnmatch
+from typing import Any, Optional, Union
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from meshlight.nn.moe import MoE
+from meshlight.parallel.checkpoint import _shorten
+from meshlight.parallel.data_parallel import repeated_blocks
+from meshlight.parallel.precision import is_norm
+
+__all__ = [
+    "HEAD_COUNT_ATTRIBUTES", "ROLES", "TensorParallelError", "derive_plan", "model_plan", "resolve_plan",
+    "sequence_region", "stage_plan", "validate_plan",
+]
+
+ROLES = ("colwise", "rowwise", "embedding", "head", "norm", "head_norm", "replicate")
+Plan = dict[str, str]
+UserPlan = Mapping[str, Union[str, ParallelStyle]]
+
+# Attribute names under which attention modules keep their head counts (scaled to the local count).
+HEAD_COUNT_ATTRIBUTES = (
+    "n_heads", "num_heads", "n_head", "num_attention_heads", "heads", "nheads",
+    "n_kv_heads", "num_kv_heads", "n_kv_head", "num_key_value_heads", "kv_heads",
+)
+HEAD_DIM_ATTRIBUTES = ("head_dim", "head_size")
+
+
+class TensorParallelError(ValueError):
+    """A model or plan that tensor parallelism cannot split as asked; the message names the fix."""
+
+
+# ------------------------------------------------------------------------------------------- plans
+
+
+def derive_plan(model: nn.Module) -> Plan:
+    """Roles derived from the model's structure (no class names).
+
+    Inside each repeated block, Linears are grouped by the module that owns them. In each group the last
+    Linear that writes the hidden size ``D`` back is rowwise and the Linears that read ``D`` are colwise;
+    groups without such a writer (a gate) are replicated. Outside the blocks: the Embedding whose
+    vocabulary the LM head produces is the token embedding, other ``D``-wide Embeddings are position tables,
+    and parameter-only modules of width ``D`` (norms) run sequence parallel.
+    """
+    blocks = _named_blocks(model)
+    if not blocks:
+        raise TensorParallelError(
+            f"{_model_name(model)} has no repeated blocks (an nn.ModuleList/ModuleDict of layers), which the"
+            " automatic tensor-parallel plan works on; pass a plan, e.g. TensorParallelStrategy(plan={"
+            '"layers.*.attn.q": "colwise", …}).'
+        )
+    hidden = _hidden_size(blocks)
+    modules = dict(model.named_modules())
+    plan: Plan = {}
+    for prefix, readers, writer in _column_row_groups(blocks, hidden):
+        _reject_fused(prefix, [modules[n] for n in readers], modules[writer])
+        plan[writer] = "rowwise"
+        plan.update(dict.fromkeys(readers, "colwise"))
+    plan = {**plan, **_structural_roles(model, blocks, hidden)}
+    return {**_left_whole(blocks, plan, hidden), **plan}
+
+
+def _column_row_groups(blocks: list[tuple[str, nn.Module]], hidden: int) -> Iterator[tuple[str, list[str], str]]:
+    """(owner, readers, writer) by full name: in each module of the blocks, its Linears that read the hidden size
+    and the last one that writes it back (a module without such a pair — a gate — holds no group)."""
+    for block_name, block in blocks:
+        for group_name, group in block.named_modules():
+            linears = [(n, m) for n, m in group.named_children() if isinstance(m, nn.Linear)]
+            writers = [n for n, m in linears if m.out_features == hidden]
+            readers = [n for n, m in linears if m.in_features == hidden and (not writers or n != writers[-1])]
+            if writers and readers:
+                prefix = _join(block_name, group_name)
+                yield prefix, [_join(prefix, n) for n in readers], _join(prefix, writers[-1])
+
+
+def _structural_roles(model: nn.Module, blocks: list[tuple[str, nn.Module]], hidden: int) -> Plan:
+    """Every role but the blocks' Linears: norms (in and outside the blocks, and over each head inside
+    attention), the LM head, the token embedding whose vocabulary it produces, and other ``D``-wide embeddings
+    (positions) replicated."""
+    roles: Plan = {}
+    for block_name, block in blocks:
+        roles.update({_join(block_name, n): "norm" for n, m in block.named_modules() if _is_norm(m, hidden)})
+        for owner_name, owner in block.named_modules():  # QK-norms: norms as wide as the attention's head_dim
+            head_dim = _head_dim(owner)
+            roles.update({_join(block_name, owner_name, n): "head_norm" for n, m in owner.named_children()
+                          if head_dim not in (None, hidden) and _is_norm(m, head_dim)})
+    in_blocks = {id(m) for _, block in blocks for m in block.modules()}
+    outside = [(n, m) for n, m in model.named_modules() if id(m) not in in_blocks]
+    embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding)]
+    vocabularies = {m.num_embeddings for _, m in embeddings}
+    heads = [(n, m) for n, m in outside if isinstance(m, nn.Linear) and m.in_features == hidden
+             and m.out_features in vocabularies]
+    roles.update({n: "norm" for n, m in outside if _is_norm(m, hidden)})
+    vocabulary = heads[-1][1].out_features if heads else None
+    if heads:
+        roles[heads[-1][0]] = "head"
+    # the token embedding (any width: a factorized one is projected to D after it); other D-wide tables: positions
+    roles.update({n: "embedding" if m.num_embeddings == vocabulary else "replicate" for n, m in embeddings
+                  if m.num_embeddings == vocabulary or m.embedding_dim == hidden})
+    return roles
+
+
+def sequence_region(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]]) -> Optional[tuple[str, str]]:
+    """Where sequence parallelism holds this rank's share of the sequence; ``None``: Megatron-LM's region, from the
+    token embedding's output to the LM head's input.
+
+    That region needs everything outside the blocks to have a role: a token embedding that hands on the share, an
+    LM head that gathers it, norms and position tables that run on it. A module outside the blocks the plan gives
+    no role (an adapter after the embedding, a factorized embedding's projection, a value or classification head,
+    a learned class token) would read a share where it expects the sequence — trained on its share alone, or
+    failing on the shapes. Then the region is the blocks only, returned as (first block, last block): the first
+    block's input is cut to the share and the last block's output gathered, and the rest runs on the whole
+    sequence, as without sequence parallelism. Layouts a user plan gives to modules outside the blocks (styles,
+    colwise/rowwise roles) keep Megatron-LM's region (the user chose them); beside a module outside the blocks with
+    no role they are refused, as no region suits both."""
+    blocks = _named_blocks(model)
+    if not blocks:
+        return None
+    outside = {name: role for name, role in plan.items() if not _within(name, [n for n, _ in blocks])}
+    # layouts a user plan chose there (a style, or a column→row group, which splits a share of the sequence)
+    styled = [name for name, role in outside.items()
+              if isinstance(role, ParallelStyle) or role in ("colwise", "rowwise")]
+    unplanned = _outside_unplanned(model, blocks, plan)
+    if styled and unplanned:
+        raise TensorParallelError(
+            f"The tensor-parallel plan splits {', '.join(map(_shown, styled[:3]))} outside the blocks (a style, or a"
+            f" colwise/rowwise role) and gives no role to {', '.join(map(_shown, unplanned[:3]))}, also outside them:"
+            " under sequence parallelism those layouts expect Megatron-LM's (shares of the sequence from the token"
+            " embedding to the LM head), which would train the latter on this rank's share alone. Give them roles or"
+            " styles too, leave the modules outside the blocks to meshlight, or pass sequence_parallel=False."
+        )
+    if styled or {"embedding", "head"} <= set(outside.values()) and not unplanned:
+        return None
+    return blocks[0][0], blocks[-1][0]
+
+
+def _outside_unplanned(model: nn.Module, blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> list[str]:
+    """Parameters outside the blocks that no role covers, by full name (a role names one module; a style covers
+    the modules inside it too)."""
+    in_blocks = {id(m) for _, block in blocks for m in block.modules()}
+    styled = [name for name, role in plan.items() if isinstance(role, ParallelStyle)]
+    return [_join(name, p) for name, module in model.named_modules() if id(module) not in in_blocks
+            and name not in plan and not _within(name, styled) for p, _ in module.named_parameters(recurse=False)]
+
+
+def resolve_plan(model: nn.Module, patterns: UserPlan) -> dict[str, Union[str, ParallelStyle]]:
+    """Match each pattern (``fnmatch`` per dotted component, e.g. ``"layers.*.attention.wq"``) against the
+    model's module names — as a full name or as a suffix at a component boundary, so a plan written for an
+    inner model also applies inside the LightningModule that holds it.
+
+    Modules the patterns do not mention keep the structural roles :func:`derive_plan` gives them (norms —
+    with sequence parallelism a norm left out would see part of the sequence and its replicated weight
+    would get different gradients on each rank —, token embedding, LM head): the patterns decide how the
+    blocks' Linears are split. Raises listing close names for a pattern that matches nothing, and for
+    unknown style names.
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, Union[str, ParallelStyle]] = {}
+    for pattern, style in patterns.items():
+        if isinstance(style, str) and style not in ROLES:
+            raise TensorParallelError(
+                f"Unknown tensor-parallel style {style!r} for {pattern!r}; choose one of {ROLES}."
+            )
+        matches = [name for name in names if _matches(name, pattern)]
+        if not matches:
+            # suggest modules a plan can give a role: those holding parameters, named as the user wrote them
+            held = [_shown(name) for name, m in model.named_modules()
+                    if name and next(m.parameters(recurse=False), None) is not None]
+            close = difflib.get_close_matches(pattern, held, n=5, cutoff=0.5)
+            close = close or _close_by_last_component(pattern, held)
+            listed = (f"Close module names: {', '.join(close)}." if close else
+                      f"Modules that hold parameters: {_shorten(held)}.")
+            raise TensorParallelError(f"The tensor-parallel plan pattern {pattern!r} matches no module. {listed}")
+        resolved.update(dict.fromkeys(matches, style))
+    blocks = _named_blocks(model)
+    if not blocks:
+        return resolved
+    hidden = _hidden_size(blocks)
+    plan = {**_structural_roles(model, blocks, hidden), **resolved}
+    return {**_left_whole(blocks, plan, hidden), **plan}
+
+
+def model_plan(model: nn.Module, patterns: Optional[UserPlan] = None) -> dict[str, Union[str, ParallelStyle]]:
+    """The plan for ``model``: the user's ``patterns`` resolved (:func:`resolve_plan`), else :func:`derive_plan`."""
+    return resolve_plan(model, patterns) if patterns else derive_plan(model)
+
+
+def stage_plan(plan: Mapping[str, Union[str, ParallelStyle]], stage: nn.Module) -> dict[str, Union[str, ParallelStyle]]:
+    """The part of the whole model's ``plan`` that concerns a pipeline stage cut from it (same module names).
+
+    Plans are made on the whole model, before the split: a stage alone misleads the structural roles (without
+    the token embedding the LM head is not recognizable as one, and without the head the embedding is not).
+    Pieces of other stages are parameter-free pass-throughs under the same names, and are left out.
+    """
+    owned = {name for name, module in stage.named_modules() if any(True for _ in module.parameters(recurse=False))}
+    return {name: role for name, role in plan.items() if name in owned}
+
+
+def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]], tp: int, world_size: int, *,
+                  sequence_parallel: bool = True) -> None:
+    """Raise, naming the valid tp values, when ``tp`` does not divide every dimension the plan shards, the
+    attention head counts, or the hidden size; and naming the fix when a block holds parameters the plan leaves
+    whole where they would train wrong (:func:`_reject_unsplit`)."""
+    modules = dict(model.named_modules())
+    constraints: list[tuple[str, int]] = []
+    hidden: Optional[int] = None
+    for name, role in plan.items():
+        module = modules[name]
+        if role == "colwise" and isinstance(module, nn.Linear):
+            constraints.append((f"{name}.out_features", module.out_features))
+            hidden = hidden or module.in_features
+        elif role == "rowwise" and isinstance(module, nn.Linear):
+            constraints.append((f"{name}.in_features", module.in_features))
+        elif role == "embedding" and isinstance(module, nn.Embedding):
+            constraints.append((f"{name} vocabulary", module.num_embeddings))
+        elif role == "head" and isinstance(module, nn.Linear):
+            constraints.append((f"{name} vocabulary", module.out_features))
+    if hidden is not None:
+        constraints.append(("hidden size", hidden))
+    _check_groups(model, plan)
+    _reject_unsplit(_named_blocks(model), plan, sequence_parallel)
+    for parent, attribute, count in _head_counts(model, plan):
+        constraints.append((_join(parent, attribute), count))
+    for _, name, heads in _heads_from_head_dim(model, plan):
+        constraints.append((f"heads of {name}", heads))
+    bad = [(what, value) for what, value in constraints if value % tp]
+    if bad:
+        valid = [t for t in range(1, world_size + 1)
+                 if world_size % t == 0 and all(v % t == 0 for _, v in constraints)]
+        what, value = bad[0]
+        raise TensorParallelError(f"tp={tp} does not divide {_shown(what)}={value}; choose tp in {valid}.")
+
+
+# ------------------------------------------------------------------------------------------- structure
+
+
+def _reject_fused(group: str, readers: list[nn.Linear], writer: nn.Linear) -> None:
+    """Column sharding splits a Linear's outputs into contiguous slices; a fused q|k|v (or gate|up) projection
+    would hand one rank all of q and another all of v. Recognized by no reader producing the writer's width."""
+    if all(reader.out_features != writer.in_features for reader in readers):
+        widths = ", ".join(str(r.out_features) for r in readers)
+        raise TensorParallelError(
+            f"{_shown(group)} looks like a fused projection (outputs {widths} feeding a {writer.in_features}-wide"
+            " output projection): tensor parallelism needs q, k, v (and gate, up) as separate nn.Linear layers."
+            " Split the fused layer, or parallelize it yourself in configure_model()."
+        )
+
+
+def _left_whole(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any], hidden: int) -> Plan:
+    """The blocks' Linears outside every column→row group and every role (a gate): ``replicate``. Under
+    sequence parallelism they run on this rank's share of the sequence; left plain, each rank's weight would get
+    the gradient of its share alone and the ranks' weights would drift apart without an error. Linears the
+    automatic plan would split (a group a user plan leaves out) stay as they are, for
+    :func:`_reject_unsplit`: run on the share, attention would see only that share of the sequence."""
+    grouped = {name for _, readers, writer in _column_row_groups(blocks, hidden) for name in (*readers, writer)}
+    return {name: "replicate" for name, module in _unsplit(blocks, plan)
+            if isinstance(module, nn.Linear) and name not in grouped}
+
+
+def _unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> Iterator[tuple[str, nn.Module]]:
+    """The blocks' modules outside every column→row group, planned module (a style given to a parent covers its
+    children; a role names one module: ``replicate`` on a container reaches its Linears through
+    :func:`_left_whole`) and MoE layer (not split by tensor parallelism: refused with a message of their own, in
+    parallelize.py)."""
+    covered = (*_colwise_parents(plan), *(name for name, role in plan.items() if isinstance(role, ParallelStyle)))
+    for block_name, block in blocks:
+        experts = [_join(block_name, n) for n, m in block.named_modules() if isinstance(m, MoE)]
+        for name, module in block.named_modules():
+            full = _join(block_name, name)
+            if full not in plan and not _within(full, (*covered, *experts)):
+                yield full, module
+
+
+def _reject_unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any], sequence_parallel: bool) -> None:
+    """A block's parameters outside any role or column→row group would stay whole on every rank. Under sequence
+    parallelism they meet the activations of this rank's share of the sequence: their gradients would differ
+    between ranks, or the op would mix plain tensors and DTensors (a per-channel scale), or a group a user plan
+    leaves out would attend over the share alone. A packed q|k|v weight (``nn.MultiheadAttention``'s) is refused
+    either way: the attention would not be split at all. Refused, naming them."""
+    for full, module in _unsplit(blocks, plan):
+        own = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
+        if not own:
+            continue
+        if isinstance(module, nn.Linear) and sequence_parallel:
+            raise TensorParallelError(
+                f"{_shown(full)} reads or writes the hidden state in a column→row group the tensor-parallel plan leaves"
+                " out: under sequence parallelism it would run on this rank's share of the sequence, and attention"
+                " between such Linears would see only that share. Give the group roles (colwise, rowwise), give a"
+                " Linear that works token by token 'replicate', or pass sequence_parallel=False."
+            )
+        packed = isinstance(module, nn.MultiheadAttention)
+        if sequence_parallel or packed:
+            why = (" (nn.MultiheadAttention packs q, k and v into one parameter)" if packed else
+                   ": under sequence parallelism each rank would train them on its share of the sequence alone")
+            listed = ", ".join(f"{n} {list(shape)}" for n, shape in own)
+            fix = "" if packed else " (or pass sequence_parallel=False)"
+            raise TensorParallelError(
+                f"{_shown(full)} ({type(module).__name__}) holds parameters the automatic tensor-parallel plan"
+                f" cannot split: {listed}{why}. Write attention with separate q, k, v nn.Linear layers (and an"
+                f" output projection), and keep other parameters in a norm or a Linear{fix}."
+            )
+
+
+def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
+    """Each module holding a column→row group must hold it alone — tensor parallelism hands it its input
+    gathered over the sequence, as a DTensor, and it computes 1/tp of the heads (parameters beside the group
+    would see only those) — and an attention group must say how many heads it has."""
+    modules = dict(model.named_modules())
+    blocks = {id(b) for b in repeated_blocks(model)}
+    owners = _colwise_parents(plan)
+    for owner in owners:
+        module = modules[owner]
+        # the group: the owner's children with a role of their own (a string, or a ParallelStyle given)
+        group = [n for n in modules if n.rpartition(".")[0] == owner and n in plan
+                 and plan[n] not in ("norm", "head_norm", "replicate")]
+        nested = [o for o in owners if o != owner and (not owner or o.startswith(owner + "."))]
+        block_or_model = id(module) in blocks or not owner  # where norms live beside the sublayers
+        others = [full for n, m in module.named_modules() if n and (full := _join(owner, n)) not in group
+                  and not _within(full, nested)
+                  and (isinstance(m, (nn.Linear, nn.Embedding)) or (block_or_model and plan.get(full) == "norm"))]
+        if others:
+            what = "a repeated block" if id(module) in blocks else "the whole model" if not owner else "a module"
+            raise TensorParallelError(
+                f"{_shown(owner) or _model_name(module)} ({what}) holds the tensor-parallel group"
+                f" {', '.join(map(_shown, group))}, and also {', '.join(map(_shown, others[:4]))}. Tensor"
+                " parallelism hands the module that holds a column→row group its input gathered over the sequence,"
+                " as a DTensor, so that module must hold the group alone: move"
+                f" {', '.join(n.rpartition('.')[2] for n in group)} into a submodule of their own (e.g."
+                " `self.mlp = MLP(dim)` whose forward is `fc2(act(fc1(x)))`)."
+            )
+        stray = [f"{_shown(_join(owner, n, p))} {list(t.shape)}" for n, m in module.named_modules()
+                 if (full := _join(owner, n)) not in group and plan.get(full) != "head_norm"
+                 and not _within(full, nested)
+                 for p, t in m.named_parameters(recurse=False)]
+        if stray:
+            raise TensorParallelError(
+                f"{_shown(owner) or _model_name(module)} holds the tensor-parallel group"
+                f" {', '.join(map(_shown, group))} and also the parameters {', '.join(stray[:4])}, which tensor"
+                " parallelism does not split: each rank computes 1/tp of the group's heads (or hidden units) and"
+                " would train them on those alone (a norm over all heads at once, a learned scale, attention sinks;"
+                " a norm as wide as one head is split). Splitting them is not supported yet: parallelize the module"
+                " yourself in configure_model(), or train without tensor parallelism (pp, ZeRO)."
+            )
+        readers = [modules[n] for n in group if plan[n] == "colwise" and isinstance(modules[n], nn.Linear)]
+        attention = len(readers) >= 3 or len({m.out_features for m in readers}) > 1
+        named = any(isinstance(getattr(module, a, None), int) for a in HEAD_COUNT_ATTRIBUTES + HEAD_DIM_ATTRIBUTES)
+        if attention and not named:
+            counts = [f"{a}={v}" for a, v in vars(module).items()
+                      if isinstance(v, int) and not isinstance(v, bool) and not a.startswith("_") and v > 1]
+            seen = f" (it has {', '.join(counts)})" if counts else ""
+            raise TensorParallelError(
+                f"{_shown(owner)} looks like attention ({len(readers)} column-parallel projections) but keeps no head"
+                f" count under a name meshlight divides by tp ({', '.join(HEAD_COUNT_ATTRIBUTES)}) and no head_dim"
+                f"{seen}. Each rank holds 1/tp of q, k and v: reshaping them by the full head count would train"
+                " heads 1/tp as wide, a different model, without an error. Name the count n_heads (and n_kv_heads),"
+                " or store head_dim and reshape with view(batch, seq, -1, head_dim)."
+            )
+
+
+def _named_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    blocks = {id(b) for b in repeated_blocks(model)}
+    return [(name, module) for name, module in model.named_modules() if id(module) in blocks]
+
+
+def _hidden_size(blocks: list[tuple[str, nn.Module]]) -> int:
+    widths = Counter(m.in_features for _, block in blocks for m in block.modules() if isinstance(m, nn.Linear))
+    if not widths:
+        raise TensorParallelError("The repeated blocks contain no nn.Linear layers to split.")
+    return widths.most_common(1)[0][0]
+
+
+def _is_norm(module: nn.Module, hidden: int) -> bool:
+    """A norm (:func:`~meshlight.parallel.precision.is_norm`) whose vectors have the hidden size."""
+    return is_norm(module) and all(p.shape[0] == hidden for p in module.parameters(recurse=False))
+
+
+def _colwise_parents(plan: Mapping[str, Union[str, ParallelStyle]]) -> list[str]:
+    return sorted({name.rpartition(".")[0] for name, role in plan.items() if role == "colwise"})
+
+
+def _head_counts(model: nn.Module, plan: Mapping[str, Any]) -> Iterator[tuple[str, str, int]]:
+    """(parent, attribute, count) for head-count attributes on the modules that own colwise groups."""
+    modules = dict(model.named_modules())
+    for parent in _colwise_parents(plan):
+        for attribute in HEAD_COUNT_ATTRIBUTES:
+            value = getattr(modules[parent], attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                yield parent, attribute, value
+
+
+def _head_dim(module: nn.Module) -> Optional[int]:
+    return next((getattr(module, a) for a in HEAD_DIM_ATTRIBUTES if isinstance(getattr(module, a, None), int)), None)
+
+
+def _heads_from_head_dim(model: nn.Module, plan: Mapping[str, Any]) -> Iterator[tuple[str, str, int]]:
+    """Head counts of colwise Linears in modules that only record ``head_dim`` (and reshape with -1)."""
+    modules = dict(model.named_modules())
+    for parent in _colwise_parents(plan):
+        head_dim = _head_dim(modules[parent])
+        if not head_dim:
+            continue
+        for name, role in plan.items():
+            module = modules[name]
+            if role == "colwise" and name.rpartition(".")[0] == parent and isinstance(module, nn.Linear):
+                if module.out_features % head_dim == 0:
+                    yield parent, name, module.out_features // head_dim
+
+
+def _matches(name: str, pattern: str) -> bool:
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) >= len(wanted) and all(fnmatch(p, w) for p, w in zip(parts[-len(wanted):], wanted))
+
+
+def _close_by_last_component(pattern: str, names: list[str]) -> list[str]:
+    last = pattern.rsplit(".", 1)[-1]
+    leaves = {name.rsplit(".", 1)[-1] for name in names}
+    close = set(difflib.get_close_matches(last, leaves, n=3, cutoff=0.5))
+    return [name for name in names if name.rsplit(".", 1)[-1] in close][:5]
+
+
+def _shown(name: str) -> str:
+    """A module name as the user's model has it: without the ``module.`` of meshlight's root wrapper."""
+    return name.removeprefix("module.")
+
+
+def _model_name(model: nn.Module) -> str:
+    """The class of the user's model: inside a wrapper whose one child is ``module``, that child's."""
+    inner = getattr(model, "module", None)
+    return type(inner if isinstance(inner, nn.Module) and len(list(model.children())) == 1 else model).__name__
+
+
+def _within(name: str, modules: Iterable[str]) -> bool:
+    """Whether module ``name`` is one of ``modules`` or inside one of them."""
+    return any(name == m or name.startswith(m + ".") for m in modules)
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
