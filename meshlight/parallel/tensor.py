@@ -25,6 +25,13 @@ a factorized embedding's projection, a value head, a class token) keeps those on
 sequence parallelism: the first block's input is cut to this rank's share and the last block's output gathered
 (:func:`~meshlight.parallel.tensor_plan.sequence_region`).
 
+Per block the traffic is Megatron-LM's: in forward the input of each colwise group is gathered once — an
+all-gather of the sequence with sequence parallelism, nothing otherwise — and in backward its gradient is
+reduced once; each rowwise output is reduce-scattered over the sequence (or all-reduced without sequence
+parallelism). Backward keeps a colwise group's input as this rank's share of the sequence and gathers it
+once more, as Megatron-LM does (:mod:`meshlight.parallel.sequence_gather`; ``keep_gathered_inputs`` keeps it
+whole instead).
+
 Plans — which module takes which role, derived from the model's structure or resolved from a user's patterns, and
 validated against tp — are :mod:`meshlight.parallel.tensor_plan`'s.
 """
