@@ -423,8 +423,10 @@ def _heads_from_head_dim(model: nn.Module, plan: Mapping[str, Any]) -> Iterator[
 
 
 def _matches(name: str, pattern: str) -> bool:
+    """Whether ``pattern`` matches ``name`` as a whole or as a suffix at a component boundary; a component equal to
+    the pattern's matches even where fnmatch would read it as a pattern (a ModuleDict key ``"h[0]"``)."""
     parts, wanted = name.split("."), pattern.split(".")
-    return len(parts) >= len(wanted) and all(fnmatch(p, w) for p, w in zip(parts[-len(wanted):], wanted))
+    return len(parts) >= len(wanted) and all(p == w or fnmatch(p, w) for p, w in zip(parts[-len(wanted):], wanted))
 
 
 def _close_by_last_component(pattern: str, names: list[str]) -> list[str]:

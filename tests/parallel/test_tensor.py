@@ -42,6 +42,12 @@ def test_automatic_plan_for_a_llama_shaped_model_uses_registration_and_shapes_no
 def test_dict_plan_matches_inside_the_lightning_module_and_equals_the_automatic_plan():
     module = LitLlama()
     assert resolve_plan(module, DICT_PLAN) == derive_plan(module)
+    # a plan resolved once resolves to itself (the strategy plans the whole model, then hands names on), even where
+    # a name holds fnmatch's special characters
+    model = _model()
+    model.blocks = nn.ModuleDict({"h[0]": model.blocks[0], "h[1]": model.blocks[1]})
+    plan = derive_plan(model)
+    assert plan["blocks.h[0].attn.q"] == "colwise" and resolve_plan(model, plan) == plan
 
 
 def test_a_pattern_that_matches_nothing_lists_close_module_names():
