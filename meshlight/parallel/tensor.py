@@ -135,6 +135,10 @@ def apply_tensor_parallel(
             modules[first].register_forward_pre_hook(_cut_to_share(mesh))
         if last in blocks:
             modules[last].register_forward_hook(_gather_sequence(mesh))
+        enter, leave = _stream_of_own(mesh.get_local_rank())
+        for name in blocks:
+            modules[name].register_forward_pre_hook(enter, prepend=True)
+            modules[name].register_forward_hook(leave, always_call=True)
 
 
 def sequence_share_input(stage: nn.Module, mesh: DeviceMesh) -> None:
@@ -310,6 +314,33 @@ def _cut_to_share(mesh: DeviceMesh):  # noqa: ANN202 - a forward pre-hook
         return (share.to_local(), *args[1:])
 
     return hook
+
+
+def _stream_of_own(tp_rank: int) -> tuple[Any, Any]:
+    """Forward pre- and post-hooks that run a block on a random stream of this tp rank's own, when sequence
+    parallelism covers the blocks only: outside them the tp ranks hold the same activations and share a stream
+    (dropout there must agree), inside them they hold different tokens (their masks must not repeat share after
+    share). Each call draws a seed from the shared stream — the same draw on every tp rank, so the shared stream
+    stays in step, and a checkpoint's saved random state resumes it exactly — and runs the block seeded from it
+    and the tp rank; recomputation replays the block from the state it saw. The shared stream's state is put
+    back after the block."""
+    saved: list[tuple[Tensor, Optional[list[Tensor]]]] = []
+
+    def enter(module: nn.Module, args: tuple) -> None:
+        seed = int(torch.randint(2**62, (1,)).item())
+        devices = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        saved.append((torch.get_rng_state(), devices))
+        torch.manual_seed((seed * 65_537 + tp_rank) % 2**63)
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        if not saved:  # a pre-hook before ``enter`` raised
+            return
+        host, devices = saved.pop()
+        torch.set_rng_state(host)
+        if devices is not None:
+            torch.cuda.set_rng_state_all(devices)
+
+    return enter, leave
 
 
 def _gather_sequence(mesh: DeviceMesh):  # noqa: ANN202 - a forward hook

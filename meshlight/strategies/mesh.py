@@ -298,7 +298,7 @@ class MeshStrategy(ParallelStrategy):
         if self._base_seed is None:
             self._base_seed = torch.initial_seed()
         # Sequence parallelism over the blocks only leaves replicated activations outside them (dropout there must
-        # match on every tp rank): the tp ranks share a stream then, as they do without sequence parallelism.
+        # match on every tp rank): the tp ranks share a stream then, and each block runs on one of its rank's own.
         region = getattr(self.model, "sequence_region", None)
         separate = self.layout.tp > 1 and self._tensor_parallel["sequence_parallel"] and region is None
         seed_by_mesh_position(self.device_mesh, self._base_seed, separate_tensor_ranks=separate)

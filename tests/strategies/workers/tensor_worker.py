@@ -2,6 +2,7 @@
 
 import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 import meshlight as ml
+from meshlight.callbacks import ActivationCheckpointing
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPT, GPTConfig
 from meshlight.parallel import CollectiveTraffic
@@ -170,27 +172,65 @@ def dropout_probe(world: int) -> list[torch.Tensor]:
     return gathered
 
 
-def outside_dropout_probe() -> bool:
-    """Whether the replicated modules outside the blocks of ``LitLlama(outside=True)`` (the region sequence
-    parallelism leaves whole) still hold the same weights on both tp ranks after steps with dropout there: their
-    masks must agree, or the ranks' gradients and weights drift apart."""
+def blocks_only_dropout_probe() -> dict[str, bool]:
+    """Dropout where sequence parallelism covers the blocks only (``LitLlama(outside=True)``), with dropout after
+    modules outside the blocks and after each block's feed-forward, 3 steps at tp=2:
+
+    - ``outside_weights_agree``: the replicated modules outside the blocks hold the same weights on both tp ranks
+      (their masks agree: otherwise the ranks' gradients, and weights, drift apart);
+    - ``block_draws_differ``, ``outside_draws_agree``: a random draw inside a block differs between the tp ranks
+      (their shares' masks do not repeat), one outside agrees;
+    - ``recompute_replays``: the same run with every block recomputed ends with the same weights (recomputation
+      replays each block's masks)."""
 
     def dropout_after(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.dropout(output, 0.3, module.training)
 
-    pl.seed_everything(0, verbose=False)
-    module = LitLlama(outside=True)
-    module.model.project.register_forward_hook(dropout_after)
-    module.model.transform[0].register_forward_hook(dropout_after)
-    trainer = ml.Trainer(strategy=ml.TensorParallelStrategy(tp=2), devices=2, accelerator="cpu", max_steps=3,
-                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                         enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(module, make_data(4))
-    weights = torch.cat([module.model.project.weight.detach().flatten(),
+    def fit(*callbacks: pl.Callback) -> LitLlama:
+        pl.seed_everything(0, verbose=False)
+        module = LitLlama(outside=True)
+        for dropped in (module.model.project, module.model.transform[0],
+                        *(layer.feed_forward for layer in module.model.layers)):
+            dropped.register_forward_hook(dropout_after)
+        trainer = ml.Trainer(strategy=ml.TensorParallelStrategy(tp=2), devices=2, accelerator="cpu", max_steps=3,
+                             logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                             enable_model_summary=False, limit_val_batches=0, callbacks=list(callbacks))
+        trainer.fit(module, make_data(4))
+        return module
+
+    def on_both_ranks(value: object) -> list:
+        gathered = [None] * 2
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    module = fit()
+    outside = torch.cat([module.model.project.weight.detach().flatten(),
                          module.model.transform[0].weight.detach().flatten()])
-    gathered = [None] * 2
-    dist.all_gather_object(gathered, weights)
-    return torch.equal(*gathered)
+    draws = {}
+
+    def draw(name: str) -> Callable[..., None]:
+        def hook(*_: object) -> None:
+            draws.setdefault(name, torch.rand(8))
+
+        return hook
+
+    for name, where in (("block", module.model.layers[0].feed_forward), ("outside", module.model.project)):
+        where.register_forward_hook(draw(name))
+    module.model.train()
+    module.model(torch.arange(12).repeat(2, 1) % 16)
+    recomputed = fit(ActivationCheckpointing())
+    weights = [dict(m.model.named_parameters()) for m in (module, recomputed)]
+    blocks, outsides = on_both_ranks(draws["block"]), on_both_ranks(draws["outside"])
+    return {
+        "outside_weights_agree": torch.equal(*on_both_ranks(outside)),
+        "block_draws_differ": not torch.equal(*blocks),
+        "outside_draws_agree": torch.equal(*outsides),
+        "recompute_replays": all(torch.equal(_local(p), _local(weights[1][n])) for n, p in weights[0].items()),
+    }
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
 
 
 class LitLlamaWithAuxiliaryLoss(LitLlama):
@@ -239,7 +279,7 @@ if __name__ == "__main__":
         results[(layout, model, sp, variant)] = result
     if world == 2:
         results["partial_gradient_reduction"] = partial_gradient_reduction()
-        results["outside_dropout_agrees"] = outside_dropout_probe()
+        results["blocks_only_dropout"] = blocks_only_dropout_probe()
         results["mixed_tensor_notes"] = mixed_tensor_notes()
         results["saved_activations"] = {(name, keep): saved_activation_values(name, world, keep)[0]
                                         for name in ACTIVATION_CONFIGS for keep in (False, True)}
