@@ -83,15 +83,12 @@ def saved_activations(name: str, tp: int = 1, keep_gathered_inputs: bool = False
         apply_tensor_parallel(model, init_device_mesh("cpu", (tp,)), model_plan(model),
                               keep_gathered_inputs=keep_gathered_inputs)
 
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    seen, saved = {local(p).untyped_storage().data_ptr() for p in model.parameters()}, []
+    seen, saved = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}, []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if local(t).untyped_storage().data_ptr() not in seen:
-            seen.add(local(t).untyped_storage().data_ptr())
-            saved.append((local(t).numel(), local(t).numel() * local(t).element_size()))
+        if _local(t).untyped_storage().data_ptr() not in seen:
+            seen.add(_local(t).untyped_storage().data_ptr())
+            saved.append((_local(t).numel(), _local(t).numel() * _local(t).element_size()))
         return t
 
     block, tokens = model.blocks[1], torch.randint(0, config.vocab_size, (sequences, 64))
@@ -154,22 +151,38 @@ def partial_gradient_reduction() -> dict[str, object]:
     }
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+def _gathered(value: object) -> list:
+    """``value`` from every rank, in rank order."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _fit_briefly(module: pl.LightningModule, strategy: ml.MeshStrategy, max_steps: int,
+                 *callbacks: pl.Callback) -> ml.Trainer:
+    """Train ``module`` for ``max_steps`` on every rank of the world (4 sequences per rank and step)."""
+    trainer = ml.Trainer(strategy=strategy, devices=dist.get_world_size(), accelerator="cpu", max_steps=max_steps,
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         enable_model_summary=False, limit_val_batches=0, callbacks=list(callbacks))
+    trainer.fit(module, make_data(4))
+    return trainer
+
+
 def dropout_probe(world: int) -> list[torch.Tensor]:
     """The output of the final norm (a replicated region without sequence parallelism) for one fixed input,
     in training mode with dropout, on every rank."""
     pl.seed_everything(0, verbose=False)
     module = lit_gpt(dropout=0.1)
-    trainer = ml.Trainer(strategy=ml.TensorParallelStrategy(tp=2, sequence_parallel=False, zero=0), devices=world,
-                         accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
-                         enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(module, make_data(4))
+    trainer = _fit_briefly(module, ml.TensorParallelStrategy(tp=2, sequence_parallel=False, zero=0), 1)
     captured = []
     module.model.norm.register_forward_hook(lambda mod, args, out: captured.append(out.detach().clone()))
     trainer.strategy.model.train()
     trainer.strategy.model(torch.arange(12).repeat(2, 1) % 16)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, captured[0])
-    return gathered
+    return _gathered(captured[0])
 
 
 def blocks_only_dropout_probe() -> dict[str, bool]:
@@ -192,16 +205,8 @@ def blocks_only_dropout_probe() -> dict[str, bool]:
         for dropped in (module.model.project, module.model.transform[0],
                         *(layer.feed_forward for layer in module.model.layers)):
             dropped.register_forward_hook(dropout_after)
-        trainer = ml.Trainer(strategy=ml.TensorParallelStrategy(tp=2), devices=2, accelerator="cpu", max_steps=3,
-                             logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                             enable_model_summary=False, limit_val_batches=0, callbacks=list(callbacks))
-        trainer.fit(module, make_data(4))
+        _fit_briefly(module, ml.TensorParallelStrategy(tp=2), 3, *callbacks)
         return module
-
-    def on_both_ranks(value: object) -> list:
-        gathered = [None] * 2
-        dist.all_gather_object(gathered, value)
-        return gathered
 
     module = fit()
     outside = torch.cat([module.model.project.weight.detach().flatten(),
@@ -220,17 +225,13 @@ def blocks_only_dropout_probe() -> dict[str, bool]:
     module.model(torch.arange(12).repeat(2, 1) % 16)
     recomputed = fit(ActivationCheckpointing())
     weights = [dict(m.model.named_parameters()) for m in (module, recomputed)]
-    blocks, outsides = on_both_ranks(draws["block"]), on_both_ranks(draws["outside"])
+    blocks, outsides = _gathered(draws["block"]), _gathered(draws["outside"])
     return {
-        "outside_weights_agree": torch.equal(*on_both_ranks(outside)),
+        "outside_weights_agree": torch.equal(*_gathered(outside)),
         "block_draws_differ": not torch.equal(*blocks),
         "outside_draws_agree": torch.equal(*outsides),
         "recompute_replays": all(torch.equal(_local(p), _local(weights[1][n])) for n, p in weights[0].items()),
     }
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
 
 
 class LitLlamaWithAuxiliaryLoss(LitLlama):
@@ -249,11 +250,8 @@ class LitLlamaWithAuxiliaryLoss(LitLlama):
 
 def mixed_tensor_notes() -> list[str]:
     """The notes meshlight adds to PyTorch's error when an auxiliary loss meets the DTensor loss."""
-    trainer = ml.Trainer(strategy=ml.TensorParallelStrategy(tp=2), devices=2, accelerator="cpu", max_steps=1,
-                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                         enable_model_summary=False, limit_val_batches=0)
     try:
-        trainer.fit(LitLlamaWithAuxiliaryLoss(), make_data(4))
+        _fit_briefly(LitLlamaWithAuxiliaryLoss(), ml.TensorParallelStrategy(tp=2), 1)
     except RuntimeError as error:
         return [str(error).split(",")[0], *getattr(error, "__notes__", [])]
     return []
@@ -273,9 +271,7 @@ if __name__ == "__main__":
         result["partial_gradients"], result["step_collectives"] = probe.partial, probe.step_collectives
         module = result.pop("module")
         if dp == 1 and model != "llama-configure-model":  # the layers meshlight's plan shards
-            fractions = [None] * world
-            dist.all_gather_object(fractions, sharded_fraction(module))
-            result["sharded_fraction"] = fractions
+            result["sharded_fraction"] = _gathered(sharded_fraction(module))
         results[(layout, model, sp, variant)] = result
     if world == 2:
         results["partial_gradient_reduction"] = partial_gradient_reduction()
