@@ -1,81 +1,42 @@
 """Layout planner: the fastest (dp, pp, tp, ep, zero, microbatches, virtual stages, recomputation) that fits.
 
-An analytic model, per rank, of what each candidate layout costs:
-
-- **Memory**: parameters, gradients and optimizer state of the rank's share of the model (tensor, pipeline and
-  expert splits, then ZeRO over the data ranks, as meshlight's FSDP2 ZeRO holds them: stages 1–2 keep the
-  gathered parameters beside the shard, stage 3 a block gathered and the next one's gather in flight, stage 1
-  whole gradients, stages 2–3 one block's whole gradients at a time; inside a pipeline schedule every
-  stage peaks as stage 1 does, since PyTorch's schedules keep the parameters gathered and the gradients whole
-  until the schedule's last backward; at the run's bytes per value — :func:`precision_bytes` — less what the
-  ``Offload`` callback keeps in host memory), plus activations: per layer and
-  micro-batch what autograd saves in meshlight's blocks (:meth:`ModelSpec.activation_values_per_token`,
-  checked against saved-tensor hooks in the tests; about ``22·h/tp`` values per token for Llama shapes: the
-  inputs of the column-parallel projections are kept split and gathered again in backward, as in
-  Megatron-Core), the block's input (``h/tp``) with full recomputation plus one
-  block's activations while it is recomputed; a 1F1B stage holds ``pp`` micro-batches
-  in flight (interleaving multiplies that by ``1 + (pp−1)/(pp·v)``; GPipe and looped BFS hold all of them); the
-  last stage also holds fp32 logits; blocks whose activations are offloaded keep two blocks' worth in transit.
-  What the ``Offload`` callback moves out (optimizer state with the master shards and their gradients, the
-  offloaded activations) must fit the device's share of host memory, as the rest must fit the device.
-- **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak for the run's matmuls
-  (:attr:`Hardware.compute_flops`: 16-bit, or fp32 as torch's float32 matmul precision runs it; recomputation
-  adds a forward), stretched by the pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives
-  of the activations per layer and micro-batch, 6 with recomputation) not overlapped; pipeline p2p; data
-  parallel traffic (2·P, 3·P for ZeRO-3 less the root unit — embedding and head, kept gathered from forward to
-  backward without pipelining — parameters gathered again for every micro-batch under ZeRO-3 and,
-  without pipelining, gradients reduce-scattered per micro-batch under ZeRO-2) overlapped with backward compute
-  except the last bucket (as Megatron-Core overlaps it; meshlight's pipeline schedules still reduce after the
-  last microbatch);
-  expert all_to_all (4 exchanges of the routed tokens per MoE layer and micro-batch); what the ``Offload``
-  callback adds: its host-link copies (offloaded activations out in forward and back in backward; under optimizer
-  offload the master shards in for each gather and the gradient shards out) beyond the compute of their phase,
-  and the host's optimizer step, which nothing overlaps; and latencies: a fixed
-  one per p2p message and pipeline action (what makes many tiny microbatches slow), and for each TP and DP
-  collective NCCL's ring model — a base plus one hop per ring step, inter-node hops slower (what makes ZeRO-3
-  over hundreds of ranks latency-bound). Links: a group within one node uses the intra-node bandwidth,
-  otherwise the inter-node one (mesh order pp, dp, ep, tp: tp innermost).
-
-:func:`plan` ranks every valid candidate; :func:`format_plan` prints the best ones and why the winner won.
-The assumptions are deliberately few; ``benchmarks/planner.py`` measures how far they are from published
-large-scale runs and from the model state meshlight actually holds.
+:func:`plan` enumerates every valid candidate for a world of devices (tp within a node and dividing the heads and
+the MLP, pp at most the layers, dp dividing the batch, ep the experts, microbatches suiting the schedule), prices
+each with the analytic cost model (:mod:`meshlight.parallel.cost_model`: per-rank memory and step time) and ranks
+them, those that fit before those that do not. :func:`format_plan` prints the best ones and why the winner won;
+when nothing fits, the hints name the nearest layouts, the fewest devices, or the change that would fit.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from meshlight.parallel.cost_model import (
+    ACHIEVABLE_FRACTION,
+    AUTOCAST_ACTIVATION_BYTES,
+    Candidate,
+    _schedule_of,
+    estimate,
+    precision_bytes,
+)
 from meshlight.parallel.layout import _check_size, _check_zero, _divisors
 from meshlight.parallel.pipeline import SCHEDULES, default_virtual_stages
-from meshlight.parallel.presets import GB, HARDWARE, MODELS, Hardware, ModelSpec
+from meshlight.parallel.presets import GB, HARDWARE, MODELS, Hardware, ModelSpec, detect_hardware, preset_named
 
 __all__ = [
     "ACHIEVABLE_FRACTION", "AUTOCAST_ACTIVATION_BYTES", "HARDWARE", "MODELS", "Candidate", "Hardware", "ModelSpec",
     "PlanError", "best_per_layout", "detect_hardware", "estimate", "explain", "fewest_devices", "format_plan",
-    "host_state_bytes", "model_spec_of", "model_state_bytes", "more_devices_hint", "nearest_fitting", "plan",
-    "precision_bytes", "preset_named", "same_devices_hint", "shown_layouts",
+    "model_spec_of", "more_devices_hint", "nearest_fitting", "plan", "precision_bytes", "preset_named",
+    "same_devices_hint", "shown_layouts",
 ]
 
-#: Fraction of the dense peak that large transformer matmuls reach end to end (Megatron-Core's weak-scaling
-#: runs reach 41–49% of H100 peak with their communication hidden; this leaves the rest to the model below).
-ACHIEVABLE_FRACTION = 0.5
-#: Share of device memory the planner lets a layout use (the rest: allocator fragmentation, buffers, CUDA context).
-MEMORY_HEADROOM = 0.9
-#: Bytes autograd keeps per activation value (as :meth:`ModelSpec.activation_values_per_token` counts them) under
-#: autocast to 16 bits: each matmul saves its low-precision cast of the input beside the fp32 values norms and
-#: residuals keep (measured with saved-tensor hooks: 2.69 for a Llama block, 2.50 for a GPT-2 one).
-AUTOCAST_ACTIVATION_BYTES = 2.7
-#: Schedules that run every microbatch's forward before any backward: a stage holds all their activations.
-ALL_FORWARDS_FIRST = ("gpipe", "loopedbfs")
 #: How many times the devices at hand :func:`fewest_devices` looks up to, for a model that fits on none, and
 #: the fewest devices it looks up to whatever the devices at hand
 DEVICE_REACH, DEVICE_REACH_FLOOR = 64, 1024
@@ -83,76 +44,6 @@ DEVICE_REACH, DEVICE_REACH_FLOOR = 64, 1024
 
 class PlanError(ValueError):
     """No candidate layout fits; the message names the closest ones and what to change."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One layout with its per-rank estimates (bytes, seconds)."""
-
-    dp: int
-    pp: int
-    tp: int
-    ep: int
-    zero: int
-    microbatches: int
-    virtual_stages: int
-    recompute: bool
-    schedule: str  # the pipeline schedule (see meshlight.parallel.pipeline.SCHEDULES)
-    model_state_bytes: float
-    activation_bytes: float
-    memory_limit: float
-    times: dict[str, float]  # compute, bubble, tp, p2p, dp, ep, host (exposed seconds per step)
-    tokens_per_step: int
-    world: int
-    flops_per_token: float
-    peak_flops: float
-    host_bytes: float = 0.0  # what the Offload callback keeps in host memory for this device
-    host_limit: float = math.inf
-
-    @property
-    def memory_bytes(self) -> float:
-        return self.model_state_bytes + self.activation_bytes
-
-    @property
-    def fits(self) -> bool:
-        return self.memory_bytes <= self.memory_limit and self.host_bytes <= self.host_limit
-
-    @property
-    def step_time(self) -> float:
-        return sum(self.times.values())
-
-    @property
-    def tokens_per_second_per_device(self) -> float:
-        return self.tokens_per_step / self.step_time / self.world
-
-    @property
-    def mfu(self) -> float:
-        return self.tokens_per_second_per_device * self.flops_per_token / self.peak_flops
-
-    @property
-    def layout(self) -> tuple[int, int, int, int]:
-        return self.dp, self.pp, self.tp, self.ep
-
-    @property
-    def sizes(self) -> str:
-        """``dp=… pp=… tp=…`` (and ``ep=…`` when experts are split)."""
-        return f"dp={self.dp} pp={self.pp} tp={self.tp}" + (f" ep={self.ep}" if self.ep > 1 else "")
-
-    def describe(self) -> str:
-        parts = [self.sizes, f"zero={self.zero}"]
-        if self.pp > 1:
-            parts += [f"{self.schedule}", f"m={self.microbatches}"] + (
-                [f"v={self.virtual_stages}"] if self.virtual_stages > 1 else [])
-        elif self.microbatches > 1:
-            parts.append(f"accumulate={self.microbatches}")
-        if self.recompute:
-            parts.append("recompute")
-        return " ".join(parts)
-
-    def strategy_arguments(self) -> dict[str, Any]:
-        """Arguments of :class:`~meshlight.strategies.Hybrid3DStrategy` for this layout."""
-        return dict(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, zero=self.zero, schedule=self.schedule,
-                    microbatches=self.microbatches if self.pp > 1 else None, virtual_stages=self.virtual_stages)
 
 
 def model_spec_of(module: nn.Module, seq_len: Optional[int] = None) -> ModelSpec:
@@ -185,59 +76,6 @@ def model_spec_of(module: nn.Module, seq_len: Optional[int] = None) -> ModelSpec
                      ffn_hidden=max(widths, default=4 * hidden), vocab=max(embeddings, default=0),
                      seq_len=seq_len or 2048, experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 1,
                      moe_every=max(len(blocks) // moe_layers, 1) if moe_layers else 1, name=type(module).__name__)
-
-
-def precision_bytes(precision: str, param_dtype: Optional[torch.dtype] = None) -> dict[str, float]:
-    """:class:`Hardware`'s ``param_bytes``, ``activation_bytes`` and ``state_bytes`` for a run with Lightning's
-    ``precision`` flag (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, …), or with meshlight's ``MixedPrecision``
-    parameters in ``param_dtype`` (which overrides it). fp32 keeps 4 bytes of each; autocast keeps fp32
-    parameters and state, and :data:`AUTOCAST_ACTIVATION_BYTES`; ``MixedPrecision`` computes with 16-bit
-    parameters and activations from an fp32 master copy; 16-bit "true" precision keeps 2 bytes of everything,
-    its gradients and the optimizer's moments included."""
-    if param_dtype is not None:
-        size = torch.finfo(param_dtype).bits // 8
-        return {"param_bytes": size, "activation_bytes": size, "state_bytes": 4}
-    if precision.endswith("-mixed"):
-        return {"param_bytes": 4, "activation_bytes": AUTOCAST_ACTIVATION_BYTES, "state_bytes": 4}
-    size = {"64": 8, "32": 4}.get(precision.split("-")[0], 2)
-    return {"param_bytes": size, "activation_bytes": size, "state_bytes": size}
-
-
-def preset_named(device_name: str) -> Optional[Hardware]:
-    """The device preset whose key is in ``device_name`` ("NVIDIA H100 80GB HBM3": ``h100``; "NVIDIA H100 PCIe":
-    ``h100-pcie``; "NVIDIA A100-PCIE-40GB": ``a100-pcie``), or None."""
-    name = device_name.lower()
-    kind = next((k for k in ("h200", "h100", "a100", "b200", "mi300x") if k in name), None)
-    card = next((c for c in ("pcie", "nvl") if c in name), None)
-    return HARDWARE.get(f"{kind}-{card}", HARDWARE[kind]) if kind else None
-
-
-def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:
-    """The preset matching ``device`` (CUDA by name, its memory as reported, and the process's float32 matmul
-    precision), or the CPU preset; either with this node's host memory shared by its processes (a CPU process's
-    memory is the host's). A CUDA device without a preset gets generic figures, with a warning that says how to
-    give its own."""
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(processes_per_node, 1)
-    except (ValueError, OSError, AttributeError):
-        host = None
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        preset = preset_named(props.name)
-        if preset is None:
-            preset = Hardware(props.name, props.total_memory, 100e12, 100 * GB, 25 * GB)
-            rank_zero_warn(
-                f"meshlight has no figures for the device {props.name!r}: the planner and TrainingMonitor's MFU assume"
-                f" {preset.peak_flops / 1e12:g} TFLOP/s for its matmuls (16-bit and fp32 alike),"
-                f" {preset.intra_bandwidth / GB:g} GB/s between the devices of a node and"
-                f" {preset.inter_bandwidth / GB:g} GB/s between nodes. Give its own: Hybrid3DStrategy(hardware="
-                f"meshlight.parallel.planner.Hardware(name, memory, peak_flops, intra_bandwidth, inter_bandwidth,"
-                f" fp32_flops=...)) and TrainingMonitor(peak_flops=...).")
-        return preset.replace(memory=float(props.total_memory), devices_per_node=processes_per_node,
-                              host_memory=float(host or preset.host_memory),
-                              float32_matmul_precision=torch.get_float32_matmul_precision())
-    memory = float(host or HARDWARE["cpu"].memory)
-    return HARDWARE["cpu"].replace(memory=memory, host_memory=memory, devices_per_node=processes_per_node)
 
 
 def plan(
@@ -392,167 +230,6 @@ def best_per_layout(candidates: Iterable[Candidate]) -> list[Candidate]:
     return list(seen.values())
 
 
-def estimate(
-    model: ModelSpec, hw: Hardware, world: int, global_batch: int, dp: int, pp: int, tp: int, ep: int, zero: int,
-    microbatches: int, virtual_stages: int, recompute: bool, schedule: Optional[str] = None,
-) -> Candidate:
-    """Per-rank memory and step time of one layout (see the module docstring for the model). ``schedule``
-    default: 1F1B, interleaved with more than one virtual stage."""
-    schedule = schedule or _schedule_of(virtual_stages)
-    s, h = model.seq_len, model.hidden
-    micro_batch = global_batch // dp // microbatches
-    layers_per_stage = math.ceil(model.layers / pp)
-    # --- model state: the most loaded stage (blocks, plus the embedding or the head at either end)
-    stage_share = layers_per_stage / model.layers
-    ends = max(model.embedding_params, model.head_params) if pp > 1 else model.embedding_params + model.head_params
-    dense = (model.block_params * stage_share + ends) / tp
-    experts = model.expert_params * stage_share / (tp * ep)
-    # ZeRO-3 without pipelining keeps the root unit (embedding and head) gathered from forward to backward
-    root = model.embedding_params + model.head_params if pp == 1 else 0
-    block = model.block_params / model.layers / tp
-    model_state = (model_state_bytes(dense, dp, zero, hw, pipelined=pp > 1, block=block, root=root / tp)
-                   + model_state_bytes(experts, dp // ep, zero, hw, pipelined=pp > 1))
-    # --- activations of the first stage: micro-batches in flight × layers × per-layer bytes
-    layer_activations = model.activation_values_per_token(tp) * s * micro_batch * hw.activation_bytes
-    # with recomputation a block keeps only its input: the residual stream, split over the sequence under tp
-    per_layer = s * micro_batch * h * hw.activation_bytes / tp if recompute else layer_activations
-    # 1F1B: the first stage holds pp microbatches of its layers; interleaving adds (pp−1)/(pp·v) (Korthikanti);
-    # GPipe and looped BFS run every forward first and hold them all
-    interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1
-    in_flight = microbatches if schedule in ALL_FORWARDS_FIRST else min(microbatches, pp) * interleave
-    # blocks whose activations wait in host memory hold, on the device, the one being computed and the one
-    # brought back ahead of its backward
-    offloaded = hw.offload_activations
-    activations = per_layer * layers_per_stage * in_flight * (1 - offloaded) + (2 * per_layer if offloaded else 0.0)
-    # in host memory: the offloaded activations, and what optimizer offload keeps there
-    host = (per_layer * layers_per_stage * in_flight * offloaded + host_state_bytes(dense, dp, zero, hw)
-            + host_state_bytes(experts, dp // ep, zero, hw))
-    if recompute:  # one layer's full activations during its recomputation
-        activations += layer_activations
-    # fp32 logits and their gradient, on the last stage; added to the first stage's activations (a bound)
-    activations += 2 * s * micro_batch * model.vocab * 4 / tp
-    # --- time
-    tokens = global_batch * s
-    flops = tokens * (model.flops_per_token() + (model.recompute_flops_per_token() if recompute else 0)) / world
-    compute = flops / (hw.compute_flops * ACHIEVABLE_FRACTION)
-    bubble = compute * (pp - 1) / (microbatches * virtual_stages) if pp > 1 else 0.0
-    activation = s * micro_batch * h * hw.activation_bytes
-    tp_time = 0.0
-    if tp > 1:
-        collectives = 6 if recompute else 4
-        messages = layers_per_stage * microbatches * collectives
-        tp_time = messages * (2 * (tp - 1) / tp * activation / _bandwidth(hw, tp, 1) + _ring_latency(hw, tp, 1))
-    p2p = 0.0
-    if pp > 1:  # activations forward and gradients back, and the schedule's actions, per microbatch and stage
-        actions = 2 * microbatches * virtual_stages
-        p2p = actions * (activation / tp / _bandwidth(hw, 2, world // pp) + 2 * hw.latency)
-    grad_bytes = (dense + experts) * hw.state_bytes
-    param_bytes = (dense + experts) * hw.param_bytes
-    gathers = {0: 0, 1: 1, 2: 1, 3: 2 * microbatches}[zero]
-    reductions = microbatches if zero >= 2 and pp == 1 else 1  # pipeline schedules reduce once per step
-    kept_root = microbatches * root / tp * hw.param_bytes if zero == 3 else 0.0  # not gathered again in backward
-    dp_bytes = (gathers * param_bytes - kept_root + reductions * grad_bytes * (1 if zero else 2)) * (dp - 1) / dp
-    dp_messages = (layers_per_stage + 1) * (gathers + reductions)  # one collective per block and direction
-    # an all-reduce (zero=0) is a reduce-scatter then an all-gather: twice the ring's steps
-    dp_latency = dp_messages * _ring_latency(hw, dp, tp) * (1 if zero else 2)
-    dp_time = dp_bytes / _bandwidth(hw, dp, tp) + dp_latency if dp > 1 else 0.0
-    # reduced bucket by bucket during backward (2/3 of compute); the last bucket is exposed
-    dp_exposed = max(0.0, dp_time - compute * 2 / 3) + dp_time / max(layers_per_stage, 1)
-    ep_time = 0.0
-    if ep > 1:
-        routed = s * micro_batch * model.top_k * h * hw.activation_bytes * (ep - 1) / ep
-        exchanges = 5 * model.moe_layers / pp * microbatches  # counts, then tokens out and back, both directions
-        ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / _bandwidth(hw, ep, tp)
-    host_time = _host_time(model, hw, world, compute, recompute,
-                           moved=per_layer * layers_per_stage * microbatches * offloaded,
-                           shard=host_state_bytes(dense, dp, zero, hw) + host_state_bytes(experts, dp // ep, zero, hw),
-                           gathers=microbatches if zero == 3 else 1,
-                           regathers=microbatches if zero == 3 else 0, reductions=reductions,
-                           kept=host_state_bytes(root / tp, dp, zero, hw) if zero == 3 else 0.0)
-    times = {"compute": compute, "bubble": bubble, "tp": tp_time, "p2p": p2p, "dp": dp_exposed, "ep": ep_time,
-             "host": host_time}
-    return Candidate(dp, pp, tp, ep, zero, microbatches, virtual_stages, recompute, schedule, model_state, activations,
-                     hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(), hw.peak_flops,
-                     host, hw.host_memory * MEMORY_HEADROOM)
-
-
-def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, pipelined: bool = False,
-                      block: float = 0.0, root: float = 0.0) -> float:
-    """Bytes of ``params`` parameters (compute copy and master copy or shard), their gradients and Adam's two
-    moments (``hardware.state_bytes`` each: fp32, or 16 bits in "true" 16-bit precision), data parallel over
-    ``dp`` ranks with ZeRO stage ``zero``, at their peak inside a step (FSDP2: stages 1–2 keep the gathered
-    parameters beside the shard; stage 1 keeps whole gradients until the step, stages 2–3 reduce-scatter them
-    one ``block`` of parameters at a time; stage 3 gathers a block for compute and prefetches the next, beside
-    the ``root`` parameters kept gathered from forward to backward). Inside a pipeline schedule (``pipelined``) PyTorch
-    keeps every stage's parameters gathered after their first backward and defers the gradient reduce-scatter to
-    the schedule's end, so stages 2 and 3 peak where stage 1 does. With ``hardware.offload_optimizer`` the
-    shards, their gradients and the optimizer's state are in host memory: the device keeps what is gathered, and
-    whole gradients while they wait to be reduced. Under offload or mixed precision FSDP2 runs every layout, over
-    shard groups of one rank where nothing is sharded (``dp`` = 1)."""
-    state = hardware.state_bytes
-    if dp == 1 and not (hardware.offload_optimizer or hardware.param_bytes != state):
-        return 4 * state * params  # no data-parallel wrapper: parameters, gradients and Adam's two moments
-    if pipelined and zero:
-        zero = 1
-    shard = params / dp
-    gathered = hardware.param_bytes * (params if zero < 3 else min(2 * block + root, params))
-    whole_gradients = state * (params if zero <= 1 else min(block, params))
-    if hardware.offload_optimizer:
-        return gathered + whole_gradients
-    gradients = whole_gradients + (state * shard if zero >= 2 else 0.0)
-    master = state * (shard if zero else params) if hardware.param_bytes != state or zero else 0.0
-    optimizer = 2 * state * (shard if zero else params)
-    return gathered + master + gradients + optimizer
-
-
-def host_state_bytes(params: float, dp: int, zero: int, hardware: Hardware) -> float:
-    """Bytes of host memory per rank under ``hardware.offload_optimizer`` (else none): the master copy of the
-    rank's share of ``params``, its gradients and Adam's two moments — sharded over ``dp`` ranks under ZeRO,
-    whole on each without (FSDP2 then replicates over shard groups of one rank)."""
-    if not hardware.offload_optimizer:
-        return 0.0
-    return 4 * hardware.state_bytes * (params / dp if zero else params)
-
-
-def _host_time(model: ModelSpec, hw: Hardware, world: int, compute: float, recompute: bool, *, moved: float,
-               shard: float, gathers: int, regathers: int, reductions: int, kept: float) -> float:
-    """Seconds per step the ``Offload`` callback adds: the host link's copies beyond the compute of their phase,
-    each direction at once, and the host's optimizer step. Forward sends the ``moved`` bytes of offloaded
-    activations out and, under optimizer offload, brings each parameter's master shard in for each of its
-    ``gathers`` (FSDP2 copies it to the device, then gathers); backward brings the activations back, the shards in
-    again for ZeRO-3's ``regathers`` (but those of the root unit, whose host-held bytes are ``kept``: it stays
-    gathered from forward to backward), and sends each gradient shard out after each of its ``reductions`` — all but
-    the last while accumulating, which FSDP2 copies synchronously: exposed. ``shard``: the host-held bytes
-    (:func:`host_state_bytes`: master copy, gradients and Adam's two moments, a quarter each), whose parameters
-    the host steps after backward, with nothing to overlap, sharing the node's host memory with the ``world``'s other
-    ranks there."""
-    if not moved and not shard:
-        return 0.0
-    master = shard / 4
-    forward_share = model.flops_per_token() / 3 / (
-        model.flops_per_token() + (model.recompute_flops_per_token() if recompute else 0.0))
-    forward = max(moved, gathers * master) / hw.host_bandwidth
-    backward = max(moved + regathers * (master - kept / 4), master) / hw.host_bandwidth
-    accumulating = (reductions - 1) * master / hw.host_bandwidth
-    return (max(0.0, forward - compute * forward_share) + max(0.0, backward - compute * (1 - forward_share))
-            + accumulating + master / hw.state_bytes / hw.host_steps_per_second(world))
-
-
-def _bandwidth(hw: Hardware, size: int, stride: int) -> float:
-    """Per-device bandwidth of a group of ``size`` ranks ``stride`` apart in the rank order."""
-    span = size * stride
-    return hw.intra_bandwidth if hw.devices_per_node % span == 0 else hw.inter_bandwidth
-
-
-def _ring_latency(hw: Hardware, size: int, stride: int) -> float:
-    """Latency of one all-gather or reduce-scatter over a ring of ``size`` ranks ``stride`` apart, as NCCL's
-    tuning model has it: a base plus one hop latency per step (``size − 1`` steps, ``nodes − 1`` of them
-    between nodes). It grows with the group, which is what makes ZeRO-3 over hundreds of ranks latency-bound."""
-    per_node = max(1, min(size, hw.devices_per_node // stride))
-    nodes = -(-size // per_node)
-    return hw.latency + (size - nodes) * hw.hop_latency_intra + (nodes - 1) * hw.hop_latency_inter
-
-
 def _layouts(
     model: ModelSpec, hw: Hardware, world: int, global_batch: Optional[int], local_batch: Optional[int],
     dp: Optional[int], pp: Optional[int], tp: Optional[int], ep: Optional[int], zero: Optional[int],
@@ -592,11 +269,6 @@ class _Pipelines:
         if pp > 1 and self.microbatches is not None:
             return [self.microbatches] if replica_batch % self.microbatches == 0 else []
         return _microbatch_choices(replica_batch, pp, virtual_stages)
-
-
-def _schedule_of(virtual_stages: int) -> str:
-    """The schedule the planner assumes for this many stages per rank: 1F1B, interleaved beyond one."""
-    return "1f1b" if virtual_stages == 1 else "interleaved1f1b"
 
 
 def _pipeline_choices(schedule: Optional[str], virtual_stages: Optional[int],

@@ -1,15 +1,20 @@
 """What the layout planner plans for: a decoder-only transformer's shape (:class:`ModelSpec`) and a device's
 memory, peak and links (:class:`Hardware`), with presets for published models (Llama 3, Mixtral, GPT-3,
-Megatron-Core's weak-scaling GPTs) and common accelerators — the names ``meshlight plan --model/--gpu`` takes."""
+Megatron-Core's weak-scaling GPTs) and common accelerators — the names ``meshlight plan --model/--gpu`` takes —
+and the device a run has, found among them (:func:`detect_hardware`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["GB", "HARDWARE", "MODELS", "Hardware", "ModelSpec"]
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+__all__ = ["GB", "HARDWARE", "MODELS", "Hardware", "ModelSpec", "detect_hardware", "preset_named"]
 
 
 @dataclass(frozen=True)
@@ -267,3 +272,40 @@ MODELS: dict[str, ModelSpec] = {
     "megatron-314b": _megatron(96, 16384, 128, "Megatron 314B"),
     "megatron-462b": _megatron(112, 18432, 144, "Megatron 462B"),
 }
+
+
+def preset_named(device_name: str) -> Optional[Hardware]:
+    """The device preset whose key is in ``device_name`` ("NVIDIA H100 80GB HBM3": ``h100``; "NVIDIA H100 PCIe":
+    ``h100-pcie``; "NVIDIA A100-PCIE-40GB": ``a100-pcie``), or None."""
+    name = device_name.lower()
+    kind = next((k for k in ("h200", "h100", "a100", "b200", "mi300x") if k in name), None)
+    card = next((c for c in ("pcie", "nvl") if c in name), None)
+    return HARDWARE.get(f"{kind}-{card}", HARDWARE[kind]) if kind else None
+
+
+def detect_hardware(device: torch.device, processes_per_node: int) -> Hardware:
+    """The preset matching ``device`` (CUDA by name, its memory as reported, and the process's float32 matmul
+    precision), or the CPU preset; either with this node's host memory shared by its processes (a CPU process's
+    memory is the host's). A CUDA device without a preset gets generic figures, with a warning that says how to
+    give its own."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(processes_per_node, 1)
+    except (ValueError, OSError, AttributeError):
+        host = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        preset = preset_named(props.name)
+        if preset is None:
+            preset = Hardware(props.name, props.total_memory, 100e12, 100 * GB, 25 * GB)
+            rank_zero_warn(
+                f"meshlight has no figures for the device {props.name!r}: the planner and TrainingMonitor's MFU assume"
+                f" {preset.peak_flops / 1e12:g} TFLOP/s for its matmuls (16-bit and fp32 alike),"
+                f" {preset.intra_bandwidth / GB:g} GB/s between the devices of a node and"
+                f" {preset.inter_bandwidth / GB:g} GB/s between nodes. Give its own: Hybrid3DStrategy(hardware="
+                f"meshlight.parallel.planner.Hardware(name, memory, peak_flops, intra_bandwidth, inter_bandwidth,"
+                f" fp32_flops=...)) and TrainingMonitor(peak_flops=...).")
+        return preset.replace(memory=float(props.total_memory), devices_per_node=processes_per_node,
+                              host_memory=float(host or preset.host_memory),
+                              float32_matmul_precision=torch.get_float32_matmul_precision())
+    memory = float(host or HARDWARE["cpu"].memory)
+    return HARDWARE["cpu"].replace(memory=memory, host_memory=memory, devices_per_node=processes_per_node)

@@ -1,0 +1,177 @@
+"""The planner's cost model: its model state formula is meshlight's (ZeRO on FSDP2) at every precision and
+offload, offloaded activations stop growing with depth, collective latency follows NCCL's ring, and offload and
+fp32 matmuls cost what the host's links and torch's matmul precision give."""
+
+import json
+import math
+import types
+
+import pytest
+import torch
+
+from meshlight.cli import main
+from meshlight.parallel.cost_model import _ring_latency, estimate, model_state_bytes, precision_bytes
+from meshlight.parallel.planner import best_per_layout, plan
+from meshlight.parallel.presets import HARDWARE, MODELS, detect_hardware
+
+CPU = HARDWARE["cpu"]  # fp32: 4-byte parameters
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_model_state_is_the_zero_formula_as_fsdp2_holds_it(world):
+    psi = 1000
+    # DDP 16Ψ; ZeRO-1/2 between micro-batches: the classic formula plus FSDP2's fp32 shard 4Ψ/N beside the
+    # gathered parameters (benchmarks/memory.py measures exactly this); ZeRO-3 16Ψ/N.
+    assert model_state_bytes(psi, world, 0, CPU) == 16 * psi
+    assert model_state_bytes(psi, world, 1, CPU) == pytest.approx(8 * psi + 8 * psi / world + 4 * psi / world)
+    assert model_state_bytes(psi, world, 2, CPU) == pytest.approx(4 * psi + 12 * psi / world + 4 * psi / world)
+    assert model_state_bytes(psi, world, 3, CPU) == pytest.approx(16 * psi / world)
+    # inside a pipeline schedule every stage keeps gathered parameters and whole gradients until its end
+    for zero in (1, 2, 3):
+        assert model_state_bytes(psi, world, zero, CPU, pipelined=True) == model_state_bytes(psi, world, 1, CPU)
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_model_state_follows_the_precision_and_what_is_offloaded(world):
+    psi, block, root = 1000, 100, 50
+    # bf16 "true" precision: every copy, gradient and moment in 16 bits, half of fp32's bytes whatever the stage
+    bf16_true = CPU.replace(**precision_bytes("bf16-true"))
+    for zero in (0, 1, 2, 3):
+        for pipelined in (False, True):
+            fp32 = model_state_bytes(psi, world, zero, CPU, pipelined=pipelined, block=block, root=root)
+            half = model_state_bytes(psi, world, zero, bf16_true, pipelined=pipelined, block=block, root=root)
+            assert half == pytest.approx(fp32 / 2)
+    # MixedPrecision: FSDP2 runs even on one data rank, bf16 compute copies beside the fp32 master parameters
+    mixed = CPU.replace(**precision_bytes("32-true", torch.bfloat16))
+    expected = 2 * psi + 4 * psi / world + 4 * psi + 8 * psi / world  # copy, master shard, gradients, moments
+    assert model_state_bytes(psi, world, 1, mixed) == pytest.approx(expected)
+    # optimizer offload: the device keeps the gathered parameters, and gradients whole until they are reduced
+    offload = CPU.replace(offload_optimizer=True)
+    assert model_state_bytes(psi, world, 1, offload, block=block) == 8 * psi
+    assert model_state_bytes(psi, world, 2, offload, block=block) == 4 * psi + 4 * block
+    assert model_state_bytes(psi, world, 3, offload, block=block, root=root) == 4 * (2 * block + root) + 4 * block
+    assert model_state_bytes(psi, world, 3, offload, pipelined=True) == 8 * psi
+
+
+def test_activations_offloaded_from_every_block_do_not_grow_with_depth():
+    def activations(layers: int, share: float) -> float:
+        model = MODELS["llama3-8b"].replace(layers=layers)
+        hardware = HARDWARE["h100"].replace(offload_activations=share)
+        return estimate(model, hardware, 8, 64, 1, 4, 2, 1, 0, 16, 1, False).activation_bytes
+
+    assert activations(64, 1.0) == pytest.approx(activations(32, 1.0))
+    assert activations(32, 0.0) > 3 * activations(32, 1.0)
+    # every other block: about half way (two blocks' worth in transit besides)
+    assert activations(32, 1.0) < activations(32, 0.5) < activations(32, 0.0)
+    assert activations(32, 0.5) == pytest.approx((activations(32, 0.0) + activations(32, 1.0)) / 2, rel=0.05)
+
+
+def test_collective_latency_follows_the_ring_as_nccl_models_it():
+    h100 = HARDWARE["h100"]
+    # a base, then one hop per ring step: 7 NVLink hops within a node; across 192 nodes (one rank each: stride
+    # 8) 191 network hops; 2 ranks per node on 64 nodes: 64 NVLink and 63 network hops
+    assert _ring_latency(h100, 8, 1) == pytest.approx(h100.latency + 7 * h100.hop_latency_intra)
+    assert _ring_latency(h100, 192, 8) == pytest.approx(h100.latency + 191 * h100.hop_latency_inter)
+    assert _ring_latency(h100, 128, 4) == pytest.approx(h100.latency + 64 * h100.hop_latency_intra
+                                                        + 63 * h100.hop_latency_inter)
+    assert _ring_latency(HARDWARE["cpu"], 8, 1) == HARDWARE["cpu"].latency  # gloo on one host: the base alone
+
+
+def test_offload_costs_its_host_copies_beyond_compute_and_the_host_step(capsys):
+    model = MODELS["megatron-1.7b"]
+    h100 = HARDWARE["h100"].replace(devices_per_node=1)
+
+    def run(hardware, dp=1, zero=2, microbatches=1, recompute=False):
+        return estimate(model, hardware, dp, 8 * dp, dp, 1, 1, 1, zero, microbatches, 1, recompute)
+
+    plain, activations = run(h100), run(h100.replace(offload_activations=1.0))
+    assert plain.times["host"] == 0
+    # every block's saved activations go out in forward and come back in backward, each copy hidden behind its
+    # phase's compute (a third of it in forward without recomputation) as far as it goes
+    moved = plain.activation_bytes - 2 * 4096 * 8 * model.vocab * 4  # less the logits, which stay
+    link = moved / h100.host_bandwidth
+    compute = plain.times["compute"]
+    assert activations.times["host"] == pytest.approx(max(0, link - compute / 3) + max(0, link - 2 * compute / 3))
+    assert activations.times["host"] > 0.5 * compute  # PCIe is ~60× slower than HBM: offload is not free
+    wider = run(h100.replace(offload_activations=1.0, host_bandwidth=1e15))
+    assert wider.times["host"] == 0 and wider.step_time == plain.step_time
+    # under optimizer offload the host steps every parameter of its shard after backward, which nothing hides
+    stepped = run(h100.replace(offload_optimizer=True, host_bandwidth=1e15))
+    assert stepped.times["host"] == pytest.approx(model.params / h100.host_step_rate, rel=1e-5)  # but a norm
+    # its master shard comes in for the gather and its gradient goes out: 4 bytes per parameter each way
+    # on more host threads it steps faster, until the devices of a node share out its host memory bandwidth:
+    # AdamW reads the master copy, the gradient and two moments and writes three back, 28 bytes per parameter
+    threaded = run(h100.replace(offload_optimizer=True, host_bandwidth=1e15, host_threads=2))
+    assert threaded.times["host"] == pytest.approx(stepped.times["host"] / 2, rel=1e-5)
+    node = h100.replace(host_threads=64, devices_per_node=8)
+    assert node.host_steps_per_second(64) == pytest.approx(0.75 * 2 * 8 * 38.4e9 / 8 / 28)  # DDR5 nodes: 461 GB/s
+    assert node.host_steps_per_second(64) < 64 * h100.host_step_rate
+    assert node.replace(state_bytes=2).host_steps_per_second(64) == pytest.approx(2 * node.host_steps_per_second(64))
+    assert node.host_steps_per_second(2) == pytest.approx(4 * node.host_steps_per_second(64))  # 2 devices busy, not 8
+    a100 = HARDWARE["a100"].replace(host_threads=64)  # DDR4 nodes: 307 GB/s
+    assert a100.host_steps_per_second(8) == pytest.approx(307.2e9 / 8 / 28)
+    assert h100.host_steps_per_second(8) == h100.host_step_rate  # one thread unless told or measured at fit
+    assert CPU.replace(host_threads=8).host_steps_per_second(2) == math.inf  # CPU processes: no host step
+    narrow = run(h100.replace(offload_optimizer=True, host_bandwidth=1e9))
+    copies = 4 * model.params / 1e9
+    assert narrow.times["host"] == pytest.approx(stepped.times["host"] + 2 * copies - compute, rel=1e-5)
+    # ZeRO divides the host's step over the data ranks; without it every rank steps the whole model
+    sharded, whole = (run(h100.replace(offload_optimizer=True, devices_per_node=8), 8, zero) for zero in (1, 0))
+    assert sharded.times["host"] < whole.times["host"] / 7
+    assert best_per_layout(plan(model, h100.replace(offload_optimizer=True, devices_per_node=8), 8, 64))[0].zero
+    # accumulating 4 micro-batches: ZeRO-1 copies the shard in once and its gradient out once; ZeRO-2 sends the
+    # gradient out after each, FSDP2 synchronously but for the last (3 exposed copies); ZeRO-3 also brings the
+    # shard in again for each micro-batch's forward (3 more) and backward (4 copies less the root unit's, which
+    # stays gathered from forward to backward, where ZeRO-2 had 1: 3 more, less 4 of the root's); ZeRO-0, on FSDP2
+    # under offload, keeps its parameters gathered between micro-batches as ZeRO-1 does
+    one, two, three, none = (run(h100.replace(offload_optimizer=True, host_bandwidth=1e9), 1, zero, 4).times["host"]
+                             for zero in (1, 2, 3, 0))
+    root = 4 * (model.embedding_params + model.head_params) / 1e9
+    assert two == pytest.approx(one + 3 * copies, rel=1e-5)
+    assert three == pytest.approx(two + 6 * copies - 4 * root, rel=1e-5)
+    assert none == pytest.approx(one, rel=1e-5)
+    # `meshlight plan` takes the host's link and step rate
+    offloaded = ["plan", "--model", "llama3-8b", "--gpus", "8", "--offload-optimizer", "--offload-activations", "1",
+                 "--zero", "1", "--tp", "1", "--pp", "1", "--recompute", "no", "--json"]
+    steps = {}
+    for flags in ([], ["--host-step-rate", "11"], ["--host-bandwidth", "5.44"], ["--host-threads", "2"],
+                  ["--host-threads", "64"], ["--host-threads", "64", "--host-memory-bandwidth", "2000"]):
+        assert main([*offloaded, *flags]) == 0
+        steps[tuple(flags)] = json.loads(capsys.readouterr().out)[0]["times"]["host"]
+    default, faster, narrower, two, many, wider_memory = steps.values()
+    assert faster < default < narrower and wider_memory < many < two < default
+    for flag in ("--host-bandwidth", "--host-threads"):
+        with pytest.raises(SystemExit):
+            main([*offloaded, flag, "0"])
+        assert f"{flag} 0: give a number > 0" in capsys.readouterr().err
+    # on CPU processes offload moves nothing and the step is the one every run takes: no cost
+    assert estimate(model, CPU.replace(offload_optimizer=True, offload_activations=1.0), 2, 4, 2, 1, 1, 1, 1, 1, 1,
+                    False).times["host"] == 0
+
+
+def test_fp32_matmuls_run_at_the_rate_torchs_float32_matmul_precision_gives(capsys, monkeypatch):
+    h100, model = HARDWARE["h100"], MODELS["llama3-8b"]
+    fp32 = h100.replace(**precision_bytes("32-true"))
+    assert h100.compute_flops == h100.replace(**precision_bytes("bf16-mixed")).compute_flops == 989e12
+    assert fp32.compute_flops == 67e12  # torch's default "highest": off the tensor cores
+    assert fp32.replace(float32_matmul_precision="high").compute_flops == 989e12 / 2  # TF32
+    assert CPU.compute_flops == CPU.peak_flops  # a CPU's fp32 is its peak
+
+    def compute(hardware):
+        return estimate(model, hardware, 8, 16, 8, 1, 1, 1, 3, 2, 1, True).times["compute"]
+
+    assert compute(fp32) == pytest.approx(compute(h100) * 989 / 67)
+    # the command line takes the setting, and the fp32 run's MFU (against the bf16 peak) shows what it costs
+    rows = {}
+    for setting in ("highest", "high"):
+        assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--precision", "32-true", "--zero", "3", "--json",
+                     "--float32-matmul-precision", setting]) == 0
+        rows[setting] = json.loads(capsys.readouterr().out)[0]
+    assert rows["highest"]["times"]["compute"] == pytest.approx(rows["high"]["times"]["compute"] * 989 / 2 / 67)
+    assert rows["highest"]["mfu"] < 0.05
+    # a fit reads the GPU and the process's setting
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30))
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    detected = detect_hardware(torch.device("cuda", 0), 8).replace(**precision_bytes("32-true"))
+    assert detected.name == h100.name and detected.compute_flops == 989e12 / 2
