@@ -39,7 +39,8 @@ validated against tp — are :mod:`meshlight.parallel.tensor_plan`'s.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
+from contextlib import contextmanager
 from typing import Any, Optional, Union
 
 import torch
@@ -65,7 +66,7 @@ from meshlight.parallel.tensor_plan import (
     _within,
 )
 
-__all__ = ["apply_tensor_parallel", "reduce_partial_gradients", "sequence_share_input"]
+__all__ = ["apply_tensor_parallel", "explaining_mixed_tensors", "reduce_partial_gradients", "sequence_share_input"]
 
 
 # ------------------------------------------------------------------------------------------- apply
@@ -360,3 +361,27 @@ def _gather_sequence(mesh: DeviceMesh):  # noqa: ANN202 - a forward hook
         )
 
     return hook
+
+
+@contextmanager
+def explaining_mixed_tensors(tp: int, loss_parallel: bool) -> Generator[None, None, None]:
+    """Add what meshlight knows to PyTorch's error when a plain tensor meets a DTensor in a training step (or its
+    backward), at tensor-parallel size ``tp`` and with loss parallelism on or off as the strategy has it."""
+    try:
+        yield
+    except RuntimeError as error:
+        explained = any(note.startswith("meshlight:") for note in getattr(error, "__notes__", ()))
+        if tp > 1 and "got mixed torch.Tensor and DTensor" in str(error) and not explained:
+            if loss_parallel:
+                error.add_note(
+                    "meshlight: under tensor parallelism the LM head's training logits are a DTensor sharded over"
+                    " the vocabulary (loss parallelism), and F.cross_entropy on them returns a DTensor. Call"
+                    " loss.full_tensor() (or logits.full_tensor()) before combining them with plain tensors (an"
+                    " auxiliary loss), or pass loss_parallel=False."
+                )
+            error.add_note(
+                "meshlight: inside the model, a plain tensor meeting a DTensor is a module or parameter tensor"
+                " parallelism does not split: give it a role in the tensor-parallel plan (the strategy's plan= or"
+                " tp_plan=) or pass sequence_parallel=False."
+            )
+        raise

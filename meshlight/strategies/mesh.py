@@ -9,13 +9,9 @@ The mechanics live in :mod:`meshlight.parallel`; this file wires them into Light
 from __future__ import annotations
 
 import atexit
-import gc
-import os
-import time
 import warnings
-import weakref
 from collections.abc import Callable, Generator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -26,19 +22,18 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states, reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast, _ForwardRedirection
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -70,11 +65,14 @@ from meshlight.parallel.parallelize import parallelize
 from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, validate_schedule
 from meshlight.parallel.precision import MeshGradScaler, PrecisionPolicy
 from meshlight.parallel.sampling import ResumableSampler
-from meshlight.parallel.tensor import reduce_partial_gradients
+from meshlight.parallel.tensor import explaining_mixed_tensors, reduce_partial_gradients
 from meshlight.parallel.tensor_plan import model_plan, sequence_region, stage_plan
+from meshlight.strategies.garbage_collection import TrainingGarbageCollection
 from meshlight.strategies.launcher import ForkingScriptLauncher
 from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps, setup_pipeline
 from meshlight.strategies.preemption import AgreedSignals, newest_whole_hpc_checkpoint
+from meshlight.strategies.process_group import all_reduce_in_place, connect, let_collective_threads_finish
+from meshlight.strategies.step_runner import RUNNERS, MeshForwardRedirection, StepRunner
 
 __all__ = ["MeshStrategy"]
 
@@ -152,15 +150,11 @@ class MeshStrategy(ParallelStrategy):
         self._metric_group: Optional[dist.ProcessGroup] = None
         self._base_seed: Optional[int] = None
         self._process_group_backend = process_group_backend
-        if gc_every_n_steps is not None and gc_every_n_steps < 1:
-            raise ValueError(f"gc_every_n_steps={gc_every_n_steps} must be >= 1, or None for Python's automatic GC.")
-        self._gc_every_n_steps = gc_every_n_steps
-        self._gc_was_enabled: Optional[bool] = None
-        self._batches = 0
+        self._gc = TrainingGarbageCollection(gc_every_n_steps)
         self._timeout = timeout
         self._layout: Optional[ParallelLayout] = None
         self._device_mesh: Optional[DeviceMesh] = None
-        self._forward_redirection = _MeshForwardRedirection()
+        self._forward_redirection = MeshForwardRedirection()
         self._checkpoint_writer: Optional[AsyncCheckpointWriter] = None
         self._signals: Optional[AgreedSignals] = None  # SIGTERM, SLURM's requeue: every rank at the same step
         #: blocks to recompute in backward, set by the ActivationCheckpointing callback before the model is
@@ -263,8 +257,8 @@ class MeshStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         device_id = self.root_device if self.root_device.type != "cpu" else None
         assert self.cluster_environment is not None
-        _connect(self.cluster_environment, backend, self._timeout, device_id)
-        atexit.register(_let_collective_threads_finish)  # registering twice is harmless: one short sleep
+        connect(self.cluster_environment, backend, self._timeout, device_id)
+        atexit.register(let_collective_threads_finish)  # registering twice is harmless: one short sleep
         if self._device_mesh is None:  # once: `fit` then `test` reuse the mesh the model was parallelized on
             self._device_mesh = build_device_mesh(self.layout, self.root_device.type)
         assert self.lightning_module is not None
@@ -327,7 +321,7 @@ class MeshStrategy(ParallelStrategy):
         """Wrap the LightningModule in the root that carries the parallel hooks, parallelizing it once."""
         lightning_module = self.lightning_module
         assert lightning_module is not None
-        runner = _RUNNERS.get(lightning_module)
+        runner = RUNNERS.get(lightning_module)
         if runner is None and self.layout.pp > 1:
             self._state_names = set(lightning_module.state_dict())  # before the split: the whole model's names
             # Tensor-parallel roles are planned on the whole model, before the split frees other stages' pieces.
@@ -342,15 +336,15 @@ class MeshStrategy(ParallelStrategy):
                 lightning_module, self.layout, self.device_mesh, self._pipeline_options, self.root_device,
                 parallelize_stage,
             )
-            runner = _StepRunner(stages, self.layout, self._pipeline, self._pipeline_options, region)
-            _RUNNERS[lightning_module] = runner
+            runner = StepRunner(stages, self.layout, self._pipeline, self._pipeline_options, region)
+            RUNNERS[lightning_module] = runner
         elif runner is None:
-            runner = _StepRunner(lightning_module, self.layout)
+            runner = StepRunner(lightning_module, self.layout)
             plan, runner.sequence_region = self._tensor_plan(runner)
             options = {**self._tensor_parallel, "tp_plan": plan or self._tensor_parallel["tp_plan"]}
             parallelize(runner, self.layout, self.device_mesh, ddp_kwargs=self._ddp_kwargs, **options,
                         **self._callback_transforms, sequence_region=runner.sequence_region)
-            _RUNNERS[lightning_module] = runner
+            RUNNERS[lightning_module] = runner
         elif runner.layout != self.layout:
             raise RuntimeError(
                 f"This {type(lightning_module).__name__} is already parallelized as {runner.layout.describe()}; it"
@@ -423,39 +417,24 @@ class MeshStrategy(ParallelStrategy):
         with gradient_accumulation(self.model, self.layout.zero):
             yield
 
-    # ---------------------------------------------------------------- garbage collection while training
+    # ---------------------------------------------------------------- training loop: preemption signals, garbage collection
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self._gc_every_n_steps is not None:
-            self._gc_was_enabled, self._batches = gc.isenabled(), 0
-            gc.disable()
-            gc.collect(1)
+        self._gc.start()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         if self._signals is not None:
             self._signals.at_train_batch_start(self)
-        self._batches += 1
-        if self._gc_every_n_steps is not None and self._batches % self._gc_every_n_steps == 0:
-            gc.collect(1)
+        self._gc.at_batch()
 
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        self._restore_gc()
-
-    def _restore_gc(self) -> None:
-        """Python's automatic GC as it was before training (also after a failed fit: called by teardown)."""
-        if self._gc_was_enabled is not None:
-            # The young generations hold what training left; a full collection would traverse every object of
-            # torch, Lightning and Dynamo (~0.2-0.45 s per rank and fit here) and find little more.
-            gc.collect(1)
-            if self._gc_was_enabled:
-                gc.enable()
-            self._gc_was_enabled = None
+        self._gc.stop()
 
     # ---------------------------------------------------------------- steps under pipelining
 
@@ -471,28 +450,9 @@ class MeshStrategy(ParallelStrategy):
                                                 accumulate=accumulate,
                                                 scaler=getattr(self.precision_plugin, "scaler", None))
 
-    @contextmanager
-    def _explaining_mixed_tensors(self) -> Generator[None, None, None]:
-        """Add what meshlight knows to PyTorch's error when a plain tensor meets a DTensor in a training step (or its
-        backward)."""
-        try:
-            yield
-        except RuntimeError as error:
-            explained = any(note.startswith("meshlight:") for note in getattr(error, "__notes__", ()))
-            if self.layout.tp > 1 and "got mixed torch.Tensor and DTensor" in str(error) and not explained:
-                if self._tensor_parallel["loss_parallel"]:
-                    error.add_note(
-                        "meshlight: under tensor parallelism the LM head's training logits are a DTensor sharded over"
-                        " the vocabulary (loss parallelism), and F.cross_entropy on them returns a DTensor. Call"
-                        " loss.full_tensor() (or logits.full_tensor()) before combining them with plain tensors (an"
-                        " auxiliary loss), or pass loss_parallel=False."
-                    )
-                error.add_note(
-                    "meshlight: inside the model, a plain tensor meeting a DTensor is a module or parameter tensor"
-                    " parallelism does not split: give it a role in the tensor-parallel plan (the strategy's plan= or"
-                    " tp_plan=) or pass sequence_parallel=False."
-                )
-            raise
+    def _explaining_mixed_tensors(self) -> AbstractContextManager[None]:
+        """Notes on what to change added to PyTorch's error when a plain tensor meets a DTensor."""
+        return explaining_mixed_tensors(self.layout.tp, self._tensor_parallel["loss_parallel"])
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
@@ -571,7 +531,7 @@ class MeshStrategy(ParallelStrategy):
         # `trainer.test` reuses them.
         assert self.cluster_environment is not None and self.accelerator is not None
         self.wait_for_checkpoint()  # a checkpoint still being written is finished and committed
-        self._restore_gc()
+        self._gc.stop()  # also after a failed fit
         self._contexts.close()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
@@ -604,28 +564,9 @@ class MeshStrategy(ParallelStrategy):
         group: Optional[Any] = None,
         reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
-        """Reduce over the whole world by default: ranks of one tensor/pipeline group hold equal values.
-
-        In place, like Lightning's, but without the barrier Lightning puts before each reduction (an all-reduce
-        synchronizes by itself; on NCCL the barrier also blocks the host on the device every logged step)."""
-        if isinstance(tensor, DTensor):  # e.g. a loss computed on vocabulary-sharded logits
-            tensor = tensor.full_tensor()
-        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
-            return tensor
-        group = _group.WORLD if group is None else group
-        reduce_op = "avg" if reduce_op == "mean" else reduce_op
-        average = isinstance(reduce_op, str) and reduce_op.lower() == "avg"
-        if average or reduce_op is None:  # an average as a sum, then a division: gloo has no AVG
-            op = ReduceOp.SUM
-        else:
-            op = getattr(ReduceOp, reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
-        dist.all_reduce(tensor, op=op, group=group)
-        if not average:
-            return tensor
-        size = dist.get_world_size(group)
-        if torch.is_floating_point(tensor):
-            return tensor.div_(size)
-        return tensor.div_(size, rounding_mode="trunc")  # exact for integers (no float round trip)
+        """Reduce over the whole world by default: ranks of one tensor/pipeline group hold equal values (in place,
+        like Lightning's; see :func:`~meshlight.strategies.process_group.all_reduce_in_place`)."""
+        return all_reduce_in_place(tensor, group, reduce_op)
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -700,72 +641,3 @@ class MeshStrategy(ParallelStrategy):
         pass  # loaded, resharded, in `load_checkpoint`
 
 
-def _connect(environment: ClusterEnvironment, backend: str, timeout: Optional[timedelta], device_id: Any) -> None:
-    """Lightning's process-group initialization, except after a ``torchrun --max-restarts`` restart: there
-    torch 2.13 lets gloo read the killed attempt's peer addresses from the agent's store (every rank fails with
-    "connectFullMesh … Connection refused"), so the restarted ranks rendezvous under a prefix of their own."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart == "0" or dist.is_initialized():
-        _init_dist_connection(environment, backend, timeout=timeout, device_id=device_id)
-        return
-    timeout = timeout or default_pg_timeout
-    store = dist.TCPStore(environment.main_address, environment.main_port, environment.world_size(),
-                          is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"meshlight/attempt_{restart}", store),
-                            rank=environment.global_rank(), world_size=environment.world_size(), timeout=timeout,
-                            device_id=device_id)
-
-
-def _let_collective_threads_finish() -> None:
-    """Release the GIL briefly before the interpreter finalizes.
-
-    gloo's worker threads drop the tensors of the last collective right after it completes, and dropping a
-    tensor that Python created takes the GIL. A thread that takes the GIL while Python finalizes is forced
-    to exit inside a ``noexcept`` frame: ``terminate called without an active exception`` and SIGABRT, an
-    intermittent non-zero exit code after a successful run (seen in ~20% of 4-process runs). Destroying the
-    process group here instead could deadlock: its destructor joins threads that are waiting for the GIL.
-    """
-    if torch.distributed.is_initialized():
-        time.sleep(0.05)
-
-
-class _MeshForwardRedirection(_ForwardRedirection):
-    """Under manual optimization the step has already run backward when the root's forward returns, so DDP
-    must not prepare its reducer for another backward (mirrors Lightning's DDPStrategy)."""
-
-    @override
-    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: LightningModule) -> None:
-        ddp = ddp_engine(wrapper_module)
-        if ddp is not None and not original_module.automatic_optimization:
-            ddp.require_backward_grad_sync = False
-
-    @override
-    def on_after_outer_forward(self, wrapper_module: nn.Module, original_module: LightningModule) -> None:
-        ddp = ddp_engine(wrapper_module)
-        if ddp is not None and not original_module.automatic_optimization:
-            ddp.require_backward_grad_sync = True
-
-
-class _StepRunner(nn.Module):
-    """The root module that carries the parallel hooks around a LightningModule.
-
-    Lightning runs ``training_step`` (and the other steps) through the strategy's model's forward, so the
-    hooks fire once per step; a ``self(x)`` call inside the step reaches the LightningModule directly and
-    does not re-enter them. Its parameters are the LightningModule's, under the ``module.`` prefix.
-    """
-
-    def __init__(self, module: nn.Module, layout: ParallelLayout, pipeline: Optional[PipelineSteps] = None,
-                 pipeline_options: Optional[PipelineOptions] = None,
-                 sequence_region: Optional[tuple[str, str]] = None) -> None:
-        super().__init__()
-        self.module = module
-        self.layout = layout
-        self.pipeline, self.pipeline_options = pipeline, pipeline_options  # under pipelining: module = the stages
-        self.sequence_region = sequence_region  # with sequence parallelism over the blocks only: (first, last)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-
-# One parallelized root per LightningModule, so `fit` then `test` (or a second Trainer) reuses it.
-_RUNNERS: weakref.WeakKeyDictionary[LightningModule, _StepRunner] = weakref.WeakKeyDictionary()
