@@ -56,6 +56,7 @@ __all__ = [
     "data_parallel_mesh",
     "ddp_engine",
     "gradient_accumulation",
+    "holds_blocks",
     "is_data_parallel",
     "repeated_blocks",
 ]
@@ -64,19 +65,28 @@ _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 
 def repeated_blocks(module: nn.Module) -> list[nn.Module]:
-    """The entries of the outermost ``ModuleList``/``ModuleDict`` containers that hold parameters.
+    """The entries of the outermost containers of blocks (:func:`holds_blocks`) that hold parameters.
 
     These are a transformer's blocks: the units that FSDP gathers one at a time and that pipeline
     stages and activation checkpointing work on.
     """
     blocks: list[nn.Module] = []
     for child in module.children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+        if holds_blocks(child):
             entries = child.values() if isinstance(child, nn.ModuleDict) else child
             blocks.extend(entry for entry in entries if next(entry.parameters(), None) is not None)
         else:
             blocks.extend(repeated_blocks(child))
     return blocks
+
+
+def holds_blocks(module: nn.Module) -> bool:
+    """Whether ``module`` is a container of blocks: a non-empty ``nn.ModuleList``, or an ``nn.ModuleDict`` whose
+    entries are all of one type. A ``ModuleDict`` of different pieces (nanoGPT's ``transformer`` of ``wte``,
+    ``wpe``, the block list ``h`` and ``ln_f``) is a namespace: the blocks are inside it."""
+    if isinstance(module, nn.ModuleList):
+        return len(module) > 0
+    return isinstance(module, nn.ModuleDict) and len({type(entry) for entry in module.values()}) == 1
 
 
 @dataclass(frozen=True)

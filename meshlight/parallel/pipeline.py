@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from meshlight.parallel.data_parallel import holds_blocks
+
 __all__ = [
     "SCHEDULES",
     "PassThrough",
@@ -109,11 +111,12 @@ def validate_schedule(schedule: str, pp: int, virtual_stages: int, microbatches:
 
 
 def find_pipelined_module(root: nn.Module) -> tuple[str, nn.Module, str]:
-    """``(name, module, container)``: the module that owns the outermost ``ModuleList``/``ModuleDict`` of
-    blocks in ``root`` (e.g. ``model`` holding ``blocks``), and that container's attribute name."""
+    """``(name, module, container)``: the module that owns the outermost container of blocks in ``root``
+    (:func:`~meshlight.parallel.data_parallel.holds_blocks`; e.g. ``model`` holding ``blocks``), and that
+    container's attribute name."""
     for name, module in root.named_modules():
         for child_name, child in module.named_children():
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) > 0:
+            if holds_blocks(child):
                 return name, module, child_name
     raise PipelineError(
         f"{type(root).__name__} has no blocks in an nn.ModuleList or nn.ModuleDict, which pipeline parallelism"

@@ -106,14 +106,16 @@ def apply_tensor_parallel(
         elif role == "head":
             styles[name] = _LMHead(sequence_parallel=on_share, loss_parallel=loss_parallel)
         elif role == "norm" and on_share:
-            styles[name] = SequenceParallel()
+            styles[name] = SequenceParallel(use_local_output=True)  # a plain share: post-norm blocks add it to others
         elif role == "head_norm":
             styles[name] = _Replicated(name, over="heads")
         elif role == "replicate" and on_share and isinstance(modules[name], nn.Embedding):
             styles[name] = _Replicated(name, over="whole")
         elif role == "replicate" and on_share and isinstance(modules[name], nn.Linear):
             styles[name] = _Replicated(name, over="sequence")
+    tied = _tied_parameters(model)
     parallelize_module(model, mesh, styles)
+    _tie_again(model, tied)
     for parent in _colwise_parents(plan):
         register_sequence_gather(modules[parent], mesh, sequence_parallel=sequence_parallel,
                                  keep_gathered=keep_gathered_inputs)
@@ -206,6 +208,38 @@ def reduce_partial_gradients(parameters: Iterable[Tensor]) -> None:
 
 def _replicated(placements: tuple) -> tuple:
     return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
+def _tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Each parameter that several modules hold (a tied embedding and LM head): its ``(module, attribute)``
+    places, first the one ``named_parameters`` reports."""
+    places: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attribute, param in module.named_parameters(recurse=False):
+            places.setdefault(id(param), []).append((module_name, attribute))
+    return [where for where in places.values() if len(where) > 1]
+
+
+def _tie_again(model: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
+    """``parallelize_module`` gives every module a parameter of its own: hand the first place's to the others, which
+    keeps one weight trained by both (embedding and LM head are sharded alike: over the vocabulary, dim 0). A tie
+    whose places are sharded differently cannot be kept, and is refused."""
+    for places in tied:
+        params = [model.get_submodule(name).get_parameter(attribute) for name, attribute in places]
+        layouts = {(type(p).__name__, tuple(p.placements) if isinstance(p, DTensor) else None) for p in params}
+        if len(layouts) > 1:
+            described = ", ".join(f"{name or type(model).__name__}.{attribute} ({_layout_of(p)})"
+                                  for (name, attribute), p in zip(places, params))
+            raise TensorParallelError(
+                f"Tensor parallelism would split one tied parameter differently where it is held: {described}."
+                " Give the modules that share it roles that shard it alike (a tied embedding and LM head:"
+                " \"embedding\" and \"head\", both over the vocabulary), or untie it.")
+        for name, attribute in places[1:]:
+            setattr(model.get_submodule(name), attribute, params[0])
+
+
+def _layout_of(param: Tensor) -> str:
+    return f"DTensor {list(param.placements)}" if isinstance(param, DTensor) else "a plain tensor"
 
 
 class _LMHead(ColwiseParallel):

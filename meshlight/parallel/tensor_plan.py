@@ -12,6 +12,7 @@ column→row group that does not have a module of its own (that module's input i
 from __future__ import annotations
 
 import difflib
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from fnmatch import fnmatch
@@ -69,7 +70,7 @@ def derive_plan(model: nn.Module) -> Plan:
     modules = dict(model.named_modules())
     plan: Plan = {}
     for prefix, readers, writer in _column_row_groups(blocks, hidden):
-        _reject_fused(prefix, [modules[n] for n in readers], modules[writer])
+        _reject_fused(prefix, {n: modules[n] for n in readers}, modules[writer])
         plan[writer] = "rowwise"
         plan.update(dict.fromkeys(readers, "colwise"))
     plan = {**plan, **_structural_roles(model, blocks, hidden)}
@@ -250,15 +251,20 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
 # ------------------------------------------------------------------------------------------- structure
 
 
-def _reject_fused(group: str, readers: list[nn.Linear], writer: nn.Linear) -> None:
-    """Column sharding splits a Linear's outputs into contiguous slices; a fused q|k|v (or gate|up) projection
-    would hand one rank all of q and another all of v. Recognized by no reader producing the writer's width."""
-    if all(reader.out_features != writer.in_features for reader in readers):
-        widths = ", ".join(str(r.out_features) for r in readers)
+def _reject_fused(group: str, readers: Mapping[str, nn.Linear], writer: nn.Linear) -> None:
+    """Column sharding splits a Linear's outputs into contiguous slices; a fused q|k|v (or gate|up, or k|v beside a
+    q) projection would hand one rank all of q (or k) and another all of v. Recognized by no reader producing the
+    writer's width, by a reader wider than what the writer reads (no head of q, k or v is), or by the name of a
+    fused k|v (``kv``, ``to_kv``, ``kv_proj``: narrower than q under grouped-query attention)."""
+    wider = [name for name, reader in readers.items() if reader.out_features > writer.in_features
+             or re.search(r"(^|_)kv(_proj)?$", name.rsplit(".", 1)[-1].removeprefix("w"))]
+    if wider or all(reader.out_features != writer.in_features for reader in readers.values()):
+        widths = ", ".join(str(r.out_features) for r in readers.values())
+        fused = f" ({', '.join(_shown(name) for name in wider)})" if wider else ""
         raise TensorParallelError(
-            f"{_shown(group)} looks like a fused projection (outputs {widths} feeding a {writer.in_features}-wide"
-            " output projection): tensor parallelism needs q, k, v (and gate, up) as separate nn.Linear layers."
-            " Split the fused layer, or parallelize it yourself in configure_model()."
+            f"{_shown(group)} looks like a fused projection{fused} (outputs {widths} feeding a"
+            f" {writer.in_features}-wide output projection): tensor parallelism needs q, k, v (and gate, up) as"
+            " separate nn.Linear layers. Split the fused layer, or parallelize it yourself in configure_model()."
         )
 
 

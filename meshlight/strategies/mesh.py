@@ -417,7 +417,7 @@ class MeshStrategy(ParallelStrategy):
         with gradient_accumulation(self.model, self.layout.zero):
             yield
 
-    # ---------------------------------------------------------------- training loop: preemption signals, garbage collection
+    # ---------------------------------------------------------------- training loop: preemption signals, GC
 
     @override
     def on_train_start(self) -> None:
@@ -564,9 +564,19 @@ class MeshStrategy(ParallelStrategy):
         group: Optional[Any] = None,
         reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
-        """Reduce over the whole world by default: ranks of one tensor/pipeline group hold equal values (in place,
-        like Lightning's; see :func:`~meshlight.strategies.process_group.all_reduce_in_place`)."""
+        """Reduce over the data-parallel replicas by default, in place like Lightning's (see
+        :func:`~meshlight.strategies.process_group.all_reduce_in_place`). This is what ``self.log(...,
+        sync_dist=True)`` asks for: the ranks of one tensor/pipeline group hold one replica's values, so a
+        ``reduce_fx="sum"`` over every rank would count each of them tp·pp times."""
+        if group is None and self._device_mesh is not None:
+            group = axis(self._device_mesh, "dp").get_group()
         return all_reduce_in_place(tensor, group, reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank's own decision (to stop, to save), combined over the whole world."""
+        votes = all_reduce_in_place(torch.tensor(int(decision), device=self.root_device), _group.WORLD, "sum")
+        return bool(votes == self.world_size) if all else bool(votes)
 
     # ---------------------------------------------------------------- checkpoints
 

@@ -20,6 +20,7 @@ from meshlight.parallel.pipeline import (
     validate_schedule,
 )
 from tests.strategies.llama import LitLlama
+from tests.strategies.nanogpt import LitNanoGPT
 
 
 def gpt(**overrides) -> GPT:
@@ -30,6 +31,8 @@ def test_the_pipelined_module_is_the_owner_of_the_blocks():
     name, module, container = find_pipelined_module(LitGPT(GPTConfig.tiny()))
     assert (name, type(module).__name__, container) == ("model", "GPT", "blocks")
     assert find_pipelined_module(LitLlama())[0::2] == ("model", "layers")
+    # nanoGPT's ModuleDict of different pieces is a namespace: the blocks are its list h
+    assert find_pipelined_module(LitNanoGPT())[0::2] == ("model.transformer", "h")
 
 
 def test_balancing_by_parameters_counts_embeddings_and_head():

@@ -82,7 +82,7 @@ def test_head_count_attributes_are_constraints():
         validate_plan(module, derive_plan(module), 8, 8)
 
 
-def test_fused_qkv_projection_is_refused_with_the_fix():
+def test_fused_qkv_and_kv_projections_are_refused_with_the_fix():
     class FusedAttention(nn.Module):
         def __init__(self):
             super().__init__()
@@ -95,6 +95,15 @@ def test_fused_qkv_projection_is_refused_with_the_fix():
 
     with pytest.raises(TensorParallelError, match=r"h.0.attn looks like a fused projection .* separate nn.Linear"):
         derive_plan(Model())
+    # a separate q beside a fused k|v: wider than the output projection reads, or (grouped-query: narrower) named so
+    for kv_width, name in ((64, "proj"), (16, "kv"), (16, "to_kv"), (16, "wkv")):
+        attention = nn.Module()
+        attention.q, attention.o = nn.Linear(32, 32), nn.Linear(32, 32)
+        attention.add_module(name, nn.Linear(32, kv_width))
+        model = nn.Module()
+        model.h = nn.ModuleList([attention])
+        with pytest.raises(TensorParallelError, match=rf"h.0 looks like a fused projection \(h.0.{name}\)"):
+            derive_plan(model)
 
 
 def test_a_model_without_repeated_blocks_asks_for_a_plan():
@@ -349,7 +358,8 @@ def test_a_replicated_linear_runs_on_the_sequence_share_and_refuses_an_input_tha
         model.gate(share.mean(1))  # pooled over the sequence: features, not a share of a sequence
 
 
-def test_a_norm_after_the_embedding_and_modules_outside_the_blocks_run_under_sequence_parallelism(one_process_group):
+def test_a_norm_after_the_embedding_modules_outside_the_blocks_and_post_norm_blocks_run_under_sequence_parallelism(
+        one_process_group):
     # on a mesh of one rank the splits are no-ops, but the layouts are not: a DTensor met a plain tensor
     import copy
 
@@ -357,12 +367,43 @@ def test_a_norm_after_the_embedding_and_modules_outside_the_blocks_run_under_seq
 
     from meshlight.parallel.tensor import apply_tensor_parallel
     from tests.strategies.llama import RMSNorm
+    from tests.strategies.nanogpt import NanoGPT
 
     embedding_norm = LitLlama()  # BLOOM's norm after the embedding: its output is a DTensor sharded over the sequence
     embedding_norm.model.tok_embeddings = nn.Sequential(embedding_norm.model.tok_embeddings, RMSNorm(64))
-    for lit in (embedding_norm, LitLlama(outside=True)):
-        split, tokens = copy.deepcopy(lit.model), torch.randint(0, 16, (2, 12))
+    # post-norm blocks (BERT's): a norm's output is the residual stream, which the MLP's output is added to
+    for model in (embedding_norm.model, LitLlama(outside=True).model, NanoGPT(post_norm=True)):
+        split, tokens = copy.deepcopy(model), torch.randint(0, 16, (2, 12))
         plan = derive_plan(split)
         apply_tensor_parallel(split, init_device_mesh("cpu", (1,)), plan, loss_parallel=False,
                               sequence_region=sequence_region(split, plan))
-        torch.testing.assert_close(split(tokens), lit.model(tokens))
+        torch.testing.assert_close(split(tokens), model(tokens))
+
+
+def test_a_nanogpt_layout_finds_its_blocks_inside_the_modules_namespace_and_keeps_its_tie(one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshlight.parallel.data_parallel import repeated_blocks
+    from meshlight.parallel.tensor import apply_tensor_parallel
+    from tests.strategies.nanogpt import NanoGPT
+
+    model = NanoGPT()  # transformer = ModuleDict(wte, wpe, h, ln_f): the blocks are h's, not the namespace's entries
+    assert repeated_blocks(model) == list(model.transformer.h)
+    plan = derive_plan(model)
+    assert (plan["transformer.wte"], plan["lm_head"]) == ("embedding", "head")
+    apply_tensor_parallel(model, init_device_mesh("cpu", (1,)), plan, sequence_region=sequence_region(model, plan))
+    assert model.transformer.wte.weight is model.lm_head.weight  # one weight, sharded over the vocabulary for both
+
+
+def test_a_tie_the_plan_would_shard_two_ways_is_refused_naming_both_places(one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshlight.parallel.tensor import apply_tensor_parallel
+    from tests.strategies.nanogpt import NanoGPT
+
+    model = NanoGPT()
+    plan = {**derive_plan(model), "lm_head": "rowwise"}  # over its input features: the embedding's is the vocabulary
+    with pytest.raises(TensorParallelError, match=r"would split one tied parameter differently where it is held:"
+                                                  r" transformer.wte.weight \(DTensor \[Shard\(dim=0\)\]\),"
+                                                  r" lm_head.weight \(DTensor \[Shard\(dim=1\)\]\)\. Give the"):
+        apply_tensor_parallel(model, init_device_mesh("cpu", (1,)), plan, sequence_parallel=False)

@@ -1,5 +1,7 @@
 """Tensor parallelism reproduces single-process training — tp=2 on 2 processes, tp=4 and tp=2 × dp=2 on 4,
-with and without sequence parallelism, for meshlight's GPT and a Llama-shaped LightningModule under the
+with and without sequence parallelism, for meshlight's GPT (also with its embedding and LM head tied: one weight,
+sharded over the vocabulary for both), a GPT-2 laid out as nanoGPT lays it out (a ModuleDict namespace around the
+blocks, tied weights, learned positions) and a Llama-shaped LightningModule under the
 automatic plan, a dict plan and its own configure_model(), the Llama with a gate Linear no column→row group holds
 (left whole: under sequence parallelism it reads each rank's share, and its gradient is summed over the shares), the
 Llama with a norm over each head of q and k (each rank normalizes its heads; the gradients are summed), the
@@ -126,6 +128,11 @@ def test_dropout_agrees_outside_the_blocks_and_differs_inside_them_when_sequence
     # rank holds other tokens, whose masks must not repeat; recomputation replays a block's masks
     assert distributed[2]["blocks_only_dropout"] == {"outside_weights_agree": True, "block_draws_differ": True,
                                                      "outside_draws_agree": True, "recompute_replays": True}
+
+
+def test_a_synced_sum_counts_each_data_replica_once_and_decisions_are_taken_over_the_world(distributed):
+    # tp2 × dp2, 4 sequences per replica: 8 in a step, not 16 (each tensor-parallel rank's copy counted)
+    assert distributed[4]["synced_sums"] == [{"sequences": 8.0, "any": True, "all": False}] * 4
 
 
 def test_a_plain_auxiliary_loss_added_to_the_loss_parallel_loss_fails_saying_what_to_call(distributed):

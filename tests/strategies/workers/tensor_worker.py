@@ -19,24 +19,26 @@ from meshlight.parallel import CollectiveTraffic
 from meshlight.parallel.tensor import apply_tensor_parallel, reduce_partial_gradients
 from meshlight.parallel.tensor_plan import derive_plan, model_plan
 from tests.strategies.llama import DICT_PLAN, LitLlama, LitLlamaParallelizedByUser
+from tests.strategies.nanogpt import LitNanoGPT
 from tests.strategies.parity import VARIANTS, make_data, train
 
 # layout name -> (tp, data-parallel size), per world size
 LAYOUTS = {2: {"tp2": (2, 1)}, 4: {"tp4": (4, 1), "tp2xdp2": (2, 2)}}
 
 
-def lit_gpt(dropout: float = 0.0, **options: object) -> LitGPT:
+def lit_gpt(dropout: float = 0.0, tie_embeddings: bool = False, **options: object) -> LitGPT:
     config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_heads=4,
-                            bias=False, dropout=dropout)
+                            bias=False, dropout=dropout, tie_embeddings=tie_embeddings)
     return LitGPT(config, **{"lr": 1e-2, "warmup_steps": 2, **options})
 
 
 # model name -> (factory, plan)
-MODELS = {"gpt": (lit_gpt, None), "llama-auto": (LitLlama, None), "llama-dict": (LitLlama, DICT_PLAN),
+MODELS = {"gpt": (lit_gpt, None), "gpt-tied": (functools.partial(lit_gpt, tie_embeddings=True), None),
+          "llama-auto": (LitLlama, None), "llama-dict": (LitLlama, DICT_PLAN),
           "llama-configure-model": (LitLlamaParallelizedByUser, None),
           "llama-gated": (functools.partial(LitLlama, gated=True), None),
           "llama-qknorm": (functools.partial(LitLlama, qk_norm=True), None),
-          "llama-outside": (functools.partial(LitLlama, outside=True), None)}
+          "llama-outside": (functools.partial(LitLlama, outside=True), None), "nanogpt": (LitNanoGPT, None)}
 
 
 def runs(world: int) -> list[tuple[str, str, bool, str]]:
@@ -44,7 +46,8 @@ def runs(world: int) -> list[tuple[str, str, bool, str]]:
     grid = [(layout, model, sp, "adamw") for layout in LAYOUTS[world] for model in MODELS for sp in (True, False)
             if model != "llama-configure-model" and (model != "llama-gated" or sp or world == 2)
             and (model != "llama-qknorm" or layout != "tp4" and (sp or world == 2))
-            and (model != "llama-outside" or layout != "tp4" and (sp or world == 2))]
+            and (model != "llama-outside" or layout != "tp4" and (sp or world == 2))
+            and (model not in ("gpt-tied", "nanogpt") or layout != "tp4" and sp)]
     if world == 2:  # sequence parallelism is the user's business here; their plan has none
         grid.append(("tp2", "llama-configure-model", False, "adamw"))
         # norms left plain beside DTensor weights, nothing sharding them over data ranks: multi-tensor AdamW
@@ -257,6 +260,24 @@ def mixed_tensor_notes() -> list[str]:
     return []
 
 
+class LitLlamaCountingSequences(LitLlama):
+    """Logs the sequences of each step, summed over the ranks (``reduce_fx="sum"``)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("sequences", float(len(batch[0])), reduce_fx="sum", sync_dist=True)
+        return super().training_step(batch, batch_idx)
+
+
+def synced_sums() -> dict[str, object]:
+    """A count logged with ``reduce_fx="sum"`` at tp2 × dp2 (4 sequences per replica), and the strategy's
+    boolean decisions (rank 0 says yes) over the world."""
+    strategy = ml.TensorParallelStrategy(tp=2)
+    trainer = _fit_briefly(LitLlamaCountingSequences(), strategy, 1)
+    yes = dist.get_rank() == 0
+    return {"sequences": trainer.callback_metrics["sequences"].item(),
+            "any": strategy.reduce_boolean_decision(yes, all=False), "all": strategy.reduce_boolean_decision(yes)}
+
+
 if __name__ == "__main__":
     out, world = sys.argv[1], int(sys.argv[2])
     results = {}
@@ -281,5 +302,6 @@ if __name__ == "__main__":
                                         for name in ACTIVATION_CONFIGS for keep in (False, True)}
     if world == 4:
         results["dropout"] = dropout_probe(world)
+        results["synced_sums"] = _gathered(synced_sums())
     if dist.get_rank() == 0:
         torch.save(results, out)
