@@ -38,6 +38,7 @@ validated against tp — are :mod:`meshlight.parallel.tensor_plan`'s.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
@@ -66,7 +67,9 @@ from meshlight.parallel.tensor_plan import (
     _within,
 )
 
-__all__ = ["apply_tensor_parallel", "explaining_mixed_tensors", "reduce_partial_gradients", "sequence_share_input"]
+__all__ = [
+    "apply_tensor_parallel", "explaining_tensor_parallel_errors", "reduce_partial_gradients", "sequence_share_input",
+]
 
 
 # ------------------------------------------------------------------------------------------- apply
@@ -398,13 +401,21 @@ def _gather_sequence(mesh: DeviceMesh):  # noqa: ANN202 - a forward hook
 
 
 @contextmanager
-def explaining_mixed_tensors(tp: int, loss_parallel: bool) -> Generator[None, None, None]:
-    """Add what meshlight knows to PyTorch's error when a plain tensor meets a DTensor in a training step (or its
-    backward), at tensor-parallel size ``tp`` and with loss parallelism on or off as the strategy has it."""
+def explaining_tensor_parallel_errors(tp: int, loss_parallel: bool) -> Generator[None, None, None]:
+    """Add what meshlight knows to PyTorch's error, in a training step (or its backward) at tensor-parallel size
+    ``tp`` and with loss parallelism on or off as the strategy has it, when a plain tensor meets a DTensor or a
+    reshape does not fit a rank's heads."""
     try:
         yield
     except RuntimeError as error:
         explained = any(note.startswith("meshlight:") for note in getattr(error, "__notes__", ()))
+        if tp > 1 and not explained and re.search(r"shape '\[.*\]' is invalid for input of size", str(error)):
+            error.add_note(
+                f"meshlight: under tensor parallelism each rank holds 1/{tp} of the attention heads, and the strategy"
+                " divides the head-count attributes (n_heads, num_heads, n_head, …) by tp. A reshape whose other"
+                " sizes come from the full width no longer fits (nanoGPT's view(B, T, self.n_head, C // self.n_head)"
+                " with C = x.size(-1)): reshape with the head size or -1, e.g. view(B, T, self.n_head, -1)."
+            )
         if tp > 1 and "got mixed torch.Tensor and DTensor" in str(error) and not explained:
             if loss_parallel:
                 error.add_note(

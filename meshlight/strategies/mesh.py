@@ -65,7 +65,7 @@ from meshlight.parallel.parallelize import parallelize
 from meshlight.parallel.pipeline import SplitSpec, find_pipelined_module, validate_schedule
 from meshlight.parallel.precision import MeshGradScaler, PrecisionPolicy
 from meshlight.parallel.sampling import ResumableSampler
-from meshlight.parallel.tensor import explaining_mixed_tensors, reduce_partial_gradients
+from meshlight.parallel.tensor import explaining_tensor_parallel_errors, reduce_partial_gradients
 from meshlight.parallel.tensor_plan import model_plan, sequence_region, stage_plan
 from meshlight.strategies.garbage_collection import TrainingGarbageCollection
 from meshlight.strategies.launcher import ForkingScriptLauncher
@@ -441,23 +441,23 @@ class MeshStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
-            with self._explaining_mixed_tensors():
+            with self._explaining_errors():
                 return super().training_step(*args, **kwargs)
         batch, batch_idx = args[0], args[1]
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        with self.precision_plugin.train_step_context(), self._explaining_mixed_tensors():
+        with self.precision_plugin.train_step_context(), self._explaining_errors():
             return self._pipeline.training_step(batch, batch_idx, clear_gradients=batch_idx % accumulate == 0,
                                                 accumulate=accumulate,
                                                 scaler=getattr(self.precision_plugin, "scaler", None))
 
-    def _explaining_mixed_tensors(self) -> AbstractContextManager[None]:
-        """Notes on what to change added to PyTorch's error when a plain tensor meets a DTensor."""
-        return explaining_mixed_tensors(self.layout.tp, self._tensor_parallel["loss_parallel"])
+    def _explaining_errors(self) -> AbstractContextManager[None]:
+        """Notes on what to change added to PyTorch's errors that tensor parallelism can cause."""
+        return explaining_tensor_parallel_errors(self.layout.tp, self._tensor_parallel["loss_parallel"])
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is None:
-            with self._explaining_mixed_tensors():
+            with self._explaining_errors():
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule already ran backward inside training_step; hand its gradients back, with the hooks.
         module = self.lightning_module

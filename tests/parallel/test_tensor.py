@@ -407,3 +407,19 @@ def test_a_tie_the_plan_would_shard_two_ways_is_refused_naming_both_places(one_p
                                                   r" transformer.wte.weight \(DTensor \[Shard\(dim=0\)\]\),"
                                                   r" lm_head.weight \(DTensor \[Shard\(dim=1\)\]\)\. Give the"):
         apply_tensor_parallel(model, init_device_mesh("cpu", (1,)), plan, sequence_parallel=False)
+
+
+def test_a_reshape_by_the_full_width_under_tensor_parallelism_gets_a_note_saying_how_to_reshape():
+    from meshlight.parallel.tensor import explaining_tensor_parallel_errors
+
+    q = torch.randn(2, 12, 16)  # this rank's half of a 32-wide q, nanoGPT reshaping by C = 32 and n_head = 4 / 2
+    with pytest.raises(RuntimeError) as error, explaining_tensor_parallel_errors(2, loss_parallel=True):
+        q.view(2, 12, 2, 32 // 2)
+    assert error.value.__notes__ == [
+        "meshlight: under tensor parallelism each rank holds 1/2 of the attention heads, and the strategy divides the"
+        " head-count attributes (n_heads, num_heads, n_head, …) by tp. A reshape whose other sizes come from the full"
+        " width no longer fits (nanoGPT's view(B, T, self.n_head, C // self.n_head) with C = x.size(-1)): reshape"
+        " with the head size or -1, e.g. view(B, T, self.n_head, -1)."]
+    with pytest.raises(RuntimeError) as error, explaining_tensor_parallel_errors(1, loss_parallel=True):
+        q.view(2, 12, 2, 32 // 2)
+    assert not hasattr(error.value, "__notes__")  # without tensor parallelism the error is the user's own
