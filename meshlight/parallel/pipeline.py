@@ -258,8 +258,17 @@ def check_chain(module: nn.Module, plan: StagePlan, args: tuple, kwargs: dict) -
     probed = [probes[f"{plan.container}.{k}"] for k in keys]
     view._modules[plan.container] = (nn.ModuleDict(zip(keys, probed)) if isinstance(blocks, nn.ModuleDict)
                                      else nn.ModuleList(probed))
-    with torch.no_grad():
-        output = type(module).forward(view, *args, **kwargs)
+    try:
+        with torch.no_grad():
+            output = type(module).forward(view, *args, **kwargs)
+    except Exception as error:  # an operation on what a piece returned: the input, passed through unchanged
+        done = [name for name, _ in received]
+        raise PipelineError(
+            f"{type(module).__name__}.forward is not a chain of its pieces {pieces}: run with every piece passing its"
+            f" input through, it failed after {done[-1] if done else 'no piece'!r} with {type(error).__name__}:"
+            f" {error}. An operation between pieces or after the last (pooling, a reshape, a second input) is not a"
+            " piece of its own: move it into one (see README, 'Pipeline parallelism')."
+        ) from error
     first = args[0] if args else next(iter(kwargs.values()), None)
     order = [name for name, _ in received]
     if order != pieces:

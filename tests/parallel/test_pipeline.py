@@ -110,9 +110,19 @@ class SkipConnection(GPT):
         return self.head(self.norm(x + h))
 
 
+class MeanPooled(GPT):
+    def forward(self, idx):  # pooled between the norm and the head: the probes pass token ids, which cannot be averaged
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean(1))
+
+
 @pytest.mark.parametrize(("cls", "message"), [
     (ScaledEmbedding, "blocks.0 does not receive the previous piece's output"),
     (SkipConnection, "norm does not receive the previous piece's output"),
+    (MeanPooled, r"not a chain of its pieces .*: run with every piece passing its input through, it failed after"
+                 r" 'norm' with RuntimeError: mean\(\): .* An operation between pieces or after the last"),
 ])
 def test_chain_check_rejects_other_forwards(cls, message):
     model = cls(GPTConfig.tiny(n_layers=4))
