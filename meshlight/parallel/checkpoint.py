@@ -13,7 +13,8 @@ import pickle
 import re
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -305,10 +306,28 @@ def load_checkpoint(
                 f"The checkpoint {str(path)!r} holds no state for optimizer {i}: it was saved with fewer optimizers"
                 " or weights only. Load it with `trainer.validate/test` or a fresh `fit` instead of resuming."
             )
-        state = get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_STATE)
-        _read({name: state}, path)
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=OPTIMIZER_STATE)
+        with _without_empty_groups(optimizer):
+            state = get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_STATE)
+            _read({name: state}, path)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=OPTIMIZER_STATE)
     return load_metadata(path, weights_only=weights_only)
+
+
+@contextmanager
+def _without_empty_groups(optimizer: Optimizer) -> Iterator[None]:
+    """The optimizer without its parameter groups that hold no parameter (a pipeline stage holding none of a
+    group's), which keep their hyperparameters as they are. torch's flattened optimizer state names a group's
+    hyperparameters after its first parameter, and loading one without any fails with a bare IndexError."""
+    groups = optimizer.param_groups
+    if all(group["params"] for group in groups):
+        yield
+        return
+    optimizer.param_groups = [group for group in groups if group["params"]]
+    try:
+        yield
+    finally:  # loading the state replaced the groups that hold parameters: keep the new ones, in their places
+        loaded = iter(optimizer.param_groups)
+        optimizer.param_groups = [next(loaded) if group["params"] else group for group in groups]
 
 
 def load_metadata(path: PathLike, *, weights_only: Optional[bool] = None) -> dict[str, Any]:

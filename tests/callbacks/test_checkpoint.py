@@ -431,3 +431,32 @@ def test_saving_over_a_checkpoint_replaces_its_files(tmp_path, recwarn):
     fresh = nn.Linear(3, 2)
     assert load_checkpoint(path, fresh)["step"] == 2
     assert torch.equal(fresh.weight, expected)
+
+
+def test_an_optimizer_group_without_parameters_here_resumes_with_the_others_restored(tmp_path):
+    # a pipeline stage holding none of a group's parameters (the embedding's own group, on the last stage)
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from meshlight.parallel.checkpoint import OPTIMIZER_STATE, load_checkpoint, save_checkpoint
+
+    def model_and_optimizer() -> tuple:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+        groups = [{"params": list(model[0].parameters()), "lr": 0.1}, {"params": [], "lr": 0.2},
+                  {"params": list(model[1].parameters()), "lr": 0.3, "weight_decay": 0.0}]
+        return model, torch.optim.AdamW(groups)
+
+    model, optimizer = model_and_optimizer()
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "step.ckpt"
+    save_checkpoint(path, {"state_dict": model.state_dict(), "optimizer_states": [
+        get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_STATE)]}, write_metadata=True, rng_state={})
+    fresh, resumed = model_and_optimizer()
+    resumed.param_groups[2]["lr"] = 0.0
+    load_checkpoint(path, fresh, [resumed])  # was: IndexError from torch's flattened optimizer state
+    assert [group["lr"] for group in resumed.param_groups] == [0.1, 0.2, 0.3]
+    assert [len(group["params"]) for group in resumed.param_groups] == [2, 0, 2]
+    for param, saved in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(resumed.state[param]["exp_avg"], optimizer.state[saved]["exp_avg"])
