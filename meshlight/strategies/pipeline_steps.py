@@ -10,12 +10,16 @@ Training step, on every rank:
 3. *Gradients* now sit in ``.grad``; Lightning will call ``zero_grad`` before its ``backward``, so they are
    stashed and handed back in :meth:`PipelineSteps.restore_gradients` (added to those of earlier batches
    of an accumulation window, which the schedule must not see: it rescales all of ``.grad``).
-4. *Logging*: the last stage reduces each logged value to its mean over microbatches and broadcasts the
-   list over the pipeline group; every rank replays it through the real ``self.log``, so ``sync_dist``,
-   ``prog_bar``, callbacks, checkpoints and rank 0's loggers see the values a non-pipelined run sees.
+4. *Logging*: the last stage combines each logged value over microbatches as its ``reduce_fx`` says (mean,
+   sum, max, min) and broadcasts the list over the pipeline group; every rank replays it through the real
+   ``self.log``, so ``sync_dist``, ``prog_bar``, callbacks, checkpoints and rank 0's loggers see the values a
+   non-pipelined run sees.
 
-Validation, test and predict run the schedule forward only and call the user's step once on the full
-batch of last-stage outputs; its return value (predictions) is broadcast to every rank of the pipeline.
+Stage 0 takes the forward's positional arguments; its keyword arguments (a padding mask) go to every stage.
+
+Validation, test and predict run the schedule forward only (with the training gradients set aside: the
+schedule rescales ``.grad`` even then) and call the user's step once on the full batch of last-stage outputs;
+its return value (predictions) is broadcast to every rank of the pipeline.
 """
 
 from __future__ import annotations
@@ -33,9 +37,7 @@ from lightning.pytorch.utilities import move_data_to_device
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torchmetrics import Metric
 
 from meshlight.parallel.layout import ParallelLayout
 from meshlight.parallel.pipeline import (
@@ -51,6 +53,7 @@ from meshlight.parallel.pipeline import (
     split_stages,
     stages_of_rank,
 )
+from meshlight.strategies.pipeline_logging import LogRecorder, detached_whole, logged_layout
 
 __all__ = ["PipelineOptions", "PipelineSteps", "setup_pipeline"]
 
@@ -157,7 +160,7 @@ class PipelineSteps:
         self._stash: list[tuple[Tensor, Tensor]] = []
         self._chained: set[Any] = set()  # input signatures whose chain was checked
         self._microbatch_steps: list[Any] = []
-        self._recorder = _LogRecorder()
+        self._recorder = LogRecorder()
         # Per microbatch index: on its first step torch's shape inference calls the loss function once more
         # for microbatch 0 (on a warm-up output); the real call then overwrites that entry.
         self._losses: dict[int, Tensor] = {}
@@ -202,7 +205,9 @@ class PipelineSteps:
         self._recorder.clear()
         schedule = self._schedule(training=True, signature=_signature(args))
         target = torch.arange(self.microbatches, device=self.device) if self.has_last else None
-        schedule.step(*(args if self.has_first else ()), target=target, **(kwargs if self.has_first else {}))
+        # Positional arguments feed stage 0 only; keyword arguments (a padding mask) go to every stage, whose
+        # pieces of the forward read them too. Each rank's schedule cuts them into microbatches.
+        schedule.step(*(args if self.has_first else ()), target=target, **kwargs)
         self._stash = []
         for param in module.parameters():
             grads = [g for g in (carried.get(id(param)), param.grad) if g is not None]
@@ -228,7 +233,7 @@ class PipelineSteps:
         loss = result["loss"] if isinstance(result, Mapping) else result
         if not isinstance(loss, Tensor):
             raise PipelineError("Under pipelining, training_step must return the loss (a tensor or {'loss': …}).")
-        self._losses[microbatch] = _plain(loss)
+        self._losses[microbatch] = detached_whole(loss)
         loss = loss / self._accumulate
         return self._scaler.scale(loss) if self._scaler is not None else loss
 
@@ -241,8 +246,8 @@ class PipelineSteps:
         self._check_inputs(captured_args, kwargs)
         schedule = self._schedule(training=False, signature=_signature(captured_args))
         self._recorder.clear()
-        with torch.no_grad():
-            output = schedule.eval(*(captured_args if self.has_first else ()), **(kwargs if self.has_first else {}))
+        with torch.no_grad(), _gradients_set_aside(module.parameters()):
+            output = schedule.eval(*(captured_args if self.has_first else ()), **kwargs)
         result = None
         if self.has_last:
             with self._forward_returns(output), self._recorder.capture(module):
@@ -311,9 +316,17 @@ class PipelineSteps:
             setattr(stage, name, timed)
 
     def _check_inputs(self, args: tuple, kwargs: dict) -> None:
-        """Before anything is sent: the batch divides into microbatches, and (once per input shape) the
-        model's forward is a chain. Both are decided identically on every rank, so none waits in a send."""
-        for arg in args:
+        """Before anything is sent: the batch divides into microbatches, no keyword argument of the forward
+        takes the name of one of the schedule's own, and (once per input shape) the model's forward is a chain.
+        All are decided identically on every rank, so none waits in a send."""
+        taken = sorted(_SCHEDULE_KEYWORDS & kwargs.keys())
+        if taken:
+            raise PipelineError(
+                f"{type(self.pipelined).__name__}.forward is called with the keyword argument(s) {taken}, which"
+                " torch's pipeline schedule takes for itself (it would never pass them to the model): rename them"
+                " in the forward's signature."
+            )
+        for arg in tree_flatten((args, kwargs))[0]:
             if isinstance(arg, Tensor) and arg.dim() > 0:
                 _check_divisible(arg.shape[0], self.microbatches)
         signature = _signature(args)
@@ -360,7 +373,7 @@ class PipelineSteps:
         are broadcast (pickled: two collectives) and their layout is remembered."""
         if self._logged_layout is not None:
             flat = torch.zeros(2 + sum(metric is None for _, metric, _ in self._logged_layout), dtype=torch.float64)
-            if self.has_last and _layout(logged) == self._logged_layout:
+            if self.has_last and logged_layout(logged) == self._logged_layout:
                 values = [loss] + [value for _, value, _ in logged if not isinstance(value, tuple)]
                 flat[0] = 1.0
                 flat[1:] = torch.stack([v.detach().to(torch.float64).cpu().reshape(()) for v in values])
@@ -372,73 +385,28 @@ class PipelineSteps:
                 return loss, [(name, metric if metric is not None else next(numbers), kwargs)
                               for name, metric, kwargs in self._logged_layout]
         loss, logged = self._from_last_stage((loss, logged))
-        self._logged_layout = _layout(logged)
+        self._logged_layout = logged_layout(logged)
         return loss, logged
 
 
-class _LogRecorder:
-    """Records ``self.log``/``self.log_dict`` calls instead of forwarding them, and replays their means."""
-
-    def __init__(self) -> None:
-        self.entries: dict[str, tuple[dict[int, Any], dict[str, Any]]] = {}  # name -> ({microbatch: value}, kwargs)
-        self.microbatch = 0
-
-    def clear(self) -> None:
-        self.entries = {}
-
-    @contextmanager
-    def capture(self, module: LightningModule, microbatch: int = 0) -> Iterator[None]:
-        self.microbatch = microbatch
-        module.log = self.log  # type: ignore[method-assign]
-        module.log_dict = self.log_dict  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            del module.log, module.log_dict
-
-    @contextmanager
-    def discard(self, module: LightningModule) -> Iterator[None]:
-        module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            del module.log, module.log_dict
-
-    def log(self, name: str, value: Any, **kwargs: Any) -> None:
-        values, _ = self.entries.setdefault(name, ({}, kwargs))
-        values[self.microbatch] = _plain(value) if isinstance(value, Tensor) else value
-
-    def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
-        for name, value in dictionary.items():
-            self.log(name, value, **kwargs)
-
-    def reduced(self, module: LightningModule) -> list[tuple[str, Any, dict[str, Any]]]:
-        """One value per name: the mean over microbatches, or the path of a logged torchmetrics Metric (each rank
-        replays its own instance; their states are reduced over all ranks when the metric is computed)."""
-        paths = {id(m): name for name, m in module.named_modules()}
-        out = []
-        for name, (by_microbatch, kwargs) in self.entries.items():
-            values = list(by_microbatch.values())
-            if isinstance(values[-1], Metric):
-                out.append((name, ("metric", paths[id(values[-1])]), kwargs))
-            else:
-                mean = torch.stack([torch.as_tensor(v, dtype=torch.float32).cpu() for v in values]).mean()
-                out.append((name, mean, kwargs))
-        return out
-
-    @staticmethod
-    def replay(module: LightningModule, logged: list[tuple[str, Any, dict[str, Any]]]) -> None:
-        for name, value, kwargs in logged:
-            if isinstance(value, tuple) and value[0] == "metric":
-                value = module.get_submodule(value[1])
-            else:
-                value = value.to(module.device)
-            module.log(name, value, **kwargs)
+#: keyword arguments of ``schedule.step``/``eval`` that the schedule keeps instead of passing to the stages
+_SCHEDULE_KEYWORDS = frozenset({"target", "losses", "return_outputs", "loss_kwargs"})
 
 
-def _layout(logged: list[tuple[str, Any, dict[str, Any]]]) -> list[tuple[str, Any, dict[str, Any]]]:
-    """What was logged without the values: (name, the metric reference or None for a number, options)."""
-    return [(name, value if isinstance(value, tuple) else None, kwargs) for name, value, kwargs in logged]
+@contextmanager
+def _gradients_set_aside(parameters: Iterator[nn.Parameter]) -> Iterator[None]:
+    """Hide the parameters' gradients, and give them back afterwards. torch's schedules end every step, forward-only
+    ones too, with the gradient reduction: FSDP's post-backward, which reshards the parameters (kept), and the
+    division of all of ``.grad`` by the number of microbatches, which an evaluation in the middle of an
+    accumulation window (``val_check_interval``) must not apply to the window's gradients so far."""
+    saved = [(param, param.grad) for param in parameters]
+    for param, _ in saved:
+        param.grad = None
+    try:
+        yield
+    finally:
+        for param, grad in saved:
+            param.grad = grad
 
 
 def _signature(args: tuple) -> tuple:
@@ -463,12 +431,4 @@ def _rank_holding(stage: int, pp: int, schedule: str) -> int:
 
 def _detached_cpu(value: Any) -> Any:
     leaves, spec = tree_flatten(value)
-    return tree_unflatten([_plain(leaf).cpu() if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
-
-
-def _plain(value: Tensor) -> Tensor:
-    """``value`` detached, as a plain tensor: a DTensor (a loss on vocabulary-sharded logits, under loss
-    parallelism) becomes its full value. Called on every tensor-parallel rank of the last stage together."""
-    value = value.detach()
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
+    return tree_unflatten([detached_whole(leaf).cpu() if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)

@@ -1,6 +1,7 @@
 """Lightning behaves under pp=2 as without pipelining: synced logged values (with a torchmetrics metric),
 sanity validation, the progress bar, ModelCheckpoint(monitor="val/loss") on every rank, TensorBoard on rank
-0, predictions on every rank, checkpoints that resume exactly and load in one process."""
+0, predictions on every rank, checkpoints that resume exactly and load in one process; keyword arguments of the
+forward on every stage, validation inside an accumulation window, logged values combined by their reduce_fx."""
 
 from pathlib import Path
 
@@ -108,3 +109,29 @@ def test_a_pipeline_checkpoint_loads_in_one_process(out, ranks):
     load_model_weights(module, out / "final.ckpt")
     for name, weight in module.state_dict().items():
         assert torch.equal(weight, ranks[0]["weights"][name]), name
+
+
+def test_keyword_arguments_of_the_forward_reach_every_stage(ranks, control):
+    # The padding mask PaddedLM passes by keyword once reached stage 0 only: stage 1's block read None.
+    expected = control["padded"]
+    assert expected["validations"]
+    for rank in ranks:
+        got = rank["padded"]
+        assert got["batches"][0]["window/loss"] == pytest.approx(expected["batches"][0]["window/loss"], rel=1e-4)
+        assert got["validations"] == pytest.approx(expected["validations"], rel=1e-4)
+
+
+def test_validation_inside_an_accumulation_window_leaves_its_gradients_alone(ranks, control):
+    # torch's evaluation schedule divides .grad by the microbatch count: once, the window's first half.
+    assert_parity({"losses": [], "weights": ranks[0]["padded"]["weights"]},
+                  {"losses": [], "weights": control["padded"]["weights"]})
+
+
+def test_logged_values_combine_over_microbatches_by_their_reduce_fx(ranks, control):
+    expected = control["padded"]["batches"]
+    assert len(expected) == 4 and all(batch["window/samples"] == worker.BATCH for batch in expected)
+    for rank in ranks:
+        assert len(rank["padded"]["batches"]) == len(expected)
+        for got, want in zip(rank["padded"]["batches"], expected):
+            for name, value in want.items():
+                assert got[name] == pytest.approx(value, rel=1e-4), name

@@ -1,6 +1,7 @@
 """torchrun worker: Lightning's features under pp=2 — validation with a torchmetrics metric, sanity checking,
 ModelCheckpoint(monitor="val/loss"), TensorBoard on rank 0 (with TrainingMonitor's pipeline timeline), the progress
-bar, predict, validating with a second Trainer, saving and resuming.
+bar, predict, validating with a second Trainer, saving and resuming; then a small model whose forward takes a padding
+mask by keyword, trained with validation inside a gradient-accumulation window, logging with reduce_fx sum, max, min.
 Each rank saves what it saw; the test compares ranks with each other and with one process."""
 
 import sys
@@ -11,8 +12,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import meshlight as ml
@@ -56,13 +59,96 @@ class Observer(Callback):
         self.epochs.append({name: float(trainer.callback_metrics[name]) for name in names})
 
 
-def data(control: bool) -> AdditionDataModule:
-    module = AdditionDataModule(3, batch_size=BATCH, train_size=BATCH * 5, val_size=32, seed=SEED)
+def data(control: bool, batches: int = 5) -> AdditionDataModule:
+    module = AdditionDataModule(3, batch_size=BATCH, train_size=BATCH * batches, val_size=32, seed=SEED)
     if control:  # the permutation Lightning's DistributedSampler draws (one data-parallel replica)
         module.setup()
         sampler = DistributedSampler(module.train_set, num_replicas=1, rank=0, shuffle=True, seed=SEED)
         module.train_dataloader = lambda: DataLoader(module.train_set, batch_size=BATCH, sampler=sampler)
     return module
+
+
+class CausalMaskedMean(nn.Module):
+    """Adds to each position a projection of the mean of the unpadded positions up to it."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        keep = (x.new_ones(x.shape[:2]) if padding_mask is None else padding_mask.to(x.dtype)).unsqueeze(-1)
+        return x + torch.tanh(self.proj((x * keep).cumsum(1) / keep.cumsum(1).clamp_min(1.0)))
+
+
+class PaddedNet(nn.Module):
+    """Embedding, two blocks reading a padding mask passed by keyword (one per stage at pp=2), head."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(AdditionDataModule.vocab_size, dim)
+        self.blocks = nn.ModuleList(CausalMaskedMean(dim) for _ in range(2))
+        self.head = nn.Linear(dim, AdditionDataModule.vocab_size)
+
+    def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, padding_mask=padding_mask)
+        return self.head(x)
+
+
+class PaddedLM(pl.LightningModule):
+    """Digit 0 plays the padding token. Logs the samples of the batch (reduce_fx sum) and the largest and smallest
+    loss of a sample (max, min): under pipelining these combine over microbatches as Lightning combines steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = PaddedNet()
+
+    def losses(self, batch: Any) -> Tensor:
+        inputs, targets = batch
+        logits = self.net(inputs, padding_mask=inputs != 0)
+        return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").sum(1) / (targets >= 0).sum(1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        losses = self.losses(batch)
+        self.log("window/loss", losses.mean())
+        self.log("window/samples", float(len(losses)), reduce_fx="sum")
+        self.log("window/max_loss", losses.max(), reduce_fx="max")
+        self.log("window/min_loss", losses.min(), reduce_fx="min")
+        return losses.mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("window/val_loss", self.losses(batch).mean())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class Metrics(Callback):
+    """The named callback metrics after every training batch, and the validation loss after each validation."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names, self.batches, self.validations = names, [], []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.batches.append({name: float(trainer.callback_metrics[name]) for name in self.names})
+
+    def on_validation_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.validations.append(float(trainer.callback_metrics["window/val_loss"]))
+
+
+def train_padded(strategy: Any, devices: int) -> dict[str, Any]:
+    """PaddedLM for 4 batches with accumulate_grad_batches=2 and a validation after the third: inside a window."""
+    control = strategy == "auto"
+    pl.seed_everything(SEED, verbose=False)
+    module = PaddedLM()
+    metrics = Metrics(("window/loss", "window/samples", "window/max_loss", "window/min_loss"))
+    ml.Trainer(strategy=strategy, devices=devices, accelerator="cpu", max_epochs=1, accumulate_grad_batches=2,
+               val_check_interval=3, limit_val_batches=1, num_sanity_val_steps=0, logger=False, callbacks=[metrics],
+               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+               ).fit(module, data(control, batches=4))
+    return {"batches": metrics.batches, "validations": metrics.validations,
+            "weights": full_weights(module) if not control else dict(module.state_dict())}
 
 
 def run(strategy: Callable[[], Any], devices: int, out: Path) -> dict[str, Any]:
@@ -95,6 +181,7 @@ def run(strategy: Callable[[], Any], devices: int, out: Path) -> dict[str, Any]:
                enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0).fit(
         resumed, data(control), ckpt_path=first_epoch)
     result["resumed_weights"] = full_weights(resumed) if not control else dict(resumed.state_dict())
+    result["padded"] = train_padded(strategy(), devices)
     return result
 
 
