@@ -256,13 +256,13 @@ def _reject_fused(group: str, readers: Mapping[str, nn.Linear], writer: nn.Linea
     q) projection would hand one rank all of q (or k) and another all of v. Recognized by no reader producing the
     writer's width, by a reader wider than what the writer reads (no head of q, k or v is), or by the name of a
     fused k|v (``kv``, ``to_kv``, ``kv_proj``: narrower than q under grouped-query attention)."""
-    wider = [name for name, reader in readers.items() if reader.out_features > writer.in_features
+    fused = [name for name, reader in readers.items() if reader.out_features > writer.in_features
              or re.search(r"(^|_)kv(_proj)?$", name.rsplit(".", 1)[-1].removeprefix("w"))]
-    if wider or all(reader.out_features != writer.in_features for reader in readers.values()):
+    if fused or all(reader.out_features != writer.in_features for reader in readers.values()):
         widths = ", ".join(str(r.out_features) for r in readers.values())
-        fused = f" ({', '.join(_shown(name) for name in wider)})" if wider else ""
+        named = f" ({', '.join(_shown(name) for name in fused)})" if fused else ""
         raise TensorParallelError(
-            f"{_shown(group)} looks like a fused projection{fused} (outputs {widths} feeding a"
+            f"{_shown(group)} looks like a fused projection{named} (outputs {widths} feeding a"
             f" {writer.in_features}-wide output projection): tensor parallelism needs q, k, v (and gate, up) as"
             " separate nn.Linear layers. Split the fused layer, or parallelize it yourself in configure_model()."
         )

@@ -188,12 +188,11 @@ class PipelineSteps:
                 "Pipeline parallelism runs forward and backward inside the schedule; manual optimization "
                 "(automatic_optimization=False) cannot call backward itself. Use automatic optimization."
             )
-        # The schedule must start from empty gradients: it divides everything in .grad by the number of
-        # microbatches at the end, which would shrink gradients carried from earlier batches of an
-        # accumulation window again (torchtitan#1733). They are added back afterwards.
-        carried = {} if clear_gradients else {id(p): p.grad for p in module.parameters() if p.grad is not None}
-        for param in module.parameters():
-            param.grad = None
+        # The schedule starts from empty gradients (torchtitan#1733); those carried from earlier batches of an
+        # accumulation window are added back afterwards.
+        carried = _take_gradients(module.parameters())
+        if clear_gradients:
+            carried = {}
         self._sync_training_mode(training=True)
         args, kwargs = self._capture(module.training_step, batch, batch_idx)
         self._check_inputs(args, kwargs)
@@ -210,7 +209,7 @@ class PipelineSteps:
         schedule.step(*(args if self.has_first else ()), target=target, **kwargs)
         self._stash = []
         for param in module.parameters():
-            grads = [g for g in (carried.get(id(param)), param.grad) if g is not None]
+            grads = [g for g in (carried.get(param), param.grad) if g is not None]
             if grads:
                 self._stash.append((param, sum(grads[1:], grads[0])))
             param.grad = None
@@ -393,19 +392,26 @@ class PipelineSteps:
 _SCHEDULE_KEYWORDS = frozenset({"target", "losses", "return_outputs", "loss_kwargs"})
 
 
+def _take_gradients(parameters: Iterator[nn.Parameter]) -> dict[nn.Parameter, Tensor]:
+    """The parameters' gradients, each ``.grad`` left empty. torch's schedules end every step, forward-only ones
+    too, with the gradient reduction, which divides all of ``.grad`` by the number of microbatches: gradients
+    carried from earlier batches of an accumulation window must not be in ``.grad`` then."""
+    taken = {param: param.grad for param in parameters if param.grad is not None}
+    for param in taken:
+        param.grad = None
+    return taken
+
+
 @contextmanager
 def _gradients_set_aside(parameters: Iterator[nn.Parameter]) -> Iterator[None]:
-    """Hide the parameters' gradients, and give them back afterwards. torch's schedules end every step, forward-only
-    ones too, with the gradient reduction: FSDP's post-backward, which reshards the parameters (kept), and the
-    division of all of ``.grad`` by the number of microbatches, which an evaluation in the middle of an
-    accumulation window (``val_check_interval``) must not apply to the window's gradients so far."""
-    saved = [(param, param.grad) for param in parameters]
-    for param, _ in saved:
-        param.grad = None
+    """The gradients taken (:func:`_take_gradients`) and given back afterwards: an evaluation in the middle of an
+    accumulation window (``val_check_interval``) leaves the window's gradients so far as they were. (The
+    reduction's FSDP post-backward, which reshards the parameters, still runs.)"""
+    taken = _take_gradients(parameters)
     try:
         yield
     finally:
-        for param, grad in saved:
+        for param, grad in taken.items():
             param.grad = grad
 
 
