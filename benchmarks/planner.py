@@ -6,10 +6,12 @@ Sources: Megatron-Core's weak-scaling table (README `images/model_table.png`, r0
 131,072, TFLOP/s per GPU) and torchtitan's Llama 3 benchmarks on H100 96 GB capped at 500 W, seq 8192, tokens/s
 per GPU: `benchmarks/llama3_h100_202412_torchtitan.md` (Dec 2024; T1/T3 eager bf16 FSDP rows) and
 `benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md` (Jun 2025; 70B FSDP 32 × TP 8, compile, full AC, bf16
-vanilla TP: 597.3). The 405B 3-D run (Dec 2024, Table 5) was published only with Float8: it is compared as
-published ÷ 1.445, torchtitan's own measured Float8-tensorwise speedup on the same hardware (70B with async TP,
-942.4 / 652.4, Jun 2025 table), and the row says so. The planner models bf16 and fixes the published dp, pp and
-tp and chooses the rest (ZeRO stage, microbatches, virtual stages, recomputation) for the prediction.
+vanilla TP: 597.3); and its 2-D Llama 3.1 405B run on 128 of the same GPUs (`docs/performance.md` from PR #554,
+Aug 2024: FSDP 16 × TP 8, local batch 2, global batch 32, full AC, bf16: 109 tokens/s per GPU; 177 with Float8,
+185 with Float8 and async TP). The 405B 3-D run (Dec 2024, Table 5) was published only with Float8: it is
+compared as published ÷ 1.445, torchtitan's own measured Float8-tensorwise speedup on the same hardware (70B with
+async TP, 942.4 / 652.4, Jun 2025 table), and the row says so. The planner models bf16 and fixes the published dp,
+pp and tp and chooses the rest (ZeRO stage, microbatches, virtual stages, recomputation) for the prediction.
 
 Also, on CPU processes, the planner's per-rank model-state estimate (most loaded pipeline stage) ÷ the peak
 bytes meshlight actually holds inside a step (max over ranks, sampled before every module's forward and every
@@ -46,14 +48,16 @@ PUBLISHED = [
     ("torchtitan Llama 3 (T3)", "llama3-8b", "h100-96gb-500w", 128, 256, (128, 1, 1), "tokens/s/GPU", 5605, "FSDP"),
     ("torchtitan async TP (Jun 2025)", "llama3-70b", "h100-96gb-500w", 256, 512, (32, 1, 8), "tokens/s/GPU", 597.3,
      "FSDP×TP, compile, full AC, bf16"),
+    ("torchtitan Llama 3.1 (Aug 2024)", "llama3-405b", "h100-96gb-500w", 128, 32, (16, 1, 8), "tokens/s/GPU", 109,
+     "FSDP×TP, full AC, bf16"),
     ("torchtitan Llama 3 (T5)", "llama3-405b", "h100-96gb-500w", 512, 256, (8, 8, 8), "tokens/s/GPU", 128,
      "FSDP×TP×PP, Interleaved1F1B, Float8: compared ÷ 1.445"),
 ]
 
 
-#: torchtitan's own 2-D and 3-D runs, both Float8 + compile (Dec 2024): (preset, tokens/s/GPU) of Table 4 (70B,
-#: FSDP 32 × TP 8) and Table 5 (405B, FSDP 8 × TP 8 × PP 8, Interleaved1F1B, also async TP)
-TORCHTITAN_2D, TORCHTITAN_3D = ("llama3-70b", 829), ("llama3-405b", 128)
+#: tokens/s per GPU of torchtitan's 2-D (FSDP 16 × TP 8, 128 GPUs, Aug 2024) and 3-D (FSDP 8 × TP 8 × PP 8,
+#: Interleaved1F1B, 512 GPUs, Dec 2024 Table 5) Llama 3.1 405B runs on the same H100s, both with Float8 and async TP
+TORCHTITAN_405B_FLOAT8 = {"2-D": 185, "3-D": 128}
 
 #: world -> (dp, pp, tp, zero, Lightning precision, optimizer offloaded): the parity tests' 3-D layouts in fp32,
 #: bf16 "true" precision (16-bit state), and the Offload callback's optimizer offload, with and without pipelining
@@ -216,12 +220,15 @@ def _host(host_step: Path) -> dict[str, float]:
             "host_memory_bandwidth": 7 * 4 * most["fused_params_per_second"]}
 
 
-def torchtitan_2d_over_3d() -> float:
-    """Model FLOP/s per GPU of torchtitan's 2-D 70B run ÷ its 3-D 405B run (both Float8 + compile)."""
-    from meshlight.parallel.planner import MODELS
-
-    (two_d, two_d_tokens), (three_d, three_d_tokens) = TORCHTITAN_2D, TORCHTITAN_3D
-    return (two_d_tokens * MODELS[two_d].flops_per_token()) / (three_d_tokens * MODELS[three_d].flops_per_token())
+def torchtitan_405b_2d_over_3d(rows: list[dict]) -> dict[str, float]:
+    """torchtitan's 2-D Llama 3.1 405B run ÷ its 3-D run in tokens/s per GPU: as published with Float8 and async TP
+    (both measured), as published in bf16 (the 3-D figure ÷ the Float8 speedup), and as the planner predicts them
+    (``rows``: :func:`published`)."""
+    two_d, three_d = (next(r for r in rows if r["model"] == "Llama 3.1 405B" and r["published_layout"]["pp"] == pp)
+                      for pp in (1, 8))
+    return {"published_float8": TORCHTITAN_405B_FLOAT8["2-D"] / TORCHTITAN_405B_FLOAT8["3-D"],
+            "published_bf16": two_d["bf16_published"] / three_d["bf16_published"],
+            "predicted": two_d["predicted"] / three_d["predicted"]}
 
 
 def main() -> None:
@@ -232,8 +239,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nprocs", type=int, nargs="*", default=[4, 8])
     args = parser.parse_args()
-    memory = [row for n in args.nprocs for row in launch(__file__, n)]
-    print(json.dumps({"published": published(), "torchtitan_2d_over_3d_flops": torchtitan_2d_over_3d(),
+    memory, rows = [row for n in args.nprocs for row in launch(__file__, n)], published()
+    print(json.dumps({"published": rows, "torchtitan_405b_2d_over_3d": torchtitan_405b_2d_over_3d(rows),
                       "memory": memory, "one_gpu": one_gpu()}, indent=1))
 
 
