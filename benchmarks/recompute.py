@@ -22,7 +22,7 @@ def main() -> None:
     from torch.autograd.graph import saved_tensors_hooks
 
     from meshlight.models import GPT, GPTConfig
-    from meshlight.parallel.data_parallel import BlockSelection
+    from meshlight.parallel.blocks import BlockSelection
     from meshlight.parallel.recompute import apply_recompute
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from meshlight.parallel.data_parallel import BlockSelection
+from meshlight.parallel.blocks import BlockSelection
 from meshlight.parallel.recompute import apply_recompute
 
 __all__ = ["ActivationCheckpointing"]

@@ -9,8 +9,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from meshlight.parallel.blocks import BlockSelection
 from meshlight.parallel.compile import CompilePolicy, apply_compile
-from meshlight.parallel.data_parallel import BlockSelection
 
 __all__ = ["Compile"]
 

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from meshlight.parallel.data_parallel import BlockSelection
+from meshlight.parallel.blocks import BlockSelection
 from meshlight.parallel.offload import OffloadPolicy, apply_activation_offload
 
 __all__ = ["Offload", "OffloadError"]

@@ -1,5 +1,6 @@
 """The parallel mechanisms, one per file, as plain functions on (module, mesh); no Lightning imports."""
 
+from meshlight.parallel.blocks import BlockSelection, repeated_blocks
 from meshlight.parallel.checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
@@ -11,12 +12,7 @@ from meshlight.parallel.checkpoint import (
     save_checkpoint,
 )
 from meshlight.parallel.clip import clip_grad_norm_, total_grad_norm
-from meshlight.parallel.data_parallel import (
-    BlockSelection,
-    apply_data_parallel,
-    gradient_accumulation,
-    repeated_blocks,
-)
+from meshlight.parallel.data_parallel import apply_data_parallel, gradient_accumulation
 from meshlight.parallel.expert import apply_expert_parallel
 from meshlight.parallel.layout import MESH_AXES, ParallelLayout, build_device_mesh
 from meshlight.parallel.optimizers import adapt_optimizer

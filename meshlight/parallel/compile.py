@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshlight.parallel.data_parallel import BlockSelection
+from meshlight.parallel.blocks import BlockSelection
 
 __all__ = ["CompilePolicy", "apply_compile"]
 

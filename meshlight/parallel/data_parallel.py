@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Optional
 
@@ -45,68 +44,21 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.utils import _sync_params_and_buffers
 from torch.nn.parallel import DistributedDataParallel
 
+from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.expert import expert_data_mesh
 from meshlight.parallel.layout import axis
 from meshlight.parallel.precision import FP32_UNIT, PrecisionPolicy, keep_fp32
 
 __all__ = [
-    "BlockSelection",
     "apply_data_parallel",
     "broadcast_module_states",
     "data_parallel_mesh",
     "ddp_engine",
     "gradient_accumulation",
-    "holds_blocks",
     "is_data_parallel",
-    "repeated_blocks",
 ]
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
-
-
-def repeated_blocks(module: nn.Module) -> list[nn.Module]:
-    """The entries of the outermost containers of blocks (:func:`holds_blocks`) that hold parameters.
-
-    These are a transformer's blocks: the units that FSDP gathers one at a time and that pipeline
-    stages and activation checkpointing work on.
-    """
-    blocks: list[nn.Module] = []
-    for child in module.children():
-        if holds_blocks(child):
-            entries = child.values() if isinstance(child, nn.ModuleDict) else child
-            blocks.extend(entry for entry in entries if next(entry.parameters(), None) is not None)
-        else:
-            blocks.extend(repeated_blocks(child))
-    return blocks
-
-
-def holds_blocks(module: nn.Module) -> bool:
-    """Whether ``module`` is a container of blocks: a non-empty ``nn.ModuleList``, or an ``nn.ModuleDict`` whose
-    entries are all of one type. A ``ModuleDict`` of different pieces (nanoGPT's ``transformer`` of ``wte``,
-    ``wpe``, the block list ``h`` and ``ln_f``) is a namespace: the blocks are inside it."""
-    if isinstance(module, nn.ModuleList):
-        return len(module) > 0
-    return isinstance(module, nn.ModuleDict) and len({type(entry) for entry in module.values()}) == 1
-
-
-@dataclass(frozen=True)
-class BlockSelection:
-    """Which blocks a transform (recomputation, activation offload) applies to: every ``every_n_blocks``-th of
-    the repeated blocks (1: all of them; 2: half of them, ...), or, when ``module_types`` is given, every module
-    of those types."""
-
-    every_n_blocks: int = 1
-    module_types: Sequence[type[nn.Module]] = ()
-
-    def __post_init__(self) -> None:
-        if self.every_n_blocks < 1:
-            raise ValueError(f"every_n_blocks={self.every_n_blocks} must be >= 1 (1 chooses every block).")
-
-    def select(self, module: nn.Module) -> list[nn.Module]:
-        if self.module_types:
-            return [m for m in module.modules() if isinstance(m, tuple(self.module_types))]
-        blocks = repeated_blocks(module)
-        return [block for i, block in enumerate(blocks) if i % self.every_n_blocks == self.every_n_blocks - 1]
 
 
 def data_parallel_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:

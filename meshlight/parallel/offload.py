@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_leaves
 
-from meshlight.parallel.data_parallel import BlockSelection
+from meshlight.parallel.blocks import BlockSelection
 
 __all__ = ["FUSED_ON_HOST", "ActivationOffloader", "OffloadPolicy", "apart_from_host", "apply_activation_offload",
            "fuse_host_steps", "prepare_host_steps"]

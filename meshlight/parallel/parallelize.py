@@ -16,14 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from meshlight.parallel.blocks import BlockSelection, repeated_blocks
 from meshlight.parallel.compile import CompilePolicy, apply_compile
-from meshlight.parallel.data_parallel import (
-    BlockSelection,
-    apply_data_parallel,
-    broadcast_module_states,
-    is_data_parallel,
-    repeated_blocks,
-)
+from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_module_states, is_data_parallel
 from meshlight.parallel.expert import apply_expert_parallel, expert_layers, sharded_experts
 from meshlight.parallel.layout import ParallelLayout, axis
 from meshlight.parallel.offload import OffloadPolicy, apply_activation_offload

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from meshlight.parallel.data_parallel import holds_blocks
+from meshlight.parallel.blocks import holds_blocks
 
 __all__ = [
     "SCHEDULES",

@@ -55,7 +55,7 @@ def model_spec_of(module: nn.Module, seq_len: Optional[int] = None) -> ModelSpec
         if all(hasattr(config, a) for a in ("n_layers", "dim", "n_heads", "vocab_size", "ffn_dim")):
             return ModelSpec.from_gpt_config(config, seq_len)
     from meshlight.nn import MoE
-    from meshlight.parallel.data_parallel import repeated_blocks
+    from meshlight.parallel.blocks import repeated_blocks
     from meshlight.parallel.tensor_plan import HEAD_COUNT_ATTRIBUTES
 
     blocks = repeated_blocks(module)

@@ -11,14 +11,20 @@ parameters again before its recomputation, as for its backward).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from meshlight.parallel.data_parallel import BlockSelection
+from meshlight.parallel.blocks import BlockSelection
 
-__all__ = ["apply_recompute"]
+__all__ = ["RecomputePolicy", "apply_recompute"]
+
+
+@dataclass(frozen=True)
+class RecomputePolicy(BlockSelection):
+    """The blocks whose activations are recomputed in backward (every repeated block by default)."""
 
 
 def apply_recompute(module: nn.Module, policy: BlockSelection) -> list[nn.Module]:

@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshlight.nn.moe import MoE
+from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.checkpoint import _shorten
-from meshlight.parallel.data_parallel import repeated_blocks
 from meshlight.parallel.precision import is_norm
 
 __all__ = [

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from meshlight.callbacks.activation_checkpointing import ActivationCheckpointing
 from meshlight.callbacks.mixed_precision import MixedPrecision
 from meshlight.callbacks.offload import Offload
-from meshlight.parallel.data_parallel import BlockSelection, repeated_blocks
+from meshlight.parallel.blocks import BlockSelection, repeated_blocks
 from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, _fix_hint
 from meshlight.parallel.offload import OffloadPolicy, apart_from_host
 from meshlight.parallel.pipeline import default_virtual_stages

@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import Metric
 from typing_extensions import override
 
+from meshlight.parallel.blocks import BlockSelection
 from meshlight.parallel.checkpoint import (
     OPTIMIZER_STATE,
     AsyncCheckpointWriter,
@@ -57,7 +58,7 @@ from meshlight.parallel.checkpoint import (
 )
 from meshlight.parallel.clip import clip_grad_norm_
 from meshlight.parallel.compile import CompilePolicy
-from meshlight.parallel.data_parallel import BlockSelection, ddp_engine, gradient_accumulation
+from meshlight.parallel.data_parallel import ddp_engine, gradient_accumulation
 from meshlight.parallel.layout import ParallelLayout, Size, axis, build_device_mesh, seed_by_mesh_position
 from meshlight.parallel.offload import OffloadPolicy, apart_from_host, prepare_host_steps
 from meshlight.parallel.optimizers import adapt_optimizer

@@ -7,7 +7,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
-from meshlight.parallel.data_parallel import BlockSelection
+from meshlight.parallel.blocks import BlockSelection
 from meshlight.parallel.recompute import apply_recompute
 
 

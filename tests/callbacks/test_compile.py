@@ -10,8 +10,8 @@ from torch._dynamo.utils import counters
 
 from meshlight.callbacks import ActivationCheckpointing, Compile, MixedPrecision
 from meshlight.models import GPT, GPTConfig
+from meshlight.parallel.blocks import BlockSelection
 from meshlight.parallel.compile import CompilePolicy, apply_compile
-from meshlight.parallel.data_parallel import BlockSelection
 from meshlight.parallel.precision import is_norm
 from tests.strategies.llama import LitLlama
 from tests.strategies.parity import assert_parity, train

@@ -11,7 +11,7 @@ import torch
 import meshlight.parallel.offload as offload
 from meshlight.callbacks import Offload, OffloadError
 from meshlight.models import GPT, GPTConfig
-from meshlight.parallel.data_parallel import BlockSelection
+from meshlight.parallel.blocks import BlockSelection
 from tests.strategies.parity import assert_parity
 
 

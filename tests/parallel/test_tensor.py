@@ -383,7 +383,7 @@ def test_a_norm_after_the_embedding_modules_outside_the_blocks_and_post_norm_blo
 def test_a_nanogpt_layout_finds_its_blocks_inside_the_modules_namespace_and_keeps_its_tie(one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshlight.parallel.data_parallel import repeated_blocks
+    from meshlight.parallel.blocks import repeated_blocks
     from meshlight.parallel.tensor import apply_tensor_parallel
     from tests.strategies.nanogpt import NanoGPT
 

@@ -222,7 +222,7 @@ def test_a_given_device_gives_the_monitors_mfu_its_peak_and_the_host_step_the_ru
 
 
 def test_the_recomputation_the_layout_was_planned_with_is_what_runs(caplog):
-    from meshlight.parallel.data_parallel import repeated_blocks
+    from meshlight.parallel.blocks import repeated_blocks
     from meshlight.parallel.planner import HARDWARE, PlanError
 
     # 7 MB: the tiny GPT's AdamW state and activations fit on one process only when its blocks recompute
@@ -252,7 +252,7 @@ def test_the_recomputation_the_layout_was_planned_with_is_what_runs(caplog):
 
 def test_an_activation_checkpointing_callback_is_what_the_planner_plans_with():
     from meshlight.callbacks import ActivationCheckpointing
-    from meshlight.parallel.data_parallel import repeated_blocks
+    from meshlight.parallel.blocks import repeated_blocks
     from meshlight.parallel.planner import HARDWARE
 
     small = HARDWARE["cpu"].replace(memory=7e6)
@@ -298,7 +298,7 @@ def test_the_planner_counts_the_bytes_the_runs_precision_keeps():
 def test_an_offload_callback_is_what_the_planner_plans_with():
     from meshlight.callbacks import Offload
     from meshlight.demos import LitGPT
-    from meshlight.parallel.data_parallel import BlockSelection, repeated_blocks
+    from meshlight.parallel.blocks import BlockSelection, repeated_blocks
     from meshlight.parallel.offload import OffloadPolicy
     from meshlight.strategies.hybrid import _offloaded
 

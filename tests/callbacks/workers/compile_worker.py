@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 
 import meshlight as ml
 from meshlight.callbacks import ActivationCheckpointing, Compile
-from meshlight.parallel.data_parallel import repeated_blocks
+from meshlight.parallel.blocks import repeated_blocks
 from tests.strategies.llama import LitLlama
 from tests.strategies.parity import train
 from tests.strategies.workers.hybrid_worker import moe_gpt4

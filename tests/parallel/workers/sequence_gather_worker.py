@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshlight.models import GPT, GPTConfig
 from meshlight.parallel import CollectiveTraffic
-from meshlight.parallel.data_parallel import BlockSelection
+from meshlight.parallel.blocks import BlockSelection
 from meshlight.parallel.recompute import apply_recompute
 from meshlight.parallel.tensor import apply_tensor_parallel
 from meshlight.parallel.tensor_plan import model_plan
