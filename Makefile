@@ -24,8 +24,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
+# ruff, and the import contract: DESIGN's layer order and Lightning's private names only in lightning_internals.py
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests/test_layers.py
 
 clean:
 	rm -rf $(VENV) runs lightning_logs .pytest_cache

@@ -35,6 +35,7 @@ fastest tenth of steps shows what each variant costs on a quiet machine, and wha
 every step, the fastest included.
 
     python benchmarks/overhead.py [--nprocs 2] [--strategies ddp zero3 tp pipeline moe loop] [--rotations 2] [--steps 8]
+                                  [--variants pytorch lightning meshlight]
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ MICROBATCHES = 4  # pipeline, 1F1B
 GC_EVERY_N_STEPS = 50  # meshlight's default
 
 
-def worker(name: str, rotations: int, steps: int) -> None:
+def worker(name: str, rotations: int, steps: int, only: tuple[str, ...] = ()) -> None:
     import gc
     import time
     from contextlib import ExitStack, nullcontext
@@ -75,7 +76,7 @@ def worker(name: str, rotations: int, steps: int) -> None:
     from meshlight.demos import LitGPT, RandomTokensDataModule
     from meshlight.demos.lit_gpt import _warmup_cosine
     from meshlight.models import GPTConfig
-    from meshlight.nn import MoEConfig
+    from meshlight.nn import MoEConfig, attach_moe_updates
     from meshlight.parallel import ParallelLayout, build_device_mesh, parallelize
     from meshlight.parallel.pipeline import plan_stages, split_stages
     from meshlight.parallel.tensor import apply_tensor_parallel
@@ -169,6 +170,7 @@ def worker(name: str, rotations: int, steps: int) -> None:
         vectors = [p for p in model.parameters() if p.dim() < 2]
         groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
+        attach_moe_updates(optimizer, model)  # the MoE layers' load all-reduce after each step, as meshlight runs it
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(10, total_steps, 0.1))
         source = data()
         source.setup()
@@ -205,6 +207,7 @@ def worker(name: str, rotations: int, steps: int) -> None:
         return starts
 
     variants = ("pytorch", "lightning", "meshlight") if name in LIGHTNING else ("pytorch", "meshlight")
+    variants = tuple(v for v in variants if v in only) if only else variants
     step_times: dict[str, list[float]] = {variant: [] for variant in variants}
     round_medians: list[dict[str, float]] = []
     rounds = rotations * len(variants)
@@ -238,12 +241,15 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--rotations", type=int, default=2, help="times each variant runs first")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--variants", nargs="+", choices=("pytorch", "lightning", "meshlight"), default=[],
+                        help="run only these (default: all)")
     args = parser.parse_args()
-    rows = [launch(__file__, args.nprocs, name, str(args.rotations), str(args.steps)) for name in args.strategies]
+    rows = [launch(__file__, args.nprocs, name, str(args.rotations), str(args.steps), *args.variants)
+            for name in args.strategies]
     print(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
     import sys
 
-    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])) if is_worker() else main()
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), tuple(sys.argv[4:])) if is_worker() else main()

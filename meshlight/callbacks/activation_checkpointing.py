@@ -9,13 +9,14 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from meshlight.parallel.blocks import BlockSelection
-from meshlight.parallel.recompute import apply_recompute
+from meshlight.parallel.recompute import RecomputePolicy, apply_recompute
+from meshlight.parallel.transforms import PolicySource
+from meshlight.strategies.mesh import MeshStrategy
 
 __all__ = ["ActivationCheckpointing"]
 
 
-class ActivationCheckpointing(Callback):
+class ActivationCheckpointing(PolicySource, Callback):
     """Trade compute for memory: the chosen blocks keep only their inputs in forward and recompute the rest
     during backward (non-reentrant ``torch.utils.checkpoint``; dropout masks reproduce exactly).
 
@@ -30,10 +31,8 @@ class ActivationCheckpointing(Callback):
     """
 
     def __init__(self, every_n_blocks: int = 1, module_types: Optional[Sequence[type[nn.Module]]] = None) -> None:
-        self.policy = BlockSelection(every_n_blocks, tuple(module_types or ()))
+        self.policy = RecomputePolicy(every_n_blocks, tuple(module_types or ()))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if hasattr(trainer.strategy, "recompute"):  # meshlight: applied while parallelizing
-            trainer.strategy.recompute = self.policy
-        else:
+        if not isinstance(trainer.strategy, MeshStrategy):  # meshlight's collect the policy while parallelizing
             apply_recompute(pl_module, self.policy)

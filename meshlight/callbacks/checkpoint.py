@@ -20,6 +20,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from meshlight.parallel.checkpoint import is_complete, is_interrupted, numbered_entries
+from meshlight.strategies.lightning_internals import callback_state_key, checkpoint_state
+from meshlight.strategies.mesh import MeshStrategy
 
 __all__ = ["DistributedCheckpoint"]
 
@@ -85,7 +87,7 @@ class DistributedCheckpoint(Checkpoint):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(dirpath=self.dirpath, monitor=self.monitor)
+        return callback_state_key(self, dirpath=self.dirpath, monitor=self.monitor)
 
     def path_of(self, step: int) -> str:
         return f"{self.dirpath}/step={step:09d}"
@@ -109,11 +111,11 @@ class DistributedCheckpoint(Checkpoint):
     # ---------------------------------------------------------------- when to save
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not hasattr(trainer.strategy, "wait_for_checkpoint"):
+        if not isinstance(trainer.strategy, MeshStrategy):
             raise TypeError(
-                f"DistributedCheckpoint writes through meshlight's strategies; the trainer uses"
-                f" {type(trainer.strategy).__name__}. Pass a meshlight strategy (strategy=\"ddp\", \"zero3\", \"3d\","
-                " …) or use Lightning's ModelCheckpoint."
+                f"DistributedCheckpoint writes through meshlight's strategies and {type(trainer.strategy).__name__}"
+                " is not one: pass a meshlight strategy (strategy=\"ddp\", \"zero3\", \"3d\", …) or use Lightning's"
+                " ModelCheckpoint."
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -162,7 +164,7 @@ class DistributedCheckpoint(Checkpoint):
         self._clean_up(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if not hasattr(trainer.strategy, "wait_for_checkpoint"):
+        if not isinstance(trainer.strategy, MeshStrategy):
             return
         self._wait(trainer)  # finish a write in flight
         # Every rank raised SIGTERMException after the same optimizer step: a collective write is safe. (After any
@@ -191,7 +193,7 @@ class DistributedCheckpoint(Checkpoint):
     def _save(self, trainer: pl.Trainer, asynchronous: Optional[bool] = None) -> None:
         self.last_saved_step = trainer.global_step
         path = self.path_of(trainer.global_step)
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = checkpoint_state(trainer)
         asynchronous = self.async_save if asynchronous is None else asynchronous
         trainer.strategy.save_checkpoint(checkpoint, path, asynchronous=asynchronous)
         self._clean_up(trainer)

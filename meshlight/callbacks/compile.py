@@ -11,11 +11,13 @@ from torch import nn
 
 from meshlight.parallel.blocks import BlockSelection
 from meshlight.parallel.compile import CompilePolicy, apply_compile
+from meshlight.parallel.transforms import PolicySource
+from meshlight.strategies.mesh import MeshStrategy
 
 __all__ = ["Compile"]
 
 
-class Compile(Callback):
+class Compile(PolicySource, Callback):
     """Compile every repeated block of the model (the entries of its outermost ``ModuleList``) with
     ``torch.compile``, one block at a time, as torchtitan does: the blocks share their code, so one compilation
     serves them all and the rest of the step (embedding, head, loss, Lightning's loop) stays eager.
@@ -49,7 +51,5 @@ class Compile(Callback):
         self.policy = CompilePolicy(BlockSelection(1, tuple(module_types or ())), arguments)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if hasattr(trainer.strategy, "compile"):  # meshlight: applied while parallelizing
-            trainer.strategy.compile = self.policy
-        else:
+        if not isinstance(trainer.strategy, MeshStrategy):  # meshlight's collect the policy while parallelizing
             apply_compile(pl_module, self.policy)

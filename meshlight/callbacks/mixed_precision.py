@@ -14,6 +14,8 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 from meshlight.parallel.precision import DTYPES, MeshGradScaler, PrecisionPolicy
+from meshlight.parallel.transforms import PolicySource
+from meshlight.strategies.mesh import MeshStrategy
 
 __all__ = ["MixedPrecision", "MixedPrecisionError"]
 
@@ -22,7 +24,7 @@ class MixedPrecisionError(ValueError):
     """The MixedPrecision callback cannot run with this Trainer."""
 
 
-class MixedPrecision(Callback):
+class MixedPrecision(PolicySource, Callback):
     """Train with low-precision parameters and compute while the optimizer steps fp32 master weights.
 
     Args:
@@ -63,9 +65,9 @@ class MixedPrecision(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        if not hasattr(strategy, "mixed_precision"):
+        if not isinstance(strategy, MeshStrategy):
             raise MixedPrecisionError(
-                f"MixedPrecision runs under meshlight's strategies; {type(strategy).__name__} is not one. Use"
+                f"MixedPrecision runs under meshlight's strategies and {type(strategy).__name__} is not one: use"
                 " ml.Trainer(strategy='ddp' | 'zero1' | … | '3d'), or Lightning's precision='bf16-mixed' flag."
             )
         if type(strategy.precision_plugin) is not Precision and not isinstance(
@@ -75,7 +77,6 @@ class MixedPrecision(Callback):
                 f"Trainer(precision={trainer.precision!r}) and the MixedPrecision callback both set the precision:"
                 " remove one (the callback needs the default precision='32-true')."
             )
-        strategy.mixed_precision = self.policy
         if self.policy.param_dtype == torch.float16 and stage == "fit":
             device = strategy.root_device.type
             strategy.precision_plugin = _ScaledLowPrecision(device, MeshGradScaler(device=device, **self._scaling))

@@ -15,6 +15,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils._pytree import tree_leaves
 
 from meshlight.callbacks.pipeline_timeline import pipeline_bubble, render_timeline
+from meshlight.strategies.hybrid import Hybrid3DStrategy
+from meshlight.strategies.mesh import MeshStrategy
+from meshlight.strategies.pipeline_steps import PipelineSteps
 
 __all__ = ["ProfileSteps", "TrainingMonitor"]
 
@@ -58,12 +61,12 @@ class TrainingMonitor(Callback):
             except (PlanError, ValueError):
                 self.flops_per_token = 0.0
         if self.peak_flops is None:  # the device the strategy planned for, else the one detected
-            hardware = getattr(strategy, "hardware", None) or detect_hardware(
-                strategy.root_device, max(getattr(strategy, "num_processes", 1), 1))
+            hardware = strategy.hardware if isinstance(strategy, Hybrid3DStrategy) else None
+            hardware = hardware or detect_hardware(strategy.root_device,
+                                                   max(getattr(strategy, "num_processes", 1), 1))
             self.peak_flops = hardware.peak_flops
-        layout = getattr(strategy, "layout", None)
-        text = layout.describe() if layout is not None else type(strategy).__name__
-        plan = getattr(strategy, "plan", None)
+        text = strategy.layout.describe() if isinstance(strategy, MeshStrategy) else type(strategy).__name__
+        plan = strategy.plan if isinstance(strategy, Hybrid3DStrategy) else None
         if plan:
             text += "\n\n    " + format_plan(plan).replace("\n", "\n    ")  # indented: a code block in Markdown
         for logger in _tensorboards(trainer):
@@ -72,7 +75,7 @@ class TrainingMonitor(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        pipeline = getattr(trainer.strategy, "pipeline", None)
+        pipeline = _pipeline(trainer)
         if pipeline is not None and trainer.global_step == self.timeline_step and self._timeline_started is None:
             trainer.strategy.barrier()  # every rank's clock starts together
             self._timeline_started = time.perf_counter()
@@ -80,7 +83,7 @@ class TrainingMonitor(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        pipeline = getattr(trainer.strategy, "pipeline", None)
+        pipeline = _pipeline(trainer)
         if pipeline is not None and pipeline.timeline is not None:
             self._log_timeline(trainer, pipeline)
         tensors = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
@@ -163,6 +166,11 @@ class ProfileSteps(Callback):
         if self._profiler is not None:
             self._profiler.__exit__(None, None, None)
             self._profiler = None
+
+
+def _pipeline(trainer: pl.Trainer) -> Optional[PipelineSteps]:
+    """The pipeline steps of a meshlight strategy that pipelines (None otherwise)."""
+    return trainer.strategy.pipeline if isinstance(trainer.strategy, MeshStrategy) else None
 
 
 def _tensorboards(trainer: pl.Trainer) -> list[TensorBoardLogger]:

@@ -12,6 +12,8 @@ from torch import nn
 
 from meshlight.parallel.blocks import BlockSelection
 from meshlight.parallel.offload import OffloadPolicy, apply_activation_offload
+from meshlight.parallel.transforms import PolicySource
+from meshlight.strategies.mesh import MeshStrategy
 
 __all__ = ["Offload", "OffloadError"]
 
@@ -20,7 +22,7 @@ class OffloadError(ValueError):
     """The Offload callback cannot run with this Trainer."""
 
 
-class Offload(Callback):
+class Offload(PolicySource, Callback):
     """Free accelerator memory by keeping state in host memory.
 
     Args:
@@ -55,12 +57,12 @@ class Offload(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        if hasattr(strategy, "offload"):  # meshlight: applied while parallelizing
-            strategy.offload = self.policy
-        elif self.policy.optimizer:
+        if isinstance(strategy, MeshStrategy):  # it collects the policy while parallelizing
+            return
+        if self.policy.optimizer:
             raise OffloadError(
-                f"Optimizer offload runs under meshlight's strategies; {type(strategy).__name__} is not one. Use "
-                "ml.Trainer(strategy='zero3' | … | '3d'), or Offload(optimizer=False, activations_every_n_blocks=1)."
+                f"Offload(optimizer=True) runs under meshlight's strategies and {type(strategy).__name__} is not one:"
+                " use ml.Trainer(strategy='zero3' | … | '3d'), or Offload(optimizer=False,"
+                " activations_every_n_blocks=1)."
             )
-        else:
-            apply_activation_offload(pl_module, self.policy.activations, self.policy.pin_memory)
+        apply_activation_offload(pl_module, self.policy.activations, self.policy.pin_memory)

@@ -19,26 +19,30 @@ In the order a token meets it:
   after every optimizer step (the step's own load, ready for the next forward; by a fixed step or in
   proportion to the load's error). The losses reach the router's gradient through autograd — the training
   loss needs no change — and are reported with the expert load in :attr:`MoE.last_step`.
+- **After each optimizer step**: :func:`attach_moe_updates` puts a hook on the optimizer that finishes the step
+  of its MoE layers (load summed over data-parallel ranks, ``last_step``, expert bias). meshlight's strategies
+  and :class:`~meshlight.callbacks.ExpertLoadMonitor` call it; a plain PyTorch loop calls it once.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
+import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, NamedTuple, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ExpertLoad", "GroupedExperts", "MoE", "MoEConfig", "Router", "grouped_matmul"]
+from meshlight.nn.experts import GroupedExperts, Router, Routing
+
+__all__ = ["ExpertLoad", "MoE", "MoEConfig", "MoEUpdates", "attach_moe_updates"]
 
 Dispatcher = Callable[[Tensor, Tensor, "GroupedExperts"], Tensor]
 
@@ -97,13 +101,6 @@ class MoEConfig:
         return MoE(dim, self.hidden_dim or hidden_dim, self.num_experts, self.top_k, activation=activation, **options)
 
 
-class Routing(NamedTuple):
-    logits: Tensor  # [N, E] fp32
-    scores: Tensor  # [N, E] softmax or sigmoid of the logits
-    experts: Tensor  # [N, k] chosen experts
-    weights: Tensor  # [N, k] their gate weights
-
-
 @dataclass(frozen=True)
 class ExpertLoad:
     """What one MoE layer did in the last optimizer step, summed over every forward of the step (all
@@ -123,84 +120,6 @@ class ExpertLoad:
     def imbalance(self) -> float:
         """max / mean of the expert loads: 1.0 is perfect balance, ``num_experts`` is one expert taking all."""
         return float(self.tokens.max() / self.tokens.mean().clamp_min(1e-12))
-
-
-class Router(nn.Module):
-    """Scores every expert for every token in fp32 and picks the ``top_k``."""
-
-    def __init__(self, dim: int, num_experts: int, top_k: int, score: str, normalize: bool) -> None:
-        super().__init__()
-        self.top_k, self.score, self.normalize = top_k, score, normalize
-        self.gate = nn.Linear(dim, num_experts, bias=False)
-        # Aux-loss-free balancing (DeepSeek-V3): added to the scores for the choice only; moved by MoE.
-        self.register_buffer("expert_bias", torch.zeros(num_experts))
-
-    def forward(self, x: Tensor) -> Routing:
-        logits = F.linear(x.float(), self.gate.weight.float())
-        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        experts = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
-        weights = scores.gather(-1, experts)
-        if self.normalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return Routing(logits, scores, experts, weights)
-
-
-class GroupedExperts(nn.Module):
-    """``num_experts`` MLPs as stacked weights: SwiGLU ``w2(silu(x·w1) · x·w3)`` or GELU ``w2(gelu(x·w1))``.
-
-    ``forward(tokens, counts)`` takes tokens sorted by expert and the count of each. Under expert
-    parallelism the weights are DTensors sharded over experts and this rank runs its own;
-    ``gradient_scale`` then corrects for each expert seeing the tokens of ``ep`` data ranks.
-    """
-
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str, grouped_mm: Optional[bool]):
-        super().__init__()
-        self.activation, self.grouped_mm = activation, grouped_mm
-        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
-        self.gradient_scale = 1.0
-
-    def forward(self, tokens: Tensor, counts: Tensor) -> Tensor:
-        w1, w2 = self._local(self.w1), self._local(self.w2)
-        hidden = grouped_matmul(tokens, w1, counts, self.grouped_mm)
-        if self.w3 is None:
-            hidden = F.gelu(hidden, approximate="tanh")
-        else:
-            hidden = F.silu(hidden) * grouped_matmul(tokens, self._local(self.w3), counts, self.grouped_mm)
-        return grouped_matmul(hidden, w2, counts, self.grouped_mm)
-
-    def _local(self, weight: Tensor) -> Tensor:
-        local = weight.to_local() if isinstance(weight, DTensor) else weight
-        return _ScaleGradient.apply(local, self.gradient_scale) if self.gradient_scale != 1.0 else local
-
-
-def grouped_matmul(x: Tensor, weights: Tensor, counts: Tensor, grouped_mm: Optional[bool] = None) -> Tensor:
-    """Rows of ``x`` (``[sum(counts), in]``, grouped by expert) times their expert's ``weights[e]``
-    (``[E, in, out]``). One ``torch._grouped_mm`` where it runs (``grouped_mm=None``: when available and the
-    shapes are aligned), else a loop over experts; the two agree exactly on CPU."""
-    if grouped_mm is not False and _grouped_mm_runs(x, weights):
-        return torch._grouped_mm(x, weights, offs=counts.cumsum(0, dtype=torch.int32))
-    if grouped_mm:
-        raise RuntimeError(
-            f"grouped_mm=True, but torch._grouped_mm cannot run {x.dtype} on {x.device} for shapes"
-            f" {tuple(x.shape)} × {tuple(weights.shape)}; use grouped_mm=None to fall back to a loop."
-        )
-    chunks = x.split(counts.tolist())
-    return torch.cat([chunk @ weights[e] for e, chunk in enumerate(chunks)])
-
-
-def _grouped_mm_runs(x: Tensor, weights: Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0 or x.dtype != weights.dtype:
-        return False
-    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
-        return False  # torch 2.13's meta kernel (what torch.compile traces) refuses the fp32 its CPU kernel runs
-    aligned = all(size * x.element_size() % 16 == 0 for size in (x.shape[-1], weights.shape[-1]))
-    if x.device.type == "cpu":
-        return aligned and x.dtype in (torch.float32, torch.bfloat16)
-    if x.device.type == "cuda":
-        return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return False
 
 
 class MoE(nn.Module):
@@ -231,7 +150,8 @@ class MoE(nn.Module):
 
     The auxiliary losses are added to the gradients scaled by :attr:`aux_gradient_scale` (set by
     :class:`~meshlight.callbacks.ExpertLoadMonitor` to match Lightning's loss scaling under gradient
-    accumulation); :attr:`last_step` holds the expert load of the last optimizer step.
+    accumulation); :attr:`last_step` holds the expert load of the last optimizer step, which needs
+    :func:`attach_moe_updates` on the optimizer (meshlight's strategies and ``ExpertLoadMonitor`` call it).
     """
 
     def __init__(
@@ -269,9 +189,14 @@ class MoE(nn.Module):
         self.aux_gradient_scale = 1.0
         self.last_step: Optional[ExpertLoad] = None
         self._pending: Optional[Tensor] = None  # this step's [tokens per expert, dropped, assigned, aux, z, forwards]
-        self._order = next(_CREATION_ORDER)
-        _LAYERS.add(self)
+        self._updates: Optional[weakref.ref[MoEUpdates]] = None  # the optimizer hook finishing this layer's steps
+        self._warned_unattached = False
         self.reset_parameters()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_updates"] = None  # a copy is not what the original's optimizer updates (and weakrefs do not pickle)
+        return state
 
     def reset_parameters(self) -> None:
         for param in (self.router.gate.weight, *self.experts.parameters()):
@@ -346,6 +271,14 @@ class MoE(nn.Module):
         return aux, z
 
     def _record(self, routing: Routing, keep: Optional[Tensor], aux: Tensor, z: Tensor) -> None:
+        if self.config.expert_bias_rate > 0 and not self._warned_unattached and (
+                self._updates is None or self._updates() is None):
+            self._warned_unattached = True
+            warnings.warn(
+                f"This MoE layer (expert_bias_rate={self.config.expert_bias_rate}) is training, but no optimizer"
+                " moves its expert bias: call meshlight.nn.attach_moe_updates(optimizer, model) once the optimizer"
+                " exists (meshlight's strategies, and ExpertLoadMonitor, which meshlight.Trainer adds, do it).",
+                stacklevel=2)
         counts = torch.bincount(routing.experts.flatten(), minlength=self.num_experts).double()
         assigned = routing.experts.new_tensor(routing.experts.numel(), dtype=torch.float64)
         dropped = (~keep).sum().double() if keep is not None else torch.zeros_like(assigned)
@@ -386,36 +319,72 @@ class _AttachLoss(torch.autograd.Function):
         return grad, torch.full_like(loss, ctx.scale), None
 
 
-class _ScaleGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
+def attach_moe_updates(optimizer: Optimizer, model: nn.Module) -> Optional[MoEUpdates]:
+    """After every step of ``optimizer``, finish the step of each MoE layer of ``model`` whose parameters it holds:
+    sum the layer's load over its data-parallel ranks, report it in :attr:`MoE.last_step`, move its expert bias.
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad * ctx.scale, None
+    Call it once the optimizer exists and holds the parameters ``model`` has now (``fully_shard`` replaces
+    them, so after parallelizing); again after ``add_param_group``. A second call adds any new layers to the
+    same hook. Returns that hook (``remove()`` takes it off), or None when the optimizer holds no MoE
+    layer's parameters, which then gets no hook.
+    """
+    held = {id(param) for group in optimizer.param_groups for param in group["params"]}
+    layers = [m for m in model.modules() if isinstance(m, MoE) and any(id(p) in held for p in m.parameters())]
+    updates: Optional[MoEUpdates] = getattr(optimizer, _UPDATES, None)
+    if updates is None and layers:
+        updates = MoEUpdates(optimizer)
+    if updates is not None:
+        updates.add(layers)
+    return updates
 
 
-# Every MoE layer alive, so the optimizer-step hook below can finish their steps without being told about them.
-_LAYERS: weakref.WeakSet[MoE] = weakref.WeakSet()
-_CREATION_ORDER = itertools.count()
+class MoEUpdates:
+    """The step post-hook of one optimizer that finishes its MoE layers' steps (see :func:`attach_moe_updates`).
+
+    After the step, not before: Lightning (and any closure-taking loop) runs the step's forwards inside
+    ``optimizer.step(closure)``, so only then are they all counted.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.layers: list[MoE] = []  # in model order: every rank issues the same all-reduces in the same order
+        self._optimizer = weakref.ref(optimizer)
+        self._handle: RemovableHandle = optimizer.register_step_post_hook(self._after_step)
+        setattr(optimizer, _UPDATES, self)
+
+    def add(self, layers: Sequence[MoE]) -> None:
+        for layer in layers:
+            if layer not in self.layers:
+                self.layers.append(layer)
+            layer._updates = weakref.ref(self)
+
+    def remove(self) -> None:
+        """Take the hook off its optimizer: its layers' steps are no longer finished."""
+        self._handle.remove()
+        optimizer = self._optimizer()
+        if optimizer is not None and getattr(optimizer, _UPDATES, None) is self:
+            delattr(optimizer, _UPDATES)
+        for layer in self.layers:
+            if layer._updates is not None and layer._updates() is self:
+                layer._updates = None
+
+    def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        _finish_steps(self.layers)
 
 
-def _finish_moe_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """After any optimizer step: sum each MoE layer's statistics over its data-parallel ranks (one all-reduce
-    per group; every rank of a group holds the same layers, created in the same order), record them and move
-    the expert biases. After, not before: Lightning (and any closure-taking loop) runs the step's forwards
-    inside ``optimizer.step(closure)``, so only then are they all counted."""
+_UPDATES = "_meshlight_moe_updates"  # the optimizer's attribute holding its MoEUpdates
+
+
+def _finish_steps(layers: Sequence[MoE]) -> None:
+    """Sum the statistics of the ``layers`` that ran since their last step over their data-parallel ranks (one
+    all-reduce per group; every rank of a group must give the same layers in the same order), record them
+    and move the expert biases."""
     by_group: dict[Optional[dist.ProcessGroup], list[MoE]] = defaultdict(list)
-    for layer in sorted((m for m in _LAYERS if m._pending is not None), key=lambda m: m._order):
-        by_group[layer.data_parallel_group].append(layer)
-    for group, layers in by_group.items():
-        stats = torch.cat([layer._pending for layer in layers])
+    for layer in layers:
+        if layer._pending is not None:
+            by_group[layer.data_parallel_group].append(layer)
+    for group, members in by_group.items():
+        stats = torch.cat([layer._pending for layer in members])
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(stats, group=group)
-        for layer, part in zip(layers, stats.split([layer._pending.numel() for layer in layers])):
+        for layer, part in zip(members, stats.split([layer._pending.numel() for layer in members])):
             layer._finish_step(part)
-
-
-register_optimizer_step_post_hook(_finish_moe_steps)

@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from meshlight.parallel.dtensors import has_dtensor_parameters
+
 __all__ = [
     "META_FILENAME",
     "OPTIMIZER_STATE",
@@ -414,9 +416,7 @@ def _shorten(names: list[str], limit: int = 8) -> str:
 
 
 def _is_distributed(module: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return dist.is_initialized() and any(isinstance(p, DTensor) for p in module.parameters())
+    return dist.is_initialized() and has_dtensor_parameters(module)
 
 
 def _is_url(path: PathLike) -> bool:

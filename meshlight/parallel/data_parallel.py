@@ -45,8 +45,9 @@ from torch.distributed.utils import _sync_params_and_buffers
 from torch.nn.parallel import DistributedDataParallel
 
 from meshlight.parallel.blocks import repeated_blocks
+from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import expert_data_mesh
-from meshlight.parallel.layout import axis
+from meshlight.parallel.layout import DATA_AXES, axis
 from meshlight.parallel.precision import FP32_UNIT, PrecisionPolicy, keep_fp32
 
 __all__ = [
@@ -67,7 +68,7 @@ def data_parallel_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:
     if zero == 0:
         return axis(mesh, "dp")
     if axis(mesh, "dp_replicate").size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
+        return mesh[DATA_AXES]
     return axis(mesh, "dp_shard")
 
 
@@ -105,12 +106,11 @@ def apply_data_parallel(
         return module  # nothing to replicate or shard over; FSDP on one rank would only add copies
     ignored = _expert_data_parallel(experts, mesh, zero, on_fsdp,
                                     {**policies, **({"mp_policy": precision.fsdp} if precision else {})})
-    has_dtensors = any(isinstance(p, DTensor) for p in module.parameters())
-    if zero == 0 and not has_dtensors and not pipelined and not on_fsdp:
+    if zero == 0 and not has_dtensor_parameters(module) and not pipelined and not on_fsdp:
         # Composable DDP: the real DDP reducer (bucketed all-reduce overlapped with backward) installed as
         # hooks on `module`, which keeps its class and parameter names.
         return replicate(module, process_group=data_parallel_mesh(mesh, zero).get_group(), **(ddp_kwargs or {}))
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if zero == 0 else data_parallel_mesh(mesh, zero)
+    dp_mesh = mesh[DATA_AXES] if zero == 0 else data_parallel_mesh(mesh, zero)
     shard = functools.partial(fully_shard, mesh=dp_mesh, reshard_after_forward=zero == 3, ignored_params=ignored,
                               **policies)
     if precision is not None:  # fp32 units first: FSDP units nest bottom-up

@@ -7,7 +7,7 @@ weights stay data parallel over all data ranks; expert weights — DTensors ``Sh
 data parallel over the ``dp / ep`` ranks that hold the same experts (:func:`expert_data_mesh`).
 
 An expert's gradient collects the tokens of ``ep`` data ranks, while data parallelism averages over only
-``dp / ep`` replicas of it; :class:`~meshlight.nn.moe.GroupedExperts` scales it by ``1/ep`` so that the
+``dp / ep`` replicas of it; :class:`~meshlight.nn.experts.GroupedExperts` scales it by ``1/ep`` so that the
 result is the gradient of the mean loss over all data ranks, as for dense weights.
 """
 
@@ -20,8 +20,9 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from meshlight.nn.moe import GroupedExperts, MoE
-from meshlight.parallel.layout import axis
+from meshlight.nn.experts import GroupedExperts
+from meshlight.nn.moe import MoE
+from meshlight.parallel.layout import DATA_AXES, axis, same_experts_axis
 
 __all__ = ["AllToAllDispatcher", "apply_expert_parallel", "expert_data_mesh", "expert_layers", "sharded_experts"]
 
@@ -38,11 +39,12 @@ def sharded_experts(module: nn.Module) -> list[GroupedExperts]:
 def expert_data_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:
     """The ranks holding the same experts, as the data-parallel mesh for expert weights: ``edp_shard`` (with
     ``dp_replicate`` for hybrid sharding) under ZeRO; ``edp_replicate × dp_shard`` (shard size 1) under DDP."""
+    replicate, shard = DATA_AXES
     if zero == 0:
-        return mesh["edp_replicate", "dp_shard"]
-    if axis(mesh, "dp_replicate").size() > 1:
-        return mesh["dp_replicate", "edp_shard"]
-    return mesh["edp_shard"]
+        return mesh[same_experts_axis(replicate), shard]
+    if axis(mesh, replicate).size() > 1:
+        return mesh[replicate, same_experts_axis(shard)]
+    return mesh[same_experts_axis(shard)]
 
 
 def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int) -> None:

@@ -7,20 +7,25 @@ bad layout fails in every process at once with one sentence that names the fix, 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MESH_AXES", "ParallelLayout", "axis", "build_device_mesh", "seed_by_mesh_position"]
+__all__ = [
+    "DATA_AXES", "MESH_AXES", "ParallelLayout", "axis", "build_device_mesh", "data_sizes", "same_experts_axis",
+    "seed_by_mesh_position",
+]
 
 #: Axes of the device mesh, outermost first: pipeline stages span the slowest links, tensor
 #: parallelism the fastest. :func:`build_device_mesh` adds two flattened axes: ``"dp"`` (replicate ×
 #: shard: the data-parallel replicas) and ``"stage"`` (dp × tp: the ranks holding one pipeline stage).
 #: With expert parallelism the data axis it borrows from is split in two (see :func:`build_device_mesh`).
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+#: The data-parallel axes among them (replicate, shard).
+DATA_AXES = MESH_AXES[1:3]
 
 _SIZE_FIELDS = ("dp_replicate", "dp_shard", "pp", "tp", "ep")
 _ZERO_STAGES = (0, 1, 2, 3)
@@ -127,9 +132,6 @@ class ParallelLayout:
         parts.append(f"ZeRO-{self.zero}" if self.zero else "DDP")
         return f"dp={self.dp} ({', '.join(parts)}) · pp={self.pp} · tp={self.tp} · ep={self.ep}"
 
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
 
 def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     """The one mesh every process group comes from: axes ``MESH_AXES`` plus the flattened ``"dp"`` and
@@ -142,24 +144,32 @@ def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     Must be called by every rank after the default process group is initialized.
     """
     layout.check_world(dist.get_world_size())
-    sizes = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard}
+    sizes = {name: getattr(layout, name) for name in MESH_AXES}
     if layout.ep > 1:
-        borrowed = layout.expert_axis
-        outer = "e" + borrowed
-        sizes = {(outer if name == borrowed else name): size for name, size in sizes.items()}
-        sizes[outer] //= layout.ep
-        names = list(sizes)
-        names.insert(names.index(outer) + 1, "ep")
-        sizes = {name: layout.ep if name == "ep" else sizes[name] for name in names}
-    data_axes = tuple(sizes)
-    mesh = init_device_mesh(
-        device_type, (layout.pp, *sizes.values(), layout.tp), mesh_dim_names=("pp", *data_axes, "tp"),
-    )
+        borrowed, outer = layout.expert_axis, same_experts_axis(layout.expert_axis)
+        split = {outer: sizes[borrowed] // layout.ep, "ep": layout.ep}
+        sizes = {k: v for name, size in sizes.items()
+                 for k, v in (split.items() if name == borrowed else [(name, size)])}
+    names = tuple(sizes)  # pp first, tp last: the data axes between them
+    mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=names)
     if layout.ep > 1:
-        mesh["e" + layout.expert_axis, "ep"]._flatten(layout.expert_axis)
-    mesh[data_axes]._flatten("dp")
-    mesh[(*data_axes, "tp")]._flatten("stage")
+        mesh[outer, "ep"]._flatten(layout.expert_axis)
+    mesh[names[1:-1]]._flatten("dp")
+    mesh[names[1:]]._flatten("stage")
     return mesh
+
+
+def same_experts_axis(data_axis: str) -> str:
+    """The axis of the ranks holding the same experts, cut from ``data_axis`` under expert parallelism."""
+    return "e" + data_axis
+
+
+def data_sizes(dp: Optional[Size], zero: int) -> dict[str, Any]:
+    """The data-parallel sizes of a layout with ``dp`` replicas (``None``: ``"auto"``) at ZeRO stage ``zero``: all
+    replicated without ZeRO (DDP), all sharded with it — as :class:`ParallelLayout` and
+    :meth:`ParallelLayout.for_world` take them."""
+    dp = "auto" if dp is None else dp
+    return {"dp_replicate": dp, "dp_shard": 1} if zero == 0 else {"dp_replicate": 1, "dp_shard": dp}
 
 
 def axis(mesh: DeviceMesh, name: str) -> DeviceMesh:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.utilities.data import _num_cpus_available
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.fsdp import CPUOffloadPolicy
@@ -34,6 +33,7 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_leaves
 
 from meshlight.parallel.blocks import BlockSelection
+from meshlight.parallel.dtensors import local_tensor
 
 __all__ = ["FUSED_ON_HOST", "ActivationOffloader", "OffloadPolicy", "apart_from_host", "apply_activation_offload",
            "fuse_host_steps", "prepare_host_steps"]
@@ -105,13 +105,20 @@ def prepare_host_steps(optimizers: Sequence[Optimizer], processes_per_node: int,
             groups = "its parameters" if len(optimizer.param_groups) == 1 else f"parameter groups {fused}"
             notes.append(f"Optimizer offload: {type(optimizer).__name__} steps {groups} on the host with torch's fused"
                          " kernel (pass fused=False to keep its per-parameter loop).")
-    cores = cores or _num_cpus_available()
+    cores = cores or _usable_cores()
     share = cores // max(processes_per_node, 1)
     if torch.get_num_threads() == 1 and share > 1:
         notes.append(f"Optimizer offload: each rank steps its optimizer on one host thread (OMP_NUM_THREADS="
                      f"{os.environ.get('OMP_NUM_THREADS', '1')}); this node's {cores} cores for"
                      f" {processes_per_node} rank(s) allow {share} per rank: set OMP_NUM_THREADS={share}.")
     return notes
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (all of the machine's where the platform cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def apart_from_host(device: torch.device) -> bool:
@@ -165,7 +172,7 @@ class ActivationOffloader:
         def run(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
-            kept = {_local(p).untyped_storage().data_ptr() for p in block.parameters()}  # as gathered now
+            kept = {local_tensor(p).untyped_storage().data_ptr() for p in block.parameters()}  # as gathered now
             stash: list[_Saved] = []
             previous, self._last = self._last, stash
             with saved_tensors_hooks(functools.partial(self._pack, stash, kept), self._unpack):
@@ -180,7 +187,7 @@ class ActivationOffloader:
         block._meshlight_offload = True
 
     def _pack(self, stash: list[_Saved], kept: set[int], tensor: Tensor) -> Any:
-        local = _local(tensor)
+        local = local_tensor(tensor)
         if not _offloadable(local) or local.untyped_storage().data_ptr() in kept:
             return tensor
         host = torch.empty_like(local, device="cpu", pin_memory=self.pin_memory)
@@ -233,8 +240,6 @@ class ActivationOffloader:
             self.prefetches += 1
 
 
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def apply_activation_offload(module: nn.Module, selection: BlockSelection, pin_memory: bool = True) -> list[nn.Module]:

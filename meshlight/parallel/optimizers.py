@@ -17,7 +17,6 @@ on CUDA torch picks ``foreach`` by default, so a plain ``AdamW(model.parameters(
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -25,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from meshlight.parallel.rank_zero import rank_zero_warn
 
 __all__ = ["ShardedAdafactor", "adapt_optimizer"]
 
@@ -59,8 +60,8 @@ def adapt_optimizer(optimizer: Optimizer) -> Optimizer:
     for index in mixed:
         group = optimizer.param_groups[index]
         asked = [flag for flag in ("foreach", "fused") if group.get(flag)]
-        if asked and (not dist.is_initialized() or dist.get_rank() == 0):
-            warnings.warn(
+        if asked:
+            rank_zero_warn(
                 f"{type(optimizer).__name__} parameter group {index} mixes DTensor and plain parameters, which"
                 f" {' and '.join(asked)} kernels cannot take: it steps them one at a time instead (tensor"
                 " parallelism left some parameters unsharded, and no ZeRO over data-parallel ranks wraps them).",

@@ -13,20 +13,20 @@ from typing import Any, Optional, Union
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from meshlight.parallel.blocks import BlockSelection, repeated_blocks
-from meshlight.parallel.compile import CompilePolicy, apply_compile
+from meshlight.parallel.blocks import repeated_blocks
+from meshlight.parallel.compile import apply_compile
 from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_module_states, is_data_parallel
+from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import apply_expert_parallel, expert_layers, sharded_experts
 from meshlight.parallel.layout import ParallelLayout, axis
-from meshlight.parallel.offload import OffloadPolicy, apply_activation_offload
-from meshlight.parallel.precision import PrecisionPolicy
+from meshlight.parallel.offload import apply_activation_offload
 from meshlight.parallel.recompute import apply_recompute
 from meshlight.parallel.tensor import apply_tensor_parallel, sequence_share_input
 from meshlight.parallel.tensor_plan import model_plan, validate_plan
 from meshlight.parallel.tensor_plan import sequence_region as find_sequence_region
+from meshlight.parallel.transforms import TensorParallelOptions, Transforms
 
 __all__ = ["parallelize"]
 
@@ -36,34 +36,31 @@ def parallelize(
     layout: ParallelLayout,
     mesh: DeviceMesh,
     *,
+    tensor_parallel: Optional[TensorParallelOptions] = None,
+    plan: Optional[Mapping[str, Union[str, ParallelStyle]]] = None,
+    transforms: Optional[Transforms] = None,
     ddp_kwargs: Optional[dict[str, Any]] = None,
-    tp_plan: Optional[Mapping[str, Union[str, ParallelStyle]]] = None,
-    sequence_parallel: bool = True,
-    loss_parallel: bool = True,
-    keep_gathered_inputs: bool = False,
-    recompute: Optional[BlockSelection] = None,
-    precision: Optional[PrecisionPolicy] = None,
-    offload: Optional[OffloadPolicy] = None,
-    compile: Optional[CompilePolicy] = None,  # noqa: A002 - the transform's name
     later_stage: bool = False,
     sequence_region: Union[str, tuple[str, str], None] = "auto",
 ) -> nn.Module:
     """Apply every transform ``layout`` asks for to ``module`` in place; ``module`` becomes the root whose
-    forward runs the collectives. ``tp_plan`` (module-name patterns → roles) replaces the automatic
-    tensor-parallel plan; see :mod:`meshlight.parallel.tensor_plan`.
+    forward runs the collectives. ``tensor_parallel`` says how tensor parallelism splits it (its ``plan`` of
+    module-name patterns → roles replaces the automatic one; see :mod:`meshlight.parallel.tensor_plan`); ``plan``:
+    the roles of ``module``'s modules when the caller resolved them already (a pipeline stage's part of its whole
+    model's plan), used as they are.
 
     With pipeline parallelism ``module`` is one stage (see :mod:`meshlight.parallel.pipeline`, which splits
     the model first). A transform the model already carries — DTensor parameters from its own tensor
-    parallelism, DDP or FSDP applied in ``configure_model`` — is not applied again. ``recompute`` chooses the
-    blocks whose activations are recomputed in backward (:mod:`meshlight.parallel.recompute`); ``precision``
-    makes parameters and compute low-precision with fp32 master weights (:mod:`meshlight.parallel.precision`);
-    ``offload`` moves optimizer state and chosen blocks' activations to host memory (:mod:`meshlight.parallel.offload`);
-    ``compile`` compiles chosen blocks' forward (:mod:`meshlight.parallel.compile`). ``later_stage``: ``module``
-    is a pipeline stage after the first, which receives the sequence parallelism's share of the sequence
+    parallelism, DDP or FSDP applied in ``configure_model`` — is not applied again. ``transforms``: the blocks
+    recomputed in backward (:mod:`meshlight.parallel.recompute`), low-precision parameters and compute with fp32
+    master weights (:mod:`meshlight.parallel.precision`), optimizer state and chosen activations in host memory
+    (:mod:`meshlight.parallel.offload`), compiled blocks (:mod:`meshlight.parallel.compile`). ``later_stage``:
+    ``module`` is a pipeline stage after the first, which receives the sequence parallelism's share of the sequence
     (:func:`~meshlight.parallel.tensor.sequence_share_input`). ``sequence_region``: where sequence parallelism
     holds shares of the sequence (:func:`~meshlight.parallel.tensor_plan.sequence_region`), found from ``module`` when
     ``"auto"``; a pipeline stage is given its whole model's.
     """
+    tensor_parallel, transforms = tensor_parallel or TensorParallelOptions(), transforms or Transforms()
     moe_layers = expert_layers(module)
     if layout.ep > 1 and not moe_layers and layout.pp == 1:
         raise ValueError(
@@ -80,15 +77,16 @@ def parallelize(
     # Every transform starts from the same weights on every rank (DDP would broadcast; FSDP and TP do not).
     # Shards of a model the user split in configure_model are copied only among ranks holding the same shard.
     broadcast_module_states(module, axis(mesh, "stage").get_group(), shard_group=axis(mesh, "dp").get_group())
-    if layout.tp > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):
-        plan = model_plan(module, tp_plan)
-        validate_plan(module, plan, layout.tp, layout.world_size, sequence_parallel=sequence_parallel)
+    if layout.tp > 1 and not has_dtensor_parameters(module):
+        options = tensor_parallel
+        plan = plan if plan is not None else model_plan(module, options.plan)
+        validate_plan(module, plan, layout.tp, layout.world_size, sequence_parallel=options.sequence_parallel)
         if sequence_region == "auto":
-            sequence_region = find_sequence_region(module, plan) if sequence_parallel else None
-        apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=sequence_parallel,
-                              loss_parallel=loss_parallel, keep_gathered_inputs=keep_gathered_inputs,
+            sequence_region = find_sequence_region(module, plan) if options.sequence_parallel else None
+        apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=options.sequence_parallel,
+                              loss_parallel=options.loss_parallel, keep_gathered_inputs=options.keep_gathered_inputs,
                               sequence_region=sequence_region)
-        if later_stage and sequence_parallel:
+        if later_stage and options.sequence_parallel:
             sequence_share_input(module, mesh["tp"])
     if moe_layers:
         apply_expert_parallel(module, mesh, layout.ep)
@@ -96,7 +94,8 @@ def parallelize(
     # hold FSDP units of their own (the modules mixed precision keeps in fp32), whose hooks dynamo does not trace:
     # a break inside the recomputed region would run the whole block eagerly, so there the compiled pieces run
     # inside the recomputation instead.
-    transforms = [(apply_recompute, recompute), (apply_compile, compile)]
+    precision, compile, offload = transforms.precision, transforms.compile, transforms.offload
+    ordered = [(apply_recompute, transforms.recompute), (apply_compile, compile)]
     if precision is not None and any(precision.fp32_units(block) for block in repeated_blocks(module)):
         if compile is not None and compile.arguments.get("fullgraph"):
             raise ValueError(
@@ -104,8 +103,8 @@ def parallelize(
                 " fp32 (norms, MoE routers) are FSDP units of their own, which torch.compile does not trace. Use"
                 " MixedPrecision(..., fp32_norms=False) (norms gathered in bf16 with their block) or fullgraph=False."
             )
-        transforms.reverse()
-    for apply, policy in transforms:
+        ordered.reverse()
+    for apply, policy in ordered:
         if policy is not None:
             apply(module, policy)
     if offload is not None and offload.activations is not None:

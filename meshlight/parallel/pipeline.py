@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from meshlight.parallel.blocks import holds_blocks
+from meshlight.parallel.rank_zero import rank_zero_warn
 
 __all__ = [
     "SCHEDULES",
@@ -39,6 +39,7 @@ __all__ = [
     "materialize",
     "plan_stages",
     "split_stages",
+    "rank_holding",
     "stages_of_rank",
 ]
 
@@ -164,11 +165,17 @@ def plan_stages(module: nn.Module, container: str, num_stages: int, split: Split
     return StagePlan(container, pre, post, tuple(tuple(keys[bounds[s]:bounds[s + 1]]) for s in range(num_stages)))
 
 
-def stages_of_rank(rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
-    """The stage indices rank ``rank`` of ``pp`` holds (loop or V placement)."""
+def rank_holding(stage: int, pp: int, schedule: str) -> int:
+    """The rank of ``pp`` that holds stage ``stage``: stages loop over the ranks, or (V placement) go down and back."""
     if schedule in V_PLACEMENT:
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + v * pp for v in range(virtual_stages)]
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def stages_of_rank(rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
+    """The stage indices rank ``rank`` of ``pp`` holds, in order (:func:`rank_holding`'s inverse)."""
+    stages = 2 * pp if schedule in V_PLACEMENT else pp * virtual_stages
+    return [stage for stage in range(stages) if rank_holding(stage, pp, schedule) == rank]
 
 
 def split_stages(module: nn.Module, plan: StagePlan, stages: Sequence[int]) -> list[nn.Module]:

@@ -27,6 +27,7 @@ from meshlight.parallel.cost_model import (
     precision_bytes,
 )
 from meshlight.parallel.layout import _check_size, _check_zero, _divisors
+from meshlight.parallel.model_shape import ModelShapeError, model_shape
 from meshlight.parallel.pipeline import SCHEDULES, default_virtual_stages
 from meshlight.parallel.presets import GB, HARDWARE, MODELS, Hardware, ModelSpec, detect_hardware, preset_named
 
@@ -48,34 +49,18 @@ class PlanError(ValueError):
 
 def model_spec_of(module: nn.Module, seq_len: Optional[int] = None) -> ModelSpec:
     """The planner's view of ``module``: from a GPT-style ``config`` (``n_layers``, ``dim``, ``n_heads``,
-    ``vocab_size``) anywhere in it, else from its structure (repeated blocks, their Linear widths, head-count
-    attributes, the largest Embedding, MoE layers). ``seq_len`` default: the config's, else 2048."""
+    ``vocab_size``) anywhere in it, else from its structure as tensor parallelism reads it
+    (:func:`~meshlight.parallel.model_shape.model_shape`). ``seq_len`` default: the config's, else 2048."""
     for child in module.modules():
         config = getattr(child, "config", None)
         if all(hasattr(config, a) for a in ("n_layers", "dim", "n_heads", "vocab_size", "ffn_dim")):
             return ModelSpec.from_gpt_config(config, seq_len)
-    from meshlight.nn import MoE
-    from meshlight.parallel.blocks import repeated_blocks
-    from meshlight.parallel.tensor_plan import HEAD_COUNT_ATTRIBUTES
-
-    blocks = repeated_blocks(module)
-    if not blocks:
+    try:
+        shape = model_shape(module)
+    except ModelShapeError:
         raise PlanError(f"{type(module).__name__} has no repeated blocks (an nn.ModuleList of layers) to plan"
-                        " a layout for: give every size (dp, pp, tp, ep and zero).")
-    linears = [m for m in blocks[0].modules() if isinstance(m, nn.Linear)]
-    hidden = max(((m.in_features, sum(1 for n in linears if n.in_features == m.in_features)) for m in linears),
-                 key=lambda pair: pair[1])[0] if linears else 0
-    counts = {a: getattr(m, a) for m in blocks[0].modules() for a in HEAD_COUNT_ATTRIBUTES if hasattr(m, a)}
-    heads = next((v for a, v in counts.items() if "kv" not in a and "key_value" not in a), max(hidden // 64, 1))
-    kv_heads = next((v for a, v in counts.items() if "kv" in a or "key_value" in a), heads)
-    widths = [m.out_features for m in linears if m.in_features == hidden and m.out_features != hidden]
-    embeddings = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
-    moe = next((m for m in module.modules() if isinstance(m, MoE)), None)
-    moe_layers = sum(isinstance(m, MoE) for m in module.modules())
-    return ModelSpec(layers=len(blocks), hidden=hidden, heads=heads, kv_heads=kv_heads,
-                     ffn_hidden=max(widths, default=4 * hidden), vocab=max(embeddings, default=0),
-                     seq_len=seq_len or 2048, experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 1,
-                     moe_every=max(len(blocks) // moe_layers, 1) if moe_layers else 1, name=type(module).__name__)
+                        " a layout for: give every size (dp, pp, tp, ep and zero).") from None
+    return ModelSpec.from_shape(shape, seq_len, type(module).__name__)
 
 
 def plan(

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from meshlight.nn.moe import Router
+from meshlight.nn.experts import Router
+from meshlight.parallel.dtensors import local_tensor
 
 __all__ = ["DTYPES", "FP32_UNIT", "MeshGradScaler", "PrecisionPolicy", "is_norm", "keep_fp32"]
 
@@ -122,7 +122,7 @@ class MeshGradScaler(ShardedGradScaler):
     def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
         local = [
-            SimpleNamespace(grad=p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+            SimpleNamespace(grad=local_tensor(p.grad) if p.grad is not None else None)
             for group in optimizer.param_groups for p in group["params"]
         ]
         return super()._unscale_grads_(SimpleNamespace(param_groups=[{"params": local}]), inv_scale, found_inf,

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+
+from meshlight.parallel.model_shape import ModelShape
+from meshlight.parallel.rank_zero import rank_zero_warn
 
 __all__ = ["GB", "HARDWARE", "MODELS", "Hardware", "ModelSpec", "detect_hardware", "preset_named"]
 
@@ -128,6 +130,16 @@ class ModelSpec:
                    top_k=moe.top_k if moe else 1, moe_every=config.moe_every, tie_embeddings=config.tie_embeddings,
                    name="GPT", rmsnorm=config.norm == "rmsnorm", bias=config.bias,
                    positions=config.max_seq_len if config.positions == "learned" else 0)
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape, seq_len: Optional[int] = None, name: str = "model") -> ModelSpec:
+        """The planner's view of a shape read from a model's structure (:func:`~meshlight.parallel.model_shape.
+        model_shape`); heads 64 wide where no attention names its head count or ``head_dim``."""
+        heads = shape.heads or max(shape.hidden // 64, 1)
+        return cls(layers=shape.blocks, hidden=shape.hidden, heads=heads, kv_heads=shape.kv_heads or heads,
+                   ffn_hidden=shape.mlp_width, vocab=shape.vocab, seq_len=seq_len or 2048, experts=shape.experts,
+                   top_k=shape.top_k, moe_every=max(shape.blocks // shape.moe_layers, 1) if shape.moe_layers else 1,
+                   name=name)
 
     def replace(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)

@@ -25,6 +25,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from meshlight.parallel.dtensors import local_tensor
+
 __all__ = ["register_sequence_gather"]
 
 
@@ -69,18 +71,14 @@ def _hooks_apply(share: DTensor) -> bool:
             and torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is None)
 
 
-def _local(tensor: Tensor) -> Tensor:
-    with torch.no_grad():
-        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 class _Gathered:
     """One forward's gathered input in backward: rebuilt from this rank's share by the first saved tensor
     unpacked, and kept until every saved tensor viewing it has been unpacked."""
 
     def __init__(self, share: DTensor, outer: Optional[tuple[Callable, Callable]]) -> None:
         self.mesh, self.shape, self.stride = share.device_mesh, share.shape, share.stride()  # the whole sequence's
-        self.share: Any = _local(share).detach()  # until the first pack: then as the outer hooks packed it
+        with torch.no_grad():
+            self.share: Any = local_tensor(share).detach()  # until the first pack: then as the outer hooks packed it
         self.outer = outer
         self.packed = self.unpacked = 0
         self.full: Optional[Tensor] = None
@@ -119,7 +117,8 @@ class _Scope:
 
     def __init__(self, share: DTensor, gathered: DTensor) -> None:
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        local = _local(gathered)
+        with torch.no_grad():  # only the storage is looked at: no autograd node for it
+            local = local_tensor(gathered)
         self.storage, self.offset, self.dtype = local.untyped_storage().data_ptr(), local.storage_offset(), local.dtype
         self.gathered: Optional[_Gathered] = _Gathered(share, self.outer)
 
@@ -127,7 +126,8 @@ class _Scope:
         self.gathered = None
 
     def pack(self, tensor: Tensor) -> Any:
-        local = _local(tensor)
+        with torch.no_grad():
+            local = local_tensor(tensor)
         if (self.gathered is None or local.untyped_storage().data_ptr() != self.storage
                 or local.dtype != self.dtype):
             return (None, self.outer[0](tensor) if self.outer else tensor.detach())

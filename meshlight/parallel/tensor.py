@@ -57,15 +57,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshlight.parallel.model_shape import head_counts
 from meshlight.parallel.sequence_gather import register_sequence_gather
-from meshlight.parallel.tensor_plan import (
-    TensorParallelError,
-    _colwise_parents,
-    _head_counts,
-    _named_blocks,
-    _shown,
-    _within,
-)
+from meshlight.parallel.tensor_plan import TensorParallelError, _colwise_parents, _named_blocks, _shown, _within
 
 __all__ = [
     "apply_tensor_parallel", "explaining_tensor_parallel_errors", "reduce_partial_gradients", "sequence_share_input",
@@ -122,8 +116,8 @@ def apply_tensor_parallel(
     for parent in _colwise_parents(plan):
         register_sequence_gather(modules[parent], mesh, sequence_parallel=sequence_parallel,
                                  keep_gathered=keep_gathered_inputs)
-    for parent_name, attribute, count in _head_counts(model, plan):
-        setattr(modules[parent_name], attribute, count // tp)
+        for attribute, count in head_counts(modules[parent]).items():  # this rank's heads
+            setattr(modules[parent], attribute, count // tp)
     if sequence_parallel:
         for name in blocks:
             modules[name].register_forward_pre_hook(_unwrap_share, prepend=True)

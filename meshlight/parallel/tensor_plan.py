@@ -3,7 +3,8 @@
 Plans come from :func:`derive_plan` (structure: inside each repeated block, the Linears that read the
 hidden state are colwise and the one that writes back to it is rowwise) or from a user dict of
 module-name patterns, resolved by :func:`resolve_plan`. A model must keep its head counts in attributes the
-strategy can scale (``n_heads``, ``num_key_value_heads`` …), or keep ``head_dim`` and reshape heads with ``-1``;
+strategy can scale (``n_heads``, ``num_key_value_heads`` …), or keep ``head_dim`` and reshape heads with ``-1``
+(:mod:`meshlight.parallel.model_shape` reads them, for the planner too);
 :func:`validate_plan` refuses attention with neither (it would train narrower heads without an error) and a
 column→row group that does not have a module of its own (that module's input is gathered for the group).
 :func:`sequence_region` decides where sequence parallelism holds shares of the sequence.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from fnmatch import fnmatch
 from typing import Any, Optional, Union
@@ -24,23 +24,24 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from meshlight.nn.moe import MoE
 from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.checkpoint import _shorten
+from meshlight.parallel.model_shape import (
+    HEAD_COUNT_ATTRIBUTES,
+    head_counts,
+    head_dim_of,
+    hidden_size,
+    projection_heads,
+    projections,
+)
 from meshlight.parallel.precision import is_norm
 
 __all__ = [
-    "HEAD_COUNT_ATTRIBUTES", "ROLES", "TensorParallelError", "derive_plan", "model_plan", "resolve_plan",
-    "sequence_region", "stage_plan", "validate_plan",
+    "ROLES", "TensorParallelError", "derive_plan", "model_plan", "resolve_plan", "sequence_region", "stage_plan",
+    "validate_plan",
 ]
 
 ROLES = ("colwise", "rowwise", "embedding", "head", "norm", "head_norm", "replicate")
 Plan = dict[str, str]
 UserPlan = Mapping[str, Union[str, ParallelStyle]]
-
-# Attribute names under which attention modules keep their head counts (scaled to the local count).
-HEAD_COUNT_ATTRIBUTES = (
-    "n_heads", "num_heads", "n_head", "num_attention_heads", "heads", "nheads",
-    "n_kv_heads", "num_kv_heads", "n_kv_head", "num_key_value_heads", "kv_heads",
-)
-HEAD_DIM_ATTRIBUTES = ("head_dim", "head_size")
 
 
 class TensorParallelError(ValueError):
@@ -82,12 +83,10 @@ def _column_row_groups(blocks: list[tuple[str, nn.Module]], hidden: int) -> Iter
     and the last one that writes it back (a module without such a pair — a gate — holds no group)."""
     for block_name, block in blocks:
         for group_name, group in block.named_modules():
-            linears = [(n, m) for n, m in group.named_children() if isinstance(m, nn.Linear)]
-            writers = [n for n, m in linears if m.out_features == hidden]
-            readers = [n for n, m in linears if m.in_features == hidden and (not writers or n != writers[-1])]
-            if writers and readers:
+            readers, writer = projections(group, hidden)
+            if writer and readers:
                 prefix = _join(block_name, group_name)
-                yield prefix, [_join(prefix, n) for n in readers], _join(prefix, writers[-1])
+                yield prefix, [_join(prefix, n) for n in readers], _join(prefix, writer)
 
 
 def _structural_roles(model: nn.Module, blocks: list[tuple[str, nn.Module]], hidden: int) -> Plan:
@@ -98,7 +97,7 @@ def _structural_roles(model: nn.Module, blocks: list[tuple[str, nn.Module]], hid
     for block_name, block in blocks:
         roles.update({_join(block_name, n): "norm" for n, m in block.named_modules() if _is_norm(m, hidden)})
         for owner_name, owner in block.named_modules():  # QK-norms: norms as wide as the attention's head_dim
-            head_dim = _head_dim(owner)
+            head_dim = head_dim_of(owner)
             roles.update({_join(block_name, owner_name, n): "head_norm" for n, m in owner.named_children()
                           if head_dim not in (None, hidden) and _is_norm(m, head_dim)})
     in_blocks = {id(m) for _, block in blocks for m in block.modules()}
@@ -236,10 +235,14 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
         constraints.append(("hidden size", hidden))
     _check_groups(model, plan)
     _reject_unsplit(_named_blocks(model), plan, sequence_parallel)
-    for parent, attribute, count in _head_counts(model, plan):
-        constraints.append((_join(parent, attribute), count))
-    for _, name, heads in _heads_from_head_dim(model, plan):
-        constraints.append((f"heads of {name}", heads))
+    parents = _colwise_parents(plan)
+    for parent in parents:
+        constraints += [(_join(parent, attribute), count) for attribute, count in head_counts(modules[parent]).items()]
+    for parent in parents:
+        colwise = [name.rpartition(".")[2] for name, role in plan.items()
+                   if role == "colwise" and name.rpartition(".")[0] == parent]
+        constraints += [(f"heads of {_join(parent, name)}", heads)
+                        for name, heads in projection_heads(modules[parent], colwise).items()]
     bad = [(what, value) for what, value in constraints if value % tp]
     if bad:
         valid = [t for t in range(1, world_size + 1)
@@ -365,8 +368,7 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
             )
         readers = [modules[n] for n in group if plan[n] == "colwise" and isinstance(modules[n], nn.Linear)]
         attention = len(readers) >= 3 or len({m.out_features for m in readers}) > 1
-        named = any(isinstance(getattr(module, a, None), int) for a in HEAD_COUNT_ATTRIBUTES + HEAD_DIM_ATTRIBUTES)
-        if attention and not named:
+        if attention and not (head_counts(module) or head_dim_of(module)):
             counts = [f"{a}={v}" for a, v in vars(module).items()
                       if isinstance(v, int) and not isinstance(v, bool) and not a.startswith("_") and v > 1]
             seen = f" (it has {', '.join(counts)})" if counts else ""
@@ -385,10 +387,10 @@ def _named_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _hidden_size(blocks: list[tuple[str, nn.Module]]) -> int:
-    widths = Counter(m.in_features for _, block in blocks for m in block.modules() if isinstance(m, nn.Linear))
-    if not widths:
+    hidden = hidden_size(block for _, block in blocks)
+    if hidden is None:
         raise TensorParallelError("The repeated blocks contain no nn.Linear layers to split.")
-    return widths.most_common(1)[0][0]
+    return hidden
 
 
 def _is_norm(module: nn.Module, hidden: int) -> bool:
@@ -398,34 +400,6 @@ def _is_norm(module: nn.Module, hidden: int) -> bool:
 
 def _colwise_parents(plan: Mapping[str, Union[str, ParallelStyle]]) -> list[str]:
     return sorted({name.rpartition(".")[0] for name, role in plan.items() if role == "colwise"})
-
-
-def _head_counts(model: nn.Module, plan: Mapping[str, Any]) -> Iterator[tuple[str, str, int]]:
-    """(parent, attribute, count) for head-count attributes on the modules that own colwise groups."""
-    modules = dict(model.named_modules())
-    for parent in _colwise_parents(plan):
-        for attribute in HEAD_COUNT_ATTRIBUTES:
-            value = getattr(modules[parent], attribute, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                yield parent, attribute, value
-
-
-def _head_dim(module: nn.Module) -> Optional[int]:
-    return next((getattr(module, a) for a in HEAD_DIM_ATTRIBUTES if isinstance(getattr(module, a, None), int)), None)
-
-
-def _heads_from_head_dim(model: nn.Module, plan: Mapping[str, Any]) -> Iterator[tuple[str, str, int]]:
-    """Head counts of colwise Linears in modules that only record ``head_dim`` (and reshape with -1)."""
-    modules = dict(model.named_modules())
-    for parent in _colwise_parents(plan):
-        head_dim = _head_dim(modules[parent])
-        if not head_dim:
-            continue
-        for name, role in plan.items():
-            module = modules[name]
-            if role == "colwise" and name.rpartition(".")[0] == parent and isinstance(module, nn.Linear):
-                if module.out_features % head_dim == 0:
-                    yield parent, name, module.out_features // head_dim
 
 
 def _matches(name: str, pattern: str) -> bool:

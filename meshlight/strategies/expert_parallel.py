@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
+from meshlight.parallel.layout import data_sizes
 from meshlight.strategies.mesh import MeshStrategy
 
 __all__ = ["MoEStrategy"]
@@ -25,7 +26,7 @@ class MoEStrategy(MeshStrategy):
     strategy_name = "moe"
 
     def __init__(self, ep: Union[int, Literal["auto"]] = "auto", *, zero: int = 1, **kwargs: Any) -> None:
-        data_parallel = {"dp_replicate": "auto"} if zero == 0 else {"dp_replicate": 1, "dp_shard": "auto"}
+        data_parallel = data_sizes("auto", zero)
         super().__init__(**data_parallel, ep=1 if ep == "auto" else ep, zero=zero, **kwargs)
         self._auto_ep = ep == "auto"
 

@@ -8,16 +8,12 @@ import math
 from typing import Any, Literal, Optional, Union
 
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.utils.data import DataLoader
 
-from meshlight.callbacks.activation_checkpointing import ActivationCheckpointing
-from meshlight.callbacks.mixed_precision import MixedPrecision
-from meshlight.callbacks.offload import Offload
-from meshlight.parallel.blocks import BlockSelection, repeated_blocks
-from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, _fix_hint
+from meshlight.parallel.blocks import repeated_blocks
+from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, _fix_hint, data_sizes
 from meshlight.parallel.offload import OffloadPolicy, apart_from_host
 from meshlight.parallel.pipeline import default_virtual_stages
 from meshlight.parallel.planner import (
@@ -36,6 +32,9 @@ from meshlight.parallel.planner import (
     precision_bytes,
     same_devices_hint,
 )
+from meshlight.parallel.recompute import RecomputePolicy
+from meshlight.parallel.transforms import Transforms
+from meshlight.strategies import lightning_internals as lightning
 from meshlight.strategies.mesh import MeshStrategy
 from meshlight.strategies.pipeline_steps import PipelineOptions
 
@@ -117,13 +116,12 @@ class Hybrid3DStrategy(MeshStrategy):
         self.hardware: Optional[Hardware] = None  # the device it assumed, with the run's precision
         schedule = schedule or "1f1b"
         zero = 1 if zero is None else zero
-        super().__init__(**_data_sizes(dp, zero), pp=pp or 1, tp=tp or 1, ep=ep or 1, zero=zero,
+        super().__init__(**data_sizes(dp, zero), pp=pp or 1, tp=tp or 1, ep=ep or 1, zero=zero,
                          schedule=schedule, microbatches=microbatches,
                          virtual_stages=_virtual_stages(schedule, pp or 1, virtual_stages),
                          sequence_parallel=sequence_parallel, keep_gathered_inputs=keep_gathered_inputs is True,
                          **kwargs)
-        if recompute is True:
-            self.recompute = BlockSelection()
+        self._planned_recompute = recompute is True  # every block recomputes (True, or as the planner chose)
 
     def _resolve_layout(self) -> Optional[ParallelLayout]:
         if not self._planning:
@@ -185,7 +183,7 @@ class Hybrid3DStrategy(MeshStrategy):
         """For a layout that does not fit: the changes that would make it fit on these devices — keeping the
         sizes and options the user ``fixed`` where one does, else in any layout — and, ``elsewhere``, how many
         devices it fits on as it is."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = lightning.attached_trainer(self.lightning_module)
         hint = functools.partial(same_devices_hint, model, hardware, self.world_size, local_batch=batch,
                                  accumulating=getattr(trainer, "accumulate_grad_batches", 1),
                                  offload=apart_from_host(self.root_device))
@@ -201,18 +199,21 @@ class Hybrid3DStrategy(MeshStrategy):
         hardware = self._hardware or detect_hardware(self.root_device, self.num_processes)
         if hardware.host_threads is None:  # detected, or given without: the threads this run's host steps with
             hardware = hardware.replace(host_threads=torch.get_num_threads())
-        mixed, offload = self._callback(MixedPrecision), self._callback(Offload)
+        asked = self._asked_transforms()
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         self.hardware = hardware.replace(
-            **precision_bytes(precision, mixed.policy.param_dtype if mixed else None),
-            **_offloaded(offload.policy if offload else None, self.lightning_module, self.root_device))
+            **precision_bytes(precision, asked.precision.param_dtype if asked.precision else None),
+            **_offloaded(asked.offload, self.lightning_module, self.root_device))
         return self.hardware
 
-    def _callback(self, kind: type[Callback]) -> Any:
-        """The Trainer's last callback of ``kind``, or None. The plan is made before callbacks' ``setup``
-        configures the strategy, so it reads what they will ask for from the callbacks themselves."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        return next((c for c in reversed(getattr(trainer, "callbacks", None) or []) if isinstance(c, kind)), None)
+    def _asked_transforms(self) -> Transforms:
+        """What the Trainer's callbacks ask for: the plan is made at fit start, before the strategy's setup."""
+        trainer = lightning.attached_trainer(self.lightning_module)
+        return Transforms.collect(trainer.callbacks if trainer is not None else ())
+
+    def collect_transforms(self, trainer: Any) -> Transforms:
+        transforms = super().collect_transforms(trainer)
+        return transforms.replace(recompute=RecomputePolicy()) if self._planned_recompute else transforms
 
     def _model_spec(self) -> ModelSpec:
         model = model_spec_of(self.lightning_module, self._seq_len)
@@ -235,12 +236,12 @@ class Hybrid3DStrategy(MeshStrategy):
     def _asked_recompute(self) -> tuple[Optional[bool], bool]:
         """Whether recomputation was asked for (None: the planner chooses), by this strategy's ``recompute`` or an
         ``ActivationCheckpointing`` callback, and whether of every block."""
-        callback = self._callback(ActivationCheckpointing)
-        if callback and self._recompute != "auto":
+        asked = self._asked_transforms().recompute
+        if asked and self._recompute != "auto":
             raise ValueError(f"Hybrid3DStrategy(recompute={self._recompute}) and an ActivationCheckpointing callback"
                              " both choose what to recompute: keep one of them.")
-        if callback:
-            return True, callback.policy.every_n_blocks == 1 and not callback.policy.module_types
+        if asked:
+            return True, asked.every_n_blocks == 1 and not asked.module_types
         return None if self._recompute == "auto" else self._recompute, True
 
     def _settle(self, model: ModelSpec, hardware: Hardware, best: Candidate) -> None:
@@ -248,7 +249,7 @@ class Hybrid3DStrategy(MeshStrategy):
         gathered inputs are kept."""
         asked, every_block = self._asked_recompute()
         if asked is None and best.recompute:
-            self.recompute = BlockSelection()
+            self._planned_recompute = True
             rank_zero_info("Every block recomputes its activations in backward, as planned for this layout"
                            " (recompute=False, or an ActivationCheckpointing callback, to choose otherwise).")
         # a callback recomputing some blocks keeps more than full recomputation: judge the gathered inputs without
@@ -258,12 +259,12 @@ class Hybrid3DStrategy(MeshStrategy):
                                 recompute: bool) -> None:
         """``keep_gathered_inputs="auto"``: keep the projections' gathered inputs when ``best`` (with
         ``recompute``) still fits with them — planned, like every layout, with them gathered again."""
-        if self._keep_gathered != "auto" or best.tp == 1 or not self._tensor_parallel["sequence_parallel"]:
+        if self._keep_gathered != "auto" or best.tp == 1 or not self.tensor_parallel.sequence_parallel:
             return
         kept = estimate(model.replace(keep_gathered_inputs=True), hardware, self.world_size,
                         best.tokens_per_step // model.seq_len, best.dp, best.pp, best.tp, best.ep, best.zero,
                         best.microbatches, best.virtual_stages, recompute, best.schedule)
-        self._tensor_parallel["keep_gathered_inputs"] = kept.fits
+        self.tensor_parallel = self.tensor_parallel.replace(keep_gathered_inputs=kept.fits)
         rank_zero_info("Sequence-parallel projection inputs: "
                        + ("kept whole for backward (the layout fits with them)." if kept.fits else
                           f"gathered again in backward (kept whole: {kept.memory_bytes / 2**30:.1f} GiB of"
@@ -295,7 +296,7 @@ class Hybrid3DStrategy(MeshStrategy):
             raise PlanError(f"No layout of {self.world_size} processes fits {model.name} in {hardware.name} memory. "
                             f"{explain(self.plan)} {more}")
         self._settle(model, hardware, best)
-        self._sizes.update(_data_sizes(best.dp, best.zero), pp=best.pp, tp=best.tp, ep=best.ep, zero=best.zero)
+        self._sizes.update(data_sizes(best.dp, best.zero), pp=best.pp, tp=best.tp, ep=best.ep, zero=best.zero)
         options = self._pipeline_options
         schedule = self._schedule_given or best.schedule
         self._pipeline_options = PipelineOptions(
@@ -317,11 +318,6 @@ def _offloaded(policy: Optional[OffloadPolicy], module: nn.Module, device: torch
     return {"offload_optimizer": policy.optimizer, "offload_activations": share}
 
 
-def _data_sizes(dp: Union[int, str, None], zero: int) -> dict[str, Any]:
-    dp = "auto" if dp is None else dp
-    return {"dp_replicate": dp, "dp_shard": 1} if zero == 0 else {"dp_replicate": 1, "dp_shard": dp}
-
-
 def _virtual_stages(schedule: str, pp: int, given: Optional[int]) -> int:
     return given or (1 if pp == 1 else default_virtual_stages(schedule))
 
@@ -330,8 +326,8 @@ def _replica_batch(module: Any) -> Optional[int]:
     """Sequences per data replica per step, as the trainer's DataLoader will give them: a DataLoader passed to
     ``fit``, or a ``batch_size`` attribute or saved hyper-parameter of the DataModule or the LightningModule.
     None when none says: the layout is planned before the DataModule's ``setup`` and before any loader is made."""
-    trainer = getattr(module, "_trainer", None)
-    source = getattr(getattr(getattr(trainer, "fit_loop", None), "_data_source", None), "instance", None)
+    trainer = lightning.attached_trainer(module)
+    source = lightning.fit_dataloader(trainer)
     datamodule = getattr(trainer, "datamodule", None)
     for holder in (source if isinstance(source, DataLoader) else None, datamodule,
                    getattr(datamodule, "hparams", None), module, getattr(module, "hparams", None)):

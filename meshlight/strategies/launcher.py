@@ -23,14 +23,14 @@ from typing import Optional
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
+
+from meshlight.strategies.lightning_internals import ScriptLauncher, set_num_threads_if_needed
 
 __all__ = ["ForkingScriptLauncher"]
 
 
-class ForkingScriptLauncher(_SubprocessScriptLauncher):
+class ForkingScriptLauncher(ScriptLauncher):
     """Lightning's script launcher, forking the extra ranks of a CPU node instead of re-running the script."""
 
     def __init__(self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int,
@@ -40,14 +40,14 @@ class ForkingScriptLauncher(_SubprocessScriptLauncher):
         self._device, self._set_ranks = device, set_ranks
 
     @override
-    def _call_children_scripts(self) -> None:
+    def start_children(self) -> None:
         # One node's ranks share its cores: before they exist, so that every rank inherits it (Lightning's launcher
         # sets it after starting them, in rank 0 only — each re-run rank then used every core).
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        set_num_threads_if_needed(self.num_processes)
         if not self._can_fork():
-            super()._call_children_scripts()
+            self.rerun_script_in_children()
             return
-        self._check_can_spawn_children()
+        self.check_can_start_children()
         env = self.cluster_environment
         os.environ.update({
             "MASTER_ADDR": env.main_address, "MASTER_PORT": str(env.main_port), "NODE_RANK": str(env.node_rank()),

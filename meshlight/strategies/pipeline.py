@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
+from meshlight.parallel.layout import data_sizes
 from meshlight.parallel.pipeline import SplitSpec, default_virtual_stages
 from meshlight.strategies.mesh import MeshStrategy
 
@@ -42,7 +43,7 @@ class PipelineStrategy(MeshStrategy):
         zero: int = 1,
         **kwargs: Any,
     ) -> None:
-        data_parallel = {"dp_replicate": "auto"} if zero == 0 else {"dp_replicate": 1, "dp_shard": "auto"}
+        data_parallel = data_sizes("auto", zero)
         virtual_stages = virtual_stages or default_virtual_stages(schedule)
         super().__init__(**data_parallel, pp=1 if pp == "auto" else pp, zero=zero, schedule=schedule,
                          microbatches=microbatches, virtual_stages=virtual_stages, split=split, **kwargs)

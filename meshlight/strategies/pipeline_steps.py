@@ -49,6 +49,7 @@ from meshlight.parallel.pipeline import (
     find_pipelined_module,
     materialize,
     plan_stages,
+    rank_holding,
     shared_parameters,
     split_stages,
     stages_of_rank,
@@ -154,7 +155,7 @@ class PipelineSteps:
         self.device = device
         self.has_first = 0 in self.stage_indices
         self.has_last = plan.num_stages - 1 in self.stage_indices
-        last_rank = _rank_holding(plan.num_stages - 1, dist.get_world_size(group), schedule)
+        last_rank = rank_holding(plan.num_stages - 1, dist.get_world_size(group), schedule)
         self.last_stage_rank = dist.get_global_rank(group, last_rank)
         self._schedules: dict[Any, Any] = {}
         self._stash: list[tuple[Tensor, Tensor]] = []
@@ -425,14 +426,6 @@ def _check_divisible(size: int, microbatches: int) -> None:
             f"A batch of {size} does not divide into {microbatches} microbatches: use a batch size that is a"
             f" multiple of {microbatches} (and drop_last=True for the last batch), or change microbatches."
         )
-
-
-def _rank_holding(stage: int, pp: int, schedule: str) -> int:
-    from meshlight.parallel.pipeline import V_PLACEMENT
-
-    if schedule in V_PLACEMENT:
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
 
 
 def _detached_cpu(value: Any) -> Any:

@@ -39,18 +39,27 @@ import os
 import re
 import subprocess
 import time
-from types import FrameType
 from typing import TYPE_CHECKING, Any, Optional
 
 import fsspec
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector, log
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info, rank_zero_warn
 
 from meshlight.parallel.checkpoint import is_complete, is_interrupted, numbered_entries
+from meshlight.strategies.lightning_internals import (
+    SignalConnector,
+    accumulating,
+    epoch_ends_with_this_batch,
+    hpc_checkpoint_path,
+    install_signal_connector,
+    signal_connector,
+    signal_log,
+    skip_sigterm_broadcast,
+    uses_distributed_sampler,
+)
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -59,13 +68,13 @@ if TYPE_CHECKING:
 
 __all__ = ["AgreedSignals", "newest_hpc_checkpoint", "newest_whole_hpc_checkpoint", "requeue_slurm_job"]
 
-#: the checkpoints Lightning writes on SLURM's requeue signal and resumes from (``_CheckpointConnector``)
+#: the checkpoints Lightning writes on SLURM's requeue signal and resumes from (``hpc_checkpoint_path``)
 HPC_CHECKPOINT = re.compile(r"^hpc_ckpt_(\d+)\.ckpt$")
 #: seconds one ``scontrol requeue`` may take, and the wait before the n-th retry is n times this
 SCONTROL_TIMEOUT, RETRY_WAIT = 20.0, 2.0
 
 
-class AgreedSignals(_SignalConnector):
+class AgreedSignals(SignalConnector):
     """Lightning's signal connector whose handlers hold no collective; ``agree`` makes the flags common."""
 
     def __init__(self, trainer: Trainer) -> None:
@@ -83,29 +92,26 @@ class AgreedSignals(_SignalConnector):
     def install(cls, trainer: Trainer) -> AgreedSignals:
         """Replace the trainer's connector (before ``fit`` registers its handlers) and Lightning's per-step
         broadcast of rank 0's flag, which ``agree`` supersedes."""
-        if not isinstance(trainer._signal_connector, cls):
-            trainer._signal_connector = cls(trainer)
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
-            epoch_loop._broadcast_sigterm_tensor = lambda: None
+        connector = install_signal_connector(trainer, cls)
+        skip_sigterm_broadcast(trainer)
         if not any(isinstance(callback, _AtStepEnd) for callback in trainer.callbacks):
             trainer.callbacks.append(_AtStepEnd())  # strategies have no hook there; last, after the user's
-        return trainer._signal_connector
+        return connector
 
     def register_signal_handlers(self) -> None:
         self._reset()
         super().register_signal_handlers()
 
-    def _sigterm_notifier_fn(self, signum: Any, _: FrameType) -> None:
-        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", self.trainer.local_rank))
+    def on_sigterm(self, signum: Any) -> None:
+        signal_log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", self.trainer.local_rank))
         if not self.seen:
             launcher = self.trainer.strategy.launcher
             if launcher is not None:
                 launcher.kill(signum)  # the ranks this process started (a no-op elsewhere)
         self.seen = True
 
-    def _slurm_sigusr_handler_fn(self, signum: Any, _: FrameType) -> None:
-        log.info(rank_prefixed_message(f"Received SLURM's requeue signal: {signum}", self.trainer.local_rank))
+    def on_requeue_signal(self, signum: Any) -> None:
+        signal_log.info(rank_prefixed_message(f"Received SLURM's requeue signal: {signum}", self.trainer.local_rank))
         if self.trainer.state.fn == TrainerFn.FITTING:
             self.requeue_seen = True
         elif self.requeue is None:
@@ -135,7 +141,7 @@ class AgreedSignals(_SignalConnector):
 
     def at_train_batch_start(self, strategy: MeshStrategy) -> None:
         """Agree on the batch that ends an optimizer step (not within an accumulation window)."""
-        if not self.trainer.fit_loop.epoch_loop._should_accumulate():
+        if not accumulating(self.trainer):
             self.agree(strategy)
 
     def at_train_batch_end(self) -> None:
@@ -157,7 +163,7 @@ class AgreedSignals(_SignalConnector):
         fn = self.trainer.state.fn
         if fn == TrainerFn.FITTING:
             return
-        if fn == TrainerFn.PREDICTING or not self.trainer._accelerator_connector.use_distributed_sampler:
+        if fn == TrainerFn.PREDICTING or not uses_distributed_sampler(self.trainer):
             self.received_sigterm = self.seen
         else:
             self.agree(strategy)
@@ -169,7 +175,7 @@ class AgreedSignals(_SignalConnector):
         trainer.strategy.wait_for_checkpoint()  # a background write in flight finishes before another starts
         for logger in trainer.loggers:
             logger.save()
-        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        path = hpc_checkpoint_path(trainer)
         trainer.save_checkpoint(path)  # every rank writes its shards of global rank 0's path
         if trainer.is_global_zero:
             rank_zero_info(f"SLURM's requeue signal: saved {path}")
@@ -181,8 +187,9 @@ class _AtStepEnd(Callback):
     """Calls the strategy's signal connector at the end of every training batch."""
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        if isinstance(trainer._signal_connector, AgreedSignals):
-            trainer._signal_connector.at_train_batch_end()
+        connector = signal_connector(trainer)
+        if isinstance(connector, AgreedSignals):
+            connector.at_train_batch_end()
 
 
 def _finishes_training(trainer: Trainer) -> bool:
@@ -190,7 +197,7 @@ def _finishes_training(trainer: Trainer) -> bool:
     if trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps:
         return True
     last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
-    return last_epoch and trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+    return last_epoch and epoch_ends_with_this_batch(trainer)
 
 
 def requeue_slurm_job(attempts: int = 3) -> bool:

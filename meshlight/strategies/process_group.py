@@ -3,6 +3,8 @@ over it, and a clean exit while gloo's threads finish."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import time
 from datetime import timedelta
@@ -12,11 +14,11 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+
+from meshlight.strategies.lightning_internals import distributed_is_initialized, init_process_group, world_group
 
 __all__ = ["all_reduce_in_place", "connect", "let_collective_threads_finish"]
 
@@ -25,9 +27,10 @@ def connect(environment: ClusterEnvironment, backend: str, timeout: Optional[tim
     """Lightning's process-group initialization, except after a ``torchrun --max-restarts`` restart: there
     torch 2.13 lets gloo read the killed attempt's peer addresses from the agent's store (every rank fails with
     "connectFullMesh … Connection refused"), so the restarted ranks rendezvous under a prefix of their own."""
+    _finish_collectives_at_exit()
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart == "0" or dist.is_initialized():
-        _init_dist_connection(environment, backend, timeout=timeout, device_id=device_id)
+        init_process_group(environment, backend, timeout, device_id)
         return
     timeout = timeout or default_pg_timeout
     store = dist.TCPStore(environment.main_address, environment.main_port, environment.world_size(),
@@ -35,6 +38,12 @@ def connect(environment: ClusterEnvironment, backend: str, timeout: Optional[tim
     dist.init_process_group(backend, store=dist.PrefixStore(f"meshlight/attempt_{restart}", store),
                             rank=environment.global_rank(), world_size=environment.world_size(), timeout=timeout,
                             device_id=device_id)
+
+
+@functools.cache
+def _finish_collectives_at_exit() -> None:
+    """Register :func:`let_collective_threads_finish` to run at exit, once per process."""
+    atexit.register(let_collective_threads_finish)
 
 
 def let_collective_threads_finish() -> None:
@@ -58,9 +67,9 @@ def all_reduce_in_place(tensor: Union[Tensor, Any], group: Optional[Any] = None,
     every logged step."""
     if isinstance(tensor, DTensor):  # e.g. a loss computed on vocabulary-sharded logits
         tensor = tensor.full_tensor()
-    if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+    if not isinstance(tensor, Tensor) or not distributed_is_initialized():
         return tensor
-    group = _group.WORLD if group is None else group
+    group = world_group() if group is None else group
     reduce_op = "avg" if reduce_op == "mean" else reduce_op
     average = isinstance(reduce_op, str) and reduce_op.lower() == "avg"
     if average or reduce_op is None:  # an average as a sum, then a division: gloo has no AVG

@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union
 
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from meshlight.parallel.layout import data_sizes
 from meshlight.strategies.mesh import MeshStrategy
 
 __all__ = ["TensorParallelStrategy"]
@@ -42,7 +43,7 @@ class TensorParallelStrategy(MeshStrategy):
         zero: int = 1,
         **kwargs: Any,
     ) -> None:
-        data_parallel = {"dp_replicate": "auto"} if zero == 0 else {"dp_replicate": 1, "dp_shard": "auto"}
+        data_parallel = data_sizes("auto", zero)
         super().__init__(**data_parallel, tp=1 if tp == "auto" else tp, zero=zero, tp_plan=plan,
                          sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, **kwargs)
         self._auto_tp = tp == "auto"

@@ -133,3 +133,12 @@ def test_recomputation_under_pipeline_tensor_and_sharded_data_parallelism(distri
     assert losses == plain_losses
     assert weights.keys() == plain_weights.keys()
     assert all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+
+
+def test_the_callback_asks_meshlights_strategies_for_recomputation_by_a_policy_value():
+    from meshlight.callbacks import ActivationCheckpointing
+    from meshlight.parallel.recompute import RecomputePolicy
+    from meshlight.parallel.transforms import Transforms
+
+    callback = ActivationCheckpointing(every_n_blocks=2)
+    assert Transforms.collect([object(), callback]) == Transforms(recompute=RecomputePolicy(every_n_blocks=2))

@@ -116,3 +116,13 @@ def test_an_unknown_compile_argument_names_the_choices():
     with pytest.raises(ValueError, match="choose among backend, mode, fullgraph"):
         CompilePolicy(arguments={"fullgrpah": True})
     assert Compile(mode="max-autotune").policy.arguments["mode"] == "max-autotune"
+
+
+def test_the_callback_asks_meshlights_strategies_for_compilation_by_a_policy_value():
+    from meshlight.parallel.transforms import Transforms
+
+    callback = Compile(backend="eager", fullgraph=True)
+    transforms = Transforms.collect([callback, ActivationCheckpointing()])
+    assert transforms.compile == CompilePolicy(BlockSelection(), dict(backend="eager", mode=None, fullgraph=True,
+                                                                      dynamic=None, options=None))
+    assert transforms.recompute is not None and transforms.precision is None and transforms.offload is None

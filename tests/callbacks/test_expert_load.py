@@ -1,6 +1,10 @@
 """ExpertLoadMonitor: MoE telemetry reaches Lightning's logging and TensorBoard (scalars and heatmaps), the
-auxiliary-loss gradients follow gradient accumulation, and meshlight.Trainer adds the monitor by default."""
+auxiliary-loss gradients follow gradient accumulation, meshlight.Trainer adds the monitor by default, and the
+monitor attaches the MoE layers' post-step updates under Lightning's own Trainer and strategies."""
 
+import warnings
+
+import lightning.pytorch as pl
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -9,7 +13,7 @@ import meshlight as ml
 from meshlight.callbacks import ExpertLoadMonitor, load_heatmap
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
-from meshlight.nn import MoE, MoEConfig
+from meshlight.nn import MoE, MoEConfig, attach_moe_updates
 
 
 def moe_gpt() -> LitGPT:
@@ -143,3 +147,50 @@ def test_models_without_moe_layers_log_nothing(tmp_path):
     trainer.fit(LitGPT(GPTConfig.tiny(vocab_size=16, max_seq_len=12)), AdditionDataModule(3, batch_size=4))
     assert not any(key.startswith("moe/") for key in trainer.callback_metrics)
     assert not any(isinstance(m, MoE) for m in trainer.lightning_module.modules())
+
+
+def biased_moe_gpt() -> LitGPT:
+    config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=2,
+                            moe=MoEConfig(num_experts=4, score="sigmoid", aux_loss_coeff=0.0, expert_bias_rate=0.01),
+                            moe_every=2)
+    return LitGPT(config)
+
+
+def lightning_trainer(tmp_path, callbacks: list) -> pl.Trainer:
+    return pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                      default_root_dir=tmp_path, callbacks=callbacks)
+
+
+class StepLoads(ExpertLoadMonitor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args)
+        self.tokens.append(pl_module.model.blocks[1].mlp.last_step.tokens)
+
+
+def test_under_lightnings_own_trainer_the_monitor_attaches_the_expert_bias_updates(tmp_path):
+    module, monitor = biased_moe_gpt(), StepLoads()
+    trainer = lightning_trainer(tmp_path, [monitor])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="This MoE layer")
+        trainer.fit(module, AdditionDataModule(3, batch_size=8))
+    layer = module.model.blocks[1].mlp
+    (optimizer,) = trainer.optimizers
+    assert attach_moe_updates(optimizer, module).layers == [layer]  # the monitor's hook, found again
+    assert len(optimizer._optimizer_step_post_hooks) == 1
+    # Each step moved each expert's bias by 0.01 against its load in that step (DeepSeek-V3's sign rule).
+    assert len(monitor.tokens) == 3
+    expected = sum(0.01 * (tokens.mean() - tokens).sign() for tokens in monitor.tokens)
+    assert layer.router.expert_bias.tolist() == pytest.approx(expected.tolist())
+    assert layer.router.expert_bias.abs().sum() > 0
+
+
+def test_under_lightnings_own_trainer_without_the_monitor_a_biased_layer_warns(tmp_path):
+    module = biased_moe_gpt()
+    with pytest.warns(UserWarning, match=r"no optimizer moves its expert bias: call meshlight\.nn\.attach_moe_updates"):
+        lightning_trainer(tmp_path, []).fit(module, AdditionDataModule(3, batch_size=8))
+    assert module.model.blocks[1].mlp.router.expert_bias.abs().sum() == 0

@@ -146,3 +146,12 @@ def test_a_forward_set_on_a_kept_fp32_module_is_kept_with_the_casts_around_it():
     keep_fp32(norm, torch.bfloat16)
     assert norm(torch.ones(2, 4, dtype=torch.bfloat16)).dtype == torch.bfloat16
     assert seen == [torch.float32]
+
+
+def test_the_callback_asks_meshlights_strategies_for_mixed_precision_by_a_policy_value():
+    from meshlight.parallel.precision import PrecisionPolicy
+    from meshlight.parallel.transforms import Transforms
+
+    callback = MixedPrecision("fp16", fp32_norms=False)
+    expected = PrecisionPolicy(torch.float16, torch.float32, (), fp32_norms=False)
+    assert Transforms.collect([callback]) == Transforms(precision=expected)

@@ -170,3 +170,12 @@ def test_optimizer_offload_needs_a_meshlight_strategy():
 def test_offloading_nothing_is_refused():
     with pytest.raises(OffloadError, match="does nothing"):
         Offload(optimizer=False)
+
+
+def test_the_callback_asks_meshlights_strategies_for_offload_by_a_policy_value():
+    from meshlight.parallel.offload import OffloadPolicy
+    from meshlight.parallel.transforms import Transforms
+
+    callback = Offload(activations_every_n_blocks=2, pin_memory=False)
+    expected = OffloadPolicy(optimizer=True, activations=BlockSelection(2), pin_memory=False)
+    assert Transforms.collect([callback]) == Transforms(offload=expected)

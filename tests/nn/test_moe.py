@@ -1,14 +1,20 @@
 """The MoE layer in one process: routing against a naive per-token reference, capacity dropping, the balancing
-losses on hand-worked numbers and their gradients, expert bias, the step statistics and bad input."""
+losses on hand-worked numbers and their gradients, expert bias, the step statistics, the optimizer hook that
+finishes each step (on the optimizers holding MoE layers only, never process-wide) and bad input."""
 
+import copy
 import math
+import pickle
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+from torch.optim import optimizer as torch_optimizer
 
-from meshlight.nn import MoE, MoEConfig, grouped_matmul
+import meshlight
+from meshlight.nn import MoE, MoEConfig, attach_moe_updates, grouped_matmul
 
 
 def reference(moe: MoE, x: Tensor, keep: Tensor = None) -> Tensor:
@@ -141,6 +147,7 @@ def test_aux_gradient_scale_scales_only_the_balancing_gradient():
 def test_expert_bias_moves_against_the_load_before_each_optimizer_step_and_only_changes_choices():
     moe = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, aux_loss_coeff=0.0)
     optimizer = torch.optim.SGD(moe.parameters(), lr=0.0)
+    attach_moe_updates(optimizer, moe)
     x = hand_picked_router(moe, [[1.0, 0, 0, 0]] * 3 + [[0, 1.0, 0, 0]])  # loads 3, 1, 0, 0; mean 1
     moe(x).sum().backward()
     optimizer.step()
@@ -156,6 +163,7 @@ def test_expert_bias_moves_against_the_load_before_each_optimizer_step_and_only_
 def test_proportional_expert_bias_moves_by_the_loads_error_relative_to_the_mean():
     moe = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, expert_bias_update="proportional", aux_loss_coeff=0.0)
     optimizer = torch.optim.SGD(moe.parameters(), lr=0.0)
+    attach_moe_updates(optimizer, moe)
     x = hand_picked_router(moe, [[1.0, 0, 0, 0]] * 5 + [[0, 1.0, 0, 0]] * 2 + [[0, 0, 1.0, 0]])  # 5, 2, 1, 0; mean 2
     moe(x).sum().backward()
     optimizer.step()
@@ -167,6 +175,7 @@ def test_step_statistics_cover_every_training_forward_of_a_step_and_reset():
     torch.manual_seed(0)
     moe = MoE(8, 16, 4, top_k=2, capacity_factor=0.5, min_capacity=1)
     optimizer = torch.optim.SGD(moe.parameters(), lr=0.0)
+    attach_moe_updates(optimizer, moe)
     for _ in range(3):  # e.g. accumulation micro-batches
         moe(torch.randn(2, 6, 8)).sum().backward()
     moe.eval()
@@ -178,6 +187,116 @@ def test_step_statistics_cover_every_training_forward_of_a_step_and_reset():
     assert 0 < load.dropped_fraction < 1 and load.aux_loss > 0 and load.z_loss > 0
     assert load.fraction.sum().item() == pytest.approx(1.0)
     assert moe._pending is None
+
+
+class TwoMoEs(nn.Module):
+    """A dense layer and two MoE layers, each fed its own input, so that every layer's routing is set by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(4, 4)
+        self.sign = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, aux_loss_coeff=0.0)
+        self.proportional = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, expert_bias_update="proportional",
+                                aux_loss_coeff=0.0)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return self.dense(x).sum() + self.sign(x).sum() + self.proportional(y).sum()
+
+
+def test_a_plain_loop_with_attach_moe_updates_moves_every_layers_bias_after_each_step():
+    model = TwoMoEs()
+    x = hand_picked_router(model.sign, [[1.0, 0, 0, 0]] * 3 + [[0, 1.0, 0, 0]])  # loads 3, 1, 0, 0
+    y = hand_picked_router(model.proportional, [[1.0, 0, 0, 0]] * 5 + [[0, 1.0, 0, 0]] * 2 + [[0, 0, 1.0, 0]])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    updates = attach_moe_updates(optimizer, model)
+    assert updates.layers == [model.sign, model.proportional]  # model order: the same all-reduces on every rank
+    for step in (1, 2):
+        for _ in range(2):  # two accumulated micro-batches: twice the tokens, the same relative loads
+            model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert model.sign.last_step.tokens.tolist() == [6.0, 2.0, 0.0, 0.0]
+        assert model.proportional.last_step.tokens.tolist() == [10.0, 4.0, 2.0, 0.0]
+        # Sign: ±0.1 per step. Biased softmax scores of x's first rows, [.475, .175, .175, .175] + [-.1, 0, .1, .1]
+        # after step 1, still pick expert 0. Proportional: (mean − load) / mean = −1.5, 0, 0.5, 1 of 0.1 per step;
+        # y's first rows, [.475 − .15, .175, .175 + .05, .175 + .1] after step 1, still pick expert 0 too.
+        assert model.sign.router.expert_bias.tolist() == pytest.approx([-0.1 * step, 0.0, 0.1 * step, 0.1 * step])
+        assert model.proportional.router.expert_bias.tolist() == pytest.approx(
+            [-0.15 * step, 0.0, 0.05 * step, 0.1 * step])
+        assert model.sign._pending is None and model.proportional._pending is None
+
+
+def test_only_the_layers_whose_parameters_the_optimizer_holds_are_finished_by_its_step():
+    model = TwoMoEs()
+    optimizer = torch.optim.SGD(model.sign.parameters(), lr=0.0)
+    assert attach_moe_updates(optimizer, model).layers == [model.sign]
+    with pytest.warns(UserWarning, match="no optimizer moves its expert bias"):  # model.proportional's
+        model(torch.randn(4, 4), torch.randn(4, 4)).backward()
+    optimizer.step()
+    assert model.sign.last_step is not None and model.sign._pending is None
+    assert model.proportional.last_step is None and model.proportional._pending is not None  # another optimizer's
+
+
+def test_importing_meshlight_hooks_no_optimizer_and_dense_models_get_no_hook():
+    hooks = {**torch_optimizer._global_optimizer_pre_hooks, **torch_optimizer._global_optimizer_post_hooks}
+    assert meshlight and not [hook for hook in hooks.values() if hook.__module__.startswith("meshlight")]
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert attach_moe_updates(optimizer, model) is None
+    assert not optimizer._optimizer_step_post_hooks and not optimizer._optimizer_step_pre_hooks
+    moe = MoE(4, 8, 4)  # an MoE layer elsewhere is no reason to hook an optimizer that does not hold it
+    assert attach_moe_updates(optimizer, nn.Sequential(model, moe)) is None
+    assert not optimizer._optimizer_step_post_hooks
+
+
+def test_attaching_twice_registers_one_hook_and_remove_takes_it_off():
+    moe = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, aux_loss_coeff=0.0)
+    optimizer = torch.optim.SGD(moe.parameters(), lr=0.0)
+    updates = attach_moe_updates(optimizer, moe)
+    assert attach_moe_updates(optimizer, nn.Sequential(moe)) is updates
+    assert len(optimizer._optimizer_step_post_hooks) == 1 and updates.layers == [moe]
+    x = hand_picked_router(moe, [[1.0, 0, 0, 0]] * 3 + [[0, 1.0, 0, 0]])
+    moe(x).sum().backward()
+    optimizer.step()
+    assert moe.router.expert_bias.tolist() == pytest.approx([-0.1, 0.0, 0.1, 0.1])  # moved once, not twice
+    updates.remove()
+    assert not optimizer._optimizer_step_post_hooks
+    with pytest.warns(UserWarning, match="no optimizer moves its expert bias"):
+        moe(x).sum().backward()
+    optimizer.step()
+    assert moe.router.expert_bias.tolist() == pytest.approx([-0.1, 0.0, 0.1, 0.1])  # no hook, no move
+    again = attach_moe_updates(optimizer, moe)
+    assert again is not updates and len(optimizer._optimizer_step_post_hooks) == 1
+
+
+def test_training_a_biased_layer_no_optimizer_updates_warns_once_naming_the_fix():
+    moe = MoE(4, 8, 4, expert_bias_rate=0.1)
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match=r"no optimizer moves its expert bias: call "
+                                         r"meshlight\.nn\.attach_moe_updates\(optimizer, model\)"):
+        moe(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moe(x)  # once per layer
+        attached = MoE(4, 8, 4, expert_bias_rate=0.1)
+        optimizer = torch.optim.SGD(attached.parameters(), lr=0.1)
+        attach_moe_updates(optimizer, attached)
+        attached(x)  # attached: silent
+        MoE(4, 8, 4)(x)  # no bias to move: silent (last_step stays None until attached)
+        with torch.no_grad():
+            MoE(4, 8, 4, expert_bias_rate=0.1)(x)  # not training: silent
+    del optimizer  # a layer whose optimizer is gone is not updated either
+    with pytest.warns(UserWarning, match="no optimizer moves its expert bias"):
+        attached(x)
+
+
+def test_copies_and_pickles_of_a_layer_are_not_attached_to_its_optimizer():
+    moe = MoE(4, 8, 4, expert_bias_rate=0.1)
+    optimizer = torch.optim.SGD(moe.parameters(), lr=0.1)
+    attach_moe_updates(optimizer, moe)
+    for other in (pickle.loads(pickle.dumps(moe)), copy.deepcopy(moe)):
+        assert other._updates is None and moe._updates is not None
+        torch.testing.assert_close(other.state_dict(), moe.state_dict())
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -3,7 +3,7 @@
 import pytest
 
 from meshlight.parallel import ParallelLayout
-from meshlight.parallel.layout import nearest_layouts
+from meshlight.parallel.layout import MESH_AXES, data_sizes, nearest_layouts
 
 
 def test_auto_fills_the_data_parallel_size_from_the_world():
@@ -63,3 +63,34 @@ def test_layout_is_frozen():
     layout = ParallelLayout(dp_replicate=2)
     with pytest.raises(AttributeError):
         layout.tp = 2
+
+
+@pytest.mark.parametrize(
+    ("sizes", "names", "dp", "stage"),
+    [
+        (dict(dp_replicate=2, dp_shard=2, pp=2, tp=2, zero=1), MESH_AXES, [0, 2, 4, 6], list(range(8))),
+        # experts borrow from replicas without ZeRO, from shards with it: that axis is built as e<axis> × ep
+        (dict(dp_replicate=4, pp=2, tp=2, ep=2), ("pp", "edp_replicate", "ep", "dp_shard", "tp"), [0, 2, 4, 6],
+         list(range(8))),
+        (dict(dp_replicate=2, dp_shard=4, tp=2, ep=4, zero=3), ("pp", "dp_replicate", "edp_shard", "ep", "tp"),
+         list(range(0, 16, 2)), list(range(16))),
+    ],
+)
+def test_the_mesh_has_the_layouts_axes_pp_outermost_and_tp_innermost(sizes, names, dp, stage):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshlight.parallel.layout import axis, build_device_mesh
+
+    dist.init_process_group("fake", rank=0, world_size=16, store=FakeStore())
+    mesh = build_device_mesh(ParallelLayout(**sizes), "cpu")
+    assert mesh.mesh_dim_names == names
+    assert axis(mesh, "dp").mesh.tolist() == dp and axis(mesh, "stage").mesh.tolist() == stage
+    assert axis(mesh, "tp").mesh.tolist() == [0, 1]
+
+
+def test_data_sizes_replicate_without_zero_and_shard_with_it():
+    assert data_sizes(4, 0) == {"dp_replicate": 4, "dp_shard": 1}
+    assert data_sizes(None, 3) == {"dp_replicate": 1, "dp_shard": "auto"}
+    layout = ParallelLayout.for_world(8, **data_sizes("auto", 2), tp=2, zero=2)
+    assert (layout.dp_replicate, layout.dp_shard) == (1, 4)

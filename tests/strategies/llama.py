@@ -8,7 +8,9 @@ each feed-forward's output by a gate that reads the residual stream (``sigmoid(g
 group holds: tensor parallelism leaves it whole); ``LitLlama(qk_norm=True)`` normalizes each head of q and k
 (Qwen3's QK-norm); ``LitLlama(outside=True)`` holds modules outside the blocks that no tensor-parallel role
 describes: a factorized token embedding (16 wide, projected to the model's width, ALBERT's) and a transform between
-the final norm and the LM head (Linear, GELU, norm: BERT's masked-LM head).
+the final norm and the LM head (Linear, GELU, norm: BERT's masked-LM head); ``LitLlama(head_dim_only=True)`` keeps
+only ``head_dim`` in its attention, as Hugging Face's Llama does: the head counts are the projections' widths over it,
+and heads are reshaped with ``-1``. ``layers`` sets the number of blocks.
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, qk_norm: bool = False) -> None:
+    def __init__(self, qk_norm: bool = False, head_dim_only: bool = False) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = HEADS, KV_HEADS, DIM // HEADS
-        self.n_rep = HEADS // KV_HEADS
+        self.head_dim = DIM // HEADS
+        if not head_dim_only:
+            self.n_heads, self.n_kv_heads = HEADS, KV_HEADS
         self.wq = nn.Linear(DIM, HEADS * self.head_dim, bias=False)
         self.wk = nn.Linear(DIM, KV_HEADS * self.head_dim, bias=False)
         self.wv = nn.Linear(DIM, KV_HEADS * self.head_dim, bias=False)
@@ -65,13 +68,15 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        heads, kv_heads = (self.n_heads, self.n_kv_heads) if hasattr(self, "n_heads") else (-1, -1)
+        q = self.wq(x).view(b, t, heads, self.head_dim)
+        k = self.wk(x).view(b, t, kv_heads, self.head_dim)
+        v = self.wv(x).view(b, t, kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        k, v = k.repeat_interleave(self.n_rep, dim=2), v.repeat_interleave(self.n_rep, dim=2)
+        n_rep = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -88,9 +93,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, experts: int = 0, gated: bool = False, qk_norm: bool = False) -> None:
+    def __init__(self, experts: int = 0, gated: bool = False, qk_norm: bool = False,
+                 head_dim_only: bool = False) -> None:
         super().__init__()
-        self.attention_norm, self.attention = RMSNorm(DIM), Attention(qk_norm)
+        self.attention_norm, self.attention = RMSNorm(DIM), Attention(qk_norm, head_dim_only)
         self.ffn_norm = RMSNorm(DIM)
         self.feed_forward = MoE(DIM, HIDDEN // 2, experts, top_k=2) if experts else FeedForward()
         self.gate = nn.Linear(DIM, 1) if gated else None
@@ -102,11 +108,12 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, experts: int = 0, gated: bool = False, qk_norm: bool = False, outside: bool = False) -> None:
+    def __init__(self, experts: int = 0, gated: bool = False, qk_norm: bool = False, outside: bool = False,
+                 head_dim_only: bool = False, layers: int = LAYERS) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, 16 if outside else DIM)
         self.project = nn.Linear(16, DIM, bias=False) if outside else None
-        self.layers = nn.ModuleList(TransformerBlock(experts, gated, qk_norm) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(TransformerBlock(experts, gated, qk_norm, head_dim_only) for _ in range(layers))
         self.norm = RMSNorm(DIM)
         self.transform = nn.Sequential(nn.Linear(DIM, DIM), nn.GELU(), RMSNorm(DIM)) if outside else None
         self.output = nn.Linear(DIM, VOCAB, bias=False)
@@ -128,10 +135,10 @@ class Llama(nn.Module):
 
 class LitLlama(pl.LightningModule):
     def __init__(self, lr: float = 1e-2, experts: int = 0, gated: bool = False, qk_norm: bool = False,
-                 outside: bool = False) -> None:
+                 outside: bool = False, head_dim_only: bool = False, layers: int = LAYERS) -> None:
         super().__init__()
         self.lr = lr
-        self.model = Llama(experts, gated, qk_norm, outside)
+        self.model = Llama(experts, gated, qk_norm, outside, head_dim_only, layers)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = batch

@@ -3,8 +3,9 @@ and (2, 2, 1) on 4, each with ZeRO-1 and ZeRO-3 under 1F1B and Interleaved1F1B (
 dp=2 × pp=2 × ep=2, and strategy="3d" with no sizes on 4 processes — logged losses and final weights within 1e-4
 over 20 steps; models that read the sequence length on every pipeline stage (rotary GPT, a user-written Llama)
 under pp=2 × tp=2 with sequence parallelism, and a Llama with modules outside its blocks that no tensor-parallel role
-describes (sequence parallelism then covers the blocks only) under pp=2 × tp=2 ZeRO-3; and torchmetrics and a loss
-left a DTensor under pp=2 × tp=2."""
+describes (sequence parallelism then covers the blocks only) under pp=2 × tp=2 ZeRO-3; a grouped-query Llama whose
+attention keeps only head_dim (the planner reads its heads as tensor parallelism does) under dp=2 × pp=2 × tp=2 on 8
+and pp=2 × tp=2 ZeRO-3 on 4; and torchmetrics and a loss left a DTensor under pp=2 × tp=2."""
 
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def test_auto_gathers_again_where_keeping_the_gathered_inputs_would_not_fit():
     from types import SimpleNamespace
 
     from meshlight.parallel.planner import HARDWARE, MODELS, plan
+    from meshlight.parallel.transforms import TensorParallelOptions
 
     h100 = HARDWARE["h100"]
     # Megatron 462B's published layout fits only gathered again (tests/parallel/test_planner.py); 32B's either way
@@ -63,10 +65,9 @@ def test_auto_gathers_again_where_keeping_the_gathered_inputs_would_not_fit():
                                                    ("megatron-32b", 384, 192, (48, 1, 8), True)):
         model = MODELS[name]
         best = plan(model, h100, world, batch, dp=dp, pp=pp, tp=tp, recompute=False)[0]
-        strategy = SimpleNamespace(_keep_gathered="auto", world_size=world,
-                                   _tensor_parallel={"sequence_parallel": True, "keep_gathered_inputs": False})
+        strategy = SimpleNamespace(_keep_gathered="auto", world_size=world, tensor_parallel=TensorParallelOptions())
         ml.Hybrid3DStrategy._settle_gathered_inputs(strategy, model, h100, best, best.recompute)
-        assert strategy._tensor_parallel["keep_gathered_inputs"] is kept, name
+        assert strategy.tensor_parallel.keep_gathered_inputs is kept, name
 
 
 def test_3d_without_sizes_trains_the_planners_layout(distributed, controls):

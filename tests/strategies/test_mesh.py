@@ -23,22 +23,22 @@ def test_layout_and_ranks_come_from_slurm(monkeypatch):
     assert (strategy.layout.dp_replicate, strategy.layout.dp_shard) == (2, 2)
 
 
-def test_a_parallelized_module_refuses_a_second_layout(tmp_path):
-    """Checked in one process (world size 1), where DDP and ZeRO-3 are still different layouts."""
-    import lightning.pytorch as pl
-    import pytest
+def test_a_module_fitted_again_under_another_layout_is_parallelized_for_it_and_test_reuses_the_fitted_model(tmp_path):
+    """On 2 processes: DDP leaves the LightningModule itself as it was (only the root around it carries DDP), so a
+    second Trainer with ZeRO-3 parallelizes it anew, from the weights the first fit trained; ``test`` after ``fit``
+    runs the very model ``fit`` parallelized; once ZeRO-3 sharded it, a third layout is refused."""
+    from pathlib import Path
 
-    from meshlight.demos import LitGPT, RandomTokensDataModule
-    from meshlight.models import GPTConfig
+    import torch
 
-    pl.seed_everything(0, verbose=False)
-    module = LitGPT(GPTConfig.tiny(dim=32, vocab_size=32, max_seq_len=16))
-    data = RandomTokensDataModule(vocab_size=32, seq_len=16, batch_size=2, train_size=4, val_size=2)
-    options = dict(devices=1, accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
-                   enable_checkpointing=False, default_root_dir=tmp_path)
-    trainer = ml.Trainer(strategy="zero3", **options)
-    trainer.fit(module, data)
-    trainer.validate(module, data, verbose=False)  # the same Trainer reuses the parallelized module
-    message = r"already parallelized as dp=1 \(ZeRO-3\).* cannot also run as dp=1 \(DDP\)"
-    with pytest.raises(RuntimeError, match=message):
-        ml.Trainer(strategy="ddp", **options).fit(module, data)
+    from tests.launch import torchrun
+    from tests.strategies.workers import relayout_worker
+
+    torchrun(Path(relayout_worker.__file__), 2, str(tmp_path))
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["ddp_test_reused_fit_model"] and result["zero3_test_reused_fit_model"], result
+        assert result["ddp_fsdp_units"] == 0 and result["zero3_fsdp_units"] == 5, result  # 4 blocks + root
+        assert result["zero3_weights_are_the_ddp_trained_ones"], result
+        assert result["ddp_changed_weights"], result
+        assert "already parallelized as dp=2 (ZeRO-3)" in result["third_layout_error"], result

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 import meshlight as ml
 from meshlight.callbacks import MixedPrecision
-from meshlight.nn.moe import Router
+from meshlight.nn.experts import Router
 from meshlight.parallel.precision import is_norm
 from tests.strategies.parity import train
 from tests.strategies.workers.hybrid_worker import moe_gpt4

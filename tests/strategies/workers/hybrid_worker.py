@@ -3,12 +3,15 @@
 (the planner's layout) — for the world size it is launched with (4 or 8); on 4 also torchmetrics under pp=2 × tp=2,
 and under pp=2 × tp=2 with sequence parallelism models whose forward reads the sequence length from its input on
 every stage (rotary tables: the GPT with rotary positions, the user-written Llama, here with a gate Linear that
-tensor parallelism leaves whole).
+tensor parallelism leaves whole); and a 4-block grouped-query Llama whose attention keeps only ``head_dim`` (its head
+counts read from the projections' widths, by the planner as by tensor parallelism) under dp=2 × pp=2 × tp=2 on 8 and
+pp=2 × tp=2 ZeRO-3 on 4, the sizes left out planned.
 """
 
 import functools
 import sys
 import warnings
+from typing import Optional
 
 import lightning.pytorch as pl
 import torch
@@ -41,7 +44,8 @@ def moe_gpt4() -> LitGPT:
 
 MODELS = {"gpt4": gpt4, "moe": moe_gpt4, "gpt4-rotary": functools.partial(gpt4, positions="rotary"),
           "llama-gated": functools.partial(LitLlama, gated=True),
-          "llama-outside": functools.partial(LitLlama, outside=True)}
+          "llama-outside": functools.partial(LitLlama, outside=True),
+          "llama-head-dim": functools.partial(LitLlama, head_dim_only=True, layers=4)}
 
 
 class Counting(LitGPT):
@@ -86,11 +90,14 @@ def validation_metrics() -> list[dict[str, object]]:
     return gathered
 
 
-def runs(world: int) -> list[tuple[int, int, int, int, int, str, str]]:
-    """(dp, pp, tp, ep, zero, schedule, model) for this world size."""
+def runs(world: int) -> list[tuple[int, int, int, Optional[int], Optional[int], str, str]]:
+    """(dp, pp, tp, ep, zero, schedule, model) for this world size; None: the planner's choice."""
     layouts = [(2, 2, 2)] if world == 8 else [(1, 2, 2), (2, 2, 1)]
     grid = [(dp, pp, tp, 1, zero, schedule, "gpt4") for dp, pp, tp in layouts for zero in (1, 3)
             for schedule in SCHEDULES]
+    # ep (and on 8 zero) left to the planner, which then reads the model's heads
+    grid.append((2, 2, 2, None, None, "1f1b", "llama-head-dim") if world == 8 else
+                (1, 2, 2, None, 3, "1f1b", "llama-head-dim"))
     if world == 4:
         grid += [(2, 2, 1, 2, 1, "1f1b", "moe"), (1, 2, 2, 1, 1, "interleaved1f1b", "gpt4-rotary"),
                  (1, 2, 2, 1, 1, "1f1b", "llama-gated"), (1, 2, 2, 1, 3, "1f1b", "llama-outside")]
@@ -104,7 +111,7 @@ if __name__ == "__main__":
         dp, pp, tp, ep, zero, schedule, model = run
         # Two microbatches (one per stage) halve the run time against four; the schedules themselves are tested
         # with 4 and 8 in test_pipeline.py.
-        # ZeRO-1 runs leave keeping the projections' gathered inputs to the planner (they fit: kept); ZeRO-3 runs
+        # ZeRO-1 runs leave keeping the projections' gathered inputs to the planner (they fit: kept); the others
         # gather them again in backward
         strategy = ml.Hybrid3DStrategy(dp=dp, pp=pp, tp=tp, ep=ep, zero=zero, schedule=schedule, microbatches=2,
                                        keep_gathered_inputs="auto" if zero == 1 else False)

@@ -1,0 +1,129 @@
+"""A model's shape — blocks, hidden size, attention heads, MLP width, experts, vocabulary — read from its structure.
+
+The layout planner prices a model by its shape and tensor parallelism splits it by its heads; both read them here,
+so that a layout the planner proposes is one the engine accepts. Head counts come from the attributes an attention
+module keeps them under (:data:`HEAD_COUNT_ATTRIBUTES`, which tensor parallelism divides by tp), else from its
+``head_dim`` and its projections' widths (Hugging Face's Llama keeps only ``head_dim`` and reshapes with ``-1``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import nn
+
+from meshlight.nn.moe import MoE
+from meshlight.parallel.blocks import repeated_blocks
+
+__all__ = [
+    "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "ModelShape", "ModelShapeError", "attention_heads", "head_counts",
+    "head_dim_of", "hidden_size", "model_shape", "projection_heads", "projections",
+]
+
+#: Attribute names under which attention modules keep their head counts (tensor parallelism divides them by tp).
+HEAD_COUNT_ATTRIBUTES = (
+    "n_heads", "num_heads", "n_head", "num_attention_heads", "heads", "nheads",
+    "n_kv_heads", "num_kv_heads", "n_kv_head", "num_key_value_heads", "kv_heads",
+)
+#: Attribute names under which attention modules keep the width of one head.
+HEAD_DIM_ATTRIBUTES = ("head_dim", "head_size")
+
+
+class ModelShapeError(ValueError):
+    """A model whose shape cannot be read from its structure (no repeated blocks)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's shape as its structure tells it. ``heads``, ``kv_heads`` and ``head_dim`` are
+    None where no attention module names its head count or ``head_dim``; ``mlp_width`` is the widest projection
+    out of the hidden state that is not the hidden size (the experts' width where that is wider)."""
+
+    blocks: int
+    hidden: int
+    heads: Optional[int]
+    kv_heads: Optional[int]
+    head_dim: Optional[int]
+    mlp_width: int
+    vocab: int
+    experts: int = 0
+    top_k: int = 1
+    moe_layers: int = 0
+
+
+def model_shape(module: nn.Module) -> ModelShape:
+    """The shape of ``module`` from its repeated blocks (:func:`~meshlight.parallel.blocks.repeated_blocks`): the
+    hidden size the most Linears in them read, the first block's attention heads (:func:`attention_heads`), the
+    largest Embedding's vocabulary and the ``meshlight.nn.MoE`` layers' experts."""
+    blocks = repeated_blocks(module)
+    if not blocks:
+        raise ModelShapeError(f"{type(module).__name__} has no repeated blocks (an nn.ModuleList of layers).")
+    hidden = hidden_size(blocks) or 0
+    attention = next((m for m in blocks[0].modules() if attention_heads(m, hidden)), None)
+    heads, kv_heads = attention_heads(attention, hidden) if attention else (None, None)
+    moes = [m for m in module.modules() if isinstance(m, MoE)]
+    widths = [m.out_features for m in blocks[0].modules()
+              if isinstance(m, nn.Linear) and m.in_features == hidden and m.out_features != hidden]
+    widths += [moe.config.hidden_dim for moe in moes[:1]]
+    return ModelShape(
+        blocks=len(blocks), hidden=hidden, heads=heads, kv_heads=kv_heads,
+        head_dim=(head_dim_of(attention) or hidden // heads) if attention else None,
+        mlp_width=max(widths, default=4 * hidden),
+        vocab=max((m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)), default=0),
+        experts=moes[0].num_experts if moes else 0, top_k=moes[0].top_k if moes else 1, moe_layers=len(moes),
+    )
+
+
+def hidden_size(blocks: Iterable[nn.Module]) -> Optional[int]:
+    """The width the most Linears in ``blocks`` read: the hidden state's; None when they hold no Linear."""
+    widths = Counter(m.in_features for block in blocks for m in block.modules() if isinstance(m, nn.Linear))
+    return widths.most_common(1)[0][0] if widths else None
+
+
+def projections(module: nn.Module, hidden: int) -> tuple[list[str], Optional[str]]:
+    """(readers, writer) among ``module``'s Linear children, by name: the last that writes the ``hidden`` size back
+    (an output projection), and those that read it (q, k, v; gate and up), the writer aside. No writer: a gate."""
+    linears = [(name, m) for name, m in module.named_children() if isinstance(m, nn.Linear)]
+    writers = [name for name, m in linears if m.out_features == hidden]
+    writer = writers[-1] if writers else None
+    return [name for name, m in linears if m.in_features == hidden and name != writer], writer
+
+
+def head_counts(module: nn.Module) -> dict[str, int]:
+    """The head counts ``module`` keeps under :data:`HEAD_COUNT_ATTRIBUTES`, by attribute."""
+    counts = {a: getattr(module, a, None) for a in HEAD_COUNT_ATTRIBUTES}
+    return {a: v for a, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def head_dim_of(module: nn.Module) -> Optional[int]:
+    """The width of one head, where ``module`` keeps it under :data:`HEAD_DIM_ATTRIBUTES`."""
+    dims = (getattr(module, a, None) for a in HEAD_DIM_ATTRIBUTES)
+    return next((d for d in dims if isinstance(d, int) and not isinstance(d, bool) and d > 0), None)
+
+
+def projection_heads(module: nn.Module, names: Sequence[str]) -> dict[str, int]:
+    """Heads of each of ``module``'s Linear children ``names`` whose width is whole heads of its ``head_dim``: the
+    width over ``head_dim``. Empty where ``module`` keeps no ``head_dim``."""
+    head_dim = head_dim_of(module)
+    if not head_dim:
+        return {}
+    linears = {name: module.get_submodule(name) for name in names}
+    return {name: m.out_features // head_dim for name, m in linears.items()
+            if isinstance(m, nn.Linear) and m.out_features % head_dim == 0}
+
+
+def attention_heads(module: nn.Module, hidden: int) -> Optional[tuple[int, int]]:
+    """(heads, kv heads) of an attention ``module``: from its head-count attributes (kv heads: a name with ``kv`` or
+    ``key_value``; none: as many as heads), else from ``head_dim`` and the widths of its first two projections out
+    of the ``hidden`` state (q, then k). None where it names neither."""
+    counts = head_counts(module)
+    kv_named = {a: v for a, v in counts.items() if "kv" in a or "key_value" in a}
+    derived = list(projection_heads(module, projections(module, hidden)[0]).values())
+    heads = next((v for a, v in counts.items() if a not in kv_named), derived[0] if derived else None)
+    if not heads:
+        return None
+    kv_heads = next(iter(kv_named.values()), derived[1] if len(derived) > 1 else heads)
+    return heads, kv_heads

@@ -1,0 +1,99 @@
+"""The checkpoint hooks of :class:`~meshlight.strategies.MeshStrategy`: sharded model and optimizer states written
+as DCP folders (reshardable to any layout), committed atomically, optionally in the background, with each rank's
+random state; resumed into the parallelized model (see :mod:`meshlight.parallel.checkpoint`)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ParallelStrategy
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from meshlight.parallel.checkpoint import (
+    OPTIMIZER_STATE,
+    AsyncCheckpointWriter,
+    load_checkpoint,
+    load_rng_state,
+    save_checkpoint,
+)
+from meshlight.strategies.lightning_internals import PathLike, collect_rng_states, set_rng_states
+from meshlight.strategies.preemption import newest_whole_hpc_checkpoint
+
+__all__ = ["ShardedCheckpointing"]
+
+
+class ShardedCheckpointing(ParallelStrategy):
+    """Lightning's checkpoint hooks for a strategy whose model and optimizer states are sharded."""
+
+    _checkpoint_writer: Optional[AsyncCheckpointWriter] = None
+    #: the whole model's state names where this rank holds only some (pipeline stages)
+    _state_names: Optional[set[str]] = None
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # sharded states load into the parallelized model
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # optimizer states are restored with the model, resharded, in `load_checkpoint`
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The sharded model state (DTensors stay sharded; nothing is gathered)."""
+        assert self.lightning_module is not None
+        return get_model_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The sharded optimizer state, keyed by parameter name so it reshards on load."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        assert self.lightning_module is not None
+        return get_optimizer_state_dict(self.lightning_module, optimizer, options=OPTIMIZER_STATE)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None, *,
+        asynchronous: bool = False,
+    ) -> None:
+        """Write a sharded checkpoint folder, committed atomically (see :func:`meshlight.parallel.save_checkpoint`);
+        ``asynchronous``: stage it in memory and write it in the background (:meth:`wait_for_checkpoint`)."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} writes sharded checkpoints itself: drop `storage_options`.")
+        path = self.broadcast(filepath)
+        if asynchronous and self._checkpoint_writer is None:
+            self._checkpoint_writer = AsyncCheckpointWriter()
+        rng = {"world_size": self.world_size, **collect_rng_states(include_cuda=self.root_device.type == "cuda")}
+        save_checkpoint(path, checkpoint, write_metadata=self.is_global_zero, rng_state=rng,
+                        writer=self._checkpoint_writer if asynchronous else None)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a checkpoint being written in the background is written and committed."""
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.wait()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = self.broadcast(newest_whole_hpc_checkpoint(str(checkpoint_path)) if self.is_global_zero
+                              else checkpoint_path)
+        module = self.lightning_module
+        assert module is not None
+        checkpoint = load_checkpoint(path, module, self.optimizers, strict=module.strict_loading,
+                                     weights_only=weights_only, expected_names=self._state_names)
+        rng = load_rng_state(path)
+        if rng is not None and rng.pop("world_size", None) == self.world_size:
+            set_rng_states(rng)  # same ranks, same streams: dropout continues as if never interrupted
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded, resharded, in `load_checkpoint`
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded, resharded, in `load_checkpoint`

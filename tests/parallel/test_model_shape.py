@@ -1,0 +1,84 @@
+"""A model's shape is read in one place: head counts from the attributes attention keeps them under, else from
+``head_dim`` and the projections' widths; the planner and tensor parallelism then accept the same tp."""
+
+import pytest
+from torch import nn
+
+from meshlight.models import GPT, GPTConfig
+from meshlight.parallel.model_shape import ModelShape, ModelShapeError, attention_heads, model_shape
+from meshlight.parallel.planner import HARDWARE, PlanError, model_spec_of, plan
+from meshlight.parallel.tensor_plan import TensorParallelError, derive_plan, validate_plan
+from tests.strategies.llama import LitLlama
+from tests.strategies.nanogpt import NanoGPT
+
+LLAMA = ModelShape(blocks=2, hidden=64, heads=8, kv_heads=4, head_dim=8, mlp_width=128, vocab=16)
+
+
+def test_head_counts_come_from_attributes_or_from_head_dim_and_the_projections():
+    assert model_shape(LitLlama()) == LLAMA  # n_heads, n_kv_heads
+    # Hugging Face's Llama keeps only head_dim: q is 8 heads of 8 wide, k and v 4
+    assert model_shape(LitLlama(head_dim_only=True, layers=4)) == ModelShape(**{**vars(LLAMA), "blocks": 4})
+    gpt = GPT(GPTConfig.tiny(n_layers=3, dim=64, n_heads=4, n_kv_heads=2))  # meshlight's GPT: head_dim only too
+    assert model_shape(gpt) == ModelShape(blocks=3, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp_width=256,
+                                          vocab=256)
+    nano = model_shape(NanoGPT())  # n_head alone: as many key/value heads, each hidden / n_head wide
+    assert (nano.heads, nano.kv_heads, nano.head_dim) == (4, 4, 8)
+
+
+def test_experts_and_their_width_come_from_the_moe_layers():
+    shape = model_shape(LitLlama(experts=8))
+    assert (shape.experts, shape.top_k, shape.moe_layers, shape.mlp_width) == (8, 2, 2, 64)
+
+
+def test_a_module_naming_neither_head_count_nor_head_dim_has_no_heads():
+    attention = nn.Module()
+    attention.q, attention.k, attention.o = nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 32)
+    assert attention_heads(attention, 32) is None
+    attention.head_size = 8
+    assert attention_heads(attention, 32) == (4, 2)
+    attention.num_heads = 2  # an attribute wins over the widths; key/value heads still from k
+    assert attention_heads(attention, 32) == (2, 2)
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)) for _ in range(2))
+    shape = model_shape(model)
+    assert (shape.heads, shape.kv_heads, shape.head_dim, shape.mlp_width) == (None, None, None, 512)
+    assert model_spec_of(model).heads == 2  # the planner's guess: heads 64 wide
+    with pytest.raises(ModelShapeError, match="Sequential has no repeated blocks"):
+        model_shape(nn.Sequential(nn.Linear(4, 4)))
+
+
+@pytest.mark.parametrize("model", [LitLlama, lambda: LitLlama(head_dim_only=True, layers=4), NanoGPT],
+                         ids=["attributes", "head_dim", "nanogpt"])
+def test_the_planner_and_tensor_parallelism_accept_the_same_tp(model):
+    module = model()
+    spec, plan_ = model_spec_of(module, seq_len=12), derive_plan(module)
+    verdicts = {tp: (_planned(spec, tp), _accepted(module, plan_, tp)) for tp in (2, 4, 8)}
+    assert verdicts == {tp: 2 * (spec.heads % tp == 0 and spec.kv_heads % tp == 0,) for tp in (2, 4, 8)}
+    assert verdicts[2] == (True, True)
+
+
+def _planned(spec, tp):
+    try:
+        return plan(spec, HARDWARE["cpu"], 2 * tp, local_batch=8, tp=tp, pp=1)[0].tp == tp
+    except PlanError:
+        return False
+
+
+def _accepted(module, plan_, tp):
+    try:
+        validate_plan(module, plan_, tp, 2 * tp)
+    except TensorParallelError:
+        return False
+    return True
+
+
+def test_a_llama_keeping_only_head_dim_is_planned_with_its_heads_under_3d_sizes():
+    # it read as 1 head before: "tp must divide heads=1, kv_heads=1"
+    spec = model_spec_of(LitLlama(head_dim_only=True, layers=4), seq_len=12)
+    assert (spec.heads, spec.kv_heads) == (8, 4)
+    best = plan(spec, HARDWARE["cpu"], 8, local_batch=2, dp=2, pp=2, tp=2)[0]
+    assert (best.dp, best.pp, best.tp) == (2, 2, 2)
+    module = LitLlama(head_dim_only=True)
+    with pytest.raises(TensorParallelError, match=r"tp=8 does not divide heads of model.layers.0.attention.wk=4;"
+                                                  r" choose tp in \[1, 2, 4\]"):
+        validate_plan(module, derive_plan(module), 8, 8)
