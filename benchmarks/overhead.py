@@ -76,7 +76,7 @@ def worker(name: str, rotations: int, steps: int, only: tuple[str, ...] = ()) ->
     from meshlight.demos import LitGPT, RandomTokensDataModule
     from meshlight.demos.lit_gpt import _warmup_cosine
     from meshlight.models import GPTConfig
-    from meshlight.nn import MoEConfig, attach_moe_updates
+    from meshlight.nn import MoEConfig
     from meshlight.parallel import ParallelLayout, build_device_mesh, parallelize
     from meshlight.parallel.pipeline import plan_stages, split_stages
     from meshlight.parallel.tensor import apply_tensor_parallel
@@ -170,6 +170,8 @@ def worker(name: str, rotations: int, steps: int, only: tuple[str, ...] = ()) ->
         vectors = [p for p in model.parameters() if p.dim() < 2]
         groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
+        from meshlight.nn import attach_moe_updates  # here: benchmarks/paired_commits.py runs older meshlights
+
         attach_moe_updates(optimizer, model)  # the MoE layers' load all-reduce after each step, as meshlight runs it
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(10, total_steps, 0.1))
         source = data()
