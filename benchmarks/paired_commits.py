@@ -4,9 +4,9 @@ Each commit is checked out in a worktree of its own (``git worktree add``), with
 ``benchmarks/overhead.py`` and ``benchmarks/common.py`` copied in so both run the same measurement. Per strategy,
 ``--rounds`` times: one launch of ``overhead.py --variants meshlight --rotations 1`` at each commit, back to back, the
 order alternating between rounds, so a round's two medians are paired in time and the machine's drift cancels.
-Reported per strategy: the median over rounds of new ÷ old, its lowest and highest round (the noise), and whether the
-median is within ``--margin`` ("within"), and if not, "inconclusive" where the spread is wider than the margin, else
-"slower".
+Reported per strategy: the median over rounds of new ÷ old, its quartiles and its lowest and highest round (the
+noise), and a verdict: "inconclusive" where the quartiles lie further apart than ``--margin`` (the noise hides a
+difference that small), else "within" when the median is at most ``1 + margin``, else "slower".
 
     python benchmarks/paired_commits.py OLD NEW [--rounds 10] [--strategies ddp zero3 tp pipeline moe loop]
 """
@@ -63,11 +63,11 @@ def main() -> None:
                 order = ("old", "new") if round_index % 2 == 0 else ("new", "old")
                 seconds = {which: step_seconds(trees[which], strategy, args.steps) for which in order}
                 ratios.append(seconds["new"] / seconds["old"])
-            median, low, high = statistics.median(ratios), min(ratios), max(ratios)
-            verdict = ("within" if median <= 1 + args.margin else
-                       "inconclusive" if high - low > args.margin else "slower")
-            rows.append({"strategy": strategy, "new_over_old": median, "lowest": low, "highest": high,
-                         "verdict": verdict, "round_ratios": ratios})
+            median, (lower, _, upper) = statistics.median(ratios), statistics.quantiles(ratios, n=4)
+            verdict = ("inconclusive" if upper - lower > args.margin else
+                       "within" if median <= 1 + args.margin else "slower")
+            rows.append({"strategy": strategy, "new_over_old": median, "quartiles": [lower, upper],
+                         "lowest": min(ratios), "highest": max(ratios), "verdict": verdict, "round_ratios": ratios})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     finally:
         for tree in trees.values():

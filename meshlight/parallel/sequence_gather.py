@@ -16,6 +16,7 @@ saved-tensor hooks are disabled or traced (``torch.compile``), and without seque
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -33,27 +34,34 @@ __all__ = ["register_sequence_gather"]
 def register_sequence_gather(
     module: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool, keep_gathered: bool = False,
 ) -> None:
-    """Make ``module``'s first input one replicated DTensor over the 1-D ``mesh`` (an all-gather of the sequence
-    under sequence parallelism) before its forward. It stays a DTensor, so the gradients of all the Linears reading
-    it accumulate as one partial sum and are reduced once. Under sequence parallelism, what ``module``'s forward
-    saves of it is kept as this rank's share and gathered again in backward, unless ``keep_gathered``."""
+    """Make ``module``'s first input (given by position or by its name) one replicated DTensor over the 1-D
+    ``mesh`` (an all-gather of the sequence under sequence parallelism) before its forward. It stays a DTensor, so
+    the gradients of all the Linears reading it accumulate as one partial sum and are reduced once. Under sequence
+    parallelism, what ``module``'s forward saves of it is kept as this rank's share and gathered again in backward,
+    unless ``keep_gathered``."""
     layout = Shard(1) if sequence_parallel else Replicate()
     regather = sequence_parallel and not keep_gathered
     scopes: list[Optional[_Scope]] = []  # one per call in flight, popped by the forward hook
 
-    def gather(mod: nn.Module, args: tuple) -> tuple:
+    first = _first_parameter(module)
+
+    def gather(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         scope = None
-        if args and isinstance(args[0], Tensor):
-            share = args[0] if isinstance(args[0], DTensor) else DTensor.from_local(args[0], mesh, [layout],
-                                                                                    run_check=False)
+        by_name = not args and first in kwargs  # Hugging Face's decoder layers call attention with keywords
+        value = kwargs[first] if by_name else args[0] if args else None
+        if isinstance(value, Tensor):
+            share = value if isinstance(value, DTensor) else DTensor.from_local(value, mesh, [layout], run_check=False)
             gathered = share.redistribute(mesh, [Replicate()])
             if regather and _hooks_apply(share):
                 scope = _Scope(share, gathered)
-            args = (gathered, *args[1:])
+            if by_name:
+                kwargs = {**kwargs, first: gathered}
+            else:
+                args = (gathered, *args[1:])
         if scope is not None:
             torch._C._autograd._push_saved_tensors_default_hooks(scope.pack, scope.unpack)
         scopes.append(scope)
-        return args
+        return args, kwargs
 
     def leave(mod: nn.Module, args: tuple, output: Any) -> None:
         scope = scopes.pop()
@@ -61,8 +69,15 @@ def register_sequence_gather(
             torch._C._autograd._pop_saved_tensors_default_hooks()
             scope.close()
 
-    module.register_forward_pre_hook(gather)
+    module.register_forward_pre_hook(gather, with_kwargs=True)
     module.register_forward_hook(leave, always_call=True)
+
+
+def _first_parameter(module: nn.Module) -> Optional[str]:
+    """The name of the first parameter of ``module``'s forward (what a caller may pass by keyword)."""
+    parameters = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return parameters[0].name if parameters else None
 
 
 def _hooks_apply(share: DTensor) -> bool:
