@@ -120,15 +120,16 @@ def sequence_region(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyl
     """Where sequence parallelism holds this rank's share of the sequence; ``None``: Megatron-LM's region, from the
     token embedding's output to the LM head's input.
 
-    That region needs everything outside the blocks to have a role: a token embedding that hands on the share, an
-    LM head that gathers it, norms and position tables that run on it. A module outside the blocks the plan gives
-    no role (an adapter after the embedding, a factorized embedding's projection, a value or classification head,
-    a learned class token) would read a share where it expects the sequence — trained on its share alone, or
-    failing on the shapes. Then the region is the blocks only, returned as (first block, last block): the first
-    block's input is cut to the share and the last block's output gathered, and the rest runs on the whole
-    sequence, as without sequence parallelism. Layouts a user plan gives to modules outside the blocks (styles,
-    colwise/rowwise roles) keep Megatron-LM's region (the user chose them); beside a module outside the blocks with
-    no role they are refused, as no region suits both."""
+    That region needs everything outside the blocks to have a role: a token embedding that hands on the share, an LM
+    head that gathers it, norms and position tables that run on it. A module outside the blocks the plan gives no
+    role (an adapter after the embedding, a factorized embedding's projection, a value or classification head, a
+    learned class token) would read a share where it expects the sequence — trained on its share alone, or failing
+    on the shapes; so would a table outside the blocks computed for the positions the model counts from the
+    embedding's output (:func:`_tables`: Hugging Face's rotary embeddings). Then the region is the blocks only,
+    returned as (first block, last block): the first block's input is cut to the share and the last block's output
+    gathered, and the rest runs on the whole sequence, as without sequence parallelism. Layouts a user plan gives to
+    modules outside the blocks (styles, colwise/rowwise roles) keep Megatron-LM's region (the user chose them);
+    beside a module outside the blocks with no role they are refused, as no region suits both."""
     blocks = _named_blocks(model)
     if not blocks:
         return None
@@ -145,9 +146,18 @@ def sequence_region(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyl
             " embedding to the LM head), which would train the latter on this rank's share alone. Give them roles or"
             " styles too, leave the modules outside the blocks to meshlight, or pass sequence_parallel=False."
         )
-    if styled or {"embedding", "head"} <= set(outside.values()) and not unplanned:
+    if styled or {"embedding", "head"} <= set(outside.values()) and not unplanned and not _tables(model, blocks):
         return None
     return blocks[0][0], blocks[-1][0]
+
+
+def _tables(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[str]:
+    """Modules outside the blocks that hold buffers and no parameters: tables computed from what the model's forward
+    gives them, such as Hugging Face's ``rotary_emb``, called with positions the model counts from the embedding's
+    output. On a share of the sequence they would cover the share's positions only."""
+    in_blocks = {id(m) for _, block in blocks for m in block.modules()}
+    return [name for name, module in model.named_modules() if id(module) not in in_blocks
+            and next(module.buffers(recurse=False), None) is not None and next(module.parameters(), None) is None]
 
 
 def _outside_unplanned(model: nn.Module, blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> list[str]:
