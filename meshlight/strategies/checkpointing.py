@@ -31,6 +31,8 @@ class ShardedCheckpointing(ParallelStrategy):
     _checkpoint_writer: Optional[AsyncCheckpointWriter] = None
     #: the whole model's state names where this rank holds only some (pipeline stages)
     _state_names: Optional[set[str]] = None
+    #: the random state a resumed run's first training batch starts from (see :meth:`on_train_batch_start`)
+    _resumed_rng: Optional[dict[str, Any]] = None
 
     @property
     @override
@@ -88,7 +90,20 @@ class ShardedCheckpointing(ParallelStrategy):
         rng = load_rng_state(path)
         if rng is not None and rng.pop("world_size", None) == self.world_size:
             set_rng_states(rng)  # same ranks, same streams: dropout continues as if never interrupted
+            self._resumed_rng = rng
         return checkpoint
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """The saved random state was the one after the checkpointed step. Resumed mid-epoch, the training
+        loader's iterator is made anew after the state was restored, and drawing its seed moved the stream, where
+        the uninterrupted run had made it at the epoch's start: the state is set again before the first batch.
+        Resumed at an epoch's end, the uninterrupted run drew that seed after the step too, as the resumed one does."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self._resumed_rng is not None:
+            if batch_idx > 0:
+                set_rng_states(self._resumed_rng)
+            self._resumed_rng = None
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -18,7 +18,9 @@ SIGTERM, and its checkpoint resumes under other layouts.
     resume DIR OUT NAME resume DIR/full's step-10 checkpoint under NAME (ddp, zero3 or single) to step 15; rank 0
                         writes the full weights right after loading and the losses of steps 11–15
 
-Epochs are 8 steps long (as in resume_worker), so step 10 is mid-epoch.
+Epochs are 8 steps long (as in resume_worker), so step 10 is mid-epoch. Dropout is off: the losses of a run
+resumed under another layout are compared with the 3-D run's, and every layout draws its own dropout masks
+(resume_worker covers resuming with dropout on).
 """
 
 import os
@@ -133,7 +135,7 @@ def train(name: str, checkpoint: DistributedCheckpoint = None, *, stop_after: in
                          callbacks=[losses, weights, StopAfter(stop_after), *callbacks]
                          + ([checkpoint] if checkpoint else []))
     data = ml.demos.AdditionDataModule(3, batch_size=GLOBAL_BATCH // dp, train_size=GLOBAL_BATCH * STEPS_PER_EPOCH)
-    trainer.fit(model(0), data, ckpt_path=ckpt_path)
+    trainer.fit(model(0, dropout=0.0), data, ckpt_path=ckpt_path)
     return losses.losses, weights.weights
 
 
@@ -151,7 +153,7 @@ def main(mode: str, directory: Path, out: str = "", name: str = "3d") -> None:
                              enable_progress_bar=False, enable_model_summary=False, callbacks=[validated])
         data = ml.demos.AdditionDataModule(3, batch_size=GLOBAL_BATCH // 2, val_size=GLOBAL_BATCH * 4 * TERM_AT)
         try:
-            trainer.validate(model(0), data)
+            trainer.validate(model(0, dropout=0.0), data)
         except SIGTERMException:
             pass
         result = {"fit": [None] * dist.get_world_size(), "validate": [None] * dist.get_world_size()}

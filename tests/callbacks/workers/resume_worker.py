@@ -52,9 +52,10 @@ STRATEGIES = {
 }  # and "3d", (dp, pp, tp) = (2, 2, 2) on 8 processes: reshard_worker
 
 
-def model(experts: int) -> LitGPT:
+def model(experts: int, dropout: float = 0.1) -> LitGPT:
+    """``dropout`` on by default: a resumed run must continue every random stream where the uninterrupted one was."""
     config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=2, bias=False,
-                            moe=MoEConfig(num_experts=experts) if experts else None)
+                            dropout=dropout, moe=MoEConfig(num_experts=experts) if experts else None)
     return LitGPT(config, lr=1e-2, warmup_steps=2)
 
 
