@@ -107,4 +107,4 @@ class PipelineEngine(StepEngine):
             return self.steps.evaluation_step(getattr(self.strategy.lightning_module, f"{kind}_step"), *args)
 
 
-_PRECISION_CONTEXT = {"validation": "val"}  # Lightning's precision plugins name their step contexts so
+_PRECISION_CONTEXT = {"validation": "val"}  # the precision plugin names it `val_step_context`
