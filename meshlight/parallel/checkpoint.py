@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from meshlight.parallel.dtensors import has_dtensor_parameters
+from meshlight.parallel.random_state import from_weights_only_form, weights_only_form
 
 __all__ = [
     "META_FILENAME",
@@ -109,7 +110,7 @@ def save_checkpoint(
     _barrier()  # no rank writes into the folder before it is marked incomplete
     if rng_state is not None:
         with fs.open(_join(root, RNG_FILENAME.format(rank=_rank())), "wb") as f:
-            torch.save(rng_state, f)
+            torch.save(weights_only_form(rng_state), f)  # loadable with weights_only=True: no code runs on resume
     if write_metadata:
         with fs.open(_join(root, META_FILENAME), "wb") as f:
             torch.save(checkpoint, f)
@@ -213,14 +214,26 @@ def _incompleteness(path: PathLike) -> Optional[str]:
     return None
 
 
-def load_rng_state(path: PathLike) -> Optional[dict[str, Any]]:
-    """This rank's random-generator states saved with the checkpoint, if it saved one for this rank."""
+def load_rng_state(path: PathLike, *, weights_only: Optional[bool] = None) -> Optional[dict[str, Any]]:
+    """This rank's random-generator states saved with the checkpoint, if it saved one for this rank.
+
+    Read as tensors, numbers and tuples only (``weights_only``, unless it is ``False``): unpickling anything else can
+    run code the file brings, so such a file is refused, naming it, unless the caller trusts it explicitly."""
     fs, root = fsspec.core.url_to_fs(str(path))
     name = _join(root, RNG_FILENAME.format(rank=_rank()))
     if not fs.exists(name):
         return None
     with fs.open(name, "rb") as f:
-        return torch.load(f, map_location="cpu", weights_only=False)
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=weights_only is not False)
+        except pickle.UnpicklingError as error:
+            raise CheckpointError(
+                f"{name} holds objects that unpickling would have to run code for, and was not read"
+                f" ({str(error).splitlines()[0]}). meshlight writes random states as tensors and numbers only; a file"
+                " written otherwise comes from elsewhere or from an older meshlight. If you trust it, resume with"
+                " trainer.fit(..., weights_only=False)."
+            ) from None
+    return from_weights_only_form(state)
 
 
 def _read(state: dict[str, Any], path: PathLike, *, no_dist: bool = False) -> None:

@@ -15,6 +15,7 @@ from typing_extensions import override
 from meshlight.parallel.checkpoint import (
     OPTIMIZER_STATE,
     AsyncCheckpointWriter,
+    CheckpointError,
     load_checkpoint,
     load_rng_state,
     save_checkpoint,
@@ -87,7 +88,12 @@ class ShardedCheckpointing(ParallelStrategy):
         assert module is not None
         checkpoint = load_checkpoint(path, module, self.optimizers, strict=module.strict_loading,
                                      weights_only=weights_only, expected_names=self._state_names)
-        rng = load_rng_state(path)
+        try:
+            rng, refused = load_rng_state(path, weights_only=weights_only), None
+        except CheckpointError as error:  # a file of this rank's: every rank stops, none waits in a collective
+            rng, refused = None, error
+        if self.reduce_boolean_decision(refused is not None, all=False):
+            raise refused or CheckpointError(f"Another rank refused its random state in {str(path)!r}: see its error.")
         if rng is not None and rng.pop("world_size", None) == self.world_size:
             set_rng_states(rng)  # same ranks, same streams: dropout continues as if never interrupted
             self._resumed_rng = rng

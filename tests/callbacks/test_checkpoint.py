@@ -242,6 +242,33 @@ def test_partial_and_damaged_checkpoints_fail_naming_the_file(tmp_path):
     assert not (tmp_path / "other").exists()  # no run that failed to resume saved anything
 
 
+class _Payload:
+    """Unpickling it runs code: it creates the file named."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_random_state_file_that_would_run_code_is_refused_naming_it_unless_trusted(tmp_path):
+    from meshlight.parallel.checkpoint import CheckpointError
+
+    _fit(tmp_path, tmp_path / "ckpt", max_steps=2, async_save=False)
+    folder = tmp_path / "ckpt" / "step=000000002"
+    state = torch.load(folder / "rng-0.pt", weights_only=True)  # what meshlight writes loads without unpickling
+    assert set(state) >= {"torch", "numpy", "python", "world_size"}
+    ran = tmp_path / "payload-ran"
+    torch.save({**state, "numpy": _Payload(ran)}, folder / "rng-0.pt")
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(folder / 'rng-0.pt'))} holds objects that unpickling"
+                                              r" would have to run code for.*weights_only=False"):
+        _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
+    assert not ran.exists()  # refused before anything ran
+    torch.save(state, folder / "rng-0.pt")
+    _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))  # the file as meshlight wrote it resumes
+
+
 def test_writes_to_an_fsspec_url_and_ranks_by_a_monitored_metric(tmp_path):
     import fsspec
 
