@@ -100,8 +100,7 @@ def _structural_roles(model: nn.Module, blocks: list[tuple[str, nn.Module]], hid
             head_dim = head_dim_of(owner)
             roles.update({_join(block_name, owner_name, n): "head_norm" for n, m in owner.named_children()
                           if head_dim not in (None, hidden) and _is_norm(m, head_dim)})
-    in_blocks = {id(m) for _, block in blocks for m in block.modules()}
-    outside = [(n, m) for n, m in model.named_modules() if id(m) not in in_blocks]
+    outside = list(_outside_blocks(model, blocks))
     embeddings = [(n, m) for n, m in outside if isinstance(m, nn.Embedding)]
     vocabularies = {m.num_embeddings for _, m in embeddings}
     heads = [(n, m) for n, m in outside if isinstance(m, nn.Linear) and m.in_features == hidden
@@ -155,18 +154,22 @@ def _tables(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[str]:
     """Modules outside the blocks that hold buffers and no parameters: tables computed from what the model's forward
     gives them, such as Hugging Face's ``rotary_emb``, called with positions the model counts from the embedding's
     output. On a share of the sequence they would cover the share's positions only."""
+    return [name for name, module in _outside_blocks(model, blocks)
+            if next(module.buffers(recurse=False), None) is not None and next(module.parameters(), None) is None]
+
+
+def _outside_blocks(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> Iterator[tuple[str, nn.Module]]:
+    """``model``'s named modules that are not inside one of its ``blocks``."""
     in_blocks = {id(m) for _, block in blocks for m in block.modules()}
-    return [name for name, module in model.named_modules() if id(module) not in in_blocks
-            and next(module.buffers(recurse=False), None) is not None and next(module.parameters(), None) is None]
+    return ((name, module) for name, module in model.named_modules() if id(module) not in in_blocks)
 
 
 def _outside_unplanned(model: nn.Module, blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> list[str]:
     """Parameters outside the blocks that no role covers, by full name (a role names one module; a style covers
     the modules inside it too)."""
-    in_blocks = {id(m) for _, block in blocks for m in block.modules()}
     styled = [name for name, role in plan.items() if isinstance(role, ParallelStyle)]
-    return [_join(name, p) for name, module in model.named_modules() if id(module) not in in_blocks
-            and name not in plan and not _within(name, styled) for p, _ in module.named_parameters(recurse=False)]
+    return [_join(name, p) for name, module in _outside_blocks(model, blocks)
+            if name not in plan and not _within(name, styled) for p, _ in module.named_parameters(recurse=False)]
 
 
 def resolve_plan(model: nn.Module, patterns: UserPlan) -> dict[str, Union[str, ParallelStyle]]:
@@ -245,10 +248,8 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
         constraints.append(("hidden size", hidden))
     _check_groups(model, plan)
     _reject_unsplit(_named_blocks(model), plan, sequence_parallel)
-    parents = _colwise_parents(plan)
-    for parent in parents:
+    for parent in _colwise_parents(plan):
         constraints += [(_join(parent, attribute), count) for attribute, count in head_counts(modules[parent]).items()]
-    for parent in parents:
         colwise = [name.rpartition(".")[2] for name, role in plan.items()
                    if role == "colwise" and name.rpartition(".")[0] == parent]
         constraints += [(f"heads of {_join(parent, name)}", heads)

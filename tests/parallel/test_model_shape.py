@@ -25,6 +25,22 @@ def test_head_counts_come_from_attributes_or_from_head_dim_and_the_projections()
     assert (nano.heads, nano.kv_heads, nano.head_dim) == (4, 4, 8)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_hugging_face_models_read_as_their_configs_say(family):
+    """Models we did not write: the structure gives what their config holds, for the planner too."""
+    from tests.strategies.hf_models import LitCausalLM
+
+    module = LitCausalLM(family)
+    config = module.model.config
+    assert model_shape(module) == ModelShape(
+        blocks=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads, head_dim=config.hidden_size // config.num_attention_heads,
+        mlp_width=config.intermediate_size, vocab=config.vocab_size)
+    spec = model_spec_of(module)
+    assert (spec.layers, spec.heads, spec.kv_heads, spec.ffn_hidden) == (
+        config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size)
+
+
 def test_experts_and_their_width_come_from_the_moe_layers():
     shape = model_shape(LitLlama(experts=8))
     assert (shape.experts, shape.top_k, shape.moe_layers, shape.mlp_width) == (8, 2, 2, 64)
