@@ -11,7 +11,7 @@ over the pipeline group.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Optional, Union
 
 import torch
@@ -59,10 +59,13 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     pipeline_group: Optional[dist.ProcessGroup] = None,
     error_if_nonfinite: bool = False,
+    uncounted: Collection[Tensor] = (),
 ) -> Tensor:
-    """Scale gradients in place so their global norm is at most ``max_norm``; returns the norm before clipping."""
+    """Scale gradients in place so their global norm is at most ``max_norm``; returns the norm before clipping.
+    ``uncounted``: parameters scaled but left out of the norm (a tied weight's copy that another stage counts)."""
     parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    total = total_grad_norm(parameters, norm_type, pipeline_group)
+    left_out = {id(p) for p in uncounted}
+    total = total_grad_norm([p for p in parameters if id(p) not in left_out], norm_type, pipeline_group)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}).")
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)

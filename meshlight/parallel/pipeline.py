@@ -1,11 +1,12 @@
-"""Pipeline parallelism: split a model into stages and run ``torch.distributed.pipelining`` schedules.
+"""Pipeline parallelism: how a model is split into stages, where each stage runs, and the
+``torch.distributed.pipelining`` schedules.
 
 The model contract (README, "Pipeline parallelism"): the *pipelined module* owns its blocks in a
-``ModuleList``/``ModuleDict`` and its ``forward`` is a chain — the pieces with parameters registered before
-the blocks (embeddings) run first, then the blocks in order, then the pieces registered after (norm, head),
-each piece's output being the next one's first input. A stage is that same module with the pieces it does
-not own replaced by :class:`PassThrough`; :func:`check_chain` verifies the contract on real inputs without
-any communication, so a model that breaks it fails identically on every rank instead of hanging in a send.
+``ModuleList``/``ModuleDict``, each block's output the next one's first input. The pieces with parameters
+registered before the blocks (embeddings) belong to the first stage, those after (norm, head) to the last. The
+*model root* — the module the step calls, holding every parameter — may sit above it with *heads* beside it
+(Hugging Face's ``LlamaForCausalLM``: ``model`` and ``lm_head``), which belong to the last stage too. The stage
+modules themselves: :mod:`meshlight.parallel.pipeline_stages`.
 
 Stage balancing: by parameter count (default), by block count, or at explicit split points. Virtual
 stages: "loop" placement puts stage ``s`` on rank ``s % pp``; "v" placement (ZBVZeroBubble, DualPipeV)
@@ -14,7 +15,6 @@ puts stages ``r`` and ``2·pp − 1 − r`` on rank ``r``.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -25,20 +25,17 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from meshlight.parallel.blocks import holds_blocks
-from meshlight.parallel.rank_zero import rank_zero_warn
 
 __all__ = [
     "SCHEDULES",
-    "PassThrough",
+    "ModelRoot",
     "PipelineError",
     "StagePlan",
     "build_schedule",
     "default_virtual_stages",
-    "check_chain",
     "find_pipelined_module",
-    "materialize",
+    "model_root",
     "plan_stages",
-    "split_stages",
     "rank_holding",
     "stages_of_rank",
 ]
@@ -65,13 +62,6 @@ def default_virtual_stages(schedule: str) -> int:
 
 class PipelineError(ValueError):
     """A model, split or schedule the pipeline cannot run as asked; the message names the fix."""
-
-
-class PassThrough(nn.Module):
-    """Stands in for a piece another stage owns: returns its first argument."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0]
 
 
 @dataclass(frozen=True)
@@ -125,6 +115,42 @@ def find_pipelined_module(root: nn.Module) -> tuple[str, nn.Module, str]:
     )
 
 
+@dataclass(frozen=True)
+class ModelRoot:
+    """Where the pipelined module sits in the model a step calls. ``name``: the root in the LightningModule, the
+    innermost module above (or at) the pipelined module that holds every parameter; ``pipelined``: the pipelined
+    module's name inside the root (``""``: the root is the pipelined module); ``container``: its blocks; ``heads``:
+    the root's modules with parameters beside the pipelined module (an LM head), which the last stage owns."""
+
+    name: str
+    pipelined: str
+    container: str
+    heads: tuple[str, ...]
+
+
+def model_root(module: nn.Module) -> ModelRoot:
+    """The :class:`ModelRoot` of ``module`` (a LightningModule): Hugging Face's ``LlamaForCausalLM`` over the
+    ``LlamaModel`` holding the layers, beside ``lm_head``; meshlight's GPT is its own root."""
+    name, _, container = find_pipelined_module(module)
+    # by name, shared ones under each: a head tied to the embedding still lives beside it
+    names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+    parts = name.split(".") if name else []
+    depth = next(d for d in range(len(parts), -1, -1)
+                 if all(n.startswith("".join(f"{p}." for p in parts[:d])) for n in names))
+    ancestor, heads = module.get_submodule(".".join(parts[:depth])), []
+    for index, step in enumerate([*parts[depth:], None]):
+        own = [n for n, _ in ancestor.named_parameters(recurse=False)]
+        if own:
+            raise PipelineError(f"{type(ancestor).__name__} holds parameters of its own ({own}); put them in a child"
+                                " module so that one stage owns them.")
+        if step is None:
+            break
+        prefix = "".join(f"{p}." for p in parts[depth:depth + index])
+        heads += [prefix + child for child, module_ in ancestor.named_children() if child != step and _numel(module_)]
+        ancestor = getattr(ancestor, step)
+    return ModelRoot(".".join(parts[:depth]), ".".join(parts[depth:]), container, tuple(heads))
+
+
 def plan_stages(module: nn.Module, container: str, num_stages: int, split: SplitSpec = None) -> StagePlan:
     """Assign blocks to ``num_stages`` contiguous stages.
 
@@ -176,136 +202,6 @@ def stages_of_rank(rank: int, pp: int, virtual_stages: int, schedule: str) -> li
     """The stage indices rank ``rank`` of ``pp`` holds, in order (:func:`rank_holding`'s inverse)."""
     stages = 2 * pp if schedule in V_PLACEMENT else pp * virtual_stages
     return [stage for stage in range(stages) if rank_holding(stage, pp, schedule) == rank]
-
-
-def split_stages(module: nn.Module, plan: StagePlan, stages: Sequence[int]) -> list[nn.Module]:
-    """Keep in ``module`` only the pieces of ``stages`` (others become :class:`PassThrough`, freeing them) and
-    return one stage module per stage: a shallow copy of ``module`` sharing the pieces it owns."""
-    mine = set().union(*(plan.owned(s) for s in stages))
-    blocks = getattr(module, plan.container)
-    for name in (*plan.pre, *plan.post):
-        if name not in mine:
-            setattr(module, name, PassThrough())
-    for key in (k for stage_keys in plan.blocks for k in stage_keys):
-        if f"{plan.container}.{key}" not in mine:
-            blocks[key if isinstance(blocks, nn.ModuleDict) else int(key)] = PassThrough()
-    return [_stage_view(module, plan, stage) for stage in stages]
-
-
-def _stage_view(module: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
-    view = copy.copy(module)
-    view._modules = dict(module._modules)
-    # Hooks registered on a view (FSDP's root, sequence-share inputs) are its own: a shallow copy would share
-    # the hook dicts with the whole module — run by the step's call to it — and with the rank's other stages.
-    for name, value in vars(module).items():
-        if "hooks" in name and isinstance(value, dict):
-            setattr(view, name, copy.copy(value))
-    owned = plan.owned(stage)
-    for name in (*plan.pre, *plan.post):
-        if name not in owned:
-            view._modules[name] = PassThrough()
-    blocks = module._modules[plan.container]
-    entries = blocks.items() if isinstance(blocks, nn.ModuleDict) else ((str(i), b) for i, b in enumerate(blocks))
-    kept = [(k, b if f"{plan.container}.{k}" in owned else PassThrough()) for k, b in entries]
-    view._modules[plan.container] = nn.ModuleDict(kept) if isinstance(blocks, nn.ModuleDict) else nn.ModuleList(
-        b for _, b in kept)
-    return view
-
-
-def shared_parameters(module: nn.Module, plan: StagePlan) -> list[tuple[str, str]]:
-    """Pairs of pieces owned by different stages that share a parameter (tied embedding and head)."""
-    owner: dict[int, tuple[str, int]] = {}
-    pairs = []
-    for stage in range(plan.num_stages):
-        for piece in sorted(plan.owned(stage)):
-            for param in module.get_submodule(piece).parameters():
-                first = owner.setdefault(id(param), (piece, stage))
-                if first[1] != stage:
-                    pairs.append((first[0], piece))
-    return pairs
-
-
-def materialize(module: nn.Module, device: torch.device) -> None:
-    """Allocate ``module``'s meta-device tensors on ``device`` and initialize them: with the module's own
-    ``init_weights()`` when it has one (meshlight's GPT: the same values as an unsplit model), else every
-    submodule's ``reset_parameters()``. Non-persistent buffers must be recomputed there too."""
-    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        return
-    module.to_empty(device=device)
-    init_weights = getattr(module, "init_weights", None)
-    if callable(init_weights):
-        init_weights()
-        return
-    rank_zero_warn(
-        f"{type(module).__name__} was built on the meta device (configure_model under pipelining) and has no"
-        " init_weights(): each stage's modules are initialized with their own reset_parameters(), so the weights"
-        " differ from those one process draws, and initialization done in configure_model is not applied. Give"
-        f" {type(module).__name__} an init_weights() method that initializes its parameters (from a seed per"
-        " parameter, as meshlight's GPT does, for the same weights under any layout)."
-    )
-    for submodule in module.modules():
-        reset = getattr(submodule, "reset_parameters", None)
-        if callable(reset):
-            reset()
-
-
-def check_chain(module: nn.Module, plan: StagePlan, args: tuple, kwargs: dict) -> None:
-    """Run ``module.forward`` on its real inputs with every piece replaced by a probe that returns its
-    input unchanged: in a chain every piece receives the previous piece's output (here: the very same
-    object) and the forward returns it. No piece computes and nothing is communicated."""
-    pieces = [*plan.pre, *(f"{plan.container}.{k}" for keys in plan.blocks for k in keys), *plan.post]
-    received: list[tuple[str, Any]] = []
-    probes = {name: _Probe(name, received) for name in pieces}
-    view = copy.copy(module)
-    view._modules = dict(module._modules)
-    blocks = module._modules[plan.container]
-    for name in (*plan.pre, *plan.post):
-        view._modules[name] = probes[name]
-    keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
-    probed = [probes[f"{plan.container}.{k}"] for k in keys]
-    view._modules[plan.container] = (nn.ModuleDict(zip(keys, probed)) if isinstance(blocks, nn.ModuleDict)
-                                     else nn.ModuleList(probed))
-    try:
-        with torch.no_grad():
-            output = type(module).forward(view, *args, **kwargs)
-    except Exception as error:  # an operation on what a piece returned: the input, passed through unchanged
-        done = [name for name, _ in received]
-        raise PipelineError(
-            f"{type(module).__name__}.forward is not a chain of its pieces {pieces}: run with every piece passing its"
-            f" input through, it failed after {done[-1] if done else 'no piece'!r} with {type(error).__name__}:"
-            f" {error}. An operation between pieces or after the last (pooling, a reshape, a second input) is not a"
-            " piece of its own: move it into one (see README, 'Pipeline parallelism')."
-        ) from error
-    first = args[0] if args else next(iter(kwargs.values()), None)
-    order = [name for name, _ in received]
-    if order != pieces:
-        raise PipelineError(
-            f"{type(module).__name__}.forward is not a chain of its pieces: it calls {order} but pipelining needs"
-            f" {pieces}, each once and in order (see README, 'Pipeline parallelism')."
-        )
-    expected = first
-    for name, value in received:
-        if value is not expected:
-            raise PipelineError(
-                f"{type(module).__name__}.forward is not a chain: {name} does not receive the previous piece's"
-                " output as its first argument (an operation between pieces, or an input reused later). Move such"
-                " operations into the pieces (see README, 'Pipeline parallelism')."
-            )
-    if output is not expected:
-        raise PipelineError(
-            f"{type(module).__name__}.forward does not return the output of its last piece {pieces[-1]!r}; move"
-            " what it does after it into a module of its own."
-        )
-
-
-class _Probe(nn.Module):
-    def __init__(self, name: str, received: list) -> None:
-        super().__init__()
-        self.name, self.received = name, received
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.received.append((self.name, args[0] if args else None))
-        return args[0] if args else None
 
 
 def build_schedule(

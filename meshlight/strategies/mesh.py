@@ -277,7 +277,8 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         """Clip the optimizer's gradients by their norm over the whole model, however it is sharded."""
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         pipeline_group = self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
-        return clip_grad_norm_(parameters, clip_val, pipeline_group=pipeline_group)
+        uncounted = self.pipeline.tied_weights.last_stage_copies() if self.pipeline is not None else []
+        return clip_grad_norm_(parameters, clip_val, pipeline_group=pipeline_group, uncounted=uncounted)
 
     @override
     def teardown(self) -> None:

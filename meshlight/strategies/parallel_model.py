@@ -19,7 +19,7 @@ from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import expert_layers
 from meshlight.parallel.layout import ParallelLayout
 from meshlight.parallel.parallelize import parallelize
-from meshlight.parallel.pipeline import find_pipelined_module
+from meshlight.parallel.pipeline import model_root
 from meshlight.parallel.tensor_plan import model_plan, sequence_region, stage_plan
 from meshlight.parallel.transforms import TensorParallelOptions, Transforms
 from meshlight.strategies.lightning_internals import ForwardRedirection
@@ -123,8 +123,11 @@ def _pipelined(module: LightningModule, layout: ParallelLayout, mesh: DeviceMesh
                tensor_parallel: TensorParallelOptions, transforms: Transforms,
                options: PipelineOptions) -> ParallelModel:
     state_names = set(module.state_dict())  # before the split: the whole model's names
-    # Tensor-parallel roles are planned on the whole model, before the split frees other stages' pieces.
-    plan, region = _tensor_plan(find_pipelined_module(module)[1], layout, tensor_parallel)
+    # Tensor-parallel roles are planned on the whole model, before the split frees other stages' pieces; a stage
+    # holds the model root as its `root`.
+    plan, region = _tensor_plan(module.get_submodule(model_root(module).name), layout, tensor_parallel)
+    plan = {f"root.{name}": role for name, role in plan.items()} if plan is not None else None
+    region = (f"root.{region[0]}", f"root.{region[1]}") if region is not None else None
 
     def parallelize_stage(stage: nn.Module, index: int) -> nn.Module:
         return parallelize(stage, layout, mesh, tensor_parallel=tensor_parallel,

@@ -2,20 +2,23 @@
 
 Training step, on every rank:
 
-1. *Capture*: run the user's ``training_step`` with the pipelined module's ``forward`` patched to raise: its
-   arguments are stage 0's input (e.g. the token ids), whatever preprocessing the step does first.
+1. *Capture*: run the user's ``training_step`` with the model root's ``forward`` patched to raise (the root:
+   :func:`~meshlight.parallel.pipeline.model_root`): its arguments are stage 0's input (e.g. the token ids),
+   whatever preprocessing the step does first.
 2. *Schedule*: ``torch.distributed.pipelining`` runs forward and backward over the microbatches; on the last
    stage the loss function is the user's ``training_step`` on that microbatch, with ``forward`` patched to
-   return the microbatch's stage output. Its ``self.log`` calls are recorded, not forwarded.
-3. *Gradients* now sit in ``.grad``; Lightning will call ``zero_grad`` before its ``backward``, so they are
-   stashed and handed back in :meth:`PipelineSteps.restore_gradients` (added to those of earlier batches
-   of an accumulation window, which the schedule must not see: it rescales all of ``.grad``).
+   return what the last stage's root forward returned. Its ``self.log`` calls are recorded, not forwarded.
+3. *Gradients* now sit in ``.grad``; those of a weight tied across the first and last stage are summed between
+   them. Lightning will call ``zero_grad`` before its ``backward``, so they are stashed and handed back in
+   :meth:`PipelineSteps.restore_gradients` (added to those of earlier batches of an accumulation window, which
+   the schedule must not see: it rescales all of ``.grad``).
 4. *Logging*: the last stage combines each logged value over microbatches as its ``reduce_fx`` says (mean,
    sum, max, min) and broadcasts the list over the pipeline group; every rank replays it through the real
    ``self.log``, so ``sync_dist``, ``prog_bar``, callbacks, checkpoints and rank 0's loggers see the values a
    non-pipelined run sees.
 
-Stage 0 takes the forward's positional arguments; its keyword arguments (a padding mask) go to every stage.
+Stage 0 takes the forward's first input (by position, or by keyword as ``input_ids=``); its other arguments (a
+padding mask, labels) go to every stage.
 
 Validation, test and predict run the schedule forward only (with the training gradients set aside: the
 schedule rescales ``.grad`` even then) and call the user's step once on the full batch of last-stage outputs;
@@ -41,19 +44,26 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from meshlight.parallel.layout import ParallelLayout
 from meshlight.parallel.pipeline import (
+    ModelRoot,
     PipelineError,
     SplitSpec,
     StagePlan,
     build_schedule,
-    check_chain,
-    find_pipelined_module,
-    materialize,
+    model_root,
     plan_stages,
     rank_holding,
-    shared_parameters,
-    split_stages,
     stages_of_rank,
 )
+from meshlight.parallel.pipeline_stages import (
+    Stage,
+    check_chain,
+    check_root,
+    first_positional,
+    materialize,
+    root_stages,
+    tied_parameters,
+)
+from meshlight.parallel.tied_weights import TiedWeights
 from meshlight.strategies.pipeline_logging import LogRecorder, detached_whole, logged_layout
 
 __all__ = ["PipelineOptions", "PipelineSteps", "setup_pipeline"]
@@ -78,29 +88,17 @@ def setup_pipeline(
     """Split ``lightning_module``'s pipelined module into ``pp × virtual_stages`` stages, keep this rank's
     (materializing them from the meta device if needed), parallelize each stage (``parallelize_stage(module,
     index)``), and return the steps runner and a module holding the stages (the strategy's model)."""
-    name, pipelined, container = find_pipelined_module(lightning_module)
-    outside = [n for n, _ in lightning_module.named_parameters() if name and not n.startswith(f"{name}.")]
-    if outside:
-        raise PipelineError(
-            f"Pipeline parallelism trains the parameters of {name!r} (the module holding the blocks); these live"
-            f" outside it: {outside[:5]}. Move them into it."
-        )
-    own = [n for n, _ in pipelined.named_parameters(recurse=False)]
-    if own:
-        raise PipelineError(f"{type(pipelined).__name__} holds parameters of its own ({own}); put them in a child "
-                            "module so that one stage owns them.")
+    place = model_root(lightning_module)
+    root = lightning_module.get_submodule(place.name)
+    pipelined = root.get_submodule(place.pipelined)
     num_stages = layout.pp * options.virtual_stages
-    plan = plan_stages(pipelined, container, num_stages, options.split)
-    tied = shared_parameters(pipelined, plan)
-    if tied:
-        raise PipelineError(
-            f"{tied[0][0]} and {tied[0][1]} share parameters but fall on different pipeline stages (tied embedding"
-            " and LM head), which the first and last stage cannot share yet: untie them (e.g."
-            " GPTConfig(tie_embeddings=False)) or train this model without pipelining."
-        )
+    plan = plan_stages(pipelined, place.container, num_stages, options.split)
+    tied = tied_parameters(root, place, plan)
     indices = stages_of_rank(mesh["pp"].get_local_rank(), layout.pp, options.virtual_stages, options.schedule)
-    stage_modules = split_stages(pipelined, plan, indices)
-    materialize(pipelined, device)
+    tied_weights = TiedWeights(root, tied, mesh, indices, num_stages, options.schedule)
+    stage_modules = root_stages(root, place, plan, indices)
+    materialize(root, device)
+    tied_weights.broadcast()
     stage_modules = [parallelize_stage(module, index) for module, index in zip(stage_modules, indices)]
     microbatches = options.microbatches or num_stages
     if options.schedule in ("interleavedzerobubble", "zbvzerobubble") and layout.dp > 1 and microbatches < num_stages:
@@ -110,8 +108,8 @@ def setup_pipeline(
             f"{options.schedule!r} with data parallelism needs at least as many microbatches as stages: use"
             f" microbatches >= {num_stages} (got {microbatches}); with fewer, PyTorch 2.13 loses weight gradients."
         )
-    steps = PipelineSteps(lightning_module, pipelined, plan, stage_modules, indices, mesh["pp"].get_group(),
-                          options.schedule, microbatches, device)
+    steps = PipelineSteps(lightning_module, root, place, plan, stage_modules, indices, mesh["pp"].get_group(),
+                          options.schedule, microbatches, device, tied_weights)
     return steps, _Stages(stage_modules)
 
 
@@ -135,17 +133,21 @@ class PipelineSteps:
     def __init__(
         self,
         lightning_module: LightningModule,
-        pipelined: nn.Module,
+        root: nn.Module,
+        place: ModelRoot,
         plan: StagePlan,
-        stage_modules: Sequence[nn.Module],
+        stage_modules: Sequence[Stage],
         stage_indices: Sequence[int],
         group: dist.ProcessGroup,
         schedule: str,
         microbatches: int,
         device: torch.device,
+        tied_weights: TiedWeights,
     ) -> None:
         self.lightning_module = lightning_module
-        self.pipelined = pipelined
+        self.root = root
+        self.place = place
+        self.pipelined = root.get_submodule(place.pipelined)
         self.plan = plan
         self.stage_modules = list(stage_modules)
         self.stage_indices = list(stage_indices)
@@ -153,8 +155,10 @@ class PipelineSteps:
         self.schedule_name = schedule
         self.microbatches = microbatches
         self.device = device
+        self.tied_weights = tied_weights
         self.has_first = 0 in self.stage_indices
         self.has_last = plan.num_stages - 1 in self.stage_indices
+        self._last_stage = next((stage for stage in self.stage_modules if stage.last), None)
         last_rank = rank_holding(plan.num_stages - 1, dist.get_world_size(group), schedule)
         self.last_stage_rank = dist.get_global_rank(group, last_rank)
         self._schedules: dict[Any, Any] = {}
@@ -208,6 +212,7 @@ class PipelineSteps:
         # Positional arguments feed stage 0 only; keyword arguments (a padding mask) go to every stage, whose
         # pieces of the forward read them too. Each rank's schedule cuts them into microbatches.
         schedule.step(*(args if self.has_first else ()), target=target, **kwargs)
+        self.tied_weights.reduce_gradients()
         self._stash = []
         for param in module.parameters():
             grads = [g for g in (carried.get(param), param.grad) if g is not None]
@@ -228,6 +233,7 @@ class PipelineSteps:
     def _loss(self, output: Any, index: Tensor) -> Tensor:
         """The schedule's loss function on the last stage: the user's ``training_step`` on microbatch ``index``."""
         microbatch = int(index.reshape(-1)[0])
+        output = self._last_stage.rebuild(output)
         with self._forward_returns(output), self._recorder.capture(self.lightning_module, microbatch):
             result = self._microbatch_steps[microbatch]()
         loss = result["loss"] if isinstance(result, Mapping) else result
@@ -250,7 +256,7 @@ class PipelineSteps:
             output = schedule.eval(*(captured_args if self.has_first else ()), **kwargs)
         result = None
         if self.has_last:
-            with self._forward_returns(output), self._recorder.capture(module):
+            with self._forward_returns(self._last_stage.rebuild(output)), self._recorder.capture(module):
                 result = step(batch, batch_idx, *args)
             result = _detached_cpu(result)
         result, logged = self._from_last_stage((result, self._recorder.reduced(module)))
@@ -260,31 +266,32 @@ class PipelineSteps:
     # ------------------------------------------------------------------------------------------ machinery
 
     def _capture(self, step: Callable[..., Any], *step_args: Any) -> tuple[tuple, dict]:
-        """Stage 0's inputs: the arguments the step passes to the pipelined module's forward."""
+        """Stage 0's inputs: the arguments the step passes to the model root's forward, its first input positional
+        (``input_ids=…`` from Hugging Face's own forward), as the stages after the first receive theirs."""
 
         def capture(*args: Any, **kwargs: Any) -> Any:
             raise _Captured(args, kwargs)
 
-        self.pipelined.forward = capture
+        self.root.forward = capture
         try:
             with self._recorder.discard(self.lightning_module):
                 step(*step_args)
         except _Captured as captured:
-            return captured.args, captured.kwargs
+            return first_positional(self.root, captured.args, captured.kwargs)
         finally:
-            del self.pipelined.forward
+            del self.root.forward
         raise PipelineError(
-            f"{getattr(step, '__name__', 'The step')} never called the pipelined module "
-            f"{type(self.pipelined).__name__}: pipeline parallelism feeds its forward into the stages."
+            f"{getattr(step, '__name__', 'The step')} never called {type(self.root).__name__}, the module holding the"
+            " model's parameters: pipeline parallelism feeds its forward into the stages. Call the model through it."
         )
 
     @contextmanager
     def _forward_returns(self, output: Any) -> Iterator[None]:
-        self.pipelined.forward = lambda *args, **kwargs: output
+        self.root.forward = lambda *args, **kwargs: output
         try:
             yield
         finally:
-            del self.pipelined.forward
+            del self.root.forward
 
     def _schedule(self, training: bool, signature: Any) -> Any:
         key = (training, signature)
@@ -331,7 +338,10 @@ class PipelineSteps:
                 _check_divisible(arg.shape[0], self.microbatches)
         signature = _signature(args)
         if signature not in self._chained:
-            check_chain(self.pipelined, self.plan, args, kwargs)
+            if self.place.pipelined:
+                check_root(self.root, self.place, self.plan, args, kwargs)
+            else:
+                check_chain(self.pipelined, self.plan, args, kwargs)
             self._chained.add(signature)
 
     def _split(self, batch: Any) -> list[Any]:
@@ -356,11 +366,12 @@ class PipelineSteps:
             self.lightning_module.train(self.stage_modules[0].training)
             return
         shared = {id(module) for module in self.lightning_module.modules()}
-        modes = {name: module.training for name, module in self.pipelined.named_modules()}
+        modes = {name: module.training for name, module in self.root.named_modules()}
         for stage in self.stage_modules:
-            for name, module in stage.named_modules():
+            stage.training = self.root.training
+            for name, module in stage.root.named_modules():
                 if id(module) not in shared:
-                    module.training = modes.get(name, self.pipelined.training)
+                    module.training = modes.get(name, self.root.training)
 
     def _from_last_stage(self, payload: Any) -> Any:
         box = [_detached_cpu(payload) if self.has_last else None]

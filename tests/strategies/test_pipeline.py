@@ -55,8 +55,8 @@ BAD_INPUT = {
     "few microbatches": "Schedule '1f1b' cannot run 1 microbatches over 2 stages",
     "indivisible batch": "A batch of 16 does not divide into 3 microbatches",
     "more stages than blocks": "2 pipeline stages but only 1 blocks",
-    "not a chain": "blocks.0 does not receive the previous piece's output",
-    "tied embedding and head": "embed and head share parameters but fall on different pipeline stages",
+    "not a chain": "norm does not receive the previous piece's output",
+    "tied embedding and head on one rank": "Schedule 'zbvzerobubble' places the first and the last stage on one rank",
     "zero bubble with too few microbatches": "needs at least as many microbatches as stages: use microbatches >= 4",
 }
 

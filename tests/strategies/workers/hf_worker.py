@@ -1,9 +1,13 @@
-"""Hugging Face causal LMs of every dense family trained under each layout named, all in one launch of 2 processes;
-rank 0 saves each run's losses and full final weights to ``OUT/<layout>-<family>.pt``.
+"""Hugging Face causal LMs of every dense family trained under each layout named, all in one launch (of the
+processes those layouts run on); rank 0 saves each run's losses and full final weights to
+``OUT/<layout>-<family>.pt`` (``reshard-tied``: see :func:`reshard_tied`).
 
-    python tests/forkrun.py 2 tests/strategies/workers/hf_worker.py OUT tp2 ddp zero3
+    python tests/forkrun.py 2 tests/strategies/workers/hf_worker.py OUT tp2 ddp zero3 pp2-1f1b pp2-interleaved \
+        reshard-tied
+    python tests/forkrun.py 8 tests/strategies/workers/hf_worker.py OUT 3d
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,19 +17,46 @@ import meshlight as ml
 from tests.strategies import parity
 from tests.strategies.hf_models import FAMILIES, LitCausalLM, training_options
 
-# name -> (the strategy, data-parallel replicas of the 2 processes)
+TP_FAMILIES = ("llama", "qwen2", "qwen3")  # GPT-2's fused Conv1D q|k|v is not split yet
+# name -> (the strategy, processes, data-parallel replicas among them, the families it trains)
 LAYOUTS = {
-    "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 1),
-    "ddp": (lambda: "ddp", 2),
-    "zero3": (lambda: ml.ZeroStrategy(stage=3), 2),
+    "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, TP_FAMILIES),
+    "ddp": (lambda: "ddp", 2, 2, FAMILIES),
+    "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, FAMILIES),
+    "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1, FAMILIES),
+    "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
+                                                    microbatches=4), 2, 1, FAMILIES),
+    "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=4), 8, 2, TP_FAMILIES),
 }
+
+
+def reshard_tied(out: Path) -> None:
+    """GPT-2, its head tied to the token embedding, trained under pp=2 and under ddp: each checkpoint loads under
+    the other layout (``validate(ckpt_path=…)``) into exactly the weights it was saved with."""
+    results = {}
+    for trained, loaded in (("pp2-1f1b", "ddp"), ("ddp", "pp2-1f1b")):
+        strategy, _, replicas, _ = LAYOUTS[trained]
+        path = out / f"tied-{trained}.ckpt"
+        result = parity.train("adamw", strategy=strategy(), devices=2, data_parallel=replicas, save_to=path,
+                              model=lambda: LitCausalLM("gpt2", **training_options("gpt2")))
+        module = LitCausalLM("gpt2", **training_options("gpt2"))
+        trainer = ml.Trainer(strategy=LAYOUTS[loaded][0](), devices=2, accelerator="cpu", logger=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        metrics = trainer.validate(module, parity.make_data(4), ckpt_path=path, verbose=False)
+        results[f"{trained}->{loaded}"] = (result["weights"], parity.full_weights(module), metrics[0]["val/loss"])
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, out / "reshard-tied.pt")
 
 
 def main(out: Path, layouts: list[str]) -> None:
     for layout in layouts:
-        strategy, replicas = LAYOUTS[layout]
-        for family in FAMILIES:
-            result = parity.train("adamw", strategy=strategy(), devices=2, data_parallel=replicas,
+        if layout == "reshard-tied":
+            reshard_tied(out)
+            continue
+        strategy, devices, replicas, families = LAYOUTS[layout]
+        assert devices == int(os.environ["WORLD_SIZE"]), f"{layout} runs on {devices} processes"
+        for family in families:
+            result = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas,
                                   model=lambda family=family: LitCausalLM(family, **training_options(family)))
             result.pop("module")
             if torch.distributed.get_rank() == 0:

@@ -1,0 +1,370 @@
+"""The stage modules cut from a model for pipeline parallelism: views of the model root in which the pieces of other
+stages stand in (:class:`Stage`), the chain check run on the first batch, weights tied across stages, and
+materialization of stages built on the meta device. How a model is split and scheduled:
+:mod:`meshlight.parallel.pipeline`."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from meshlight.parallel.pipeline import ModelRoot, PipelineError, StagePlan
+from meshlight.parallel.rank_zero import rank_zero_warn
+
+__all__ = [
+    "PassThrough",
+    "Stage",
+    "TiedParameter",
+    "check_chain",
+    "check_root",
+    "first_positional",
+    "materialize",
+    "root_stages",
+    "split_stages",
+    "tied_parameters",
+]
+
+
+class PassThrough(nn.Module):
+    """Stands in for a piece another stage owns: returns its first argument."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0]
+
+
+def split_stages(module: nn.Module, plan: StagePlan, stages: Sequence[int]) -> list[nn.Module]:
+    """Keep in ``module`` only the pieces of ``stages`` (others become :class:`PassThrough`, freeing them) and
+    return one stage module per stage: a shallow copy of ``module`` sharing the pieces it owns."""
+    views = [_stage_view(module, plan, stage) for stage in stages]
+    mine = set().union(*(plan.owned(s) for s in stages))
+    blocks = getattr(module, plan.container)
+    for name in (*plan.pre, *plan.post):
+        if name not in mine:
+            setattr(module, name, PassThrough())
+    for key in (k for stage_keys in plan.blocks for k in stage_keys):
+        if f"{plan.container}.{key}" not in mine:
+            blocks[key if isinstance(blocks, nn.ModuleDict) else int(key)] = PassThrough()
+    return views
+
+
+def _stage_view(module: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
+    owned = plan.owned(stage)
+    blocks = module._modules[plan.container]
+    entries = blocks.items() if isinstance(blocks, nn.ModuleDict) else ((str(i), b) for i, b in enumerate(blocks))
+    kept = [(k, b if f"{plan.container}.{k}" in owned else PassThrough()) for k, b in entries]
+    replacements: dict[str, nn.Module] = {name: _stand_in(module.get_submodule(name)) for name in plan.pre
+                                          if name not in owned}
+    replacements.update({name: PassThrough() for name in plan.post if name not in owned})
+    replacements[plan.container] = nn.ModuleDict(kept) if isinstance(blocks, nn.ModuleDict) else nn.ModuleList(
+        b for _, b in kept)
+    return _replaced(module, replacements)
+
+
+def _replaced(module: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
+    """A view of ``module`` with the submodules named (dotted, relative to it) replaced: ``module`` and each module
+    on the way down are shallow-copied, so the originals and the modules not on those paths stay shared."""
+    if "" in replacements:
+        return replacements[""]
+    view = copy.copy(module)
+    view._modules = dict(module._modules)
+    # Hooks registered on a view (FSDP's root, sequence-share inputs, a stage's stop) are its own: a shallow copy
+    # would share the hook dicts with the whole module — run by the step's call to it — and with other stages.
+    for name, value in vars(module).items():
+        if "hooks" in name and isinstance(value, dict):
+            setattr(view, name, copy.copy(value))
+    below: dict[str, dict[str, nn.Module]] = {}
+    for name, replacement in replacements.items():
+        child, _, rest = name.partition(".")
+        below.setdefault(child, {})[rest] = replacement
+    for child, inner in below.items():
+        view._modules[child] = _replaced(module._modules[child], inner)
+    return view
+
+
+class _StageDone(Exception):
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+
+class Stage(nn.Module):
+    """One pipeline stage: the model root's forward on a view in which the pieces of other stages stand in.
+
+    A stage after the first passes its input where the root takes its first input (or as ``inputs_embeds`` when the
+    root's forward takes that, as Hugging Face models do), so that the forward computes what the blocks need beside
+    it (masks, positions, rotary tables) as one process would; the embeddings of earlier stages return zeros of
+    their output's shape, and the stage's first block gets the stage's input in place of what reached it. A stage
+    before the last stops at the output of its last block and hands that on; the last runs the root's forward to
+    its end (norm, head, a loss it computes). What the last returns reaches the schedule as its tensors, and
+    :meth:`rebuild` makes it whole again."""
+
+    def __init__(self, root: nn.Module, blocks: Sequence[str], first: bool, last: bool, as_embeddings: bool) -> None:
+        super().__init__()
+        self.root = root
+        self.first, self.last = first, last
+        self._as_embeddings = as_embeddings
+        self._blocks = (blocks[0], blocks[-1])
+        self._hooked = False
+        self._input: Optional[Any] = None
+        self._output: Optional[tuple[list[Any], TreeSpec]] = None  # the last stage's latest output, as leaves
+
+    def _hook_blocks(self) -> None:
+        # At the first call, when the strategy's own hooks are on the blocks: the stage input goes in before them
+        # (sequence parallelism turns it into this rank's share), and the stage ends after them (FSDP's, which
+        # prepare the output's backward).
+        if not self.first:
+            self.root.get_submodule(self._blocks[0]).register_forward_pre_hook(self._substitute, prepend=True)
+        if not self.last:
+            self.root.get_submodule(self._blocks[1]).register_forward_hook(self._stop)
+        self._hooked = True
+
+    def _substitute(self, module: nn.Module, args: tuple) -> tuple:
+        return (self._input, *args[1:])
+
+    def _stop(self, module: nn.Module, args: tuple, output: Any) -> None:
+        raise _StageDone(output)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._hooked:
+            self._hook_blocks()
+        if not self.first:
+            self._input = args[0]
+            if self._as_embeddings:
+                args, kwargs = args[1:], {**kwargs, "inputs_embeds": args[0]}
+        try:
+            output = self.root(*args, **kwargs)
+        except _StageDone as done:
+            return done.output
+        finally:
+            self._input = None
+        if not self.last:
+            raise PipelineError(f"{type(self.root).__name__}.forward returned without running its blocks.")
+        if isinstance(output, torch.Tensor):
+            return output
+        leaves, spec = tree_flatten(output)
+        self._output = (leaves, spec)
+        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+    def rebuild(self, output: Any) -> Any:
+        """What the root's forward returned, from the tensors the schedule holds of it (``output``: one microbatch's,
+        or all merged); the leaves that are not tensors are the latest call's."""
+        if self._output is None:
+            return output
+        leaves, spec = self._output
+        tensors = iter((output,) if isinstance(output, torch.Tensor) else output)  # torch unwraps a 1-tuple
+        return tree_unflatten([next(tensors) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
+
+
+class _ZerosLike(nn.Module):
+    """Stands in for an embedding of an earlier stage: zeros of its output's shape (the stage's first block gets
+    the stage's input instead), so that what the forward adds to it (learned positions) still fits."""
+
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dim, self.dtype = dim, dtype
+
+    def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+
+
+def _stand_in(piece: nn.Module) -> nn.Module:
+    if isinstance(piece, nn.Embedding):
+        return _ZerosLike(piece.embedding_dim, piece.weight.dtype)
+    return PassThrough()
+
+
+def root_stages(root: nn.Module, place: ModelRoot, plan: StagePlan, stages: Sequence[int]) -> list[Stage]:
+    """This rank's :class:`Stage` modules, one per index in ``stages``, from the model ``root`` (described by
+    ``place``). Pieces of other stages are freed in ``root`` (replaced by :class:`PassThrough`), heads too where
+    this rank holds no last stage; the stages share the modules they own with ``root``."""
+    pipelined = root.get_submodule(place.pipelined)
+    views = split_stages(pipelined, plan, stages)
+    last = plan.num_stages - 1
+    if last not in stages:
+        for head in place.heads:
+            root.set_submodule(head, PassThrough())
+    as_embeddings = "inputs_embeds" in inspect.signature(type(root).forward).parameters
+    prefix = f"{place.pipelined}." if place.pipelined else ""
+    result = []
+    for view, stage in zip(views, stages):
+        replacements = {place.pipelined: view}
+        if stage != last:
+            replacements.update({head: PassThrough() for head in place.heads})
+        blocks = [f"{prefix}{plan.container}.{key}" for key in plan.blocks[stage]]
+        result.append(Stage(_replaced(root, replacements), blocks, stage == 0, stage == last, as_embeddings))
+    return result
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """A parameter the first and the last stage both use (an LM head tied to the token embedding): its names in the
+    model root under the first stage's pieces and under the last's."""
+
+    first: str
+    last: str
+
+
+def tied_parameters(root: nn.Module, place: ModelRoot, plan: StagePlan) -> list[TiedParameter]:
+    """The parameters shared between the first and the last stage (the heads beside the pipelined module belong to
+    the last). Sharing between other stages is refused: only an embedding and a head are tied in practice."""
+    prefix = f"{place.pipelined}." if place.pipelined else ""
+    last = plan.num_stages - 1
+    users: dict[int, dict[int, str]] = {}
+    for stage in range(plan.num_stages):
+        pieces = sorted(prefix + name for name in plan.owned(stage)) + (list(place.heads) if stage == last else [])
+        for piece in pieces:
+            for name, param in root.get_submodule(piece).named_parameters(remove_duplicate=False):
+                users.setdefault(id(param), {}).setdefault(stage, f"{piece}.{name}")
+    tied = []
+    for names in users.values():
+        if len(names) == 1:
+            continue
+        if set(names) != {0, last}:
+            shown = ", ".join(f"{name} (stage {stage})" for stage, name in names.items())
+            raise PipelineError(
+                f"{shown} share one parameter across pipeline stages; only the first and the last stage may share"
+                " one (a token embedding tied to the LM head). Untie it, or split the blocks so they fall on one stage."
+            )
+        tied.append(TiedParameter(names[0], names[last]))
+    return tied
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate ``module``'s meta-device tensors on ``device`` and initialize them: with the module's own
+    ``init_weights()`` when it has one (meshlight's GPT: the same values as an unsplit model), else every
+    submodule's ``reset_parameters()``. Non-persistent buffers must be recomputed there too."""
+    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        return
+    module.to_empty(device=device)
+    init_weights = getattr(module, "init_weights", None)
+    if callable(init_weights):
+        init_weights()
+        return
+    rank_zero_warn(
+        f"{type(module).__name__} was built on the meta device (configure_model under pipelining) and has no"
+        " init_weights(): each stage's modules are initialized with their own reset_parameters(), so the weights"
+        " differ from those one process draws, and initialization done in configure_model is not applied. Give"
+        f" {type(module).__name__} an init_weights() method that initializes its parameters (from a seed per"
+        " parameter, as meshlight's GPT does, for the same weights under any layout)."
+    )
+    for submodule in module.modules():
+        reset = getattr(submodule, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def check_chain(module: nn.Module, plan: StagePlan, args: tuple, kwargs: dict) -> None:
+    """Run ``module.forward`` on its real inputs up to the first piece after the blocks, with the blocks replaced by
+    probes that return their input unchanged: each block must receive the previous block's output (here: the very
+    same object), and the first piece after them the last block's. No piece computes and nothing is communicated.
+    What runs before the blocks runs on the first stage only, and what runs after them on the last only, so any
+    operations are fine there; between blocks, or from before the blocks to after them (a skip connection), they
+    would be lost at a stage boundary."""
+    blocks = [f"{plan.container}.{k}" for keys in plan.blocks for k in keys]
+    pieces = [*blocks, *plan.post[:1]]
+    received: list[tuple[str, Any]] = []
+    probes = {name: _Probe(name, received, stop=name == pieces[-1]) for name in pieces}
+    container = module._modules[plan.container]
+    keys = list(container.keys()) if isinstance(container, nn.ModuleDict) else [str(i) for i in range(len(container))]
+    probed = [probes[f"{plan.container}.{k}"] for k in keys]
+    replacements: dict[str, nn.Module] = {name: PassThrough() for name in plan.pre}
+    replacements.update({name: probes[name] for name in plan.post[:1]})
+    replacements[plan.container] = (nn.ModuleDict(zip(keys, probed)) if isinstance(container, nn.ModuleDict)
+                                    else nn.ModuleList(probed))
+    view = _replaced(module, replacements)
+    name = type(module).__name__
+    try:
+        with torch.no_grad():
+            type(module).forward(view, *args, **kwargs)
+    except _StageDone:
+        pass
+    except Exception as error:  # an operation on what a piece returned: the input, passed through unchanged
+        done = [piece for piece, _ in received]
+        raise PipelineError(
+            f"{name}.forward is not a chain of its blocks {blocks[0]} … {blocks[-1]}: run with the blocks passing their"
+            f" input through, it failed after {done[-1] if done else 'no block'!r} with {type(error).__name__}:"
+            f" {error}. An operation between blocks is not a piece of its own: move it into them (see README,"
+            " 'Pipeline parallelism')."
+        ) from error
+    order = [piece for piece, _ in received]
+    if order != pieces:
+        raise PipelineError(
+            f"{name}.forward is not a chain of its blocks: it calls {order} but pipelining needs {pieces}, each once"
+            " and in order (see README, 'Pipeline parallelism')."
+        )
+    for (_, before), (piece, value) in zip(received, received[1:]):
+        if value is not before:
+            raise PipelineError(
+                f"{name}.forward is not a chain: {piece} does not receive the previous piece's output as its first"
+                " argument (an operation between blocks, or an input from before the blocks reused after them)."
+                " Move such operations into the blocks (see README, 'Pipeline parallelism')."
+            )
+
+
+class _Probe(nn.Module):
+    def __init__(self, name: str, received: list, stop: bool) -> None:
+        super().__init__()
+        self.name, self.received, self.stop = name, received, stop
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.received.append((self.name, args[0] if args else None))
+        if self.stop:
+            raise _StageDone(None)
+        return args[0] if args else None
+
+
+def check_root(root: nn.Module, place: ModelRoot, plan: StagePlan, args: tuple, kwargs: dict) -> None:
+    """Check a model root above its pipelined module on the root's real inputs: run its forward up to the pipelined
+    module's call, which must receive the root's first input unchanged (every stage runs the root's forward, on its
+    own input), with no head beside it run before (heads run on the last stage); then :func:`check_chain`."""
+    pipelined = root.get_submodule(place.pipelined)
+    called: list[str] = []
+    hooks = [root.get_submodule(head).register_forward_pre_hook(lambda *_, head=head: called.append(head))
+             for head in place.heads]
+
+    def stop(*inner: Any, **inner_kwargs: Any) -> Any:
+        raise _StageDone((inner, inner_kwargs))
+
+    pipelined.forward = stop
+    try:
+        type(root).forward(root, *args, **kwargs)
+    except _StageDone as done:
+        inner_args, inner_kwargs = first_positional(pipelined, *done.output)
+    else:
+        inner_args = None
+    finally:
+        del pipelined.forward
+        for hook in hooks:
+            hook.remove()
+    name = f"{type(root).__name__}.forward"
+    if inner_args is None:
+        raise PipelineError(f"{name} never called {place.pipelined!r}, which holds the blocks.")
+    if called:
+        raise PipelineError(
+            f"{name} runs {called[0]!r} before {place.pipelined!r}, which holds the blocks: the modules beside it run"
+            " on the last stage, after it. Move it into that module (before the blocks).")
+    if not inner_args or inner_args[0] is not args[0]:
+        raise PipelineError(
+            f"{name} does not hand its first input unchanged to {place.pipelined!r} (which holds the blocks): each"
+            " stage runs this forward on what the stage before handed on. Move what it does to the input into that"
+            " module, before the blocks.")
+    check_chain(pipelined, plan, inner_args, inner_kwargs)
+
+
+def first_positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a call to ``module`` with its first input positional where it was passed by keyword
+    (``input_ids=…``, as Hugging Face's models call their inner model), as stages after the first receive theirs."""
+    if args:
+        return args, kwargs
+    first = next(iter(list(inspect.signature(type(module).forward).parameters)[1:]), None)  # after `self`
+    if first not in kwargs:
+        return args, kwargs
+    kwargs = dict(kwargs)
+    return (kwargs.pop(first),), kwargs

@@ -1,0 +1,181 @@
+"""Pipeline stage modules, in one process: a rank keeps only its stages' pieces, each stage runs only its own hooks,
+the chain check, weights tied across the first and last stage, a head beside the module holding the blocks, and
+meta-device materialization."""
+
+import pytest
+import torch
+
+from meshlight.models import GPT, GPTConfig
+from meshlight.parallel.pipeline import ModelRoot, PipelineError, find_pipelined_module, model_root, plan_stages
+from meshlight.parallel.pipeline_stages import (
+    PassThrough,
+    TiedParameter,
+    check_chain,
+    materialize,
+    root_stages,
+    split_stages,
+    tied_parameters,
+)
+from tests.strategies.llama import LitLlama
+
+
+def gpt(**overrides) -> GPT:
+    return GPT(GPTConfig.tiny(n_layers=8, **overrides))
+
+
+def test_split_keeps_only_the_pieces_of_this_ranks_stages():
+    model = gpt()
+    plan = plan_stages(model, "blocks", 4, "layers")
+    views = split_stages(model, plan, [1, 3])
+    kept = {n.split(".")[0] + ("." + n.split(".")[1] if n.startswith("blocks") else "")
+            for n, _ in model.named_parameters()}
+    assert kept == {"blocks.2", "blocks.3", "blocks.6", "blocks.7", "norm", "head"}
+    assert isinstance(model.embed, PassThrough) and isinstance(views[0].head, PassThrough)
+    assert views[1].head is model.head and views[0].blocks[2] is model.blocks[2]
+
+
+def test_each_stage_runs_only_its_own_hooks():
+    # the strategy hooks stages (FSDP's root, sequence-parallel inputs); a view sharing the module's hook dicts
+    # would run them for the rank's other stages and for the step's call to the whole module
+    model = gpt()
+    views = split_stages(model, plan_stages(model, "blocks", 4, "layers"), [1, 3])
+    calls, hidden = [], torch.zeros(2, 12, model.config.dim)
+    views[0].register_forward_pre_hook(lambda module, args: calls.append(module))
+    views[1](hidden)
+    model(hidden)
+    assert calls == []
+    views[0](hidden)
+    assert calls == [views[0]]
+
+
+@pytest.mark.parametrize("module", [gpt(), gpt(positions="rotary", mlp="swiglu"), LitLlama().model])
+def test_chain_check_accepts_chain_models(module):
+    _, pipelined, container = find_pipelined_module(module)
+    check_chain(pipelined, plan_stages(pipelined, container, 2), (torch.zeros(2, 12, dtype=torch.long),), {})
+
+
+class ScaledEmbedding(GPT):
+    def forward(self, idx):  # an operation before the blocks: the first stage's alone
+        x = self.embed(idx) * 2.0
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class MeanPooled(GPT):
+    def forward(self, idx):  # pooled between the norm and the head: the last stage's alone
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x).mean(1))
+
+
+class SkipConnection(GPT):
+    def forward(self, idx):  # the embedding reused after the blocks: not on the last stage
+        h = x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x + h))
+
+
+class ScaledBetweenBlocks(GPT):
+    def forward(self, idx):  # an operation between blocks: lost where a stage ends
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x) * 0.5
+        return self.head(self.norm(x))
+
+
+class Reshaped(GPT):
+    def forward(self, idx):  # the probes pass token ids: the reshape for the blocks' width fails on them
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x.reshape(*x.shape[:2], self.config.dim))
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("cls", [ScaledEmbedding, MeanPooled])
+def test_operations_before_and_after_the_blocks_are_part_of_the_first_and_last_stage(cls):
+    model = cls(GPTConfig.tiny(n_layers=4))
+    assert check_chain(model, plan_stages(model, "blocks", 2), (torch.zeros(2, 12, dtype=torch.long),), {}) is None
+
+
+@pytest.mark.parametrize(("cls", "message"), [
+    (SkipConnection, "norm does not receive the previous piece's output"),
+    (ScaledBetweenBlocks, "blocks.1 does not receive the previous piece's output"),
+    (Reshaped, r"not a chain of its blocks blocks.0 … blocks.3: run with the blocks passing their input through, it"
+               r" failed after 'no block' with RuntimeError: .* An operation between blocks"),
+])
+def test_chain_check_rejects_other_forwards(cls, message):
+    model = cls(GPTConfig.tiny(n_layers=4))
+    with pytest.raises(PipelineError, match=message):
+        check_chain(model, plan_stages(model, "blocks", 2), (torch.zeros(2, 12, dtype=torch.long),), {})
+
+
+def test_tied_embedding_and_head_are_one_parameter_of_the_first_and_last_stage():
+    model, place = gpt(tie_embeddings=True), ModelRoot("", "", "blocks", ())
+    assert tied_parameters(model, place, plan_stages(model, "blocks", 2)) == [TiedParameter("embed.tokens.weight",
+                                                                                            "head.weight")]
+    assert tied_parameters(gpt(), place, plan_stages(gpt(), "blocks", 2)) == []
+    shared_by_blocks = gpt()
+    shared_by_blocks.blocks[5].mlp = shared_by_blocks.blocks[1].mlp
+    with pytest.raises(PipelineError, match=r"blocks.1.mlp.* \(stage 0\), blocks.5.mlp.* \(stage 2\) share one"):
+        tied_parameters(shared_by_blocks, place, plan_stages(shared_by_blocks, "blocks", 4, "layers"))
+
+
+def tiny_llama(tied: bool):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        tie_word_embeddings=tied, use_cache=False))
+
+
+def test_a_head_beside_the_pipelined_module_belongs_to_the_model_root_and_the_last_stage():
+    module = torch.nn.Module()
+    module.model = tiny_llama(tied=True)
+    place = model_root(module)
+    assert place == ModelRoot("model", "model", "layers", ("lm_head",))
+    plan = plan_stages(module.model.model, "layers", 2)
+    assert tied_parameters(module.model, place, plan) == [TiedParameter("model.embed_tokens.weight", "lm_head.weight")]
+    # the pipelined module returns its last piece's output inside a ModelOutput
+    check_chain(module.model.model, plan, (torch.zeros(2, 6, dtype=torch.long),), {})
+
+
+def test_stages_of_a_model_root_hand_on_the_blocks_output_and_the_last_runs_to_the_end():
+    root = tiny_llama(tied=False)
+    ids = torch.randint(0, 16, (2, 6))
+    with torch.no_grad():
+        expected = root(ids).logits
+        place = ModelRoot("", "model", "layers", ("lm_head",))
+        first, last = root_stages(root, place, plan_stages(root.model, "layers", 2), [0, 1])
+        hidden = first(ids)
+        assert hidden.shape == (2, 6, 16)
+        logits = last.rebuild(last(hidden)).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+def test_materializing_a_meta_stage_gives_the_weights_of_an_unsplit_model():
+    reference = gpt()
+    with torch.device("meta"):
+        model = gpt()
+    plan = plan_stages(model, "blocks", 2)
+    split_stages(model, plan, [1])
+    materialize(model, torch.device("cpu"))
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(param, expected[name]), name
+
+
+def test_a_meta_stage_without_init_weights_is_reset_and_the_user_is_told():
+    class Plain(torch.nn.Module):  # a user's model built in configure_model, no init_weights()
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    with torch.device("meta"):
+        model = Plain()
+    with pytest.warns(UserWarning, match=r"Plain was built on the meta device .* has no init_weights\(\): each"
+                                         r" stage's modules are initialized with their own reset_parameters\(\)"):
+        materialize(model, torch.device("cpu"))
+    assert all(not p.is_meta and p.abs().sum() > 0 for p in model.parameters())
