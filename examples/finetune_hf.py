@@ -1,0 +1,160 @@
+"""Fine-tune a Hugging Face causal LM with any meshlight strategy: the model sits unchanged in a plain LightningModule.
+
+    python examples/finetune_hf.py                                        # a tiny random Llama, ddp on 2 processes
+    python examples/finetune_hf.py --strategy pipeline                    # its layers in 2 pipeline stages
+    python examples/finetune_hf.py --family gpt2 --strategy zero3         # GPT-2 (tied head), ZeRO-3
+    python examples/finetune_hf.py --strategy 3d --devices 8              # dp=2 × pp=2 × tp=2 (sequence parallel)
+    python examples/finetune_hf.py --model-path ./my-model --strategy tp  # a local save_pretrained folder
+
+The task is the addition of examples/train_gpt.py (``^12+34=640``: the sum least-significant digit first). With
+``--model-path`` the model's own tokens stand for the digits, ``+``, ``=`` and ``^`` (its tokenizer in the folder,
+or else its first 16 token ids). Nothing is downloaded: ``--family`` builds a small random model from a config (4
+layers, width 128), which reaches 100% answer accuracy in the default 500 steps: 50 s on 2 CPU processes (ddp).
+Requires ``pip install meshlight[hf]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import meshlight as ml
+from meshlight.demos import AdditionDataModule
+from meshlight.demos.data import IGNORE_INDEX
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", type=Path, help="a local save_pretrained folder (default: a tiny random model)")
+    parser.add_argument("--family", default="llama", choices=FAMILIES, help="the tiny model's family (default: llama)")
+    parser.add_argument("--strategy", default="ddp", help="ddp, zero1, zero2, zero3, tp, pipeline, 3d (default: ddp)")
+    parser.add_argument("--devices", type=int, default=2, help="processes (CPU) or GPUs (default: 2)")
+    parser.add_argument("--accelerator", default="cpu", help="cpu or gpu (default: cpu)")
+    parser.add_argument("--max-steps", type=int, default=500)
+    parser.add_argument("--batch-size", type=int, default=64, help="sequences per step per data replica (default: 64)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--val-every", type=int, default=100, help="validate every N steps (default: 100)")
+    parser.add_argument("--out", type=Path, default=Path("runs/finetune_hf"), help="logs (default: runs/finetune_hf)")
+    return parser.parse_args(argv)
+
+
+def tiny_model(family: str) -> Any:
+    """A randomly initialized 4-layer model of ``family``, 128 wide, whose vocabulary is the task's 16 symbols."""
+    import transformers
+
+    vocab = AdditionDataModule.vocab_size
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=vocab, n_embd=128, n_layer=4, n_head=4, n_positions=64,
+                                         use_cache=False)
+    else:
+        config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                        "qwen3": transformers.Qwen3Config}[family]
+        config = config_class(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                              tie_word_embeddings=False, use_cache=False)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def symbol_ids(model_path: Optional[Path], vocab_size: int) -> Tensor:
+    """The model's token id for each of the task's symbols: its tokenizer's, or the first 16 ids."""
+    symbols = AdditionDataModule.SYMBOLS
+    if model_path is not None and any(model_path.glob("tokenizer*")):
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+        ids = [tokenizer.convert_tokens_to_ids(symbol) for symbol in symbols]
+        missing = [s for s, i in zip(symbols, ids) if i is None or i == tokenizer.unk_token_id]
+        if missing:
+            raise SystemExit(f"The tokenizer in {model_path} has no single token for {missing}.")
+        return torch.tensor(ids + [ids[-1]] * (AdditionDataModule.vocab_size - len(ids)))
+    if vocab_size < AdditionDataModule.vocab_size:
+        raise SystemExit(f"The model's vocabulary ({vocab_size}) is smaller than the task's 16 symbols.")
+    return torch.arange(AdditionDataModule.vocab_size)
+
+
+class LitCausalLM(pl.LightningModule):
+    """Next-token fine-tuning of a Hugging Face causal LM on ``(inputs, targets)`` batches of the task's symbols,
+    which ``symbols`` maps to the model's token ids."""
+
+    def __init__(self, model: Any, symbols: Tensor, lr: float, max_steps: int) -> None:
+        super().__init__()
+        self.model, self.lr, self.max_steps = model, lr, max_steps
+        self.register_buffer("symbols", symbols, persistent=False)
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        return self.model(input_ids=inputs).logits
+
+    def _step(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        inputs, targets = batch
+        scored = targets != IGNORE_INDEX
+        targets = torch.where(scored, self.symbols[targets.clamp_min(0)], IGNORE_INDEX)
+        logits = self(self.symbols[inputs]).float()
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        right = (logits.argmax(-1) == targets) | ~scored
+        return loss, right.all(dim=1).float().mean()
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss, _ = self._step(batch)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss, accuracy = self._step(batch)
+        self.log("val/loss", loss, sync_dist=True)
+        self.log("val/answer_accuracy", accuracy, prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, self.lr, total_steps=self.max_steps, pct_start=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def strategy_for(name: str, devices: int) -> Any:
+    """``--strategy`` as meshlight takes it; ``3d`` on 8 CPU processes is dp=2 × pp=2 × tp=2."""
+    if name == "3d" and devices == 8:
+        return ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=4)
+    if name == "pipeline":
+        return ml.PipelineStrategy(pp=devices, schedule="1f1b", microbatches=2 * devices)
+    return name
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    pl.seed_everything(0, verbose=False)
+    if args.model_path is not None:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path)
+        model.config.use_cache = False
+    else:
+        model = tiny_model(args.family)
+    symbols = symbol_ids(args.model_path, model.config.vocab_size)
+    module = LitCausalLM(model, symbols, args.lr, args.max_steps)
+    # sequence parallelism needs a length tp divides
+    data = AdditionDataModule(2, batch_size=args.batch_size, pad_to_multiple_of=8)
+    trainer = ml.Trainer(strategy=strategy_for(args.strategy, args.devices), devices=args.devices,
+                         accelerator=args.accelerator, max_steps=args.max_steps, val_check_interval=args.val_every,
+                         check_val_every_n_epoch=None, default_root_dir=args.out, enable_checkpointing=False,
+                         log_every_n_steps=min(10, args.val_every))
+    start = time.perf_counter()
+    trainer.fit(module, data)
+    log_dir = trainer.log_dir  # a collective: on every rank
+    if trainer.is_global_zero:
+        metrics = trainer.callback_metrics
+        print(f"Trained {trainer.global_step} steps in {time.perf_counter() - start:.0f} s: train/loss"
+              f" {float(metrics['train/loss']):.3f}, val/loss {float(metrics['val/loss']):.3f}, answer accuracy"
+              f" {float(metrics['val/answer_accuracy']):.1%}")
+        print(f"TensorBoard logs: {log_dir}")
+
+
+if __name__ == "__main__":
+    main()
