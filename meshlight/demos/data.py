@@ -70,7 +70,7 @@ class AdditionDataModule(SequenceDataModule):
     Sequence length is ``3·(digits + 1)``, or the next multiple of ``pad_to_multiple_of`` (sequence parallelism
     needs a length the tensor-parallel size divides): start symbols appended after the sum, never scored — a
     causal model computes every earlier position, and so the loss, exactly as without them. The vocabulary has
-    13 symbols, padded to 16 so vocabulary-parallel layouts divide it.
+    13 symbols, padded to 16 (a power of two: even shards under every tp).
     """
 
     SYMBOLS = "0123456789+=^"  # ^ starts a sequence

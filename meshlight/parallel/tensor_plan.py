@@ -229,7 +229,9 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
                   sequence_parallel: bool = True) -> None:
     """Raise, naming the valid tp values, when ``tp`` does not divide every dimension the plan shards, the
     attention head counts, or the hidden size; and naming the fix when a block holds parameters the plan leaves
-    whole where they would train wrong (:func:`_reject_unsplit`)."""
+    whole where they would train wrong (:func:`_reject_unsplit`). The vocabulary is no constraint: the token
+    embedding and the LM head are split into uneven shards where tp does not divide it (DTensor's, the last
+    shards a row shorter), exact like the even split and without padded rows in checkpoints."""
     modules = dict(model.named_modules())
     constraints: list[tuple[str, int]] = []
     hidden: Optional[int] = None
@@ -240,10 +242,6 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
             hidden = hidden or module.in_features
         elif role == "rowwise" and isinstance(module, nn.Linear):
             constraints.append((f"{name}.in_features", module.in_features))
-        elif role == "embedding" and isinstance(module, nn.Embedding):
-            constraints.append((f"{name} vocabulary", module.num_embeddings))
-        elif role == "head" and isinstance(module, nn.Linear):
-            constraints.append((f"{name} vocabulary", module.out_features))
     if hidden is not None:
         constraints.append(("hidden size", hidden))
     _check_groups(model, plan)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshlight.parallel.pipeline import PipelineError, rank_holding
 from meshlight.parallel.pipeline_stages import TiedParameter
@@ -54,12 +54,17 @@ class TiedWeights:
 
     def reduce_gradients(self) -> None:
         """Sum the two copies' gradients (each the whole gradient of its stage's use, already reduced over data
-        parallelism); a copy that got none counts as zero."""
+        parallelism); a copy that got none counts as zero. The stages may split their copies differently (tensor
+        parallelism shards a token embedding and an LM head each its own way), so whole gradients are summed."""
         with torch.no_grad():
             for param in self._parameters():
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                dist.all_reduce(_local(param.grad), group=self.group)
+                grad = param.grad
+                whole = grad.full_tensor() if isinstance(grad, DTensor) else grad
+                dist.all_reduce(whole, group=self.group)
+                if isinstance(grad, DTensor):
+                    grad.to_local().copy_(distribute_tensor(whole, grad.device_mesh, grad.placements).to_local())
 
     def last_stage_copies(self) -> list[Tensor]:
         """The copies that the first stage's copy already counts (in a gradient norm)."""

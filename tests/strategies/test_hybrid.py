@@ -5,7 +5,8 @@ over 20 steps; models that read the sequence length on every pipeline stage (rot
 under pp=2 × tp=2 with sequence parallelism, and a Llama with modules outside its blocks that no tensor-parallel role
 describes (sequence parallelism then covers the blocks only) under pp=2 × tp=2 ZeRO-3; a grouped-query Llama whose
 attention keeps only head_dim (the planner reads its heads as tensor parallelism does) under dp=2 × pp=2 × tp=2 on 8
-and pp=2 × tp=2 ZeRO-3 on 4; and torchmetrics and a loss left a DTensor under pp=2 × tp=2."""
+and pp=2 × tp=2 ZeRO-3 on 4; a GPT with a vocabulary tp does not divide (61) and its embedding tied to the head
+across the first and last stage under pp=2 × tp=2; and torchmetrics and a loss left a DTensor under pp=2 × tp=2."""
 
 from pathlib import Path
 

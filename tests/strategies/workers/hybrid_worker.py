@@ -30,8 +30,8 @@ SCHEDULES = ("1f1b", "interleaved1f1b")
 
 
 def gpt4_config(**config: object) -> GPTConfig:
-    return GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=4, bias=False,
-                          **config)
+    return GPTConfig.tiny(**{"vocab_size": AdditionDataModule.vocab_size, "max_seq_len": 12, "dim": 32, "n_layers": 4,
+                             "bias": False, **config})
 
 
 def gpt4(**config: object) -> LitGPT:
@@ -45,7 +45,9 @@ def moe_gpt4() -> LitGPT:
 MODELS = {"gpt4": gpt4, "moe": moe_gpt4, "gpt4-rotary": functools.partial(gpt4, positions="rotary"),
           "llama-gated": functools.partial(LitLlama, gated=True),
           "llama-outside": functools.partial(LitLlama, outside=True),
-          "llama-head-dim": functools.partial(LitLlama, head_dim_only=True, layers=4)}
+          "llama-head-dim": functools.partial(LitLlama, head_dim_only=True, layers=4),
+          # a vocabulary tp=2 does not divide, the embedding tied to the head across the first and last stage
+          "gpt4-tied-vocab61": functools.partial(gpt4, vocab_size=61, tie_embeddings=True)}
 
 
 class Counting(LitGPT):
@@ -100,7 +102,8 @@ def runs(world: int) -> list[tuple[int, int, int, Optional[int], Optional[int], 
                 (1, 2, 2, None, 3, "1f1b", "llama-head-dim"))
     if world == 4:
         grid += [(2, 2, 1, 2, 1, "1f1b", "moe"), (1, 2, 2, 1, 1, "interleaved1f1b", "gpt4-rotary"),
-                 (1, 2, 2, 1, 1, "1f1b", "llama-gated"), (1, 2, 2, 1, 3, "1f1b", "llama-outside")]
+                 (1, 2, 2, 1, 1, "1f1b", "llama-gated"), (1, 2, 2, 1, 3, "1f1b", "llama-outside"),
+                 (1, 2, 2, 1, 1, "1f1b", "gpt4-tied-vocab61")]
     return grid
 
 
