@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and pinned: anything unpinned would pull the multi-GB CUDA build
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	# litgpt without its dependencies: its huggingface-hub pin conflicts with transformers 5 (constraints.txt)
+	$(BIN)/pip install -q -c constraints.txt psutil
+	$(BIN)/pip install -q -c constraints.txt --no-deps litgpt
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["GroupedExperts", "Router", "Routing", "grouped_matmul"]
+__all__ = ["GroupedExperts", "Router", "Routing", "grouped_matmul", "local_weight"]
 
 
 class Routing(NamedTuple):
@@ -66,8 +66,14 @@ class GroupedExperts(nn.Module):
         return grouped_matmul(hidden, w2, counts, self.grouped_mm)
 
     def _local(self, weight: Tensor) -> Tensor:
-        local = weight.to_local() if isinstance(weight, DTensor) else weight
-        return _ScaleGradient.apply(local, self.gradient_scale) if self.gradient_scale != 1.0 else local
+        return local_weight(weight, self.gradient_scale)
+
+
+def local_weight(weight: Tensor, gradient_scale: float = 1.0) -> Tensor:
+    """This rank's experts of ``weight`` (a DTensor sharded over experts, or a plain tensor), its gradient scaled by
+    ``gradient_scale`` (``1/ep``: each expert sees the tokens of ``ep`` data ranks)."""
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    return _ScaleGradient.apply(local, gradient_scale) if gradient_scale != 1.0 else local
 
 
 def grouped_matmul(x: Tensor, weights: Tensor, counts: Tensor, grouped_mm: Optional[bool] = None) -> Tensor:

@@ -9,9 +9,17 @@ data parallel over the ``dp / ep`` ranks that hold the same experts (:func:`expe
 An expert's gradient collects the tokens of ``ep`` data ranks, while data parallelism averages over only
 ``dp / ep`` replicas of it; :class:`~meshlight.nn.experts.GroupedExperts` scales it by ``1/ep`` so that the
 result is the gradient of the mean loss over all data ranks, as for dense weights.
+
+Models that bring their own MoE blocks are split the same way where their experts are *stacked* — one module whose
+weights are ``[num_experts, …]`` and whose ``forward(hidden_states, top_k_index, top_k_weights)`` runs the tokens'
+chosen experts (Hugging Face's Mixtral, Qwen3-MoE, …): the model's own router decides, the tokens travel, and the
+module's own forward runs this rank's experts on what arrives (:class:`StackedExpertsParallel`).
 """
 
 from __future__ import annotations
+
+import copy
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -20,20 +28,49 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from meshlight.nn.experts import GroupedExperts
+from meshlight.nn.experts import GroupedExperts, local_weight
 from meshlight.nn.moe import MoE
 from meshlight.parallel.layout import DATA_AXES, axis, same_experts_axis
 
-__all__ = ["AllToAllDispatcher", "apply_expert_parallel", "expert_data_mesh", "expert_layers", "sharded_experts"]
+__all__ = [
+    "AllToAllDispatcher",
+    "StackedExpertsParallel",
+    "apply_expert_parallel",
+    "expert_data_mesh",
+    "expert_layers",
+    "has_experts",
+    "sharded_experts",
+    "stacked_experts",
+]
 
 
 def expert_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
-def sharded_experts(module: nn.Module) -> list[GroupedExperts]:
+def stacked_experts(module: nn.Module) -> list[nn.Module]:
+    """Expert modules of a model's own MoE blocks that expert parallelism splits: a ``num_experts`` attribute, every
+    weight ``[num_experts, …]``, and ``forward(hidden_states, top_k_index, top_k_weights)`` (Hugging Face's)."""
+    return [m for m in module.modules() if _is_stacked(m)]
+
+
+def _is_stacked(module: nn.Module) -> bool:
+    count, weights = getattr(module, "num_experts", None), list(module.parameters(recurse=False))
+    if not (isinstance(count, int) and count > 1 and weights):
+        return False
+    stacked = all(w.dim() == 3 and w.shape[0] == count for w in weights)
+    return stacked and tuple(inspect.signature(type(module).forward).parameters)[1:4] == _STACKED_SIGNATURE
+
+
+def has_experts(module: nn.Module) -> bool:
+    """Whether ``module`` has experts expert parallelism splits: ``meshlight.nn.MoE`` layers or stacked experts."""
+    return bool(expert_layers(module) or stacked_experts(module))
+
+
+def sharded_experts(module: nn.Module) -> list[nn.Module]:
     """The expert modules whose weights are split over ``ep`` (data parallelism treats them apart)."""
-    return [layer.experts for layer in expert_layers(module) if isinstance(layer.experts.w1, DTensor)]
+    ours = [layer.experts for layer in expert_layers(module) if isinstance(layer.experts.w1, DTensor)]
+    return ours + [m for m in stacked_experts(module) if isinstance(next(m.parameters()), DTensor)]
 
 
 def expert_data_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:
@@ -58,23 +95,33 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int) -> None:
         return
     ep_mesh = mesh["ep"]
     for layer in layers:
-        if layer.num_experts % ep:
-            valid = [d for d in range(1, layer.num_experts + 1) if layer.num_experts % d == 0]
-            raise ValueError(
-                f"num_experts={layer.num_experts} is not divisible by ep={ep}: each rank must hold the same number"
-                f" of experts. Choose ep in {valid} that also divides the data-parallel size."
-            )
-        experts = layer.experts
-        if isinstance(experts.w1, DTensor):
-            continue  # already split
-        local = layer.num_experts // ep
-        start = ep_mesh.get_local_rank() * local
-        for name, param in list(experts.named_parameters(recurse=False)):
-            shard = param.detach()[start:start + local].clone()
-            sharded = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
-            setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        experts.gradient_scale = 1.0 / ep
-        layer.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), local)
+        if _split(layer.experts, layer.num_experts, ep_mesh):
+            layer.experts.gradient_scale = 1.0 / ep
+            layer.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), layer.num_experts // ep)
+    for experts in stacked_experts(module):
+        if _split(experts, experts.num_experts, ep_mesh):
+            StackedExpertsParallel(experts, ep_mesh.get_group())
+
+
+def _split(experts: nn.Module, num_experts: int, ep_mesh: DeviceMesh) -> bool:
+    """Make ``experts``' stacked weights DTensors sharded over the ``ep`` mesh, this rank keeping its share; False
+    where they already are."""
+    ep = ep_mesh.size()
+    if num_experts % ep:
+        valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by ep={ep}: each rank must hold the same number"
+            f" of experts. Choose ep in {valid} that also divides the data-parallel size."
+        )
+    if any(isinstance(p, DTensor) for p in experts.parameters(recurse=False)):
+        return False
+    local = num_experts // ep
+    start = ep_mesh.get_local_rank() * local
+    for name, param in list(experts.named_parameters(recurse=False)):
+        shard = param.detach()[start:start + local].clone()
+        sharded = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
+        setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    return True
 
 
 class AllToAllDispatcher:
@@ -102,3 +149,44 @@ class AllToAllDispatcher:
         out = experts(arrived[order], received.sum(0))
         out = out[order.argsort()]
         return all_to_all_single_autograd(out, send_splits, receive_splits, self.group)
+
+
+_STACKED_SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+class StackedExpertsParallel:
+    """Expert parallelism for a stacked-experts module (:func:`stacked_experts`) whose weights are split over the
+    ranks of ``group``: installed as the module's ``forward``. Each (token, choice) pair travels to the rank holding
+    its expert (:class:`AllToAllDispatcher`), where the module's own forward runs this rank's experts on what
+    arrives, with weight 1; the results come back and are weighted there, where the router's weights (and their
+    gradient) stay. The experts' gradients are scaled by ``1/ep``, as :class:`GroupedExperts`' are."""
+
+    def __init__(self, experts: nn.Module, group: dist.ProcessGroup) -> None:
+        self.experts = experts
+        self.ranks = dist.get_world_size(group)
+        self.num_experts = experts.num_experts
+        self.dispatcher = AllToAllDispatcher(group, self.num_experts // self.ranks)
+        experts.forward = self
+
+    def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        choices = top_k_index.reshape(-1)
+        order = choices.argsort(stable=True)
+        tokens = torch.arange(len(hidden_states), device=hidden_states.device).repeat_interleave(
+            top_k_index.shape[-1])[order]
+        counts = torch.bincount(choices, minlength=self.num_experts)
+        out = self.dispatcher(hidden_states[tokens], counts, self._local_experts)
+        weighted = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, tokens, weighted.to(hidden_states.dtype))
+
+    def _local_experts(self, rows: Tensor, counts: Tensor) -> Tensor:
+        """The module's own forward on this rank's experts: ``rows`` grouped by local expert, ``counts`` of each. It
+        runs on a shallow copy holding this rank's weights as plain tensors (and its expert count), without the
+        module's hooks, which ran for the call being served."""
+        local = copy.copy(self.experts)
+        local._parameters = {}
+        for name, param in self.experts.named_parameters(recurse=False):
+            object.__setattr__(local, name, local_weight(param, 1.0 / self.ranks))
+        object.__setattr__(local, "num_experts", len(counts))
+        index = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts, output_size=len(rows))
+        ones = torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)
+        return type(self.experts).forward(local, rows, index[:, None], ones)

@@ -1,4 +1,5 @@
-"""A model's shape — blocks, hidden size, attention heads, MLP width, experts, vocabulary — read from its structure.
+"""A model's shape — blocks, hidden size, attention heads, MLP width, experts, vocabulary — read from its structure,
+or from its config where it has one that says it (Hugging Face's, litgpt's).
 
 The layout planner prices a model by its shape and tensor parallelism splits it by its heads; both read them here,
 so that a layout the planner proposes is one the engine accepts. Head counts come from the attributes an attention
@@ -8,6 +9,7 @@ module keeps them under (:data:`HEAD_COUNT_ATTRIBUTES`, which tensor parallelism
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -19,8 +21,8 @@ from meshlight.nn.moe import MoE
 from meshlight.parallel.blocks import repeated_blocks
 
 __all__ = [
-    "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "ModelShape", "ModelShapeError", "attention_heads", "head_counts",
-    "head_dim_of", "hidden_size", "model_shape", "projection_heads", "projections",
+    "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "ModelShape", "ModelShapeError", "attention_heads", "config_shape",
+    "head_counts", "head_dim_of", "hidden_size", "model_shape", "projection_heads", "projections",
 ]
 
 #: Attribute names under which attention modules keep their head counts (tensor parallelism divides them by tp).
@@ -55,9 +57,13 @@ class ModelShape:
 
 
 def model_shape(module: nn.Module) -> ModelShape:
-    """The shape of ``module`` from its repeated blocks (:func:`~meshlight.parallel.blocks.repeated_blocks`): the
-    hidden size the most Linears in them read, the first block's attention heads (:func:`attention_heads`), the
-    largest Embedding's vocabulary and the ``meshlight.nn.MoE`` layers' experts."""
+    """The shape of ``module``: its config's (:func:`config_shape`) where it has one, else from its repeated blocks
+    (:func:`~meshlight.parallel.blocks.repeated_blocks`): the hidden size the most Linears in them read, the first
+    block's attention heads (:func:`attention_heads`), the largest Embedding's vocabulary and the
+    ``meshlight.nn.MoE`` layers' experts."""
+    stated = config_shape(module)
+    if stated is not None:
+        return stated
     blocks = repeated_blocks(module)
     if not blocks:
         raise ModelShapeError(f"{type(module).__name__} has no repeated blocks (an nn.ModuleList of layers).")
@@ -75,6 +81,38 @@ def model_shape(module: nn.Module) -> ModelShape:
         vocab=max((m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)), default=0),
         experts=moes[0].num_experts if moes else 0, top_k=moes[0].top_k if moes else 1, moe_layers=len(moes),
     )
+
+
+def config_shape(module: nn.Module) -> Optional[ModelShape]:
+    """The shape the config of ``module`` (or of its first submodule that has one) states, read under Hugging Face's
+    names (``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``,
+    ``num_local_experts``, …, GPT-2's through its attribute map) or litgpt's (``n_layer``, ``n_head``,
+    ``n_query_groups``, ``padded_vocab_size``, ``n_expert``, …); None where no config says so. Fused projections
+    (GPT-2's ``Conv1D``, litgpt's ``qkv``) hide the heads from the structure, not from the config."""
+    for submodule in module.modules():
+        stated = functools.partial(_stated, getattr(submodule, "config", None))
+        layers, hidden = stated("num_hidden_layers", "n_layer"), stated("hidden_size", "n_embd")
+        heads = stated("num_attention_heads", "n_head")
+        if not (layers and hidden and heads):
+            continue
+        experts = stated("num_local_experts", "num_experts", "n_expert", default=0)
+        mlp_width = (stated("moe_intermediate_size") if experts else None) or stated(
+            "intermediate_size", "n_inner", default=4 * hidden)
+        return ModelShape(
+            blocks=layers, hidden=hidden, heads=heads, kv_heads=stated("num_key_value_heads", "n_query_groups",
+                                                                       default=heads),
+            head_dim=stated("head_dim", "head_size", default=hidden // heads), mlp_width=mlp_width,
+            vocab=stated("padded_vocab_size", "vocab_size", default=0), experts=experts,
+            top_k=stated("num_experts_per_tok", "n_expert_per_token", default=1) if experts else 1,
+            moe_layers=layers if experts else 0,
+        )
+    return None
+
+
+def _stated(config: object, *names: str, default: Optional[int] = None) -> Optional[int]:
+    """The first of ``names`` that ``config`` holds as a whole number, else ``default``."""
+    value = next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
+    return default if value is None else value
 
 
 def hidden_size(blocks: Iterable[nn.Module]) -> Optional[int]:

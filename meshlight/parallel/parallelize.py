@@ -19,7 +19,7 @@ from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.compile import apply_compile
 from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_module_states, is_data_parallel
 from meshlight.parallel.dtensors import has_dtensor_parameters
-from meshlight.parallel.expert import apply_expert_parallel, expert_layers, sharded_experts
+from meshlight.parallel.expert import apply_expert_parallel, has_experts, sharded_experts
 from meshlight.parallel.layout import ParallelLayout, axis
 from meshlight.parallel.offload import apply_activation_offload
 from meshlight.parallel.recompute import apply_recompute
@@ -61,11 +61,12 @@ def parallelize(
     ``"auto"``; a pipeline stage is given its whole model's.
     """
     tensor_parallel, transforms = tensor_parallel or TensorParallelOptions(), transforms or Transforms()
-    moe_layers = expert_layers(module)
+    moe_layers = has_experts(module)
     if layout.ep > 1 and not moe_layers and layout.pp == 1:
         raise ValueError(
-            f"ep={layout.ep}, but the model has no meshlight.nn.MoE layers to split: use"
-            " meshlight.nn.MoE for the feed-forwards (GPTConfig(moe=MoEConfig(...)) for meshlight's GPT), or ep=1."
+            f"ep={layout.ep}, but the model has no experts to split: use meshlight.nn.MoE for the feed-forwards"
+            " (GPTConfig(moe=MoEConfig(...)) for meshlight's GPT) or stacked experts as Hugging Face's MoE models"
+            " have them, or ep=1."
         )
     if layout.tp > 1 and moe_layers:
         raise NotImplementedError(

@@ -23,7 +23,6 @@ __all__ = [
     "Stage",
     "TiedParameter",
     "check_chain",
-    "check_root",
     "first_positional",
     "materialize",
     "root_stages",
@@ -163,14 +162,16 @@ class Stage(nn.Module):
 
 
 class _ZerosLike(nn.Module):
-    """Stands in for an embedding of an earlier stage: zeros of its output's shape (the stage's first block gets
-    the stage's input instead), so that what the forward adds to it (learned positions) still fits."""
+    """Stands in for an embedding of an earlier stage: zeros of its output's shape for token ids (the stage's first
+    block gets the stage's input instead), so that what the forward adds to it (learned positions) still fits."""
 
     def __init__(self, dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.dim, self.dtype = dim, dtype
 
     def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if ids.is_floating_point():  # the stage's input where the root takes token ids: handed on as it is
+            return ids
         return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
 
 
@@ -260,29 +261,34 @@ def materialize(module: nn.Module, device: torch.device) -> None:
             reset()
 
 
-def check_chain(module: nn.Module, plan: StagePlan, args: tuple, kwargs: dict) -> None:
-    """Run ``module.forward`` on its real inputs up to the first piece after the blocks, with the blocks replaced by
-    probes that return their input unchanged: each block must receive the previous block's output (here: the very
-    same object), and the first piece after them the last block's. No piece computes and nothing is communicated.
-    What runs before the blocks runs on the first stage only, and what runs after them on the last only, so any
-    operations are fine there; between blocks, or from before the blocks to after them (a skip connection), they
-    would be lost at a stage boundary."""
-    blocks = [f"{plan.container}.{k}" for keys in plan.blocks for k in keys]
-    pieces = [*blocks, *plan.post[:1]]
+def check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, place: Optional[ModelRoot] = None) -> None:
+    """Run the model root's ``forward`` on its real inputs up to the first piece after the blocks, with the blocks
+    replaced by probes that return their input unchanged: each block must receive the previous block's output
+    (here: the very same object), and the first piece after them the last block's. No piece computes and nothing is
+    communicated. What runs before the blocks runs on the first stage only, and what runs after them on the last
+    only, so any operations are fine there; between blocks, or from before the blocks to after them (a skip
+    connection), they would be lost at a stage boundary. A head beside the pipelined module (``place``; default: the
+    root is the pipelined module) must run after the blocks: the last stage owns it."""
+    place = place or ModelRoot("", "", plan.container, ())
+    prefix = f"{place.pipelined}." if place.pipelined else ""
+    container_name = prefix + plan.container
+    blocks = [f"{container_name}.{k}" for keys in plan.blocks for k in keys]
+    pieces = [*blocks, *(prefix + name for name in plan.post[:1])]
     received: list[tuple[str, Any]] = []
     probes = {name: _Probe(name, received, stop=name == pieces[-1]) for name in pieces}
-    container = module._modules[plan.container]
+    container = root.get_submodule(container_name)
     keys = list(container.keys()) if isinstance(container, nn.ModuleDict) else [str(i) for i in range(len(container))]
-    probed = [probes[f"{plan.container}.{k}"] for k in keys]
-    replacements: dict[str, nn.Module] = {name: PassThrough() for name in plan.pre}
-    replacements.update({name: probes[name] for name in plan.post[:1]})
-    replacements[plan.container] = (nn.ModuleDict(zip(keys, probed)) if isinstance(container, nn.ModuleDict)
+    probed = [probes[f"{container_name}.{k}"] for k in keys]
+    replacements: dict[str, nn.Module] = {prefix + name: PassThrough() for name in plan.pre}
+    replacements.update({name: probes[name] for name in pieces[len(blocks):]})
+    replacements.update({head: _Probe(head, received, stop=True) for head in place.heads})
+    replacements[container_name] = (nn.ModuleDict(zip(keys, probed)) if isinstance(container, nn.ModuleDict)
                                     else nn.ModuleList(probed))
-    view = _replaced(module, replacements)
-    name = type(module).__name__
+    view = _replaced(root, replacements)
+    name = type(root).__name__
     try:
         with torch.no_grad():
-            type(module).forward(view, *args, **kwargs)
+            type(root).forward(view, *args, **kwargs)
     except _StageDone:
         pass
     except Exception as error:  # an operation on what a piece returned: the input, passed through unchanged
@@ -294,6 +300,13 @@ def check_chain(module: nn.Module, plan: StagePlan, args: tuple, kwargs: dict) -
             " 'Pipeline parallelism')."
         ) from error
     order = [piece for piece, _ in received]
+    early = [piece for piece in order if piece in place.heads]
+    if early:
+        raise PipelineError(
+            f"{name}.forward runs {early[0]!r} before the blocks {blocks[0]} … {blocks[-1]} are done: a module beside"
+            f" the one holding them ({place.pipelined!r}) belongs to the last stage, after them. Move it into"
+            f" {place.pipelined!r}, before the blocks."
+        )
     if order != pieces:
         raise PipelineError(
             f"{name}.forward is not a chain of its blocks: it calls {order} but pipelining needs {pieces}, each once"
@@ -320,47 +333,9 @@ class _Probe(nn.Module):
         return args[0] if args else None
 
 
-def check_root(root: nn.Module, place: ModelRoot, plan: StagePlan, args: tuple, kwargs: dict) -> None:
-    """Check a model root above its pipelined module on the root's real inputs: run its forward up to the pipelined
-    module's call, which must receive the root's first input unchanged (every stage runs the root's forward, on its
-    own input), with no head beside it run before (heads run on the last stage); then :func:`check_chain`."""
-    pipelined = root.get_submodule(place.pipelined)
-    called: list[str] = []
-    hooks = [root.get_submodule(head).register_forward_pre_hook(lambda *_, head=head: called.append(head))
-             for head in place.heads]
-
-    def stop(*inner: Any, **inner_kwargs: Any) -> Any:
-        raise _StageDone((inner, inner_kwargs))
-
-    pipelined.forward = stop
-    try:
-        type(root).forward(root, *args, **kwargs)
-    except _StageDone as done:
-        inner_args, inner_kwargs = first_positional(pipelined, *done.output)
-    else:
-        inner_args = None
-    finally:
-        del pipelined.forward
-        for hook in hooks:
-            hook.remove()
-    name = f"{type(root).__name__}.forward"
-    if inner_args is None:
-        raise PipelineError(f"{name} never called {place.pipelined!r}, which holds the blocks.")
-    if called:
-        raise PipelineError(
-            f"{name} runs {called[0]!r} before {place.pipelined!r}, which holds the blocks: the modules beside it run"
-            " on the last stage, after it. Move it into that module (before the blocks).")
-    if not inner_args or inner_args[0] is not args[0]:
-        raise PipelineError(
-            f"{name} does not hand its first input unchanged to {place.pipelined!r} (which holds the blocks): each"
-            " stage runs this forward on what the stage before handed on. Move what it does to the input into that"
-            " module, before the blocks.")
-    check_chain(pipelined, plan, inner_args, inner_kwargs)
-
-
 def first_positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``(args, kwargs)`` of a call to ``module`` with its first input positional where it was passed by keyword
-    (``input_ids=…``, as Hugging Face's models call their inner model), as stages after the first receive theirs."""
+    (``model(input_ids=…)``), the slot where stages after the first receive theirs."""
     if args:
         return args, kwargs
     first = next(iter(list(inspect.signature(type(module).forward).parameters)[1:]), None)  # after `self`

@@ -116,8 +116,10 @@ def apply_tensor_parallel(
     for parent in _colwise_parents(plan):
         register_sequence_gather(modules[parent], mesh, sequence_parallel=sequence_parallel,
                                  keep_gathered=keep_gathered_inputs)
-        for attribute, count in head_counts(modules[parent]).items():  # this rank's heads
+        divided = head_counts(modules[parent])
+        for attribute, count in divided.items():  # this rank's heads
             setattr(modules[parent], attribute, count // tp)
+        _name_while_running(modules[parent], _shown(parent), sorted(divided))
     if sequence_parallel:
         for name in blocks:
             modules[name].register_forward_pre_hook(_unwrap_share, prepend=True)
@@ -394,22 +396,50 @@ def _gather_sequence(mesh: DeviceMesh):  # noqa: ANN202 - a forward hook
     return hook
 
 
+#: the split group (an attention) whose forward is running, left set when it raises: (its name, the head-count
+#: attributes the strategy divided in it)
+_RUNNING: list[Optional[tuple[str, list[str]]]] = [None]
+
+
+def _name_while_running(module: nn.Module, name: str, divided: list[str]) -> None:
+    def enter(*_: Any) -> None:
+        _RUNNING[0] = (name, divided)
+
+    def leave(*_: Any) -> None:
+        _RUNNING[0] = None
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
+
+
+def _reshape_note(tp: int, running: Optional[tuple[str, list[str]]]) -> str:
+    general = (f"meshlight: under tensor parallelism each rank holds 1/{tp} of the attention heads, and the strategy"
+               " divides the head-count attributes (n_heads, num_heads, n_head, …) by tp.")
+    fix = (" A reshape whose other sizes come from the full width no longer fits (nanoGPT's view(B, T, self.n_head,"
+           " C // self.n_head) with C = x.size(-1)): reshape with the head size or -1, e.g. view(B, T, self.n_head,"
+           " -1).")
+    if running is None:
+        return general + fix
+    name, divided = running
+    if divided:
+        return f"{general} In {name} it divided {', '.join(divided)}.{fix}"
+    return (f"{general} {name} has none of them, so it still reshapes by the whole model's head count: name that"
+            f" attribute n_heads (or num_heads, …), or reshape by -1; or give {name} its own entry in the"
+            " tensor-parallel plan (the strategy's plan=), or parallelize it yourself in configure_model().")
+
+
 @contextmanager
 def explaining_tensor_parallel_errors(tp: int, loss_parallel: bool) -> Generator[None, None, None]:
     """Add what meshlight knows to PyTorch's error, in a training step (or its backward) at tensor-parallel size
     ``tp`` and with loss parallelism on or off as the strategy has it, when a plain tensor meets a DTensor or a
     reshape does not fit a rank's heads."""
+    _RUNNING[0] = None
     try:
         yield
     except RuntimeError as error:
         explained = any(note.startswith("meshlight:") for note in getattr(error, "__notes__", ()))
         if tp > 1 and not explained and re.search(r"shape '\[.*\]' is invalid for input of size", str(error)):
-            error.add_note(
-                f"meshlight: under tensor parallelism each rank holds 1/{tp} of the attention heads, and the strategy"
-                " divides the head-count attributes (n_heads, num_heads, n_head, …) by tp. A reshape whose other"
-                " sizes come from the full width no longer fits (nanoGPT's view(B, T, self.n_head, C // self.n_head)"
-                " with C = x.size(-1)): reshape with the head size or -1, e.g. view(B, T, self.n_head, -1)."
-            )
+            error.add_note(_reshape_note(tp, _RUNNING[0]))
         if tp > 1 and "got mixed torch.Tensor and DTensor" in str(error) and not explained:
             if loss_parallel:
                 error.add_note(

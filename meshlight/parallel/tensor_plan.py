@@ -398,7 +398,16 @@ def _named_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _hidden_size(blocks: list[tuple[str, nn.Module]]) -> int:
     hidden = hidden_size(block for _, block in blocks)
     if hidden is None:
-        raise TensorParallelError("The repeated blocks contain no nn.Linear layers to split.")
+        name, block = blocks[0]
+        weighted = [(f"{_shown(name)}.{n}", type(m).__name__) for n, m in block.named_modules()
+                    if any(p.dim() == 2 for p in m.parameters(recurse=False))]
+        held = (f": their weights sit in {', '.join(sorted({kind for _, kind in weighted}))}"
+                f" ({', '.join(n for n, _ in weighted[:3])}{', …' if len(weighted) > 3 else ''})") if weighted else ""
+        raise TensorParallelError(
+            f"The repeated blocks ({_shown(name)} …) hold no nn.Linear layers, which tensor parallelism splits{held}."
+            " Train this model with data or pipeline parallelism (tp=1), give those modules torch ParallelStyles in"
+            " the tensor-parallel plan (the strategy's plan=), or parallelize it yourself in configure_model()."
+        )
     return hidden
 
 
@@ -426,8 +435,9 @@ def _close_by_last_component(pattern: str, names: list[str]) -> list[str]:
 
 
 def _shown(name: str) -> str:
-    """A module name as the user's model has it: without the ``module.`` of meshlight's root wrapper."""
-    return name.removeprefix("module.")
+    """A module name as the user's model has it: without the ``module.`` of meshlight's root wrapper (or the
+    ``root.`` of a pipeline stage)."""
+    return name.removeprefix("module.").removeprefix("root.")
 
 
 def _model_name(model: nn.Module) -> str:

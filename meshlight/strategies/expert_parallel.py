@@ -11,9 +11,10 @@ __all__ = ["MoEStrategy"]
 
 
 class MoEStrategy(MeshStrategy):
-    """Split the experts of every :class:`~meshlight.nn.MoE` layer over ``ep`` ranks, exchanging tokens by
-    all-to-all; dense weights are data parallel over all ranks, expert weights over the ``world / ep`` ranks
-    holding the same experts.
+    """Split the experts of every :class:`~meshlight.nn.MoE` layer (or a model's own stacked experts, as Hugging
+    Face's Mixtral and Qwen3-MoE hold them: :func:`~meshlight.parallel.expert.stacked_experts`) over ``ep`` ranks,
+    exchanging tokens by all-to-all; dense weights are data parallel over all ranks, expert weights over the
+    ``world / ep`` ranks holding the same experts.
 
     Args:
         ep: ranks the experts are split over; must divide ``num_experts`` and the data-parallel size.

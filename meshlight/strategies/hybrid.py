@@ -13,6 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from meshlight.parallel.blocks import repeated_blocks
+from meshlight.parallel.dtensors import has_dtensor_parameters
+from meshlight.parallel.expert import has_experts
 from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, _fix_hint, data_sizes
 from meshlight.parallel.offload import OffloadPolicy, apart_from_host
 from meshlight.parallel.pipeline import default_virtual_stages
@@ -33,6 +35,7 @@ from meshlight.parallel.planner import (
     same_devices_hint,
 )
 from meshlight.parallel.recompute import RecomputePolicy
+from meshlight.parallel.tensor_plan import TensorParallelError, model_plan
 from meshlight.parallel.transforms import Transforms
 from meshlight.strategies import lightning_internals as lightning
 from meshlight.strategies.mesh import MeshStrategy
@@ -270,6 +273,21 @@ class Hybrid3DStrategy(MeshStrategy):
                           f"gathered again in backward (kept whole: {kept.memory_bytes / 2**30:.1f} GiB of"
                           f" {kept.memory_limit / 2**30:.1f} GiB usable)."))
 
+    def _unsplittable(self) -> dict[str, int]:
+        """Sizes the engines cannot give this model, fixed at 1 for the planner where not requested: tp where no
+        tensor-parallel plan splits its blocks (fused projections), ep where it has no experts expert parallelism
+        splits (experts its config counts, in modules it cannot split)."""
+        fixed = {}
+        if self._requested["tp"] is None and not has_dtensor_parameters(self.lightning_module):
+            try:
+                model_plan(self.lightning_module, self.tensor_parallel.plan)
+            except TensorParallelError as error:
+                fixed["tp"] = 1
+                rank_zero_info(f"Planning with tp=1: tensor parallelism cannot split this model ({error})")
+        if self._requested["ep"] is None and not has_experts(self.lightning_module):
+            fixed["ep"] = 1
+        return fixed
+
     def _choose_layout(self) -> None:
         hardware = self._run_hardware()
         requested = {k: v for k, v in self._requested.items() if v is not None}
@@ -279,6 +297,7 @@ class Hybrid3DStrategy(MeshStrategy):
             sizes = {"dp": "auto", "pp": 1, "tp": 1, "ep": 1, "zero": 1, **requested}
             raise PlanError(f"{error} For example: Hybrid3DStrategy("
                             + ", ".join(f"{k}={v!r}" for k, v in sizes.items()) + ").") from None
+        requested.update(self._unsplittable())
         fixed = {k: v for k, v in self._run_options().items() if v is not None}
         batch = _replica_batch(self.lightning_module)
         unknown = batch is None

@@ -57,7 +57,6 @@ from meshlight.parallel.pipeline import (
 from meshlight.parallel.pipeline_stages import (
     Stage,
     check_chain,
-    check_root,
     first_positional,
     materialize,
     root_stages,
@@ -90,6 +89,12 @@ def setup_pipeline(
     index)``), and return the steps runner and a module holding the stages (the strategy's model)."""
     place = model_root(lightning_module)
     root = lightning_module.get_submodule(place.name)
+    if getattr(getattr(root, "config", None), "output_router_logits", False):
+        raise PipelineError(
+            f"{type(root).__name__} computes its MoE load-balancing loss (config.output_router_logits=True) from the"
+            " router logits of all its layers, while each pipeline stage runs only its own: set"
+            " output_router_logits=False, or train it without pipelining (expert and data parallelism)."
+        )
     pipelined = root.get_submodule(place.pipelined)
     num_stages = layout.pp * options.virtual_stages
     plan = plan_stages(pipelined, place.container, num_stages, options.split)
@@ -147,7 +152,6 @@ class PipelineSteps:
         self.lightning_module = lightning_module
         self.root = root
         self.place = place
-        self.pipelined = root.get_submodule(place.pipelined)
         self.plan = plan
         self.stage_modules = list(stage_modules)
         self.stage_indices = list(stage_indices)
@@ -329,7 +333,7 @@ class PipelineSteps:
         taken = sorted(_SCHEDULE_KEYWORDS & kwargs.keys())
         if taken:
             raise PipelineError(
-                f"{type(self.pipelined).__name__}.forward is called with the keyword argument(s) {taken}, which"
+                f"{type(self.root).__name__}.forward is called with the keyword argument(s) {taken}, which"
                 " torch's pipeline schedule takes for itself (it would never pass them to the model): rename them"
                 " in the forward's signature."
             )
@@ -338,10 +342,7 @@ class PipelineSteps:
                 _check_divisible(arg.shape[0], self.microbatches)
         signature = _signature(args)
         if signature not in self._chained:
-            if self.place.pipelined:
-                check_root(self.root, self.place, self.plan, args, kwargs)
-            else:
-                check_chain(self.pipelined, self.plan, args, kwargs)
+            check_chain(self.root, self.plan, args, kwargs, self.place)
             self._chained.add(signature)
 
     def _split(self, batch: Any) -> list[Any]:

@@ -25,20 +25,21 @@ def test_head_counts_come_from_attributes_or_from_head_dim_and_the_projections()
     assert (nano.heads, nano.kv_heads, nano.head_dim) == (4, 4, 8)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_hugging_face_models_read_as_their_configs_say(family):
-    """Models we did not write: the structure gives what their config holds, for the planner too."""
-    from tests.strategies.hf_models import LitCausalLM
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2", "litgpt"])
+def test_models_from_hugging_face_and_litgpt_read_as_their_configs_say(family):
+    """Models we did not write: the shape their config states (GPT-2's Conv1D and litgpt's fused q|k|v hide the heads
+    from the structure), for the planner too."""
+    pytest.importorskip("transformers")
+    from tests.strategies import hf_models
 
-    module = LitCausalLM(family)
-    config = module.model.config
+    module = hf_models.lit_causal_lm(family)
+    kv_heads = hf_models.HEADS if family == "gpt2" else hf_models.KV_HEADS
     assert model_shape(module) == ModelShape(
-        blocks=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
-        kv_heads=config.num_key_value_heads, head_dim=config.hidden_size // config.num_attention_heads,
-        mlp_width=config.intermediate_size, vocab=config.vocab_size)
+        blocks=hf_models.LAYERS, hidden=hf_models.DIM, heads=hf_models.HEADS, kv_heads=kv_heads,
+        head_dim=hf_models.DIM // hf_models.HEADS, mlp_width=hf_models.HIDDEN, vocab=hf_models.VOCAB)
     spec = model_spec_of(module)
-    assert (spec.layers, spec.heads, spec.kv_heads, spec.ffn_hidden) == (
-        config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size)
+    assert (spec.layers, spec.heads, spec.kv_heads, spec.ffn_hidden, spec.vocab) == (
+        hf_models.LAYERS, hf_models.HEADS, kv_heads, hf_models.HIDDEN, hf_models.VOCAB)
 
 
 def test_experts_and_their_width_come_from_the_moe_layers():

@@ -138,8 +138,44 @@ def test_a_head_beside_the_pipelined_module_belongs_to_the_model_root_and_the_la
     assert place == ModelRoot("model", "model", "layers", ("lm_head",))
     plan = plan_stages(module.model.model, "layers", 2)
     assert tied_parameters(module.model, place, plan) == [TiedParameter("model.embed_tokens.weight", "lm_head.weight")]
-    # the pipelined module returns its last piece's output inside a ModelOutput
-    check_chain(module.model.model, plan, (torch.zeros(2, 6, dtype=torch.long),), {})
+    # the chain is checked on the root's forward, which slices the hidden states for the head (on the last stage)
+    check_chain(module.model, plan, (torch.zeros(2, 6, dtype=torch.long),), {}, place)
+
+
+class HeadFirst(torch.nn.Module):
+    """A root running a module beside the one holding the blocks before them: that module would be the last
+    stage's, but the first stage needs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.adapter = torch.nn.Linear(32, 32)
+        self.gpt = GPT(GPTConfig.tiny(n_layers=4, dim=32))
+
+    def forward(self, idx):
+        x = self.adapter(self.gpt.embed(idx))
+        for block in self.gpt.blocks:
+            x = block(x)
+        return self.gpt.head(self.gpt.norm(x))
+
+
+def test_a_module_beside_the_blocks_that_runs_before_them_is_refused():
+    module = torch.nn.Module()
+    module.model = HeadFirst()
+    place = model_root(module)
+    assert place == ModelRoot("model", "gpt", "blocks", ("adapter",))
+    plan = plan_stages(module.model.gpt, "blocks", 2)
+    with pytest.raises(PipelineError, match="runs 'adapter' before the blocks gpt.blocks.0 … gpt.blocks.3 are done"):
+        check_chain(module.model, plan, (torch.zeros(2, 6, dtype=torch.long),), {}, place)
+
+
+def test_blocks_in_a_namespace_the_root_runs_itself_chain():
+    from tests.strategies.nanogpt import LitNanoGPT  # transformer = ModuleDict(wte, wpe, h, ln_f), a tied lm_head
+
+    module = LitNanoGPT()
+    place = model_root(module)
+    assert place == ModelRoot("model", "transformer", "h", ("lm_head",))
+    plan = plan_stages(module.model.transformer, "h", 2)
+    check_chain(module.model, plan, (torch.zeros(2, 6, dtype=torch.long),), {}, place)
 
 
 def test_stages_of_a_model_root_hand_on_the_blocks_output_and_the_last_runs_to_the_end():

@@ -4,6 +4,7 @@ any process group exists (the sharding itself is tested on processes in tests/st
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import meshlight as ml
 from meshlight.models import GPT, GPTConfig
@@ -429,3 +430,50 @@ def test_a_reshape_by_the_full_width_under_tensor_parallelism_gets_a_note_saying
     with pytest.raises(RuntimeError) as error, explaining_tensor_parallel_errors(1, loss_parallel=True):
         q.view(2, 12, 2, 32 // 2)
     assert not hasattr(error.value, "__notes__")  # without tensor parallelism the error is the user's own
+
+
+class _HeadsUnderAnotherName(nn.Module):
+    """An attention that keeps its head count as ``nh``, a name tensor parallelism does not know, and reshapes by it:
+    under tp=2 each rank's q is half as wide while ``nh`` stays whole (here: ``nh`` twice the real count, as a rank
+    of tp=2 sees it)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.nh, self.hd = 2 * heads, dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, self.nh, self.hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
+
+
+def test_an_attention_whose_head_count_no_plan_divides_is_named_with_the_fix(one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshlight.parallel.tensor import apply_tensor_parallel, explaining_tensor_parallel_errors
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.ModuleDict({"attn": _HeadsUnderAnotherName()}) for _ in range(2))
+    plan = {f"blocks.{i}.attn.{w}": "colwise" for i in range(2) for w in ("wq", "wk", "wv")}
+    plan.update({f"blocks.{i}.attn.wo": "rowwise" for i in range(2)})
+    apply_tensor_parallel(model, init_device_mesh("cpu", (1,)), plan, sequence_parallel=False)
+    with pytest.raises(RuntimeError) as error, explaining_tensor_parallel_errors(2, loss_parallel=False):
+        model.blocks[0].attn(torch.randn(2, 6, 32))
+    assert error.value.__notes__ == [
+        "meshlight: under tensor parallelism each rank holds 1/2 of the attention heads, and the strategy divides the"
+        " head-count attributes (n_heads, num_heads, n_head, …) by tp. blocks.0.attn has none of them, so it still"
+        " reshapes by the whole model's head count: name that attribute n_heads (or num_heads, …), or reshape by -1;"
+        " or give blocks.0.attn its own entry in the tensor-parallel plan (the strategy's plan=), or parallelize it"
+        " yourself in configure_model()."]
+
+
+def test_blocks_without_linear_layers_are_refused_naming_what_holds_their_weights():
+    pytest.importorskip("transformers")
+    from tests.strategies.hf_models import lit_causal_lm
+
+    message = (r"The repeated blocks \(model.transformer.h.0 …\) hold no nn.Linear layers, which tensor parallelism"
+               r" splits: their weights sit in Conv1D \(model.transformer.h.0.attn.c_attn, .*\)\. Train this model"
+               r" with data or pipeline parallelism \(tp=1\)")
+    with pytest.raises(TensorParallelError, match=message):
+        derive_plan(lit_causal_lm("gpt2"))

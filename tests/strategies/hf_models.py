@@ -1,5 +1,6 @@
-"""Tiny, randomly initialized Hugging Face causal LMs wrapped in a plain LightningModule, as users write them: the
-model is built from a config (never downloaded) and ``training_step`` calls ``F.cross_entropy`` on its logits."""
+"""Tiny, randomly initialized causal LMs from Hugging Face ``transformers`` and from litgpt wrapped in a plain
+LightningModule, as users write them: the model is built from a config (never downloaded) and ``training_step``
+calls ``F.cross_entropy`` on its logits."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS = 16, 64, 8, 4, 128, 4
-FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen3", "gpt2", "litgpt")
+MOE_FAMILIES = ("mixtral", "qwen3_moe")  # 4 experts, top-2, in every layer
 
 
-def hf_config(family: str) -> Any:
+def hf_config(family: str, vocab: int = VOCAB) -> Any:
     """A tiny config of ``family``: 4 layers, no dropout; GQA (8 query, 4 key/value heads) and an untied head, except
     GPT-2 (8 heads, its head tied to the token embedding)."""
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=LAYERS,
+    common = dict(vocab_size=vocab, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=LAYERS,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
                   tie_word_embeddings=False, attention_dropout=0.0, use_cache=False)
     if family == "llama":
@@ -29,10 +31,27 @@ def hf_config(family: str) -> Any:
     if family == "qwen3":  # QK-norm, an explicit head_dim
         return transformers.Qwen3Config(**common, head_dim=DIM // HEADS)
     if family == "gpt2":  # Conv1D, a fused q|k|v, learned positions, the head tied to the token embedding
-        return transformers.GPT2Config(vocab_size=VOCAB, n_embd=DIM, n_layer=LAYERS, n_head=HEADS, n_inner=HIDDEN,
+        return transformers.GPT2Config(vocab_size=vocab, n_embd=DIM, n_layer=LAYERS, n_head=HEADS, n_inner=HIDDEN,
                                        n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                        use_cache=False)
-    raise ValueError(f"family={family!r}: choose one of {FAMILIES}")
+    moe = dict(num_experts_per_tok=2, output_router_logits=False)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**common, **moe, num_local_experts=4, router_jitter_noise=0.0)
+    if family == "qwen3_moe":  # top-k weights renormalized (norm_topk_prob), experts narrower than the hidden size
+        return transformers.Qwen3MoeConfig(**common, **moe, num_experts=4, moe_intermediate_size=HIDDEN // 2,
+                                           norm_topk_prob=True, head_dim=DIM // HEADS)
+    raise ValueError(f"family={family!r}: choose one of {FAMILIES + MOE_FAMILIES}")
+
+
+def litgpt_model(vocab: int = VOCAB) -> Any:
+    """litgpt's GPT in a Llama configuration: a fused q|k|v for grouped queries, RMSNorm, SwiGLU, rotary."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    return GPT(Config(n_layer=LAYERS, n_head=HEADS, n_query_groups=KV_HEADS, n_embd=DIM, vocab_size=vocab,
+                      padded_vocab_size=vocab, block_size=64, bias=False, norm_class_name="RMSNorm",
+                      mlp_class_name="LLaMAMLP", intermediate_size=HIDDEN, rotary_percentage=1.0,
+                      parallel_residual=False))
 
 
 def training_options(family: str) -> dict[str, Any]:
@@ -43,17 +62,32 @@ def training_options(family: str) -> dict[str, Any]:
 
 
 class LitCausalLM(pl.LightningModule):
-    """Next-token training of a Hugging Face ``AutoModelForCausalLM`` on ``(inputs, targets)`` batches."""
+    """Next-token training of a Hugging Face ``AutoModelForCausalLM`` (or litgpt's GPT) on ``(inputs, targets)``
+    batches. ``aux_loss``: an MoE model's load-balancing loss joins the training loss with this coefficient, as the
+    model computes it for the batch it is given; ``data_shards``: the step runs the model on that many equal parts of
+    its batch and averages (one process computing what ``data_shards`` data-parallel ranks do: the load-balancing
+    loss is not linear in the batch). The parts are those ``data_shards`` ranks read: every ``data_shards``-th
+    sample."""
 
-    def __init__(self, family: str, lr: float = 1e-2, optimizer: str = "adamw") -> None:
+    def __init__(self, family: str, lr: float = 1e-2, optimizer: str = "adamw", vocab: int = VOCAB,
+                 aux_loss: float = 0.0, data_shards: int = 1) -> None:
         super().__init__()
         import transformers
 
-        self.lr, self.optimizer = lr, optimizer
+        self.family, self.lr, self.optimizer = family, lr, optimizer
+        self.aux_loss, self.data_shards = aux_loss, data_shards
         torch.manual_seed(0)
-        self.model = transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="sdpa")
+        if family == "litgpt":
+            self.model = litgpt_model(vocab)
+        else:
+            config = hf_config(family, vocab)
+            if aux_loss:
+                config.output_router_logits, config.router_aux_loss_coef = True, aux_loss
+            self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
     def forward(self, inputs: Tensor) -> Tensor:
+        if self.family == "litgpt":
+            return self.model(inputs)
         return self.model(input_ids=inputs).logits
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -65,10 +99,31 @@ class LitCausalLM(pl.LightningModule):
         self.log("val/loss", self._loss(batch), sync_dist=True)
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        inputs, targets = batch
-        return F.cross_entropy(self(inputs).flatten(0, -2).float(), targets.flatten())
+        if not self.aux_loss:
+            inputs, targets = batch
+            return F.cross_entropy(self(inputs).flatten(0, -2).float(), targets.flatten())
+        losses = []
+        # rank r of a DistributedSampler reads every data_shards-th sample of the batch one process reads
+        shards = [[part[r::self.data_shards] for part in batch] for r in range(self.data_shards)]
+        for inputs, targets in shards:
+            output = self.model(input_ids=inputs)
+            loss = F.cross_entropy(output.logits.flatten(0, -2).float(), targets.flatten())
+            losses.append(loss + self.aux_loss * output.aux_loss)
+        return torch.stack(losses).mean()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.lr)
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def lit_causal_lm(name: str, data_shards: int = 1) -> LitCausalLM:
+    """The parity model called ``name``: a family (``"llama"``), a family with a vocabulary of its own
+    (``"llama-vocab61"``), or an MoE family with its load-balancing loss on (``"mixtral-aux"``: coefficient 0.02),
+    with the family's :func:`training_options`; ``data_shards``: see :class:`LitCausalLM`."""
+    name, _, vocab = name.partition("-vocab")
+    family, aux, _ = name.partition("-aux")
+    # with the load-balancing loss, AdamW at 1e-2 leaves float noise at 1.1e-4 in some weights; at 3e-3 it stays below
+    options = {"lr": 3e-3} if aux else training_options(family)
+    return LitCausalLM(family, **options, vocab=int(vocab or VOCAB), aux_loss=0.02 if aux else 0.0,
+                       data_shards=data_shards)

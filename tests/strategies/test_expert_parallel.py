@@ -85,7 +85,7 @@ BAD_INPUT = {
                                    " experts. Choose ep in [1, 2, 3, 6]",
     "ep not dividing the data-parallel size": "ep=3 does not divide dp_shard=4: expert parallelism borrows its ranks"
                                               " from data parallelism; choose ep in [1, 2, 4]",
-    "no MoE layers": "ep=2, but the model has no meshlight.nn.MoE layers to split",
+    "no MoE layers": "ep=2, but the model has no experts to split",
 }
 
 

@@ -1,8 +1,10 @@
-"""Hugging Face models users bring, unchanged, under meshlight's strategies: each dense family (Llama; Qwen2 with
+"""Models users bring, unchanged, under meshlight's strategies: each dense Hugging Face family (Llama; Qwen2 with
 q/k/v biases; Qwen3 with QK-norm and an explicit head_dim) matches one process's training within 1e-4 over 20
-steps, under tensor (+ sequence) parallelism, data parallelism and pipeline parallelism (1F1B and interleaved,
-the LM head beside the module holding the layers); so does GPT-2 (learned positions, its head tied to the token
-embedding), except under tensor parallelism. Every run trains in one launch."""
+steps, under tensor (+ sequence) parallelism, data parallelism, pipeline parallelism (1F1B and interleaved, the
+LM head beside the module holding the layers) and all three; so do GPT-2 (learned positions, its head tied to the
+token embedding) and litgpt's GPT (its blocks in a ModuleDict namespace the root's forward runs), except under
+tensor parallelism; and Mixtral and Qwen3-MoE under expert parallelism, with and without pipelining. One launch per
+process count."""
 
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import torch
 
 from tests.launch import torchrun
 from tests.strategies import parity
-from tests.strategies.hf_models import FAMILIES, LitCausalLM, training_options
+from tests.strategies.hf_models import lit_causal_lm
 from tests.strategies.workers import hf_worker
 
 WORKER = Path(hf_worker.__file__)
@@ -20,30 +22,35 @@ WORKER = Path(hf_worker.__file__)
 @pytest.fixture(scope="module")
 def controls() -> dict[str, dict]:
     results = {}
-    for family in FAMILIES:
-        result = parity.train("adamw", model=lambda family=family: LitCausalLM(family, **training_options(family)))
+    for name in {name for *_, models in hf_worker.LAYOUTS.values() for name in models}:
+        # with the load-balancing loss on, one process computes it per data-parallel rank's part (ep2: 2 replicas)
+        shards = 2 if name.endswith("-aux") else 1
+        result = parity.train("adamw", model=lambda name=name, shards=shards: lit_causal_lm(name, data_shards=shards))
         result.pop("module")
-        results[family] = result
+        results[name] = result
     return results
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hf")
-    for world in (2, 8):
+    for world in (2, 4, 8):
         layouts = [name for name, (_, devices, _, _) in hf_worker.LAYOUTS.items() if devices == world]
         torchrun(WORKER, world, str(out), *layouts, *(["reshard-tied"] if world == 2 else []), timeout=1200)
     return out
 
 
-@pytest.mark.parametrize(("layout", "family"), [(layout, family) for layout, (*_, families) in
-                                                hf_worker.LAYOUTS.items() for family in families])
-def test_each_layout_matches_single_process_training(runs, controls, layout, family):
+@pytest.mark.parametrize(("layout", "model"), [(layout, model) for layout, (*_, models) in
+                                               hf_worker.LAYOUTS.items() for model in models])
+def test_each_layout_matches_single_process_training(runs, controls, layout, model):
     """tp2: tensor parallelism with sequence parallelism on 2 processes; ddp and zero3: 2 data replicas; pp2-*: two
-    pipeline stages (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence parallel) on 8 processes."""
-    result = torch.load(runs / f"{layout}-{family}.pt", weights_only=False)
+    pipeline stages (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence parallel) on 8 processes;
+    tp2-loss-parallel: a vocabulary of 61, which tp=2 splits 31 + 30, the logits left split for the loss; ep2 and
+    dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (ep2 also with their
+    load-balancing loss, which each data-parallel rank computes over its part of the batch)."""
+    result = torch.load(runs / f"{layout}-{model}.pt", weights_only=False)
     assert len(result["losses"]) == parity.STEPS
-    parity.assert_parity(result, controls[family])
+    parity.assert_parity(result, controls[model])
 
 
 def test_a_head_tied_across_pipeline_stages_is_checkpointed_and_resharded_exactly(runs):
@@ -58,3 +65,13 @@ def test_a_head_tied_across_pipeline_stages_is_checkpointed_and_resharded_exactl
         torch.testing.assert_close(saved["model.lm_head.weight"], saved["model.transformer.wte.weight"], rtol=0,
                                    atol=0)
     assert results["pp2-1f1b->ddp"][2] == pytest.approx(results["ddp->pp2-1f1b"][2], rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_load_balancing_loss_is_in_the_loss_under_expert_parallelism(runs, family):
+    """With the load-balancing loss on (matched above against one process computing it per data-parallel rank's
+    part), the first logged loss is the same model's language-model loss plus 0.02 times it: about top_k = 2 for a
+    router that starts near balance."""
+    with_aux = torch.load(runs / f"ep2-{family}-aux.pt", weights_only=False)["losses"]
+    without = torch.load(runs / f"ep2-{family}.pt", weights_only=False)["losses"]
+    assert 1.5 < (with_aux[0] - without[0]) / 0.02 < 3.0

@@ -169,6 +169,22 @@ def test_a_model_the_planner_cannot_read_is_told_to_give_every_size():
         strategy._resolve_layout()
 
 
+def test_the_planner_leaves_out_tensor_parallelism_for_a_model_no_plan_splits(caplog):
+    pytest.importorskip("transformers")
+    from tests.strategies.hf_models import lit_causal_lm
+
+    # litgpt's fused q|k|v cannot be split yet: the planner is held at tp=1 (from the config's heads alone it would
+    # plan tp); an HF Llama keeps tp among its choices. Neither has meshlight.nn.MoE layers: ep stays 1.
+    for family, tp_planned in (("litgpt", False), ("llama", True)):
+        strategy = ml.Hybrid3DStrategy()
+        ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", logger=False)
+        strategy.connect(lit_causal_lm(family))
+        with caplog.at_level("INFO"):
+            assert strategy._unsplittable() == ({"ep": 1} if tp_planned else {"tp": 1, "ep": 1})
+    assert ("Planning with tp=1: tensor parallelism cannot split this model (model.transformer.h.0.attn looks like a"
+            " fused projection") in caplog.text
+
+
 def _fit_on_one_process(strategy, callbacks=(), batch_size=4, **trainer_options):
     from meshlight.demos import AdditionDataModule, LitGPT
 

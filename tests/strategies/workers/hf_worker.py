@@ -15,18 +15,23 @@ import torch
 
 import meshlight as ml
 from tests.strategies import parity
-from tests.strategies.hf_models import FAMILIES, LitCausalLM, training_options
+from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, lit_causal_lm
 
 TP_FAMILIES = ("llama", "qwen2", "qwen3")  # GPT-2's fused Conv1D q|k|v is not split yet
-# name -> (the strategy, processes, data-parallel replicas among them, the families it trains)
+# name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, TP_FAMILIES),
+    # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
+    "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
     "ddp": (lambda: "ddp", 2, 2, FAMILIES),
     "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, FAMILIES),
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1, FAMILIES),
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
                                                     microbatches=4), 2, 1, FAMILIES),
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=4), 8, 2, TP_FAMILIES),
+    # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2)
+    "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2, (*MOE_FAMILIES, "mixtral-aux", "qwen3_moe-aux")),
+    "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=4), 4, 2, MOE_FAMILIES),
 }
 
 
@@ -38,8 +43,8 @@ def reshard_tied(out: Path) -> None:
         strategy, _, replicas, _ = LAYOUTS[trained]
         path = out / f"tied-{trained}.ckpt"
         result = parity.train("adamw", strategy=strategy(), devices=2, data_parallel=replicas, save_to=path,
-                              model=lambda: LitCausalLM("gpt2", **training_options("gpt2")))
-        module = LitCausalLM("gpt2", **training_options("gpt2"))
+                              model=lambda: lit_causal_lm("gpt2"))
+        module = lit_causal_lm("gpt2")
         trainer = ml.Trainer(strategy=LAYOUTS[loaded][0](), devices=2, accelerator="cpu", logger=False,
                              enable_progress_bar=False, enable_model_summary=False)
         metrics = trainer.validate(module, parity.make_data(4), ckpt_path=path, verbose=False)
@@ -53,11 +58,11 @@ def main(out: Path, layouts: list[str]) -> None:
         if layout == "reshard-tied":
             reshard_tied(out)
             continue
-        strategy, devices, replicas, families = LAYOUTS[layout]
+        strategy, devices, replicas, models = LAYOUTS[layout]
         assert devices == int(os.environ["WORLD_SIZE"]), f"{layout} runs on {devices} processes"
-        for family in families:
+        for family in models:
             result = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas,
-                                  model=lambda family=family: LitCausalLM(family, **training_options(family)))
+                                  model=lambda family=family: lit_causal_lm(family))
             result.pop("module")
             if torch.distributed.get_rank() == 0:
                 torch.save(result, out / f"{layout}-{family}.pt")
