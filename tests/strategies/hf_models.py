@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS = 16, 64, 8, 4, 128, 4
-FAMILIES = ("llama", "qwen2", "qwen3", "gpt2", "litgpt")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "litgpt")
 MOE_FAMILIES = ("mixtral", "qwen3_moe")  # 4 experts, top-2, in every layer
 
 
@@ -26,6 +26,8 @@ def hf_config(family: str, vocab: int = VOCAB) -> Any:
                   tie_word_embeddings=False, attention_dropout=0.0, use_cache=False)
     if family == "llama":
         return transformers.LlamaConfig(**common)
+    if family == "mistral":  # Llama's structure under its own classes, sliding-window attention off
+        return transformers.MistralConfig(**common, sliding_window=None)
     if family == "qwen2":  # q, k, v biases
         return transformers.Qwen2Config(**common)
     if family == "qwen3":  # QK-norm, an explicit head_dim

@@ -20,7 +20,7 @@ from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, lit_causal_lm
 TP_FAMILIES = ("llama", "qwen2", "qwen3")  # GPT-2's fused Conv1D q|k|v is not split yet
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
-    "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, TP_FAMILIES),
+    "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*TP_FAMILIES, "mistral")),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
     "ddp": (lambda: "ddp", 2, 2, FAMILIES),
