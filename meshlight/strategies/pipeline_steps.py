@@ -271,7 +271,7 @@ class PipelineSteps:
 
     def _capture(self, step: Callable[..., Any], *step_args: Any) -> tuple[tuple, dict]:
         """Stage 0's inputs: the arguments the step passes to the model root's forward, its first input positional
-        (``input_ids=…`` from Hugging Face's own forward), as the stages after the first receive theirs."""
+        (passed as ``model(input_ids=…)``, say), as the stages after the first receive theirs."""
 
         def capture(*args: Any, **kwargs: Any) -> Any:
             raise _Captured(args, kwargs)
