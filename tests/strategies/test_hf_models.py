@@ -45,7 +45,8 @@ def runs(tmp_path_factory) -> Path:
 def test_each_layout_matches_single_process_training(runs, controls, layout, model):
     """tp2: tensor parallelism with sequence parallelism on 2 processes; ddp and zero3: 2 data replicas; pp2-*: two
     pipeline stages (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence parallel) on 8 processes;
-    tp2-loss-parallel: a vocabulary of 61, which tp=2 splits 31 + 30, the logits left split for the loss; ep2 and
+    tp2-loss-parallel: a vocabulary of 61, which tp=2 splits 31 + 30, the logits left split for the loss;
+    3d-planned: Hybrid3DStrategy() with no sizes, planned from each config (litgpt's tp held at 1); ep2 and
     dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (ep2 also with their
     load-balancing loss, which each data-parallel rank computes over its part of the batch)."""
     result = torch.load(runs / f"{layout}-{model}.pt", weights_only=False)

@@ -29,6 +29,8 @@ LAYOUTS = {
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
                                                     microbatches=4), 2, 1, FAMILIES),
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=4), 8, 2, TP_FAMILIES),
+    # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
+    "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2)
     "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2, (*MOE_FAMILIES, "mixtral-aux", "qwen3_moe-aux")),
     "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=4), 4, 2, MOE_FAMILIES),
