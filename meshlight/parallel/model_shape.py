@@ -1,10 +1,12 @@
 """A model's shape — blocks, hidden size, attention heads, MLP width, experts, vocabulary — read from its structure,
 or from its config where it has one that says it (Hugging Face's, litgpt's).
 
-The layout planner prices a model by its shape and tensor parallelism splits it by its heads; both read them here,
-so that a layout the planner proposes is one the engine accepts. Head counts come from the attributes an attention
-module keeps them under (:data:`HEAD_COUNT_ATTRIBUTES`, which tensor parallelism divides by tp), else from its
-``head_dim`` and its projections' widths (Hugging Face's Llama keeps only ``head_dim`` and reshapes with ``-1``).
+The layout planner prices a model by its shape (:func:`model_shape`); tensor parallelism splits it by the head
+counts its structure holds. Those come from the attributes an attention module keeps them under
+(:data:`HEAD_COUNT_ATTRIBUTES`, which tensor parallelism divides by tp), else from its ``head_dim`` and its
+projections' widths (Hugging Face's Llama keeps only ``head_dim`` and reshapes with ``-1``). Where a config states
+the shape the planner takes it from there, as fused projections hide the heads from the structure; a layout it
+proposes is still one the engine accepts, because ``Hybrid3DStrategy`` holds tp at 1 where no plan splits the model.
 """
 
 from __future__ import annotations
