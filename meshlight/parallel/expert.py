@@ -39,6 +39,8 @@ __all__ = [
     "expert_data_mesh",
     "expert_layers",
     "has_experts",
+    "is_stacked_experts",
+    "router_logits_collected",
     "sharded_experts",
     "stacked_experts",
 ]
@@ -51,10 +53,11 @@ def expert_layers(module: nn.Module) -> list[MoE]:
 def stacked_experts(module: nn.Module) -> list[nn.Module]:
     """Expert modules of a model's own MoE blocks that expert parallelism splits: a ``num_experts`` attribute, every
     weight ``[num_experts, …]``, and ``forward(hidden_states, top_k_index, top_k_weights)`` (Hugging Face's)."""
-    return [m for m in module.modules() if _is_stacked(m)]
+    return [m for m in module.modules() if is_stacked_experts(m)]
 
 
-def _is_stacked(module: nn.Module) -> bool:
+def is_stacked_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is stacked experts (see :func:`stacked_experts`)."""
     count, weights = getattr(module, "num_experts", None), list(module.parameters(recurse=False))
     if not (isinstance(count, int) and count > 1 and weights):
         return False
@@ -67,10 +70,18 @@ def has_experts(module: nn.Module) -> bool:
     return bool(expert_layers(module) or stacked_experts(module))
 
 
+def router_logits_collected(module: nn.Module) -> bool:
+    """Whether ``module`` (or a submodule) collects its routers' logits for a load-balancing loss of its own
+    (Hugging Face's ``config.output_router_logits=True``)."""
+    return any(getattr(getattr(m, "config", None), "output_router_logits", False) is True for m in module.modules())
+
+
 def sharded_experts(module: nn.Module) -> list[nn.Module]:
     """The expert modules whose weights are split over ``ep`` (data parallelism treats them apart)."""
     ours = [layer.experts for layer in expert_layers(module) if isinstance(layer.experts.w1, DTensor)]
-    return ours + [m for m in stacked_experts(module) if isinstance(next(m.parameters()), DTensor)]
+    # split over ep: sharded; kept whole on every tp rank (replicated DTensors), they are data parallel with the rest
+    return ours + [m for m in stacked_experts(module) if isinstance(weight := next(m.parameters()), DTensor)
+                   and any(isinstance(p, Shard) for p in weight.placements)]
 
 
 def expert_data_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:

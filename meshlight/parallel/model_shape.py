@@ -12,6 +12,7 @@ proposes is still one the engine accepts, because ``Hybrid3DStrategy`` holds tp 
 from __future__ import annotations
 
 import functools
+import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -23,15 +24,19 @@ from meshlight.nn.moe import MoE
 from meshlight.parallel.blocks import repeated_blocks
 
 __all__ = [
-    "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "ModelShape", "ModelShapeError", "attention_heads", "config_shape",
-    "head_counts", "head_dim_of", "hidden_size", "model_shape", "projection_heads", "projections",
+    "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "WIDTH_ATTRIBUTES", "ModelShape", "ModelShapeError",
+    "attention_heads", "config_shape", "count_holder", "fused_parts", "head_counts", "head_dim_of", "hidden_size",
+    "is_transposed_linear", "linear_widths", "model_shape", "projection_heads", "projections",
 ]
 
 #: Attribute names under which attention modules keep their head counts (tensor parallelism divides them by tp).
 HEAD_COUNT_ATTRIBUTES = (
     "n_heads", "num_heads", "n_head", "num_attention_heads", "heads", "nheads",
-    "n_kv_heads", "num_kv_heads", "n_kv_head", "num_key_value_heads", "kv_heads",
+    "n_kv_heads", "num_kv_heads", "n_kv_head", "num_key_value_heads", "kv_heads", "n_query_groups",
 )
+#: Attribute names under which attention modules keep the width they split a fused projection's output by (GPT-2's
+#: ``split_size``): tensor parallelism divides them by tp with the head counts.
+WIDTH_ATTRIBUTES = ("split_size",)
 #: Attribute names under which attention modules keep the width of one head.
 HEAD_DIM_ATTRIBUTES = ("head_dim", "head_size")
 
@@ -73,8 +78,8 @@ def model_shape(module: nn.Module) -> ModelShape:
     attention = next((m for m in blocks[0].modules() if attention_heads(m, hidden)), None)
     heads, kv_heads = attention_heads(attention, hidden) if attention else (None, None)
     moes = [m for m in module.modules() if isinstance(m, MoE)]
-    widths = [m.out_features for m in blocks[0].modules()
-              if isinstance(m, nn.Linear) and m.in_features == hidden and m.out_features != hidden]
+    widths = [width[1] for m in blocks[0].modules()
+              if (width := linear_widths(m)) and width[0] == hidden and width[1] != hidden]
     widths += [moe.config.hidden_dim for moe in moes[:1]]
     return ModelShape(
         blocks=len(blocks), hidden=hidden, heads=heads, kv_heads=kv_heads,
@@ -117,31 +122,93 @@ def _stated(config: object, *names: str, default: Optional[int] = None) -> Optio
     return default if value is None else value
 
 
+def linear_widths(module: nn.Module) -> Optional[tuple[int, int]]:
+    """(input, output) widths of a linear projection: an ``nn.Linear``, or Hugging Face's ``Conv1D`` (GPT-2's, its
+    weight stored transposed, ``[in, out]``); None for any other module."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_transposed_linear(module):
+        return tuple(module.weight.shape)
+    return None
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is Hugging Face's ``Conv1D``: a Linear whose weight is ``[in, out]`` (checked only once
+    ``transformers`` is imported, which a model holding one has done)."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return conv1d is not None and isinstance(module, conv1d)
+
+
 def hidden_size(blocks: Iterable[nn.Module]) -> Optional[int]:
     """The width the most Linears in ``blocks`` read: the hidden state's; None when they hold no Linear."""
-    widths = Counter(m.in_features for block in blocks for m in block.modules() if isinstance(m, nn.Linear))
+    widths = Counter(width[0] for block in blocks for m in block.modules() if (width := linear_widths(m)))
     return widths.most_common(1)[0][0] if widths else None
 
 
 def projections(module: nn.Module, hidden: int) -> tuple[list[str], Optional[str]]:
-    """(readers, writer) among ``module``'s Linear children, by name: the last that writes the ``hidden`` size back
-    (an output projection), and those that read it (q, k, v; gate and up), the writer aside. No writer: a gate."""
-    linears = [(name, m) for name, m in module.named_children() if isinstance(m, nn.Linear)]
-    writers = [name for name, m in linears if m.out_features == hidden]
+    """(readers, writer) among ``module``'s Linear children (:func:`linear_widths`), by name: the last that writes
+    the ``hidden`` size back (an output projection), and those that read it (q, k, v; gate and up), the writer aside.
+    No writer: a gate."""
+    linears = [(name, width) for name, m in module.named_children() if (width := linear_widths(m))]
+    writers = [name for name, (_, out) in linears if out == hidden]
     writer = writers[-1] if writers else None
-    return [name for name, m in linears if m.in_features == hidden and name != writer], writer
+    return [name for name, (read, _) in linears if read == hidden and name != writer], writer
 
 
-def head_counts(module: nn.Module) -> dict[str, int]:
-    """The head counts ``module`` keeps under :data:`HEAD_COUNT_ATTRIBUTES`, by attribute."""
-    counts = {a: getattr(module, a, None) for a in HEAD_COUNT_ATTRIBUTES}
+def count_holder(module: nn.Module) -> object:
+    """Where an attention ``module`` keeps its head counts: itself, or — where it keeps neither counts nor a
+    ``head_dim`` of its own — its ``config`` when that holds them (litgpt's attention reads ``self.config.n_head``).
+    Tensor parallelism divides them there, in a copy of the config for that module alone."""
+    config = getattr(module, "config", None)
+    if head_counts(module, own=True) or head_dim_of(module, own=True) or config is None:
+        return module
+    counts, head_dim = list(head_counts(config, own=True).values()), head_dim_of(config, own=True)
+    if not (counts and head_dim):
+        return module
+    heads, groups = counts[0], counts[-1]  # a config names heads first (Hugging Face's and litgpt's do)
+    fused = {2 * groups * head_dim, (heads + 2 * groups) * head_dim}
+    # only attention, which reads them through a fused projection: the config is the whole model's (an MLP holds it)
+    held = any((width := linear_widths(m)) and width[1] in fused for m in module.children())
+    return config if held else module
+
+
+def head_counts(module: object, *, own: bool = False) -> dict[str, int]:
+    """The head counts ``module`` keeps under :data:`HEAD_COUNT_ATTRIBUTES`, by attribute (where it keeps them: see
+    :func:`count_holder`; ``own``: in ``module`` itself)."""
+    holder = module if own else count_holder(module)
+    counts = {a: getattr(holder, a, None) for a in HEAD_COUNT_ATTRIBUTES}
     return {a: v for a, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
-def head_dim_of(module: nn.Module) -> Optional[int]:
-    """The width of one head, where ``module`` keeps it under :data:`HEAD_DIM_ATTRIBUTES`."""
-    dims = (getattr(module, a, None) for a in HEAD_DIM_ATTRIBUTES)
+def head_dim_of(module: object, *, own: bool = False) -> Optional[int]:
+    """The width of one head, where ``module`` keeps it under :data:`HEAD_DIM_ATTRIBUTES` (or its config does:
+    :func:`count_holder`; ``own``: ``module`` itself)."""
+    holder = module if own else count_holder(module)
+    dims = (getattr(holder, a, None) for a in HEAD_DIM_ATTRIBUTES)
     return next((d for d in dims if isinstance(d, int) and not isinstance(d, bool) and d > 0), None)
+
+
+def fused_parts(owner: nn.Module, width: int, written: int, hidden: int, *, kv: bool = False
+                ) -> Optional[tuple[int, ...]]:
+    """The widths of the parts a fused projection of ``owner`` packs one after another in its ``width`` outputs,
+    where ``owner``'s output projection reads ``written``: q|k|v (GPT-2's ``c_attn``, litgpt's ``qkv`` with its
+    query groups), k|v beside a q (named so: ``kv``), or gate|up (two halves of what the output projection reads).
+    None where the projection is not one of these (a plain q, or an MLP's up projection, whose width the output
+    projection reads), or where the head counts do not explain what the output projection reads (counts already
+    divided by tensor parallelism).
+    ``hidden``: the model's hidden size; ``kv``: the projection is named as a fused k|v (as wide as q where there are
+    half as many key/value heads)."""
+    if width == written and not kv:
+        return None
+    heads = attention_heads(owner, hidden)
+    head_dim = head_dim_of(owner) or (written // heads[0] if heads and written % heads[0] == 0 else None)
+    if heads and head_dim and heads[0] * head_dim == written:  # the counts explain what the output projection reads
+        queries, keys = heads[0] * head_dim, heads[1] * head_dim
+        if width == queries + 2 * keys:
+            return queries, keys, keys
+        if kv and width == 2 * keys:
+            return keys, keys
+    return (written, written) if width == 2 * written else None
 
 
 def projection_heads(module: nn.Module, names: Sequence[str]) -> dict[str, int]:
@@ -150,9 +217,8 @@ def projection_heads(module: nn.Module, names: Sequence[str]) -> dict[str, int]:
     head_dim = head_dim_of(module)
     if not head_dim:
         return {}
-    linears = {name: module.get_submodule(name) for name in names}
-    return {name: m.out_features // head_dim for name, m in linears.items()
-            if isinstance(m, nn.Linear) and m.out_features % head_dim == 0}
+    widths = {name: linear_widths(module.get_submodule(name)) for name in names}
+    return {name: width[1] // head_dim for name, width in widths.items() if width and width[1] % head_dim == 0}
 
 
 def attention_heads(module: nn.Module, hidden: int) -> Optional[tuple[int, int]]:
@@ -160,7 +226,7 @@ def attention_heads(module: nn.Module, hidden: int) -> Optional[tuple[int, int]]
     ``key_value``; none: as many as heads), else from ``head_dim`` and the widths of its first two projections out
     of the ``hidden`` state (q, then k). None where it names neither."""
     counts = head_counts(module)
-    kv_named = {a: v for a, v in counts.items() if "kv" in a or "key_value" in a}
+    kv_named = {a: v for a, v in counts.items() if "kv" in a or "key_value" in a or "groups" in a}
     derived = list(projection_heads(module, projections(module, hidden)[0]).values())
     heads = next((v for a, v in counts.items() if a not in kv_named), derived[0] if derived else None)
     if not heads:

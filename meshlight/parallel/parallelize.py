@@ -19,7 +19,14 @@ from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.compile import apply_compile
 from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_module_states, is_data_parallel
 from meshlight.parallel.dtensors import has_dtensor_parameters
-from meshlight.parallel.expert import apply_expert_parallel, has_experts, sharded_experts
+from meshlight.parallel.expert import (
+    apply_expert_parallel,
+    expert_layers,
+    has_experts,
+    router_logits_collected,
+    sharded_experts,
+    stacked_experts,
+)
 from meshlight.parallel.layout import ParallelLayout, axis
 from meshlight.parallel.offload import apply_activation_offload
 from meshlight.parallel.recompute import apply_recompute
@@ -68,11 +75,13 @@ def parallelize(
             " (GPTConfig(moe=MoEConfig(...)) for meshlight's GPT) or stacked experts as Hugging Face's MoE models"
             " have them, or ep=1."
         )
-    if layout.tp > 1 and moe_layers:
+    if layout.tp > 1 and expert_layers(module):
         raise NotImplementedError(
             f"{layout.describe()}: MoE layers under tensor parallelism are not supported yet; use tp=1 and split"
             " the experts with ep instead."
         )
+    if layout.tp > 1 and stacked_experts(module):
+        _check_stacked_experts_under_tp(module, layout, tensor_parallel.sequence_parallel)
     if is_data_parallel(module):
         return module
     # Every transform starts from the same weights on every rank (DDP would broadcast; FSDP and TP do not).
@@ -114,3 +123,22 @@ def parallelize(
     return apply_data_parallel(module, mesh, layout.zero, ddp_kwargs=ddp_kwargs, pipelined=layout.pp > 1,
                                experts=sharded_experts(module), precision=precision, cpu_offload=cpu_offload,
                                compile_arguments=compile.arguments if compile is not None else None)
+
+
+def _check_stacked_experts_under_tp(module: nn.Module, layout: ParallelLayout, sequence_parallel: bool) -> None:
+    """A model's own MoE blocks (Hugging Face's stacked experts) under tensor parallelism: attention is split, and
+    the router and experts are kept whole on every tp rank (on its share of the tokens under sequence parallelism,
+    their gradients summed over the shares). Refused: their split over ep as well, and — under sequence
+    parallelism — the model's load-balancing loss, which its router logits would give for this rank's share of the
+    sequence only (the loss is not linear in the tokens)."""
+    if layout.ep > 1:
+        raise NotImplementedError(
+            f"{layout.describe()}: under tensor parallelism a model's own experts are kept whole on every tp rank;"
+            " splitting them over ep as well is not supported yet. Use ep=1 with tp, or tp=1 with ep."
+        )
+    if sequence_parallel and router_logits_collected(module):
+        raise NotImplementedError(
+            f"{layout.describe()}: the model computes its MoE load-balancing loss (config.output_router_logits=True)"
+            " from its router logits, which under sequence parallelism cover this rank's share of the sequence"
+            " only. Set output_router_logits=False, pass sequence_parallel=False, or train it with tp=1 (ep, dp)."
+        )

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from meshlight.parallel.pipeline import ModelRoot, PipelineError, StagePlan
@@ -134,9 +135,9 @@ class Stage(nn.Module):
         if not self._hooked:
             self._hook_blocks()
         if not self.first:
-            self._input = args[0]
-            if self._as_embeddings:
-                args, kwargs = args[1:], {**kwargs, "inputs_embeds": args[0]}
+            self._input, given = args[0], _whole_shaped(args[0])
+            args, kwargs = ((args[1:], {**kwargs, "inputs_embeds": given}) if self._as_embeddings else
+                            ((given, *args[1:]), kwargs))
         try:
             output = self.root(*args, **kwargs)
         except _StageDone as done:
@@ -159,6 +160,16 @@ class Stage(nn.Module):
         leaves, spec = self._output
         tensors = iter((output,) if isinstance(output, torch.Tensor) else output)  # torch unwraps a 1-tuple
         return tree_unflatten([next(tensors) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
+
+
+def _whole_shaped(stage_input: Any) -> Any:
+    """What the root's forward is given for a later stage's input: the input itself, or — for this rank's share of
+    the sequence under sequence parallelism (a DTensor whose shape is the whole sequence's) — zeros of the whole
+    sequence's shape, so that the forward counts positions and builds masks for the whole sequence and adds plain
+    tensors to it (GPT-2's learned positions). Its first block gets the share itself."""
+    if not isinstance(stage_input, DTensor):
+        return stage_input
+    return torch.zeros(stage_input.shape, dtype=stage_input.dtype, device=stage_input.to_local().device)
 
 
 class _ZerosLike(nn.Module):

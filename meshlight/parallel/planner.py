@@ -224,7 +224,7 @@ def _layouts(
     for t, p in itertools.product(_divisors(world), repeat=2):
         d = world // t // p if world % (t * p) == 0 else 0
         fixed = all(given is None or given == size for given, size in ((tp, t), (pp, p), (dp, d)))
-        if not (d and fixed and p <= model.layers and _tp_fits(model, hw, t)):
+        if not (d and fixed and p <= model.layers and _tp_fits(model, hw, t, given=tp is not None)):
             continue
         if global_batch is not None and global_batch % d:
             continue
@@ -234,7 +234,7 @@ def _layouts(
             experts if ep is None else [ep], (0, 1, 2, 3) if zero is None else [zero],
             pipelines.schedules if p > 1 else [("1f1b", 1)], (False, True) if recompute is None else [recompute],
         ):
-            if p * v > model.layers or (model.experts and (model.experts % e or d % e)):
+            if p * v > model.layers or (model.experts and (model.experts % e or d % e or t > 1 and e > 1)):
                 continue
             # without pipelining, microbatches are gradient accumulation: the trainer's when it gives the batch
             accumulate = p == 1 and local_batch is not None
@@ -268,10 +268,13 @@ def _pipeline_choices(schedule: Optional[str], virtual_stages: Optional[int],
     return _Pipelines(tuple(choices), microbatches)
 
 
-def _tp_fits(model: ModelSpec, hw: Hardware, tp: int) -> bool:
+def _tp_fits(model: ModelSpec, hw: Hardware, tp: int, *, given: bool = False) -> bool:
+    """Whether ``tp`` splits the model's heads and MLP within a node. An MoE model is planned without tp unless tp is
+    given: under tp its experts are kept whole on every tp rank (a Hugging Face model's own; meshlight's MoE layers
+    are refused), with ep=1, which the cost model does not price."""
     if tp == 1:
         return True
-    return (hw.devices_per_node % tp == 0 and not model.experts and model.heads % tp == 0
+    return (hw.devices_per_node % tp == 0 and (given or not model.experts) and model.heads % tp == 0
             and model.kv_heads % tp == 0 and model.ffn_hidden % tp == 0)
 
 

@@ -2,21 +2,23 @@
 
 A plan gives each module a role; :func:`apply_tensor_parallel` turns roles into PyTorch parallel styles:
 
-=============== =========================================================================================
-role            what it does
-=============== =========================================================================================
-``colwise``     Linear sharded by output features (a block's q, k, v, up, gate projections)
-``rowwise``     Linear sharded by input features, output summed over tp (a block's output projections)
-``embedding``   token embedding sharded by vocabulary (masked lookup, outputs summed over tp)
-``head``        LM head sharded by vocabulary; in training its logits stay sharded for loss parallelism
-``norm``        with sequence parallelism: runs on this rank's share of the sequence (outside the blocks, only in
-                Megatron-LM's region; see below)
-``head_norm``   a norm over each head inside attention (QK-norm): runs on this rank's heads, its weight a
-                replicated DTensor, so its gradient is the sum over the ranks' heads
-``replicate``   left whole on every rank. Under sequence parallelism (in its region) an Embedding's output is cut
-                to this rank's share of the sequence (learned positions), and a Linear runs on that share with its
-                weights a replicated DTensor, so its gradient is the sum over the shares (a gate)
-=============== =========================================================================================
+================= =========================================================================================
+role              what it does
+================= =========================================================================================
+``colwise``       Linear sharded by output features (a block's q, k, v, up, gate projections)
+``fused_colwise`` a fused projection (q|k|v, k|v, gate|up, its parts one after another): this rank computes its
+                  share of each part (see below)
+``rowwise``       Linear sharded by input features, output summed over tp (a block's output projections)
+``embedding``     token embedding sharded by vocabulary (masked lookup, outputs summed over tp)
+``head``          LM head sharded by vocabulary; in training its logits stay sharded for loss parallelism
+``norm``          with sequence parallelism: runs on this rank's share of the sequence (outside the blocks, only in
+                  Megatron-LM's region; see below)
+``head_norm``     a norm over each head inside attention (QK-norm): runs on this rank's heads, its weight a
+                  replicated DTensor, so its gradient is the sum over the ranks' heads
+``replicate``     left whole on every rank. Under sequence parallelism (in its region) an Embedding's output is cut
+                  to this rank's share of the sequence (learned positions), and a Linear runs on that share with its
+                  weights a replicated DTensor, so its gradient is the sum over the shares (a gate)
+================= =========================================================================================
 
 With sequence parallelism the region that runs on this rank's share of the sequence is Megatron-LM's when the model
 holds nothing outside its blocks but a token embedding, position tables, norms and an LM head: the embedding's output is
@@ -24,6 +26,15 @@ reduce-scattered over the sequence and the LM head gathers its input. A model wi
 a factorized embedding's projection, a value head, a class token) keeps those on the whole sequence, as without
 sequence parallelism: the first block's input is cut to this rank's share and the last block's output gathered
 (:func:`~meshlight.parallel.tensor_plan.sequence_region`).
+
+Linear means ``nn.Linear`` or Hugging Face's ``Conv1D`` (GPT-2's, its weight stored ``[in, out]``). A fused projection
+packs its parts one after another (GPT-2's ``c_attn`` is q|k|v; litgpt's ``qkv`` is q|k|v with fewer key/value heads);
+column sharding would hand one rank all of q and another all of v. Each rank computes its heads of every part instead
+(:class:`_FusedColwise`): the weight is stored sharded over tp by rows like any other, gathered whole for the forward
+(an all-gather of the fused weight per call), and its gradient reduce-scattered back, as FSDP does for a whole
+model. Checkpoints, full state dicts and resharding see the weight in its own layout. Storing each rank's rows of
+every part instead would save that traffic; DTensor has no placement for it (``_StridedShard`` has equal parts only,
+and DCP would save its non-contiguous shard as one chunk), so it is not done.
 
 Per block the traffic is Megatron-LM's: in forward the input of each colwise group is gathered once — an
 all-gather of the sequence with sequence parallelism, nothing otherwise — and in backward its gradient is
@@ -38,6 +49,8 @@ validated against tp — are :mod:`meshlight.parallel.tensor_plan`'s.
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 from collections import defaultdict
 from collections.abc import Generator, Iterable, Mapping
@@ -48,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -57,9 +70,16 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from meshlight.parallel.model_shape import head_counts
+from meshlight.parallel.model_shape import WIDTH_ATTRIBUTES, count_holder, head_counts, is_transposed_linear
 from meshlight.parallel.sequence_gather import register_sequence_gather
-from meshlight.parallel.tensor_plan import TensorParallelError, _colwise_parents, _named_blocks, _shown, _within
+from meshlight.parallel.tensor_plan import (
+    TensorParallelError,
+    _colwise_parents,
+    _named_blocks,
+    _shown,
+    _within,
+    fused_projection,
+)
 
 __all__ = [
     "apply_tensor_parallel", "explaining_tensor_parallel_errors", "reduce_partial_gradients", "sequence_share_input",
@@ -93,10 +113,13 @@ def apply_tensor_parallel(
         on_share = sequence_parallel if _within(name, blocks) else shares_outside
         if isinstance(role, ParallelStyle):
             styles[name] = role
+        elif role == "fused_colwise":
+            styles[name] = _FusedColwise(fused_projection(modules, plan, name))
         elif role == "colwise":
-            styles[name] = ColwiseParallel()
+            styles[name] = _TransposedColwise() if is_transposed_linear(modules[name]) else ColwiseParallel()
         elif role == "rowwise":
-            styles[name] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
+            rowwise = _TransposedRowwise if is_transposed_linear(modules[name]) else RowwiseParallel
+            styles[name] = rowwise(output_layouts=Shard(1) if sequence_parallel else Replicate())
         elif role == "embedding":
             styles[name] = RowwiseParallel(input_layouts=Replicate(),
                                            output_layouts=Shard(1) if on_share else Replicate())
@@ -110,16 +133,15 @@ def apply_tensor_parallel(
             styles[name] = _Replicated(name, over="whole")
         elif role == "replicate" and on_share and isinstance(modules[name], nn.Linear):
             styles[name] = _Replicated(name, over="sequence")
+        elif role == "replicate" and on_share:  # an MoE block's router and stacked experts
+            styles[name] = _OnShareOfTokens()
     tied = _tied_parameters(model)
     parallelize_module(model, mesh, styles)
     _tie_again(model, tied)
     for parent in _colwise_parents(plan):
         register_sequence_gather(modules[parent], mesh, sequence_parallel=sequence_parallel,
                                  keep_gathered=keep_gathered_inputs)
-        divided = head_counts(modules[parent])
-        for attribute, count in divided.items():  # this rank's heads
-            setattr(modules[parent], attribute, count // tp)
-        _name_while_running(modules[parent], _shown(parent), sorted(divided))
+        _name_while_running(modules[parent], _shown(parent), _divide_counts(modules[parent], tp))
     if sequence_parallel:
         for name in blocks:
             modules[name].register_forward_pre_hook(_unwrap_share, prepend=True)
@@ -141,6 +163,22 @@ def apply_tensor_parallel(
         for name in blocks:
             modules[name].register_forward_pre_hook(enter, prepend=True)
             modules[name].register_forward_hook(leave, always_call=True)
+
+
+def _divide_counts(module: nn.Module, tp: int) -> list[str]:
+    """Give an attention ``module`` this rank's heads: divide its head counts by ``tp`` where it keeps them — in a
+    copy of its config for it alone where it reads them there (litgpt's) — and the widths it splits a fused
+    projection by (:data:`~meshlight.parallel.model_shape.WIDTH_ATTRIBUTES`). Returns the attributes divided."""
+    counts, holder = head_counts(module), count_holder(module)
+    if counts and holder is not module:
+        holder = copy.copy(holder)
+        module.config = holder
+    widths = {a: v for a in WIDTH_ATTRIBUTES if isinstance(v := getattr(module, a, None), int) and counts}
+    for attribute, count in counts.items():
+        setattr(holder, attribute, count // tp)
+    for attribute, width in widths.items():
+        setattr(module, attribute, width // tp)
+    return sorted([*counts, *widths])
 
 
 def sequence_share_input(stage: nn.Module, mesh: DeviceMesh) -> None:
@@ -263,6 +301,91 @@ class _LMHead(ColwiseParallel):
         return module
 
 
+class _Transposed:
+    """Tensor parallelism for Hugging Face's ``Conv1D``, a Linear whose weight is stored ``[in, out]``: each parameter
+    distributed as ``placements`` says; inputs and outputs as torch's style for ``nn.Linear`` has them."""
+
+    placements: dict[str, Placement]
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            _distribute_parameters(mod, mesh, self.placements, self.src_data_rank)
+
+        return distribute_module(
+            module, device_mesh, partition,
+            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class _TransposedColwise(_Transposed, ColwiseParallel):
+    placements = {"weight": Shard(1), "bias": Shard(0)}
+
+
+class _TransposedRowwise(_Transposed, RowwiseParallel):
+    placements = {"weight": Shard(0), "bias": Replicate()}
+    desired_input_layouts = (Shard(-1),)
+
+
+class _FusedColwise(ColwiseParallel):
+    """A fused projection whose outputs pack ``parts`` (q|k|v, k|v, gate|up) one after another, split part by part:
+    each rank computes its ``1/tp`` of every part, in order — ``[q_r | k_r | v_r]``, which the attention splits by its
+    divided head counts exactly as one process splits the whole.
+
+    The weight and bias are stored sharded by rows (``Shard(0)``, whatever the module's layout), so checkpoints and
+    full state dicts hold them as one process does. The module's forward is replaced by one that gathers them whole
+    over tp, selects this rank's rows of every part and multiplies; the gathered weight's gradient is a partial sum
+    over the ranks, reduce-scattered back to the shards."""
+
+    def __init__(self, parts: tuple[int, ...]) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+        starts = [sum(self.parts[:i]) for i in range(len(self.parts))]
+        rows = torch.cat([torch.arange(start + rank * part // tp, start + (rank + 1) * part // tp)
+                          for start, part in zip(starts, self.parts)])
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            _distribute_parameters(mod, mesh, {"weight": Shard(0), "bias": Shard(0)}, self.src_data_rank)
+
+        distribute_module(module, device_mesh, partition,
+                          functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts))
+        module.forward = functools.partial(_fused_forward, module, rows, is_transposed_linear(module))
+        return module
+
+
+def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Placement],
+                           src_data_rank: Optional[int]) -> None:
+    """Make each of ``module``'s own parameters a DTensor placed as ``placements`` says by its name, sharded from
+    ``src_data_rank``'s values."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        placed = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+
+def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """A ``distribute_module`` partition function: ``module``'s own parameters become replicated DTensors of the
+    values each rank holds (the same on all of them), whose gradients are partial sums to reduce."""
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        replicated = DTensor.from_local(param, mesh, [Replicate()], run_check=False)
+        module.register_parameter(param_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+
+def _fused_forward(module: nn.Module, rows: Tensor, transposed: bool, inputs: DTensor) -> Tensor:
+    """:class:`_FusedColwise`'s forward: ``inputs`` a replicated DTensor, the output this rank's ``rows`` of it."""
+    weight = _gathered(module.weight)
+    weight = (weight.t() if transposed else weight).index_select(0, rows.to(weight.device))
+    bias = None if module.bias is None else _gathered(module.bias).index_select(0, rows.to(weight.device))
+    return nn.functional.linear(inputs.to_local(grad_placements=[Partial()]), weight, bias)
+
+
+def _gathered(param: DTensor) -> Tensor:
+    """``param`` whole on this rank, its gradient taken as this rank's part of a sum over the mesh."""
+    return param.redistribute(param.device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
 class _Replicated(ParallelStyle):
     """A module left whole on every rank whose input differs between them: its weights become replicated
     DTensors, so the gradients of all ranks are summed (reduced with the norms'). ``over``:
@@ -280,11 +403,6 @@ class _Replicated(ParallelStyle):
         self.name, self.over = name, over
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def replicate_params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for param_name, param in list(mod.named_parameters(recurse=False)):
-                replicated = DTensor.from_local(param, mesh, [Replicate()], run_check=False)
-                mod.register_parameter(param_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
-
         def inputs_as_dtensors(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
             if self.over == "whole":
                 return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, Tensor)
@@ -312,7 +430,26 @@ class _Replicated(ParallelStyle):
                 return output.redistribute(mesh, [Shard(output.dim() - 2)]).to_local()
             return output.to_local()
 
-        return distribute_module(module, device_mesh, replicate_params, inputs_as_dtensors, output_local)
+        return distribute_module(module, device_mesh, _replicate_parameters, inputs_as_dtensors, output_local)
+
+
+class _OnShareOfTokens(ParallelStyle):
+    """A module left whole on every rank that runs, as it is, on this rank's share of the tokens under sequence
+    parallelism (a Hugging Face MoE block's router and stacked experts, which flatten the tokens first): its
+    parameters become replicated DTensors, so their gradients are summed over the shares (reduced with the norms'),
+    and its forward runs on a shallow copy holding them as plain tensors."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_module(module, device_mesh, _replicate_parameters)
+        module.forward = functools.partial(_forward_on_local_weights, module, type(module).forward)
+        return module
+
+
+def _forward_on_local_weights(module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    local = copy.copy(module)
+    for name, param in module.named_parameters(recurse=False):
+        object.__setattr__(local, name, param.to_local(grad_placements=[Partial()]))
+    return forward(local, *args, **kwargs)
 
 
 def _check_sequence_divisible(tp: int):  # noqa: ANN202 - a forward pre-hook

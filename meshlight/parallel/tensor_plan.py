@@ -13,6 +13,7 @@ column→row group that does not have a module of its own (that module's input i
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from fnmatch import fnmatch
@@ -24,22 +25,26 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from meshlight.nn.moe import MoE
 from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.checkpoint import _shorten
+from meshlight.parallel.expert import is_stacked_experts
 from meshlight.parallel.model_shape import (
     HEAD_COUNT_ATTRIBUTES,
+    fused_parts,
     head_counts,
     head_dim_of,
     hidden_size,
+    linear_widths,
     projection_heads,
     projections,
 )
 from meshlight.parallel.precision import is_norm
 
 __all__ = [
-    "ROLES", "TensorParallelError", "derive_plan", "model_plan", "resolve_plan", "sequence_region", "stage_plan",
-    "validate_plan",
+    "COLUMN_ROLES", "PARTS_IN_ORDER", "ROLES", "TensorParallelError", "derive_plan", "fused_projection", "model_plan",
+    "published_roles", "resolve_plan", "sequence_region", "stage_plan", "validate_plan",
 ]
 
-ROLES = ("colwise", "rowwise", "embedding", "head", "norm", "head_norm", "replicate")
+ROLES = ("colwise", "fused_colwise", "rowwise", "embedding", "head", "norm", "head_norm", "replicate")
+COLUMN_ROLES = ("colwise", "fused_colwise")
 Plan = dict[str, str]
 UserPlan = Mapping[str, Union[str, ParallelStyle]]
 
@@ -54,9 +59,10 @@ class TensorParallelError(ValueError):
 def derive_plan(model: nn.Module) -> Plan:
     """Roles derived from the model's structure (no class names).
 
-    Inside each repeated block, Linears are grouped by the module that owns them. In each group the last
-    Linear that writes the hidden size ``D`` back is rowwise and the Linears that read ``D`` are colwise;
-    groups without such a writer (a gate) are replicated. Outside the blocks: the Embedding whose
+    Inside each repeated block, Linears (and Hugging Face's ``Conv1D``) are grouped by the module that owns them. In
+    each group the last Linear that writes the hidden size ``D`` back is rowwise and the Linears that read ``D`` are
+    colwise — a fused one (q|k|v, gate|up) split part by part (:func:`fused_projection`); groups without such a writer
+    (a gate) are replicated. Outside the blocks: the Embedding whose
     vocabulary the LM head produces is the token embedding, other ``D``-wide Embeddings are position tables,
     and parameter-only modules of width ``D`` (norms) run sequence parallel.
     """
@@ -70,10 +76,11 @@ def derive_plan(model: nn.Module) -> Plan:
     hidden = _hidden_size(blocks)
     modules = dict(model.named_modules())
     plan: Plan = {}
+    published = published_roles(model)
     for prefix, readers, writer in _column_row_groups(blocks, hidden):
-        _reject_fused(prefix, {n: modules[n] for n in readers}, modules[writer])
+        fused = _fused_readers(modules, prefix, readers, writer, hidden, published)
         plan[writer] = "rowwise"
-        plan.update(dict.fromkeys(readers, "colwise"))
+        plan.update({name: "fused_colwise" if name in fused else "colwise" for name in readers})
     plan = {**plan, **_structural_roles(model, blocks, hidden)}
     return {**_left_whole(blocks, plan, hidden), **plan}
 
@@ -124,18 +131,20 @@ def sequence_region(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyl
     role (an adapter after the embedding, a factorized embedding's projection, a value or classification head, a
     learned class token) would read a share where it expects the sequence — trained on its share alone, or failing
     on the shapes; so would a table outside the blocks computed for the positions the model counts from the
-    embedding's output (:func:`_tables`: Hugging Face's rotary embeddings). Then the region is the blocks only,
-    returned as (first block, last block): the first block's input is cut to the share and the last block's output
-    gathered, and the rest runs on the whole sequence, as without sequence parallelism. Layouts a user plan gives to
-    modules outside the blocks (styles, colwise/rowwise roles) keep Megatron-LM's region (the user chose them);
-    beside a module outside the blocks with no role they are refused, as no region suits both."""
+    embedding's output (:func:`_tables`: Hugging Face's rotary embeddings), and any model whose forward takes the
+    embedding's output as ``inputs_embeds`` (:func:`_takes_embeddings`: Hugging Face's count positions from it).
+    Then the region is the blocks only, returned as (first block, last block): the first block's input is cut to the
+    share and the last block's output gathered, and the rest runs on the whole sequence, as without sequence
+    parallelism. Layouts a user plan gives to modules outside the blocks (styles, colwise/rowwise roles) keep
+    Megatron-LM's region (the user chose them); beside a module outside the blocks with no role they are refused, as
+    no region suits both."""
     blocks = _named_blocks(model)
     if not blocks:
         return None
     outside = {name: role for name, role in plan.items() if not _within(name, [n for n, _ in blocks])}
     # layouts a user plan chose there (a style, or a column→row group, which splits a share of the sequence)
     styled = [name for name, role in outside.items()
-              if isinstance(role, ParallelStyle) or role in ("colwise", "rowwise")]
+              if isinstance(role, ParallelStyle) or role in (*COLUMN_ROLES, "rowwise")]
     unplanned = _outside_unplanned(model, blocks, plan)
     if styled and unplanned:
         raise TensorParallelError(
@@ -145,7 +154,8 @@ def sequence_region(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyl
             " embedding to the LM head), which would train the latter on this rank's share alone. Give them roles or"
             " styles too, leave the modules outside the blocks to meshlight, or pass sequence_parallel=False."
         )
-    if styled or {"embedding", "head"} <= set(outside.values()) and not unplanned and not _tables(model, blocks):
+    if styled or ({"embedding", "head"} <= set(outside.values()) and not unplanned and not _tables(model, blocks)
+                  and not _takes_embeddings(model, blocks)):
         return None
     return blocks[0][0], blocks[-1][0]
 
@@ -156,6 +166,14 @@ def _tables(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[str]:
     output. On a share of the sequence they would cover the share's positions only."""
     return [name for name, module in _outside_blocks(model, blocks)
             if next(module.buffers(recurse=False), None) is not None and next(module.parameters(), None) is None]
+
+
+def _takes_embeddings(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[str]:
+    """Modules outside the blocks whose forward takes ``inputs_embeds`` (Hugging Face's models): they count positions
+    from the embedding's output — GPT-2's position ids, masks, rotary tables — which on a share of the sequence
+    would cover the share alone."""
+    return [name for name, module in _outside_blocks(model, blocks)
+            if "inputs_embeds" in inspect.signature(module.forward).parameters]
 
 
 def _outside_blocks(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> Iterator[tuple[str, nn.Module]]:
@@ -236,12 +254,14 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
     constraints: list[tuple[str, int]] = []
     hidden: Optional[int] = None
     for name, role in plan.items():
-        module = modules[name]
-        if role == "colwise" and isinstance(module, nn.Linear):
-            constraints.append((f"{name}.out_features", module.out_features))
-            hidden = hidden or module.in_features
-        elif role == "rowwise" and isinstance(module, nn.Linear):
-            constraints.append((f"{name}.in_features", module.in_features))
+        widths = linear_widths(modules[name])
+        if role in COLUMN_ROLES and widths:
+            parts = fused_projection(modules, plan, name)
+            constraints += ([(f"{name} part {i + 1} of {len(parts)}", part) for i, part in enumerate(parts)] if parts
+                            else [(f"{name} outputs", widths[1])])
+            hidden = hidden or widths[0]
+        elif role == "rowwise" and widths:
+            constraints.append((f"{name} inputs", widths[0]))
     if hidden is not None:
         constraints.append(("hidden size", hidden))
     _check_groups(model, plan)
@@ -249,7 +269,7 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
     for parent in _colwise_parents(plan):
         constraints += [(_join(parent, attribute), count) for attribute, count in head_counts(modules[parent]).items()]
         colwise = [name.rpartition(".")[2] for name, role in plan.items()
-                   if role == "colwise" and name.rpartition(".")[0] == parent]
+                   if role in COLUMN_ROLES and name.rpartition(".")[0] == parent]
         constraints += [(f"heads of {_join(parent, name)}", heads)
                         for name, heads in projection_heads(modules[parent], colwise).items()]
     bad = [(what, value) for what, value in constraints if value % tp]
@@ -263,32 +283,107 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
 # ------------------------------------------------------------------------------------------- structure
 
 
-def _reject_fused(group: str, readers: Mapping[str, nn.Linear], writer: nn.Linear) -> None:
-    """Column sharding splits a Linear's outputs into contiguous slices; a fused q|k|v (or gate|up, or k|v beside a
-    q) projection would hand one rank all of q (or k) and another all of v. Recognized by no reader producing the
-    writer's width, by a reader wider than what the writer reads (no head of q, k or v is), or by the name of a
-    fused k|v (``kv``, ``to_kv``, ``kv_proj``: narrower than q under grouped-query attention)."""
-    fused = [name for name, reader in readers.items() if reader.out_features > writer.in_features
-             or re.search(r"(^|_)kv(_proj)?$", name.rsplit(".", 1)[-1].removeprefix("w"))]
-    if fused or all(reader.out_features != writer.in_features for reader in readers.values()):
-        widths = ", ".join(str(r.out_features) for r in readers.values())
-        named = f" ({', '.join(_shown(name) for name in fused)})" if fused else ""
+def fused_projection(modules: Mapping[str, nn.Module], plan: Mapping[str, Any], name: str) -> Optional[tuple[int, ...]]:
+    """The parts (:func:`~meshlight.parallel.model_shape.fused_parts`) of ``name`` when the plan gives it the role
+    ``fused_colwise`` (its parts one after another, split part by part), told from its widths against those of the
+    rowwise projection beside it; None for any other role. ``modules``: the model's, by name. Raises where the parts
+    cannot be told."""
+    if plan.get(name) != "fused_colwise":
+        return None
+    owner, _, _ = name.rpartition(".")
+    writers = [n for n, role in plan.items() if role == "rowwise" and n.rpartition(".")[0] == owner]
+    reader, writer = linear_widths(modules[name]), linear_widths(modules[writers[-1]]) if writers else None
+    parts = (fused_parts(modules[owner], reader[1], writer[0], writer[1], kv=_named_kv(name)) if reader and writer
+             else None)
+    if parts is None:
         raise TensorParallelError(
-            f"{_shown(group)} looks like a fused projection{named} (outputs {widths} feeding a"
-            f" {writer.in_features}-wide output projection): tensor parallelism needs q, k, v (and gate, up) as"
-            " separate nn.Linear layers. Split the fused layer, or parallelize it yourself in configure_model()."
+            f"{_shown(name)} has the tensor-parallel role 'fused_colwise', but its parts cannot be told: it needs a"
+            " rowwise output projection beside it in the plan and head counts on its module (n_heads, n_kv_heads or"
+            " head_dim) that explain its width, or a width twice what the output projection reads (gate|up)."
         )
+    return parts
+
+
+def published_roles(model: nn.Module) -> dict[str, str]:
+    """The tensor-parallel styles a Hugging Face model publishes for its modules (``config.base_model_tp_plan``,
+    patterns relative to its base model), by full module name."""
+    for prefix, module in model.named_modules():
+        published = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+        if not isinstance(published, Mapping) or not published:
+            continue
+        base_name = getattr(module, "base_model_prefix", "")
+        base = getattr(module, base_name, None) if base_name else None
+        root, root_prefix = (base, _join(prefix, base_name)) if isinstance(base, nn.Module) else (module, prefix)
+        return {_join(root_prefix, name): style for name, _ in root.named_modules() if name
+                for pattern, style in published.items() if _matches_whole(name, pattern)}
+    return {}
+
+
+#: Attention classes whose fused q|k|v holds its parts one after another (the forward splits it by their widths).
+PARTS_IN_ORDER = frozenset({
+    "transformers.models.gpt2.modeling_gpt2.GPT2Attention", "litgpt.model.CausalSelfAttention",
+})
+
+
+def _fused_readers(modules: Mapping[str, nn.Module], group: str, readers: list[str], writer: str,
+                   hidden: int, published: Mapping[str, str]) -> set[str]:
+    """The readers of a column→row group that are fused projections packing their parts one after another
+    (:func:`fused_parts`: q|k|v from the owner's head counts, k|v, gate|up), split part by part.
+
+    Structure tells a fused projection's parts, not their order: GPT-2's and litgpt's q|k|v hold all of q, then
+    all of k, then all of v, while GPT-NeoX and BLOOM hold each head's q, k, v together (plain column sharding suits
+    those), and nothing in their modules tells the two apart (BLOOM keeps GPT-2's ``split_size`` and never uses
+    it). One after another is taken for the attention classes known to do so (:data:`PARTS_IN_ORDER`); head by
+    head where the model's published plan (:func:`published_roles`) gives the projection Hugging Face's plain
+    ``colwise``. (Phi-3 publishes ``colwise_gather_output`` for its q|k|v: each rank gathers the whole output,
+    and its attention slices q by the config's head count, which meshlight's split does not fit: refused.) Other
+    fused projections — that order unknown, or parts the head counts do not explain (a reader wider than what the
+    writer reads, a fused k|v by name) — would train a different model without an error: refused, naming the
+    fix."""
+    owner, read = modules[group], linear_widths(modules[writer])[0]
+    widths = {name: linear_widths(modules[name])[1] for name in readers}
+    parts = {name: fused_parts(owner, width, read, hidden, kv=_named_kv(name)) for name, width in widths.items()}
+    ordered = f"{type(owner).__module__}.{type(owner).__qualname__}" in PARTS_IN_ORDER
+    fused = [name for name, width in widths.items() if (parts[name] or width > read or _named_kv(name))
+             and published.get(name) != "colwise"]
+    unknown = [name for name in fused if not (parts[name] and ordered)]
+    plain = [width for name, width in widths.items() if published.get(name) != "colwise"]
+    if unknown or not fused and plain and all(width != read for width in plain):
+        named = f" ({', '.join(_shown(name) for name in unknown)})" if unknown else ""
+        known = bool(unknown) and all(parts[name] for name in unknown)
+        why = ("its parts are known from the head counts, but not whether they sit one after another (q|k|v, as"
+               " GPT-2's and litgpt's) or head by head (each head's q, k, v together, as GPT-NeoX's): give it the"
+               " role 'fused_colwise' for the first or 'colwise' for the second in the strategy's plan=" if known else
+               "meshlight cannot tell its parts: it splits a fused q|k|v by the attention's head counts (n_heads and"
+               " n_kv_heads, or head_dim; see HEAD_COUNT_ATTRIBUTES), and a fused gate|up as two halves of what the"
+               " output projection reads. Keep the head counts under those names, use separate q, k, v (gate, up)"
+               " layers")
+        raise TensorParallelError(
+            f"{_shown(group)} looks like a fused projection{named} (outputs {', '.join(map(str, widths.values()))}"
+            f" feeding a {read}-wide output projection): {why}, or parallelize the module yourself in"
+            " configure_model()."
+        )
+    return set(fused)
+
+
+def _named_kv(name: str) -> bool:
+    """Whether module ``name`` is named as a fused k|v (``kv``, ``to_kv``, ``kv_proj``, ``wkv``)."""
+    return bool(re.search(r"(^|_)kv(_proj)?$", name.rsplit(".", 1)[-1].removeprefix("w")))
 
 
 def _left_whole(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any], hidden: int) -> Plan:
-    """The blocks' Linears outside every column→row group and every role (a gate): ``replicate``. Under
-    sequence parallelism they run on this rank's share of the sequence; left plain, each rank's weight would get
-    the gradient of its share alone and the ranks' weights would drift apart without an error. Linears the
+    """The blocks' Linears outside every column→row group and every role (a gate), and the router and stacked
+    experts of a model's own MoE blocks (Hugging Face's): ``replicate``. Under sequence parallelism they run on this
+    rank's share of the sequence; left plain, each rank's weight would get the gradient of its share alone and the
+    ranks' weights would drift apart without an error. Linears the
     automatic plan would split (a group a user plan leaves out) stay as they are, for
     :func:`_reject_unsplit`: run on the share, attention would see only that share of the sequence."""
     grouped = {name for _, readers, writer in _column_row_groups(blocks, hidden) for name in (*readers, writer)}
-    return {name: "replicate" for name, module in _unsplit(blocks, plan)
-            if isinstance(module, nn.Linear) and name not in grouped}
+    # a model's own MoE blocks: their router and stacked experts (their parents: beside the experts they route to)
+    moe_blocks = {name.rpartition(".")[0] for block_name, block in blocks
+                  for name in (_join(block_name, n) for n, m in block.named_modules() if is_stacked_experts(m))}
+    return {name: "replicate" for name, module in _unsplit(blocks, plan) if name not in grouped and (
+        linear_widths(module) or _within(name, moe_blocks) and any(True for _ in module.parameters(recurse=False)))}
 
 
 def _unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> Iterator[tuple[str, nn.Module]]:
@@ -315,7 +410,7 @@ def _reject_unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]
         own = [(n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
         if not own:
             continue
-        if isinstance(module, nn.Linear) and sequence_parallel:
+        if linear_widths(module) and sequence_parallel:
             raise TensorParallelError(
                 f"{_shown(full)} reads or writes the hidden state in a column→row group the tensor-parallel plan leaves"
                 " out: under sequence parallelism it would run on this rank's share of the sequence, and attention"
@@ -351,7 +446,8 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
         block_or_model = id(module) in blocks or not owner  # where norms live beside the sublayers
         others = [full for n, m in module.named_modules() if n and (full := _join(owner, n)) not in group
                   and not _within(full, nested)
-                  and (isinstance(m, (nn.Linear, nn.Embedding)) or (block_or_model and plan.get(full) == "norm"))]
+                  and (linear_widths(m) or isinstance(m, nn.Embedding)
+                       or (block_or_model and plan.get(full) == "norm"))]
         if others:
             what = "a repeated block" if id(module) in blocks else "the whole model" if not owner else "a module"
             raise TensorParallelError(
@@ -375,8 +471,9 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
                 " a norm as wide as one head is split). Splitting them is not supported yet: parallelize the module"
                 " yourself in configure_model(), or train without tensor parallelism (pp, ZeRO)."
             )
-        readers = [modules[n] for n in group if plan[n] == "colwise" and isinstance(modules[n], nn.Linear)]
-        attention = len(readers) >= 3 or len({m.out_features for m in readers}) > 1
+        readers = {n: width[1] for n in group if plan[n] in COLUMN_ROLES and (width := linear_widths(modules[n]))}
+        qkv = [n for n in readers if len(fused_projection(modules, plan, n) or ()) == 3]  # a fused q|k|v
+        attention = len(readers) >= 3 or len(set(readers.values())) > 1 or bool(qkv)
         if attention and not (head_counts(module) or head_dim_of(module)):
             counts = [f"{a}={v}" for a, v in vars(module).items()
                       if isinstance(v, int) and not isinstance(v, bool) and not a.startswith("_") and v > 1]
@@ -404,7 +501,8 @@ def _hidden_size(blocks: list[tuple[str, nn.Module]]) -> int:
         held = (f": their weights sit in {', '.join(sorted({kind for _, kind in weighted}))}"
                 f" ({', '.join(n for n, _ in weighted[:3])}{', …' if len(weighted) > 3 else ''})") if weighted else ""
         raise TensorParallelError(
-            f"The repeated blocks ({_shown(name)} …) hold no nn.Linear layers, which tensor parallelism splits{held}."
+            f"The repeated blocks ({_shown(name)} …) hold no linear layers (nn.Linear, or Hugging Face's Conv1D), which"
+            f" tensor parallelism splits{held}."
             " Train this model with data or pipeline parallelism (tp=1), give those modules torch ParallelStyles in"
             " the tensor-parallel plan (the strategy's plan=), or parallelize it yourself in configure_model()."
         )
@@ -417,7 +515,7 @@ def _is_norm(module: nn.Module, hidden: int) -> bool:
 
 
 def _colwise_parents(plan: Mapping[str, Union[str, ParallelStyle]]) -> list[str]:
-    return sorted({name.rpartition(".")[0] for name, role in plan.items() if role == "colwise"})
+    return sorted({name.rpartition(".")[0] for name, role in plan.items() if role in COLUMN_ROLES})
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -425,6 +523,12 @@ def _matches(name: str, pattern: str) -> bool:
     the pattern's matches even where fnmatch would read it as a pattern (a ModuleDict key ``"h[0]"``)."""
     parts, wanted = name.split("."), pattern.split(".")
     return len(parts) >= len(wanted) and all(p == w or fnmatch(p, w) for p, w in zip(parts[-len(wanted):], wanted))
+
+
+def _matches_whole(name: str, pattern: str) -> bool:
+    """Whether ``pattern`` matches all of ``name``, ``fnmatch`` per dotted component."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(fnmatch(p, w) for p, w in zip(parts, wanted))
 
 
 def _close_by_last_component(pattern: str, names: list[str]) -> list[str]:

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from meshlight.parallel.expert import router_logits_collected
 from meshlight.parallel.layout import ParallelLayout
 from meshlight.parallel.pipeline import (
     ModelRoot,
@@ -89,7 +90,7 @@ def setup_pipeline(
     index)``), and return the steps runner and a module holding the stages (the strategy's model)."""
     place = model_root(lightning_module)
     root = lightning_module.get_submodule(place.name)
-    if getattr(getattr(root, "config", None), "output_router_logits", False):
+    if router_logits_collected(root):
         raise PipelineError(
             f"{type(root).__name__} computes its MoE load-balancing loss (config.output_router_logits=True) from the"
             " router logits of all its layers, while each pipeline stage runs only its own: set"

@@ -11,6 +11,7 @@ from meshlight.models import GPT, GPTConfig
 from meshlight.parallel.tensor_plan import (
     TensorParallelError,
     derive_plan,
+    fused_projection,
     resolve_plan,
     sequence_region,
     validate_plan,
@@ -89,28 +90,76 @@ def test_head_count_attributes_are_constraints():
         validate_plan(module, derive_plan(module), 8, 8)
 
 
-def test_fused_qkv_and_kv_projections_are_refused_with_the_fix():
-    class FusedAttention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c_attn, self.c_proj = nn.Linear(32, 96), nn.Linear(32, 32)
+def _fused_model(attention: nn.Module) -> nn.Module:
+    model = nn.Module()
+    model.h = nn.ModuleList([attention])
+    return model
 
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.h = nn.ModuleList(nn.ModuleDict({"attn": FusedAttention()}) for _ in range(2))
 
-    with pytest.raises(TensorParallelError, match=r"h.0.attn looks like a fused projection .* separate nn.Linear"):
-        derive_plan(Model())
-    # a separate q beside a fused k|v: wider than the output projection reads, or (grouped-query: narrower) named so
-    for kv_width, name in ((64, "proj"), (16, "kv"), (16, "to_kv"), (16, "wkv")):
-        attention = nn.Module()
-        attention.q, attention.o = nn.Linear(32, 32), nn.Linear(32, 32)
-        attention.add_module(name, nn.Linear(32, kv_width))
-        model = nn.Module()
-        model.h = nn.ModuleList([attention])
-        with pytest.raises(TensorParallelError, match=rf"h.0 looks like a fused projection \(h.0.{name}\)"):
+def _attention(**projections: nn.Linear) -> nn.Module:
+    attention = nn.Module()
+    for name, projection in projections.items():
+        attention.add_module(name, projection)
+    return attention
+
+
+def test_fused_projections_given_the_fused_role_are_split_part_by_part_as_the_head_counts_tell():
+    # q|k|v with a head count, q|k|v with grouped queries counted in a config (as litgpt's attention reads them), a
+    # fused k|v beside q, and gate|up (two halves of what the output projection reads)
+    gpt2 = _attention(c_attn=nn.Linear(32, 96), c_proj=nn.Linear(32, 32))
+    gpt2.num_heads = 4
+    litgpt = _attention(qkv=nn.Linear(32, 64), proj=nn.Linear(32, 32))
+    litgpt.config = type("Config", (), {"n_head": 4, "n_query_groups": 2, "head_size": 8})()
+    kv = _attention(q=nn.Linear(32, 32), kv=nn.Linear(32, 32), o=nn.Linear(32, 32))
+    kv.n_heads, kv.n_kv_heads, kv.head_dim = 4, 2, 8
+    mlp = _attention(gate_up=nn.Linear(32, 128), down=nn.Linear(64, 32))
+    for attention, fused, out, parts in ((gpt2, "c_attn", "c_proj", (32, 32, 32)),
+                                         (litgpt, "qkv", "proj", (32, 16, 16)),
+                                         (kv, "kv", "o", (16, 16)), (mlp, "gate_up", "down", (64, 64))):
+        model = _fused_model(attention)
+        # whether the parts sit one after another or head by head, structure cannot tell: refused, naming both roles
+        with pytest.raises(TensorParallelError, match=rf"h.0.{fused}\) .* its parts are known from the head counts, but"
+                                                      r" not whether .* 'fused_colwise' for the first or 'colwise'"):
             derive_plan(model)
+        plan = resolve_plan(model, {f"h.*.{fused}": "fused_colwise", f"h.*.{out}": "rowwise"})
+        assert fused_projection(dict(model.named_modules()), plan, f"h.0.{fused}") == parts
+    # each part is split by tp, head-aligned: 2 key/value groups leave tp=4 out, named where the config keeps them
+    model = _fused_model(litgpt)
+    plan = resolve_plan(model, {"h.*.qkv": "fused_colwise", "h.*.proj": "rowwise"})
+    validate_plan(model, plan, 2, 2)
+    with pytest.raises(TensorParallelError, match=r"tp=4 does not divide h.0.n_query_groups=2"):
+        validate_plan(model, plan, 4, 4)
+    # the role on a projection whose parts no head count explains
+    model = _fused_model(_attention(c_attn=nn.Linear(32, 96), c_proj=nn.Linear(32, 32)))
+    plan = resolve_plan(model, {"h.*.c_attn": "fused_colwise", "h.*.c_proj": "rowwise"})
+    with pytest.raises(TensorParallelError, match=r"h.0.c_attn has the tensor-parallel role 'fused_colwise', but its"
+                                                  r" parts cannot be told"):
+        validate_plan(model, plan, 2, 2)
+
+
+def test_hugging_face_conv1d_and_litgpt_fused_projections_are_planned():
+    pytest.importorskip("transformers")
+    pytest.importorskip("litgpt")
+    from tests.strategies.hf_models import DIM, HEADS, KV_HEADS, lit_causal_lm
+
+    head_dim = DIM // HEADS
+    for family, attention, fused, parts in (
+            ("gpt2", "model.transformer.h.0.attn", "c_attn", (DIM, DIM, DIM)),
+            ("litgpt", "model.transformer.h.0.attn", "qkv", (DIM, KV_HEADS * head_dim, KV_HEADS * head_dim))):
+        model = lit_causal_lm(family)
+        plan = derive_plan(model)
+        validate_plan(model, plan, 2, 2)
+        assert fused_projection(dict(model.named_modules()), plan, f"{attention}.{fused}") == parts
+        assert plan[f"{attention}.{'c_proj' if family == 'gpt2' else 'proj'}"] == "rowwise"
+    # GPT-NeoX's fused q|k|v holds each head's q, k, v together: its published plan says plain colwise
+    model = lit_causal_lm("gpt_neox")
+    assert derive_plan(model)["model.gpt_neox.layers.0.attention.query_key_value"] == "colwise"
+    # GPT-2's MLP is Conv1D too; its root forward counts positions from inputs_embeds: sequence parallelism covers
+    # the blocks only
+    model = lit_causal_lm("gpt2")
+    plan = derive_plan(model)
+    assert (plan["model.transformer.h.0.mlp.c_fc"], plan["model.transformer.h.0.mlp.c_proj"]) == ("colwise", "rowwise")
+    assert sequence_region(model, plan) == ("model.transformer.h.0", "model.transformer.h.3")
 
 
 def test_a_model_without_repeated_blocks_asks_for_a_plan():
@@ -469,11 +518,36 @@ def test_an_attention_whose_head_count_no_plan_divides_is_named_with_the_fix(one
 
 
 def test_blocks_without_linear_layers_are_refused_naming_what_holds_their_weights():
+    class Mixer(nn.Module):  # a weight of its own, multiplied by hand
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(32, 32))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix, self.norm = Mixer(), nn.LayerNorm(32)
+
+    model = nn.Module()
+    model.h = nn.ModuleList(Block() for _ in range(2))
+    message = (r"The repeated blocks \(h.0 …\) hold no linear layers \(nn.Linear, or Hugging Face's Conv1D\), which"
+               r" tensor parallelism splits: their weights sit in Mixer \(h.0.mix\)\. Train this model with data or"
+               r" pipeline parallelism \(tp=1\)")
+    with pytest.raises(TensorParallelError, match=message):
+        derive_plan(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gpt_neox", "mixtral", "qwen3_moe"])
+def test_the_automatic_plan_agrees_with_the_plan_a_hugging_face_model_publishes(family):
+    """Where a model publishes its tensor-parallel plan (``base_model_tp_plan``), its column and row roles for the
+    blocks' projections are the ones the structure gives; the published plan decides only what structure cannot
+    tell (GPT-NeoX's fused q|k|v held head by head)."""
     pytest.importorskip("transformers")
+    from meshlight.parallel.tensor_plan import published_roles
     from tests.strategies.hf_models import lit_causal_lm
 
-    message = (r"The repeated blocks \(model.transformer.h.0 …\) hold no nn.Linear layers, which tensor parallelism"
-               r" splits: their weights sit in Conv1D \(model.transformer.h.0.attn.c_attn, .*\)\. Train this model"
-               r" with data or pipeline parallelism \(tp=1\)")
-    with pytest.raises(TensorParallelError, match=message):
-        derive_plan(lit_causal_lm("gpt2"))
+    model = lit_causal_lm(family)
+    published = {name: style for name, style in published_roles(model).items() if style in ("colwise", "rowwise")}
+    assert len(published) >= 4 * 2  # each layer's attention at least (q|k|v, output)
+    derived = derive_plan(model)
+    assert {name: derived.get(name) for name in published} == published

@@ -36,6 +36,10 @@ def hf_config(family: str, vocab: int = VOCAB) -> Any:
         return transformers.GPT2Config(vocab_size=vocab, n_embd=DIM, n_layer=LAYERS, n_head=HEADS, n_inner=HIDDEN,
                                        n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                        use_cache=False)
+    if family == "gpt_neox":  # a fused q|k|v held head by head, which its published tensor-parallel plan says
+        return transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=LAYERS,
+                                          num_attention_heads=HEADS, intermediate_size=HIDDEN, use_cache=False,
+                                          max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0)
     moe = dict(num_experts_per_tok=2, output_router_logits=False)
     if family == "mixtral":
         return transformers.MixtralConfig(**common, **moe, num_local_experts=4, router_jitter_noise=0.0)
@@ -57,10 +61,10 @@ def litgpt_model(vocab: int = VOCAB) -> Any:
 
 
 def training_options(family: str) -> dict[str, Any]:
-    """The optimizer a parity run trains ``family`` with: AdamW, except SGD for Qwen2 and GPT-2, whose key biases have
-    an exactly-zero gradient (softmax ignores a per-query constant) that Adam would turn from float noise into
-    full-size steps that no two layouts take alike."""
-    return {"optimizer": "sgd", "lr": 0.3} if family in ("qwen2", "gpt2") else {}
+    """The optimizer a parity run trains ``family`` with: AdamW, except SGD for Qwen2, GPT-2 and GPT-NeoX, whose key
+    biases have an exactly-zero gradient (softmax ignores a per-query constant) that Adam would turn from float noise
+    into full-size steps that no two layouts take alike."""
+    return {"optimizer": "sgd", "lr": 0.3} if family in ("qwen2", "gpt2", "gpt_neox") else {}
 
 
 class LitCausalLM(pl.LightningModule):

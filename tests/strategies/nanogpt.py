@@ -4,7 +4,8 @@ The pieces sit in a ``ModuleDict`` namespace (``transformer.wte``, ``wpe``, the 
 token embedding and the LM head share one weight (``transformer.wte.weight = lm_head.weight``), positions are
 learned, and attention reshapes with ``n_head``. ``NanoGPT(post_norm=True)`` normalizes after each residual sum
 instead, as BERT and the original Transformer do: a norm's output is the residual stream. Unlike nanoGPT, q, k and v
-are separate Linears (tensor parallelism refuses a fused ``c_attn`` with a message saying so), and the Linears have
+are separate Linears (nanoGPT splits its fused ``c_attn`` by the whole width, ``n_embd``, and reshapes by
+``C // n_head``, which no longer fit once tensor parallelism divides its head count), and the Linears have
 no biases (nanoGPT's ``bias=False``: a key's bias gets no gradient, and Adam turns rounding noise into steps).
 """
 

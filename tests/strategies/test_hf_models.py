@@ -1,10 +1,11 @@
-"""Models users bring, unchanged, under meshlight's strategies: each dense Hugging Face family (Llama; Qwen2 with
-q/k/v biases; Qwen3 with QK-norm and an explicit head_dim) matches one process's training within 1e-4 over 20
-steps, under tensor (+ sequence) parallelism, data parallelism, pipeline parallelism (1F1B and interleaved, the
-LM head beside the module holding the layers) and all three; so do GPT-2 (learned positions, its head tied to the
-token embedding) and litgpt's GPT (its blocks in a ModuleDict namespace the root's forward runs), except under
-tensor parallelism; and Mixtral and Qwen3-MoE under expert parallelism, with and without pipelining. One launch per
-process count."""
+"""Models users bring, unchanged, under meshlight's strategies: each dense family — Hugging Face's Llama, Mistral,
+Qwen2 (q/k/v biases), Qwen3 (QK-norm, an explicit head_dim) and GPT-2 (Conv1D, a fused q|k|v, learned positions,
+its head tied to the token embedding), and litgpt's GPT (a fused q|k|v for grouped queries, its blocks in a
+ModuleDict namespace the root's forward runs) — matches one process's training within 1e-4 over 20 steps, under
+tensor (+ sequence) parallelism, data parallelism, pipeline parallelism (1F1B and interleaved, the LM head beside the
+module holding the layers) and all three; and Mixtral and Qwen3-MoE under expert parallelism, with and without
+pipelining, and under tensor parallelism (their attention split), also with dp and pp. One launch per process
+count."""
 
 from pathlib import Path
 
@@ -43,10 +44,12 @@ def runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(("layout", "model"), [(layout, model) for layout, (*_, models) in
                                                hf_worker.LAYOUTS.items() for model in models])
 def test_each_layout_matches_single_process_training(runs, controls, layout, model):
-    """tp2: tensor parallelism with sequence parallelism on 2 processes; ddp and zero3: 2 data replicas; pp2-*: two
-    pipeline stages (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence parallel) on 8 processes;
+    """tp2: tensor parallelism with sequence parallelism on 2 processes (the fused q|k|v of GPT-2 and litgpt split
+    part by part; GPT-2 also with a vocabulary of 61, split 31 + 30); ddp and zero3: 2 data replicas; pp2-*: two
+    pipeline stages (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence parallel) on 8 processes (3d-moe:
+    the MoE models, ep=1, their routers and experts whole on each tp rank);
     tp2-loss-parallel: a vocabulary of 61, which tp=2 splits 31 + 30, the logits left split for the loss;
-    3d-planned: Hybrid3DStrategy() with no sizes, planned from each config (litgpt's tp held at 1); ep2 and
+    3d-planned: Hybrid3DStrategy() with no sizes, planned from each config; ep2 and
     dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (ep2 also with their
     load-balancing loss, which each data-parallel rank computes over its part of the batch)."""
     result = torch.load(runs / f"{layout}-{model}.pt", weights_only=False)
@@ -76,3 +79,19 @@ def test_the_load_balancing_loss_is_in_the_loss_under_expert_parallelism(runs, f
     with_aux = torch.load(runs / f"ep2-{family}-aux.pt", weights_only=False)["losses"]
     without = torch.load(runs / f"ep2-{family}.pt", weights_only=False)["losses"]
     assert 1.5 < (with_aux[0] - without[0]) / 0.02 < 3.0
+
+
+def test_a_models_own_experts_under_tensor_parallelism_refuse_what_they_cannot_do():
+    """Under tp a model's own experts are kept whole on every tp rank: splitting them over ep as well is refused, and
+    so is the model's load-balancing loss under sequence parallelism (its router logits would cover this rank's share
+    of the sequence), each naming the way out."""
+    from meshlight.parallel.layout import ParallelLayout
+    from meshlight.parallel.parallelize import parallelize
+
+    module = lit_causal_lm("mixtral")
+    with pytest.raises(NotImplementedError, match=r"splitting them over ep as well is not supported yet. Use ep=1"):
+        parallelize(module, ParallelLayout(dp_replicate=2, tp=2, ep=2), mesh=None)
+    aux = lit_causal_lm("mixtral-aux")
+    with pytest.raises(NotImplementedError, match=r"output_router_logits=True\) from its router logits, which under"
+                                                  r" sequence parallelism cover this rank's share"):
+        parallelize(aux, ParallelLayout(tp=2), mesh=None)

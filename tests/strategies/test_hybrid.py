@@ -173,16 +173,21 @@ def test_the_planner_leaves_out_tensor_parallelism_for_a_model_no_plan_splits(ca
     pytest.importorskip("transformers")
     from tests.strategies.hf_models import lit_causal_lm
 
-    # litgpt's fused q|k|v cannot be split yet: the planner is held at tp=1 (from the config's heads alone it would
-    # plan tp); an HF Llama keeps tp among its choices. Neither has meshlight.nn.MoE layers: ep stays 1.
-    for family, tp_planned in (("litgpt", False), ("llama", True)):
+    # GPT-2 whose attention keeps its head count under a name meshlight does not know: the parts of its fused q|k|v
+    # cannot be told, so the planner is held at tp=1 (from the config's heads alone it would plan tp); litgpt's fused
+    # q|k|v and an HF Llama keep tp among its choices. None has meshlight.nn.MoE layers: ep stays 1.
+    unknown = lit_causal_lm("gpt2")
+    for block in unknown.model.transformer.h:
+        block.attn.n_h = block.attn.__dict__.pop("num_heads")
+        del block.attn.head_dim
+    for module, tp_planned in ((unknown, False), (lit_causal_lm("litgpt"), True), (lit_causal_lm("llama"), True)):
         strategy = ml.Hybrid3DStrategy()
         ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", logger=False)
-        strategy.connect(lit_causal_lm(family))
+        strategy.connect(module)
         with caplog.at_level("INFO"):
             assert strategy._unsplittable() == ({"ep": 1} if tp_planned else {"tp": 1, "ep": 1})
     assert ("Planning with tp=1: tensor parallelism cannot split this model (model.transformer.h.0.attn looks like a"
-            " fused projection") in caplog.text
+            " fused projection (model.transformer.h.0.attn.c_attn)") in caplog.text
 
 
 def _fit_on_one_process(strategy, callbacks=(), batch_size=4, **trainer_options):

@@ -17,10 +17,12 @@ import meshlight as ml
 from tests.strategies import parity
 from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, lit_causal_lm
 
-TP_FAMILIES = ("llama", "qwen2", "qwen3")  # GPT-2's fused Conv1D q|k|v is not split yet
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
-    "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*TP_FAMILIES, "mistral")),
+    # GPT-2 also with a vocabulary tp does not divide (its head tied to the embedding, both split 31 + 30); GPT-NeoX's
+    # fused q|k|v holds each head's q, k, v together, as its published plan says; the MoE models' attention split,
+    # their routers and experts kept whole on each rank, running on its share of the sequence
+    "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "gpt2-vocab61", "gpt_neox", *MOE_FAMILIES)),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
     "ddp": (lambda: "ddp", 2, 2, FAMILIES),
@@ -28,7 +30,8 @@ LAYOUTS = {
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1, FAMILIES),
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
                                                     microbatches=4), 2, 1, FAMILIES),
-    "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=4), 8, 2, TP_FAMILIES),
+    "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=4), 8, 2, FAMILIES),
+    "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=4), 8, 2, MOE_FAMILIES),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
     "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2)
