@@ -30,6 +30,7 @@ COMMANDS = {
     "recompute": "python benchmarks/recompute.py --seq 128 --batch 1 --rounds 6",
     "profile": "python benchmarks/step_profile.py --nprocs 2 4",
     "host_step": "python benchmarks/host_step.py --params 25000000 --steps 5 --rounds 3",
+    "pretrained": "python benchmarks/pretrained_load.py --nprocs 4",
 }
 BELOW_1F1B = ("interleaved1f1b", "interleavedzerobubble", "zbvzerobubble")
 #: Run on a GPU machine (`make bench` here has none): the first two write benchmarks/gpu_results.json, the
@@ -414,6 +415,28 @@ def memory_section(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pretrained_section(rows: list[dict]) -> str:
+    model, largest = rows[0]["model_bytes"], rows[0]["largest_tensor_bytes"]
+    lines = [
+        "## Memory of loading pretrained weights",
+        "",
+        f"Command: `{COMMANDS['pretrained']}` — `PretrainedWeights` loading a `save_pretrained` Llama of"
+        f" {model:,} bytes",
+        f"(fp32; its largest tensor {largest:,} bytes) into the model built on the meta device in `configure_model`",
+        "under ZeRO-3: each rank's anonymous resident memory (`RssAnon`, which leaves out safetensors' memory-mapped",
+        "file pages) sampled every millisecond during the load, its growth beside the rank's shard (allocated during",
+        "the load, from the meta device). The claim: a rank holds its shard plus at most about one tensor, never the",
+        "whole model (growth / (shard + largest tensor) ≤ 1).",
+        "",
+        "| N | rank | shard (bytes) | growth during the load (bytes) | growth / shard | growth / (shard + largest) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['world']} | {r['rank']} | {r['shard_bytes']:,} | {r['growth_bytes']:,} | "
+                     f"{r['growth_bytes'] / r['shard_bytes']:.3f} | {r['growth_over_shard_plus_largest']:.3f} |")
+    return "\n".join(lines)
+
+
 def overhead_section(rows: list[dict]) -> str:
     lines = [
         "## Step-time overhead per strategy",
@@ -594,6 +617,7 @@ def main() -> None:
     comm, memory, overhead = run(COMMANDS["comm"]), run(COMMANDS["memory"]), run(COMMANDS["overhead"])
     bubble, balance, planner = run(COMMANDS["bubble"]), run(COMMANDS["balance"]), run(COMMANDS["planner"])
     recompute, profile, host_step = run(COMMANDS["recompute"]), run(COMMANDS["profile"]), run(COMMANDS["host_step"])
+    pretrained = run(COMMANDS["pretrained"])
     header = "\n".join([
         "# Benchmark results",
         "",
@@ -605,7 +629,8 @@ def main() -> None:
         f"- Machine: {cpu_model()}, {os.cpu_count()} CPU cores, no GPU; gloo backend",
         f"- Versions: Python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}",
     ])
-    sections = [header, comm_section(comm), memory_section(memory), overhead_section(overhead), bubble_section(bubble),
+    sections = [header, comm_section(comm), memory_section(memory), pretrained_section(pretrained),
+                overhead_section(overhead), bubble_section(bubble),
                 balance_section(balance), planner_section(planner), recompute_section(recompute),
                 host_step_section(host_step, _recorded(GPU_HOST_STEP)), profile_section(profile),
                 gpu_section(_recorded(GPU_RESULTS))]

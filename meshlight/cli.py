@@ -3,6 +3,7 @@
     meshlight plan --model llama3-70b --gpus 1024 --gpu h100 --seq 8192     # layouts for a cluster you plan
     meshlight plan --gpus 64 --layers 48 --hidden 6144 --heads 48 --vocab 32000   # ... for a model of your own
     meshlight consolidate runs/ckpt/step=000001000 model.safetensors         # one full state dict, for inference
+    meshlight export runs/ckpt/last hf-model --to hf                          # a folder from_pretrained loads
 """
 
 from __future__ import annotations
@@ -119,9 +120,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     merge.add_argument("checkpoint", help="checkpoint folder or URL")
     merge.add_argument("out", help="output file (.safetensors or .pt)")
     merge.add_argument("--strip-prefix", default="", help='remove this prefix from names, e.g. "model."')
+    export = commands.add_parser(
+        "export", help="write a sharded checkpoint's model in another library's layout",
+        description="Write the model weights of a sharded meshlight checkpoint (any layout) as Hugging Face"
+                    " safetensors (sharded above --max-shard-gb, with their index) and its config.json, a folder"
+                    " AutoModelForCausalLM.from_pretrained loads.")
+    export.add_argument("checkpoint", help="checkpoint folder")
+    export.add_argument("out", help="output folder")
+    export.add_argument("--to", choices=("hf",), default="hf", help="the layout to write (hf: Hugging Face)")
+    export.add_argument("--prefix", default="model.",
+                        help='the names the model has in the LightningModule (default "model.": its self.model)')
+    export.add_argument("--config", help="config.json to write beside the weights (a file, or a folder holding"
+                                         " one); default: the one the checkpoint saved with the model")
+    export.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (default 5)")
     args = parser.parse_args(argv)
     if args.command == "consolidate":
         return _consolidate(args)
+    if args.command == "export":
+        return _export(args)
     try:
         model, hardware = _model_of(args), _hardware_of(args)
     except ValueError as error:
@@ -242,6 +258,23 @@ def _consolidate(args: argparse.Namespace) -> int:
         return 2
     count = sum(t.numel() for t in state.values())
     print(f"Wrote {len(state)} tensors ({count:,} values) to {args.out}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from meshlight.parallel.checkpoint import CheckpointError
+    from meshlight.parallel.pretrained import PretrainedWeightsError, export_pretrained
+
+    try:
+        files = export_pretrained(args.checkpoint, args.out, prefix=args.prefix, config=args.config,
+                                  max_shard_bytes=int(args.max_shard_gb * 2**30))
+    except (CheckpointError, PretrainedWeightsError, OSError) as error:
+        print(f"meshlight export: {error}", file=sys.stderr)
+        return 2
+    if "config.json" not in files:
+        print("meshlight export: the checkpoint holds no Hugging Face config for this prefix; pass --config so that"
+              " from_pretrained can load the folder.", file=sys.stderr)
+    print(f"Wrote {', '.join(files)} to {args.out}")
     return 0
 
 

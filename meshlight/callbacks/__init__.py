@@ -7,6 +7,8 @@ from meshlight.callbacks.expert_load import ExpertLoadMonitor, load_heatmap
 from meshlight.callbacks.mixed_precision import MixedPrecision, MixedPrecisionError
 from meshlight.callbacks.monitor import ProfileSteps, TrainingMonitor
 from meshlight.callbacks.offload import Offload, OffloadError
+from meshlight.callbacks.pretrained import PretrainedWeights
 
 __all__ = ["ActivationCheckpointing", "Compile", "DistributedCheckpoint", "ExpertLoadMonitor", "MixedPrecision",
-           "MixedPrecisionError", "Offload", "OffloadError", "ProfileSteps", "TrainingMonitor", "load_heatmap"]
+           "MixedPrecisionError", "Offload", "OffloadError", "PretrainedWeights", "ProfileSteps", "TrainingMonitor",
+           "load_heatmap"]

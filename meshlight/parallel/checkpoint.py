@@ -49,6 +49,7 @@ __all__ = [
     "load_checkpoint",
     "load_metadata",
     "load_model_weights",
+    "read_model_weights",
     "load_rng_state",
     "save_checkpoint",
 ]
@@ -375,12 +376,9 @@ def consolidate(path: PathLike, out: PathLike, *, strip_prefix: str = "") -> dic
     """Write the model weights of a sharded checkpoint as one full state dict, for inference or export, in one
     process (no process group): ``out`` ending in ``.safetensors`` as safetensors, anything else with
     ``torch.save``. ``strip_prefix`` is removed from names that start with it (``"model."`` turns a
-    LightningModule's names into its inner model's). Returns the state dict."""
-    check_complete(path)
-    stored = _storage(path).read_metadata().state_dict_metadata
-    state = {key.partition(".")[2]: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in stored.items() if key.startswith(MODEL_KEY + ".") and hasattr(meta, "size")}
-    _read({MODEL_KEY: state}, path, no_dist=True)
+    LightningModule's names into its inner model's). Returns the state dict. (Hugging Face's layout, with its
+    config: :func:`meshlight.parallel.pretrained.export_pretrained`.)"""
+    state = read_model_weights(path)
     state = {(k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k): v for k, v in state.items()}
     if str(out).endswith(".safetensors"):
         try:
@@ -392,6 +390,17 @@ def consolidate(path: PathLike, out: PathLike, *, strip_prefix: str = "") -> dic
     else:
         with fsspec.open(str(out), "wb") as f:
             torch.save(state, f)
+    return state
+
+
+def read_model_weights(path: PathLike) -> dict[str, torch.Tensor]:
+    """The model weights of a sharded checkpoint (any layout), whole, by the names the LightningModule has them
+    under; read in one process, no process group."""
+    check_complete(path)
+    stored = _storage(path).read_metadata().state_dict_metadata
+    state = {key.partition(".")[2]: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in stored.items() if key.startswith(MODEL_KEY + ".") and hasattr(meta, "size")}
+    _read({MODEL_KEY: state}, path, no_dist=True)
     return state
 
 

@@ -1,0 +1,282 @@
+"""Weights in Hugging Face's layout (``save_pretrained`` folders of safetensors files): loaded into a model of any
+layout, each rank reading only what it holds, and written from a checkpoint of any layout.
+
+:func:`load_pretrained` matches the model's state names under a prefix (``"model."``: a LightningModule's
+``self.model``) with the files' keys, checks every shape against the whole tensor's, and lets DCP's
+``HuggingFaceStorageReader`` read, for each parameter, the rectangle of the stored tensor this rank holds: a
+tensor-parallel or ZeRO shard, a pipeline stage's parameters only. Every layout meshlight makes stores its shards as
+such rectangles — a fused q|k|v too (:mod:`meshlight.parallel.tensor`), and uneven vocabulary shards — so no load
+planner of its own is needed. A weight tied to another that the files hold once (GPT-2's head, Hugging Face's
+``all_tied_weights_keys``) is read from its partner's key, and a later pipeline stage's copy of it too.
+Non-persistent buffers (rotary tables) are not in the state and are left as the model computed them.
+
+:func:`export_pretrained` reads a meshlight checkpoint in one process (the code path ``meshlight consolidate``
+uses), keeps the names under the prefix without it, and writes safetensors shards with their index, and the model's
+``config.json`` where the checkpoint holds it (see :func:`model_configs`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+__all__ = [
+    "CONFIGS_KEY", "LoadReport", "PretrainedWeightsError", "export_pretrained", "load_pretrained", "model_configs",
+]
+
+PathLike = Union[str, Path]
+#: Where a checkpoint's metadata keeps the Hugging Face configs of the models a LightningModule holds.
+CONFIGS_KEY = "hf_configs"
+_INDEX = "model.safetensors.index.json"
+
+
+class PretrainedWeightsError(ValueError):
+    """Weights files that cannot be read, or that do not fit the model; the message names the file or the keys."""
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_pretrained` did: keys loaded, the model's names the files lack, the files' keys no model name
+    takes, and the (stored, parameter) dtype pairs it cast between."""
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    cast: set[tuple[str, str]] = field(default_factory=set)
+
+
+def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model.", strict: bool = True) -> LoadReport:
+    """Load the safetensors files in the folder ``path`` (one file, or shards with their index) into ``module``'s
+    state names under ``prefix``, in place, in any layout; collective where a process group exists.
+
+    Raises :class:`PretrainedWeightsError` naming a file that cannot be read, every shape that differs, and — with
+    ``strict`` — every name the files lack and every key no name takes (``strict=False`` loads what matches). A
+    dtype that differs (bf16 files into fp32 parameters) is cast, and noted in the report's ``cast``."""
+    folder = Path(path)
+    stored = _stored_tensors(folder)
+    distributed = dist.is_initialized()
+    built_on_meta = _allocate(module)
+    state = get_model_state_dict(module) if distributed else module.state_dict()
+    aliases = _tied_keys(module, prefix)
+    report, reads, copies, wrong = LoadReport(), {}, [], []
+    for name, tensor in state.items():
+        if not name.startswith(prefix):
+            continue
+        key = name[len(prefix):]
+        source = key if key in stored else aliases.get(key)
+        if source not in stored:
+            report.missing.append(key)
+            continue
+        shape, dtype = stored[source][:2]
+        if tuple(tensor.shape) != shape:
+            wrong.append(f"{key}: the model's is {list(tensor.shape)}, the file's {list(shape)}")
+            continue
+        if source in reads:  # a tied weight held twice on this rank: read once, copied
+            copies.append((reads[source], tensor))
+        else:
+            reads[source] = tensor
+        if dtype != tensor.dtype:
+            report.cast.add((str(dtype).removeprefix("torch."), str(tensor.dtype).removeprefix("torch.")))
+        report.loaded.append(key)
+    taken = set(reads)
+    if distributed:  # a pipeline stage holds some names; the files' keys are taken by the whole model's
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (taken, report.missing))
+        taken = set().union(*(names for names, _ in gathered))
+        report.missing = sorted({key for _, missing in gathered for key in missing} - taken)
+    report.unexpected = sorted(set(stored) - taken - set(aliases.values()))
+    if built_on_meta and report.missing:
+        raise PretrainedWeightsError(
+            f"The model was built on the meta device, and the weights in {str(folder)!r} lack"
+            f" {_listed(report.missing)}: nothing would initialize them. Build the model on a real device, or load"
+            " files that hold every weight."
+        )
+    _check(folder, wrong, report, strict)
+    _read(folder, reads, distributed)
+    for loaded, copy in copies:
+        if copy is not loaded:
+            copy.detach().copy_(loaded.detach())
+    if built_on_meta:
+        _compute_buffers(module, prefix)
+    if distributed:
+        set_model_state_dict(module, state, options=StateDictOptions(strict=False))
+    else:
+        module.load_state_dict(state, strict=False)
+    return report
+
+
+def _allocate(module: nn.Module) -> bool:
+    """Allocate a model built on the meta device (``configure_model``), each rank its shards only, uninitialized:
+    the files initialize it. Returns whether it was on the meta device."""
+    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        return False
+    held = next((t.device for t in (*module.parameters(), *module.buffers()) if not t.is_meta), None)
+    module.to_empty(device=held or torch.device("cpu"))
+    return True
+
+
+def _compute_buffers(module: nn.Module, prefix: str) -> None:
+    """Compute what a model built on the meta device holds outside its state: the non-persistent buffers (rotary
+    tables), with Hugging Face's initialization of the modules that hold them (``_init_weights``)."""
+    inner = module.get_submodule(prefix.rstrip(".")) if prefix else module
+    initialize = getattr(inner, "_init_weights", None)
+    holders = [m for m in inner.modules() if m._non_persistent_buffers_set]
+    if holders and not callable(initialize):
+        raise PretrainedWeightsError(
+            f"{type(inner).__name__} was built on the meta device and holds buffers outside its state"
+            f" ({', '.join(type(m).__name__ for m in holders[:3])}) that meshlight cannot compute: build it on a real"
+            " device (the files still initialize the weights)."
+        )
+    with torch.no_grad():
+        for holder in holders:
+            initialize(holder)
+
+
+def _check(folder: Path, wrong: list[str], report: LoadReport, strict: bool) -> None:
+    problems = []
+    if wrong:
+        problems.append(f"shapes differ: {'; '.join(wrong[:8])}{' …' if len(wrong) > 8 else ''}")
+    if strict and report.missing:
+        problems.append(f"the files lack {_listed(report.missing)}")
+    if strict and report.unexpected:
+        problems.append(f"no parameter takes {_listed(report.unexpected)}")
+    if problems:
+        raise PretrainedWeightsError(
+            f"The weights in {str(folder)!r} do not fit the model: {'; '.join(problems)}. Check the folder was saved"
+            " from this architecture and configuration, and the prefix the model's names have in the LightningModule"
+            " (prefix=)" + ("" if wrong else ", or pass strict=False to load the keys that match") + "."
+        )
+
+
+def _listed(keys: list[str], limit: int = 8) -> str:
+    return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _read(folder: Path, reads: dict[str, torch.Tensor], distributed: bool) -> None:
+    """Each rank reads, of each stored tensor, the part its state holds (DCP with Hugging Face's storage)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    try:
+        dcp.load(reads, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not distributed)
+    except Exception as error:  # DCP wraps a rank's failure; the safetensors error names what broke
+        raise PretrainedWeightsError(f"Reading the weights in {str(folder)!r} failed: {error}") from error
+
+
+def _stored_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, str]]:
+    """Every tensor the folder's safetensors files hold: key → (shape, dtype, file). A file that cannot be read (a
+    damaged or truncated header, or data shorter than the header says) is named."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise PretrainedWeightsError(f"{str(folder)!r} holds no .safetensors files: pass the folder save_pretrained"
+                                     " wrote.")
+    stored = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    view = f.get_slice(key)
+                    stored[key] = (tuple(view.get_shape()), _DTYPES[view.get_dtype()], file.name)
+        except Exception as error:  # safetensors raises its own SafetensorError
+            raise PretrainedWeightsError(f"{str(file)!r} cannot be read as safetensors ({error}): the file is"
+                                         " damaged or truncated.") from error
+        length = file.stat().st_size
+        with open(file, "rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            ends = [end for _, end in (v["data_offsets"] for k, v in json.loads(f.read(header)).items()
+                                      if k != "__metadata__")]
+        if 8 + header + max(ends, default=0) > length:
+            raise PretrainedWeightsError(f"{str(file)!r} is truncated: its header describes"
+                                         f" {8 + header + max(ends)} bytes, the file has {length}.")
+    return stored
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _tied_keys(module: nn.Module, prefix: str) -> dict[str, str]:
+    """Names (without ``prefix``) of weights tied to another that the files may hold alone → that other's name:
+    Hugging Face's ``all_tied_weights_keys`` of the model under ``prefix``, and parameters held under two names."""
+    tied: dict[str, str] = {}
+    inner = module.get_submodule(prefix.rstrip(".")) if prefix else module
+    declared = getattr(inner, "all_tied_weights_keys", None) or getattr(inner, "_tied_weights_keys", None)
+    if isinstance(declared, Mapping):
+        tied.update({str(k): str(v) for k, v in declared.items()})
+    names: dict[int, str] = {}
+    for name, param in inner.named_parameters(remove_duplicate=False):
+        if id(param) in names and name != names[id(param)]:
+            tied.setdefault(name, names[id(param)])
+        names.setdefault(id(param), name)
+    return tied
+
+
+def model_configs(module: nn.Module) -> dict[str, str]:
+    """The Hugging Face configs (as JSON) of the models ``module`` holds, by their name in it (``"model"``), for a
+    checkpoint's metadata: :func:`export_pretrained` writes the one it exports as ``config.json``."""
+    configs = {}
+    for name, child in module.named_modules():
+        config = getattr(child, "config", None)
+        if name and callable(getattr(config, "to_json_string", None)) and getattr(config, "model_type", None):
+            if not any(name.startswith(held + ".") for held in configs):
+                configs[name] = config.to_json_string()
+    return configs
+
+
+def export_pretrained(checkpoint: PathLike, out: PathLike, *, prefix: str = "model.", config: Optional[PathLike] = None,
+                      max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """Write the model weights of a meshlight checkpoint (any layout) as Hugging Face safetensors in the folder
+    ``out``: the names under ``prefix``, without it; shards of at most ``max_shard_bytes`` with their index when they
+    do not fit one file. ``config.json`` comes from ``config`` (a file, or a folder holding one), else from the
+    checkpoint's metadata. Returns the files written. One process, no process group."""
+    from safetensors.torch import save_file
+
+    from meshlight.parallel.checkpoint import load_metadata, read_model_weights
+
+    weights = read_model_weights(checkpoint)
+    state = {name[len(prefix):]: tensor.contiguous() for name, tensor in weights.items() if name.startswith(prefix)}
+    if not state:
+        raise PretrainedWeightsError(f"{str(checkpoint)!r} holds no weights under prefix {prefix!r}; its names start"
+                                     f" {sorted({n.split('.')[0] + '.' for n in weights})}.")
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    for name in sorted(state):
+        size = state[name].numel() * state[name].element_size()
+        if shards[-1] and sum(t.numel() * t.element_size() for t in shards[-1].values()) + size > max_shard_bytes:
+            shards.append({})
+        shards[-1][name] = state[name]
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for file, shard in zip(files, shards):
+        save_file(shard, str(target / file), metadata={"format": "pt"})
+    written = list(files)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": {name: file for file, shard in zip(files, shards) for name in shard}}
+        (target / _INDEX).write_text(json.dumps(index, indent=2))
+        written.append(_INDEX)
+    text = _config_text(checkpoint, prefix, config, load_metadata)
+    if text is not None:
+        (target / "config.json").write_text(text)
+        written.append("config.json")
+    return written
+
+
+def _config_text(checkpoint: PathLike, prefix: str, config: Optional[PathLike], load_metadata: Any) -> Optional[str]:
+    if config is not None:
+        given = Path(config)
+        return (given / "config.json" if given.is_dir() else given).read_text()
+    configs = load_metadata(checkpoint, weights_only=True).get(CONFIGS_KEY) or {}
+    return configs.get(prefix.rstrip("."))

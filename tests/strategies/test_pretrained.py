@@ -1,0 +1,166 @@
+"""Hugging Face weights in and out: a ``save_pretrained`` folder loaded by ``PretrainedWeights`` under ZeRO-3 (also
+into a model built on the meta device), tp=2, pp=2 and dp=2 × pp=2 × tp=2 trains as one process trained from
+``from_pretrained`` does, and the checkpoint it leaves exports (``export_pretrained``) to a folder ``from_pretrained``
+loads into that one-process run's trained model; mismatches and damaged files are named."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import transformers  # noqa: E402
+
+import meshlight as ml  # noqa: E402
+from meshlight.cli import main as cli  # noqa: E402
+from meshlight.parallel.pretrained import PretrainedWeightsError, export_pretrained, load_pretrained  # noqa: E402
+from tests.launch import torchrun  # noqa: E402
+from tests.strategies import parity  # noqa: E402
+from tests.strategies.hf_models import hf_config, lit_causal_lm  # noqa: E402
+from tests.strategies.workers import pretrained_worker  # noqa: E402
+from tests.strategies.workers.pretrained_worker import FAMILIES, LAYOUTS, PROBE  # noqa: E402
+
+WORKER = Path(pretrained_worker.__file__)
+
+
+def save_pretrained(folder: Path, family: str, dtype: torch.dtype = torch.float32) -> Path:
+    """A ``save_pretrained`` folder of ``family``'s tiny model, from a seed of its own (not the parity models')."""
+    torch.manual_seed(1234)
+    transformers.AutoModelForCausalLM.from_config(hf_config(family)).to(dtype).save_pretrained(folder / family)
+    return folder / family
+
+
+def from_pretrained(folder: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("pretrained")
+    for family in FAMILIES:
+        save_pretrained(folder, family)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def controls(folders) -> dict[str, dict]:
+    """One process trained from ``from_pretrained``: its losses and its trained model's logits on PROBE."""
+    results = {}
+    for family in FAMILIES:
+        def model(family=family):
+            module = lit_causal_lm(family)
+            module.model = from_pretrained(folders / family)
+            return module
+
+        result = parity.train("adamw", model=model)
+        with torch.no_grad():
+            result["logits"] = result.pop("module").model(input_ids=PROBE).logits
+        results[family] = result
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(folders, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pretrained-runs")
+    for world in (2, 8):
+        layouts = [name for name, (_, devices, _) in LAYOUTS.items() if devices == world]
+        torchrun(WORKER, world, str(out), str(folders), *layouts, timeout=1200)
+    return out
+
+
+@pytest.mark.parametrize(("layout", "family"), [(layout, family) for layout in LAYOUTS for family in FAMILIES])
+def test_pretrained_weights_train_and_export_under_every_layout_as_one_process(runs, controls, layout, family):
+    """Losses within 1e-4 of one process trained from from_pretrained over 20 steps, and the exported folder's logits
+    (from_pretrained of what export_pretrained wrote from the run's checkpoint) within 1e-4 of that run's trained
+    model's. GPT-2 brings Conv1D, a fused q|k|v split for tp and a head its files do not hold (tied to the
+    embedding; under pp=2 the last stage's copy is read from the embedding's key)."""
+    result = torch.load(runs / f"{layout}-{family}.pt", weights_only=False)
+    control = controls[family]
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(control["losses"]), rtol=1e-4, atol=0)
+    error = (result["logits"] - control["logits"]).norm() / control["logits"].norm()
+    assert error <= 1e-4
+
+
+def test_loading_in_one_process_equals_from_pretrained_also_on_the_meta_device_and_casts_noting_it(tmp_path):
+    folder = save_pretrained(tmp_path, "llama", dtype=torch.bfloat16)
+    expected = from_pretrained(folder).float()
+    for meta in (False, True):
+        module = lit_causal_lm("llama")
+        if meta:
+            with torch.device("meta"):
+                module.model = transformers.AutoModelForCausalLM.from_config(hf_config("llama"))
+        report = load_pretrained(module, folder)
+        assert report.cast == {("bfloat16", "float32")} and not report.missing and not report.unexpected
+        with torch.no_grad():
+            torch.testing.assert_close(module.model(input_ids=PROBE).logits, expected(input_ids=PROBE).logits)
+
+
+def test_weights_of_another_architecture_are_refused_key_by_key_and_load_partly_when_not_strict(tmp_path):
+    folder = save_pretrained(tmp_path, "gpt2")
+    module = lit_causal_lm("llama")
+    with pytest.raises(PretrainedWeightsError, match=r"do not fit the model: the files lack lm_head.weight,"
+                                                     r" model.embed_tokens.weight, .* and \d+ more; no parameter"
+                                                     r" takes lm_head.weight|transformer"):
+        load_pretrained(module, folder)
+    # a wrong shape is refused even when not strict, naming the key and both shapes
+    narrower = save_pretrained(tmp_path / "narrow", "llama")
+    state = {k: v for k, v in transformers.AutoModelForCausalLM.from_pretrained(str(narrower)).state_dict().items()}
+    state["model.norm.weight"] = state["model.norm.weight"][:-1]
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(narrower / "model.safetensors"))
+    with pytest.raises(PretrainedWeightsError, match=r"shapes differ: model.norm.weight: the model's is \[64\], the"
+                                                     r" file's \[63\]"):
+        load_pretrained(lit_causal_lm("llama"), narrower, strict=False)
+    # not strict: what matches loads, the rest is reported
+    del state["model.norm.weight"]
+    save_file({k: v.contiguous() for k, v in state.items()}, str(narrower / "model.safetensors"))
+    report = load_pretrained(lit_causal_lm("llama"), narrower, strict=False)
+    assert report.missing == ["model.norm.weight"] and len(report.loaded) == len(state)
+
+
+def test_a_damaged_or_truncated_file_is_named(tmp_path):
+    folder = save_pretrained(tmp_path, "llama")
+    file = folder / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(PretrainedWeightsError, match=r"model.safetensors' (is truncated|cannot be read)"):
+        load_pretrained(lit_causal_lm("llama"), folder)
+    file.write_bytes(b"\xff" * 16 + data[16:])
+    with pytest.raises(PretrainedWeightsError, match=r"model.safetensors' cannot be read as safetensors"):
+        load_pretrained(lit_causal_lm("llama"), folder)
+    with pytest.raises(PretrainedWeightsError, match="holds no .safetensors files"):
+        load_pretrained(lit_causal_lm("llama"), tmp_path / "empty")
+
+
+def test_export_shards_above_the_threshold_writes_the_config_and_the_command_line_does_the_same(runs, tmp_path):
+    checkpoint = runs / "tp2-llama.ckpt"  # the tp=2 run's checkpoint; its metadata holds the model's config
+    files = export_pretrained(checkpoint, tmp_path / "sharded", max_shard_bytes=40_000)
+    assert "model.safetensors.index.json" in files and "config.json" in files and len(files) > 3
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {f for f in files if f.endswith(".safetensors")}
+    whole = from_pretrained(runs / "tp2-llama-hf")
+    sharded = from_pretrained(tmp_path / "sharded")
+    with torch.no_grad():
+        torch.testing.assert_close(sharded(input_ids=PROBE).logits, whole(input_ids=PROBE).logits, rtol=0, atol=0)
+    assert cli(["export", str(checkpoint), str(tmp_path / "cli"), "--to", "hf"]) == 0
+    assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == ["config.json", "model.safetensors"]
+    assert cli(["export", str(checkpoint), str(tmp_path / "none"), "--prefix", "missing."]) == 2
+
+
+def test_a_resumed_run_keeps_its_checkpoints_weights(runs, folders):
+    """fit(ckpt_path=…) with PretrainedWeights: the files are not read, and the run goes on from the checkpoint's
+    weights (the ZeRO-3 run's after 20 steps, resharded to one process), not the files'."""
+    callback = ml.callbacks.PretrainedWeights(folders / "llama")
+    module = lit_causal_lm("llama")
+    trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=20, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, callbacks=[callback])
+    trainer.fit(module, parity.make_data(8), ckpt_path=runs / "zero3-llama.ckpt")
+    assert callback.report is None
+    with torch.no_grad():
+        logits = module.model(input_ids=PROBE).logits
+    exported = torch.load(runs / "zero3-llama.pt", weights_only=False)["logits"]
+    torch.testing.assert_close(logits, exported, rtol=1e-5, atol=1e-6)

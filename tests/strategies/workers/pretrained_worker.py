@@ -1,0 +1,79 @@
+"""Hugging Face weights in and out under each layout named, all in one launch: every family in ``FOLDERS``' folders
+(written by ``save_pretrained``) is loaded by the PretrainedWeights callback, trained, saved as a meshlight
+checkpoint, and exported back (``export_pretrained``); rank 0 saves the losses and the exported model's logits on
+:data:`PROBE` to ``OUT/<layout>-<family>.pt``.
+
+    python tests/forkrun.py 2 tests/strategies/workers/pretrained_worker.py OUT FOLDERS zero3 zero3-meta tp2 pp2
+    python tests/forkrun.py 8 tests/strategies/workers/pretrained_worker.py OUT FOLDERS 3d
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import meshlight as ml
+from meshlight.parallel.pretrained import export_pretrained
+from tests.strategies import parity
+from tests.strategies.hf_models import LitCausalLM, lit_causal_lm
+
+FAMILIES = ("llama", "gpt2")  # GPT-2: Conv1D, a fused q|k|v split for tp, its head tied to the embedding
+#: name -> (the strategy, processes, data-parallel replicas among them)
+LAYOUTS = {
+    "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2),
+    # the model built on the meta device in configure_model: each rank allocates its shards, the files fill them
+    "zero3-meta": (lambda: ml.ZeroStrategy(stage=3), 2, 2),
+    "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1),
+    "pp2": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1),
+    "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=4), 8, 2),
+}
+#: the tokens the exported models' logits are compared on
+PROBE = torch.arange(32).reshape(2, 16) % 16
+
+
+def on_meta(family: str) -> LitCausalLM:
+    """``lit_causal_lm(family)`` whose model is built again on the meta device in ``configure_model``."""
+    import transformers
+
+    module = lit_causal_lm(family)
+    config = module.model.config
+
+    def configure_model() -> None:
+        with torch.device("meta"):
+            module.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+    module.configure_model = configure_model
+    return module
+
+
+def exported_logits(folder: Path) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa")
+    with torch.no_grad():
+        return model(input_ids=PROBE).logits
+
+
+def main(out: Path, folders: Path, layouts: list[str]) -> None:
+    for layout in layouts:
+        strategy, devices, replicas = LAYOUTS[layout]
+        assert devices == int(os.environ["WORLD_SIZE"]), f"{layout} runs on {devices} processes"
+        for family in FAMILIES:
+            checkpoint = out / f"{layout}-{family}.ckpt"
+            result = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas,
+                                  model=lambda family=family, layout=layout: (
+                                      on_meta(family) if layout.endswith("-meta") else lit_causal_lm(family)),
+                                  save_to=checkpoint,
+                                  callbacks=[ml.callbacks.PretrainedWeights(folders / family)])
+            result.pop("module")
+            if torch.distributed.get_rank() == 0:
+                exported = out / f"{layout}-{family}-hf"
+                export_pretrained(checkpoint, exported)
+                torch.save({"losses": result["losses"], "logits": exported_logits(exported)},
+                           out / f"{layout}-{family}.pt")
+            torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
