@@ -13,6 +13,10 @@ Non-persistent buffers (rotary tables) are not in the state and are left as the 
 :func:`export_pretrained` reads a meshlight checkpoint in one process (the code path ``meshlight consolidate``
 uses), keeps the names under the prefix without it, and writes safetensors shards with their index, and the model's
 ``config.json`` where the checkpoint holds it (see :func:`model_configs`).
+
+meshlight's own :class:`~meshlight.models.GPT` goes both ways in Hugging Face's Llama layout where its configuration
+has a Llama equivalent (:mod:`meshlight.models.hf_layout`): names mapped, and q and k rows reordered within each head
+for Llama's rotary channel pairs — on load by a reader that reads each rank's rows in that order.
 """
 
 from __future__ import annotations
@@ -29,13 +33,27 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from meshlight.models.gpt import GPT, GPTConfig
+from meshlight.models.hf_layout import (
+    LlamaLayoutError,
+    check_llama_equivalent,
+    gpt_config_from_dict,
+    gpt_config_json,
+    llama_config_json,
+    llama_name,
+    rotary_order,
+)
+
 __all__ = [
-    "CONFIGS_KEY", "LoadReport", "PretrainedWeightsError", "export_pretrained", "load_pretrained", "model_configs",
+    "CONFIGS_KEY", "GPT_CONFIGS_KEY", "LoadReport", "PretrainedWeightsError", "export_pretrained", "load_pretrained",
+    "model_configs",
 ]
 
 PathLike = Union[str, Path]
 #: Where a checkpoint's metadata keeps the Hugging Face configs of the models a LightningModule holds.
 CONFIGS_KEY = "hf_configs"
+#: … and the configs of the meshlight GPTs it holds (exported in Hugging Face's Llama layout)
+GPT_CONFIGS_KEY = "gpt_configs"
 _INDEX = "model.safetensors.index.json"
 
 
@@ -67,11 +85,17 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
     built_on_meta = _allocate(module)
     state = get_model_state_dict(module) if distributed else module.state_dict()
     aliases = _tied_keys(module, prefix)
-    report, reads, copies, wrong = LoadReport(), {}, [], []
+    gpt = _meshlight_gpt(module, prefix)
+    report, reads, copies, wrong, orders = LoadReport(), {}, [], [], {}
     for name, tensor in state.items():
         if not name.startswith(prefix):
             continue
         key = name[len(prefix):]
+        if gpt is not None:  # Llama's names, q and k rows in Llama's rotary order
+            key = llama_name(key) or key
+            order = rotary_order(name, tensor.shape[0], gpt.head_dim)
+            if order is not None:
+                orders[key] = torch.argsort(order)
         source = key if key in stored else aliases.get(key)
         if source not in stored:
             report.missing.append(key)
@@ -101,7 +125,7 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
             " files that hold every weight."
         )
     _check(folder, wrong, report, strict)
-    _read(folder, reads, distributed)
+    _read(folder, reads, distributed, orders)
     for loaded, copy in copies:
         if copy is not loaded:
             copy.detach().copy_(loaded.detach())
@@ -126,19 +150,21 @@ def _allocate(module: nn.Module) -> bool:
 
 def _compute_buffers(module: nn.Module, prefix: str) -> None:
     """Compute what a model built on the meta device holds outside its state: the non-persistent buffers (rotary
-    tables), with Hugging Face's initialization of the modules that hold them (``_init_weights``)."""
+    tables), by the ``reset_parameters()`` of a module holding them and no parameters (meshlight's), else by Hugging
+    Face's initialization of that module (``_init_weights``)."""
     inner = module.get_submodule(prefix.rstrip(".")) if prefix else module
     initialize = getattr(inner, "_init_weights", None)
-    holders = [m for m in inner.modules() if m._non_persistent_buffers_set]
-    if holders and not callable(initialize):
-        raise PretrainedWeightsError(
-            f"{type(inner).__name__} was built on the meta device and holds buffers outside its state"
-            f" ({', '.join(type(m).__name__ for m in holders[:3])}) that meshlight cannot compute: build it on a real"
-            " device (the files still initialize the weights)."
-        )
-    with torch.no_grad():
-        for holder in holders:
-            initialize(holder)
+    for holder in (m for m in inner.modules() if m._non_persistent_buffers_set):
+        reset = getattr(holder, "reset_parameters", None)
+        own = next(holder.parameters(recurse=False), None) is not None
+        if not (callable(reset) and not own or callable(initialize)):
+            raise PretrainedWeightsError(
+                f"{type(inner).__name__} was built on the meta device and its {type(holder).__name__} holds buffers"
+                " outside its state that meshlight cannot compute: build the model on a real device (the files still"
+                " initialize the weights)."
+            )
+        with torch.no_grad():
+            reset() if callable(reset) and not own else initialize(holder)
 
 
 def _check(folder: Path, wrong: list[str], report: LoadReport, strict: bool) -> None:
@@ -161,14 +187,53 @@ def _listed(keys: list[str], limit: int = 8) -> str:
     return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def _read(folder: Path, reads: dict[str, torch.Tensor], distributed: bool) -> None:
-    """Each rank reads, of each stored tensor, the part its state holds (DCP with Hugging Face's storage)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
+def _read(folder: Path, reads: dict[str, torch.Tensor], distributed: bool, orders: dict[str, torch.Tensor]) -> None:
+    """Each rank reads, of each stored tensor, the part its state holds (DCP with Hugging Face's storage); row ``r``
+    of a tensor in ``orders`` from the file's row ``orders[key][r]``."""
     try:
-        dcp.load(reads, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=not distributed)
+        dcp.load(reads, storage_reader=_reader(str(folder), orders), no_dist=not distributed)
     except Exception as error:  # DCP wraps a rank's failure; the safetensors error names what broke
         raise PretrainedWeightsError(f"Reading the weights in {str(folder)!r} failed: {error}") from error
+
+
+def _reader(folder: str, orders: dict[str, torch.Tensor]) -> Any:
+    """DCP's Hugging Face reader, reading the rows of the tensors in ``orders`` in the order given (a rank's rows of q
+    and k, reordered within each head): the rows its request covers are read as one slice and picked from it."""
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+    except ImportError as error:
+        raise PretrainedWeightsError("Loading Hugging Face weights needs torch >= 2.8 (DCP's"
+                                     f" HuggingFaceStorageReader); this is torch {torch.__version__}.") from error
+
+    class Reordering(HuggingFaceStorageReader):
+        # torch's reader handles one request at a time here (private in torch 2.13, as is the planner's part)
+        def _process_read_request(self, f: Any, req: Any, planner: Any) -> None:
+            order = orders.get(req.storage_index.fqn)
+            if order is None:
+                return super()._process_read_request(f, req, planner)
+            rows = order[req.storage_offsets[0]:req.storage_offsets[0] + req.lengths[0]]
+            first, last = int(rows.min()), int(rows.max()) + 1
+            rest = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets[1:], req.lengths[1:]))
+            tensor = f.get_slice(req.storage_index.fqn)[(slice(first, last), *rest)][rows - first]
+            target = planner.resolve_tensor(req).detach()
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+            return None
+
+    return Reordering(folder)
+
+
+def _meshlight_gpt(module: nn.Module, prefix: str) -> Optional[GPTConfig]:
+    """The config of the meshlight GPT under ``prefix``, checked to have a Llama equivalent; None for another model."""
+    inner = module.get_submodule(prefix.rstrip(".")) if prefix else module
+    if not isinstance(inner, GPT):
+        return None
+    try:
+        check_llama_equivalent(inner.config)
+    except LlamaLayoutError as error:
+        raise PretrainedWeightsError(f"Hugging Face weights load into meshlight's GPT in Llama's layout only: {error}"
+                                     ) from None
+    return inner.config
 
 
 def _stored_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, str]]:
@@ -222,15 +287,19 @@ def _tied_keys(module: nn.Module, prefix: str) -> dict[str, str]:
     return tied
 
 
-def model_configs(module: nn.Module) -> dict[str, str]:
-    """The Hugging Face configs (as JSON) of the models ``module`` holds, by their name in it (``"model"``), for a
-    checkpoint's metadata: :func:`export_pretrained` writes the one it exports as ``config.json``."""
-    configs = {}
+def model_configs(module: nn.Module) -> dict[str, dict[str, str]]:
+    """The configs (as JSON) of the models ``module`` holds, by their name in it (``"model"``), for a checkpoint's
+    metadata: Hugging Face models' under :data:`CONFIGS_KEY`, meshlight GPTs' under :data:`GPT_CONFIGS_KEY`.
+    :func:`export_pretrained` writes the one it exports as ``config.json`` (a GPT's as its Llama equivalent's)."""
+    configs: dict[str, dict[str, str]] = {}
     for name, child in module.named_modules():
+        if not name or any(name.startswith(held + ".") for kind in configs.values() for held in kind):
+            continue
         config = getattr(child, "config", None)
-        if name and callable(getattr(config, "to_json_string", None)) and getattr(config, "model_type", None):
-            if not any(name.startswith(held + ".") for held in configs):
-                configs[name] = config.to_json_string()
+        if callable(getattr(config, "to_json_string", None)) and getattr(config, "model_type", None):
+            configs.setdefault(CONFIGS_KEY, {})[name] = config.to_json_string()
+        elif isinstance(child, GPT):
+            configs.setdefault(GPT_CONFIGS_KEY, {})[name] = gpt_config_json(child.config)
     return configs
 
 
@@ -249,6 +318,10 @@ def export_pretrained(checkpoint: PathLike, out: PathLike, *, prefix: str = "mod
     if not state:
         raise PretrainedWeightsError(f"{str(checkpoint)!r} holds no weights under prefix {prefix!r}; its names start"
                                      f" {sorted({n.split('.')[0] + '.' for n in weights})}.")
+    metadata = load_metadata(checkpoint, weights_only=True)
+    gpt = (metadata.get(GPT_CONFIGS_KEY) or {}).get(prefix.rstrip("."))
+    if gpt is not None:  # meshlight's GPT, written as its Llama equivalent
+        state, llama_text = _as_llama(state, gpt_config_from_dict(json.loads(gpt)))
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -267,16 +340,30 @@ def export_pretrained(checkpoint: PathLike, out: PathLike, *, prefix: str = "mod
                  "weight_map": {name: file for file, shard in zip(files, shards) for name in shard}}
         (target / _INDEX).write_text(json.dumps(index, indent=2))
         written.append(_INDEX)
-    text = _config_text(checkpoint, prefix, config, load_metadata)
+    text = llama_text if gpt is not None and config is None else _config_text(metadata, prefix, config)
     if text is not None:
         (target / "config.json").write_text(text)
         written.append("config.json")
     return written
 
 
-def _config_text(checkpoint: PathLike, prefix: str, config: Optional[PathLike], load_metadata: Any) -> Optional[str]:
+def _config_text(metadata: dict[str, Any], prefix: str, config: Optional[PathLike]) -> Optional[str]:
     if config is not None:
         given = Path(config)
         return (given / "config.json" if given.is_dir() else given).read_text()
-    configs = load_metadata(checkpoint, weights_only=True).get(CONFIGS_KEY) or {}
-    return configs.get(prefix.rstrip("."))
+    return (metadata.get(CONFIGS_KEY) or {}).get(prefix.rstrip("."))
+
+
+def _as_llama(state: dict[str, torch.Tensor], config: GPTConfig) -> tuple[dict[str, torch.Tensor], str]:
+    """A GPT's weights under Llama's names, q and k rows in Llama's rotary order, and Llama's ``config.json``."""
+    try:
+        text = llama_config_json(config)
+    except LlamaLayoutError as error:
+        raise PretrainedWeightsError(f"meshlight's GPT exports to Hugging Face as a Llama only: {error}") from None
+    llama = {}
+    for name, tensor in state.items():
+        order = rotary_order(name, tensor.shape[0], config.head_dim)
+        llama[llama_name(name) or name] = tensor if order is None else tensor[order].contiguous()
+    if config.tie_embeddings:  # saved once, as save_pretrained does
+        llama.pop("lm_head.weight", None)
+    return llama, text

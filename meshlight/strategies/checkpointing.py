@@ -20,7 +20,7 @@ from meshlight.parallel.checkpoint import (
     load_rng_state,
     save_checkpoint,
 )
-from meshlight.parallel.pretrained import CONFIGS_KEY, model_configs
+from meshlight.parallel.pretrained import model_configs
 from meshlight.strategies.lightning_internals import PathLike, collect_rng_states, set_rng_states
 from meshlight.strategies.preemption import newest_whole_hpc_checkpoint
 
@@ -73,9 +73,8 @@ class ShardedCheckpointing(ParallelStrategy):
         if asynchronous and self._checkpoint_writer is None:
             self._checkpoint_writer = AsyncCheckpointWriter()
         rng = {"world_size": self.world_size, **collect_rng_states(include_cuda=self.root_device.type == "cuda")}
-        configs = model_configs(self.lightning_module)
-        if configs:  # the Hugging Face models' configs, for `meshlight export --to hf`
-            checkpoint = {**checkpoint, CONFIGS_KEY: configs}
+        # the models' configs, for `meshlight export --to hf`
+        checkpoint = {**checkpoint, **model_configs(self.lightning_module)}
         save_checkpoint(path, checkpoint, write_metadata=self.is_global_zero, rng_state=rng,
                         writer=self._checkpoint_writer if asynchronous else None)
 

@@ -15,20 +15,31 @@ import transformers  # noqa: E402
 
 import meshlight as ml  # noqa: E402
 from meshlight.cli import main as cli  # noqa: E402
+from meshlight.models.hf_layout import llama_config_json  # noqa: E402
 from meshlight.parallel.pretrained import PretrainedWeightsError, export_pretrained, load_pretrained  # noqa: E402
 from tests.launch import torchrun  # noqa: E402
 from tests.strategies import parity  # noqa: E402
 from tests.strategies.hf_models import hf_config, lit_causal_lm  # noqa: E402
 from tests.strategies.workers import pretrained_worker  # noqa: E402
-from tests.strategies.workers.pretrained_worker import FAMILIES, LAYOUTS, PROBE  # noqa: E402
+from tests.strategies.workers.pretrained_worker import (  # noqa: E402
+    FAMILIES,
+    GPT_LLAMA,
+    LAYOUTS,
+    PROBE,
+    logits_of,
+    model_of,
+)
 
 WORKER = Path(pretrained_worker.__file__)
 
 
 def save_pretrained(folder: Path, family: str, dtype: torch.dtype = torch.float32) -> Path:
-    """A ``save_pretrained`` folder of ``family``'s tiny model, from a seed of its own (not the parity models')."""
+    """A ``save_pretrained`` folder of ``family``'s tiny model (``gpt``: the Llama equivalent of meshlight's GPT in
+    GPT_LLAMA), from a seed of its own (not the parity models')."""
     torch.manual_seed(1234)
-    transformers.AutoModelForCausalLM.from_config(hf_config(family)).to(dtype).save_pretrained(folder / family)
+    config = (transformers.LlamaConfig.from_dict(json.loads(llama_config_json(GPT_LLAMA))) if family == "gpt"
+              else hf_config(family))
+    transformers.AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(folder / family)
     return folder / family
 
 
@@ -46,17 +57,20 @@ def folders(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def controls(folders) -> dict[str, dict]:
-    """One process trained from ``from_pretrained``: its losses and its trained model's logits on PROBE."""
+    """One process trained from ``from_pretrained`` (meshlight's GPT: loaded in one process, which equals it, as
+    test_a_gpt_loads_llama_weights_and_exports_as_a_llama_in_one_process shows): its losses and its trained model's
+    logits on PROBE."""
     results = {}
     for family in FAMILIES:
         def model(family=family):
-            module = lit_causal_lm(family)
-            module.model = from_pretrained(folders / family)
+            module = model_of(family)
+            if family != "gpt":
+                module.model = from_pretrained(folders / family)
             return module
 
-        result = parity.train("adamw", model=model)
-        with torch.no_grad():
-            result["logits"] = result.pop("module").model(input_ids=PROBE).logits
+        loading = [ml.callbacks.PretrainedWeights(folders / family)] if family == "gpt" else []
+        result = parity.train("adamw", model=model, callbacks=loading)
+        result["logits"] = logits_of(result.pop("module").model)
         results[family] = result
     return results
 
@@ -75,7 +89,8 @@ def test_pretrained_weights_train_and_export_under_every_layout_as_one_process(r
     """Losses within 1e-4 of one process trained from from_pretrained over 20 steps, and the exported folder's logits
     (from_pretrained of what export_pretrained wrote from the run's checkpoint) within 1e-4 of that run's trained
     model's. GPT-2 brings Conv1D, a fused q|k|v split for tp and a head its files do not hold (tied to the
-    embedding; under pp=2 the last stage's copy is read from the embedding's key)."""
+    embedding; under pp=2 the last stage's copy is read from the embedding's key); meshlight's GPT loads a Llama
+    folder and exports as a Llama."""
     result = torch.load(runs / f"{layout}-{family}.pt", weights_only=False)
     control = controls[family]
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(control["losses"]), rtol=1e-4, atol=0)
@@ -164,3 +179,33 @@ def test_a_resumed_run_keeps_its_checkpoints_weights(runs, folders):
         logits = module.model(input_ids=PROBE).logits
     exported = torch.load(runs / "zero3-llama.pt", weights_only=False)["logits"]
     torch.testing.assert_close(logits, exported, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gpt_loads_llama_weights_and_exports_as_a_llama_in_one_process(tmp_path):
+    """meshlight's GPT in a Llama configuration computes the logits Hugging Face's Llama computes from the same
+    files, and a checkpoint of it exports to a folder from_pretrained loads into those logits; a configuration with
+    no Llama equivalent is refused naming the setting, both ways."""
+    folder = save_pretrained(tmp_path, "gpt")
+    module = model_of("gpt")
+    assert not load_pretrained(module, folder).missing
+    expected = logits_of(from_pretrained(folder))
+    torch.testing.assert_close(logits_of(module.model), expected, rtol=1e-5, atol=1e-5)
+    trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0)
+    trainer.fit(module, parity.make_data(4))
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    assert sorted(export_pretrained(tmp_path / "ckpt", tmp_path / "out")) == ["config.json", "model.safetensors"]
+    torch.testing.assert_close(logits_of(from_pretrained(tmp_path / "out")), logits_of(module.model), rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(PretrainedWeightsError, match=r"GPTConfig\(norm='layernorm'\) has no Hugging Face Llama"
+                                                     r" equivalent, which needs norm='rmsnorm'"):
+        load_pretrained(ml.demos.LitGPT(GPT_LLAMA.replace(norm="layernorm")), folder)
+    gelu = ml.demos.LitGPT(GPT_LLAMA.replace(mlp="gelu"))
+    trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0)
+    trainer.fit(gelu, parity.make_data(4))
+    trainer.save_checkpoint(tmp_path / "gelu")
+    with pytest.raises(PretrainedWeightsError, match=r"as a Llama only: GPTConfig\(mlp='gelu'\) has no"):
+        export_pretrained(tmp_path / "gelu", tmp_path / "gelu-out")

@@ -10,15 +10,23 @@ checkpoint, and exported back (``export_pretrained``); rank 0 saves the losses a
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import meshlight as ml
+from meshlight.demos import LitGPT
+from meshlight.models import GPT, GPTConfig
 from meshlight.parallel.pretrained import export_pretrained
 from tests.strategies import parity
-from tests.strategies.hf_models import LitCausalLM, lit_causal_lm
+from tests.strategies.hf_models import lit_causal_lm
 
-FAMILIES = ("llama", "gpt2")  # GPT-2: Conv1D, a fused q|k|v split for tp, its head tied to the embedding
+# GPT-2: Conv1D, a fused q|k|v split for tp, its head tied to the embedding; gpt: meshlight's GPT in a Llama
+# configuration, loading a Llama folder and exported as one (its q and k rows reordered for Llama's rotary channels)
+FAMILIES = ("llama", "gpt2", "gpt")
+#: meshlight's GPT with a Llama equivalent: 4 blocks, grouped-query attention, RMSNorm, SwiGLU, rotary, no biases
+GPT_LLAMA = GPTConfig.tiny(vocab_size=16, max_seq_len=64, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, bias=False,
+                           norm="rmsnorm", mlp="swiglu", positions="rotary")
 #: name -> (the strategy, processes, data-parallel replicas among them)
 LAYOUTS = {
     "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2),
@@ -32,27 +40,35 @@ LAYOUTS = {
 PROBE = torch.arange(32).reshape(2, 16) % 16
 
 
-def on_meta(family: str) -> LitCausalLM:
-    """``lit_causal_lm(family)`` whose model is built again on the meta device in ``configure_model``."""
+def model_of(family: str, *, meta: bool = False) -> Any:
+    """The LightningModule training ``family``; ``meta``: its model built again on the meta device in
+    ``configure_model``."""
     import transformers
 
-    module = lit_causal_lm(family)
+    module = LitGPT(GPT_LLAMA, lr=1e-2, warmup_steps=2) if family == "gpt" else lit_causal_lm(family)
     config = module.model.config
 
     def configure_model() -> None:
         with torch.device("meta"):
-            module.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            module.model = (GPT(config) if family == "gpt" else
+                            transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
 
-    module.configure_model = configure_model
+    if meta:
+        module.configure_model = configure_model
     return module
+
+
+def logits_of(model: torch.nn.Module) -> torch.Tensor:
+    """``model``'s logits on :data:`PROBE` (meshlight's GPT returns them; Hugging Face's, in its output)."""
+    with torch.no_grad():
+        output = model(PROBE) if isinstance(model, GPT) else model(input_ids=PROBE)
+    return output if isinstance(output, torch.Tensor) else output.logits
 
 
 def exported_logits(folder: Path) -> torch.Tensor:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa")
-    with torch.no_grad():
-        return model(input_ids=PROBE).logits
+    return logits_of(transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa"))
 
 
 def main(out: Path, folders: Path, layouts: list[str]) -> None:
@@ -62,8 +78,8 @@ def main(out: Path, folders: Path, layouts: list[str]) -> None:
         for family in FAMILIES:
             checkpoint = out / f"{layout}-{family}.ckpt"
             result = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas,
-                                  model=lambda family=family, layout=layout: (
-                                      on_meta(family) if layout.endswith("-meta") else lit_causal_lm(family)),
+                                  model=lambda family=family, layout=layout: model_of(
+                                      family, meta=layout.endswith("-meta")),
                                   save_to=checkpoint,
                                   callbacks=[ml.callbacks.PretrainedWeights(folders / family)])
             result.pop("module")
