@@ -114,10 +114,11 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
     taken = set(reads)
     if distributed:  # a pipeline stage holds some names; the files' keys are taken by the whole model's
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (taken, report.missing))
-        taken = set().union(*(names for names, _ in gathered))
-        report.missing = sorted({key for _, missing in gathered for key in missing} - taken)
-    report.unexpected = sorted(set(stored) - taken - set(aliases.values()))
+        dist.all_gather_object(gathered, (taken, report.missing, wrong))
+        taken = set().union(*(names for names, _, _ in gathered))
+        report.missing = sorted({key for _, missing, _ in gathered for key in missing} - taken)
+        wrong = sorted({problem for _, _, problems in gathered for problem in problems})  # every rank raises alike
+    report.unexpected = sorted(set(stored) - taken)
     if built_on_meta and report.missing:
         raise PretrainedWeightsError(
             f"The model was built on the meta device, and the weights in {str(folder)!r} lack"
