@@ -1,6 +1,7 @@
 """examples/finetune_hf.py fine-tunes a Hugging Face model wrapped in a plain LightningModule: a tiny random Llama
 in two pipeline stages (its LM head beside the module holding the layers), and a local save_pretrained folder
-under ZeRO-3, each learning (the loss falls) and reporting its answer accuracy."""
+under ZeRO-3 (loaded by PretrainedWeights, exported back), each learning (the loss falls) and reporting its answer
+accuracy."""
 
 import os
 import re
@@ -35,10 +36,21 @@ def test_a_tiny_llama_fine_tunes_in_two_pipeline_stages(tmp_path):
     assert (tmp_path / "lightning_logs" / "version_0").is_dir()
 
 
-def test_a_local_save_pretrained_folder_fine_tunes_under_zero3(tmp_path):
+def test_a_local_save_pretrained_folder_fine_tunes_under_zero3_and_exports(tmp_path):
+    """The folder's weights are loaded (the first logged loss is the saved model's, not a fresh draw's) and the
+    trained model comes back as a folder from_pretrained loads."""
+    import torch
+    import transformers
+
     from examples.finetune_hf import tiny_model
 
     tiny_model("qwen3").save_pretrained(tmp_path / "model")
-    train_loss, val_loss = losses(run("--model-path", str(tmp_path / "model"), "--strategy", "zero3",
-                                      "--out", str(tmp_path)))
+    result = run("--model-path", str(tmp_path / "model"), "--strategy", "zero3", "--out", str(tmp_path),
+                 "--export", str(tmp_path / "tuned"))
+    train_loss, val_loss = losses(result)
     assert train_loss < 2.0 and val_loss < 2.0
+    assert "PretrainedWeights: loaded" in result.stdout + result.stderr
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "tuned"))
+    saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))
+    assert tuned.config.model_type == "qwen3"
+    assert not torch.equal(tuned.model.norm.weight, saved.model.norm.weight)  # trained
