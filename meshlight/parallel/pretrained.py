@@ -239,7 +239,7 @@ def _meshlight_gpt(module: nn.Module, prefix: str) -> Optional[GPTConfig]:
 
 def _stored_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, str]]:
     """Every tensor the folder's safetensors files hold: key → (shape, dtype, file). A file that cannot be read (a
-    damaged or truncated header, or data shorter than the header says) is named."""
+    damaged header, or data shorter than the header says: safetensors checks both) is named."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -253,17 +253,9 @@ def _stored_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtyp
                 for key in f.keys():
                     view = f.get_slice(key)
                     stored[key] = (tuple(view.get_shape()), _DTYPES[view.get_dtype()], file.name)
-        except Exception as error:  # safetensors raises its own SafetensorError
+        except Exception as error:  # safetensors' own SafetensorError (for a file shorter than its header says too)
             raise PretrainedWeightsError(f"{str(file)!r} cannot be read as safetensors ({error}): the file is"
                                          " damaged or truncated.") from error
-        length = file.stat().st_size
-        with open(file, "rb") as f:
-            header = int.from_bytes(f.read(8), "little")
-            ends = [end for _, end in (v["data_offsets"] for k, v in json.loads(f.read(header)).items()
-                                      if k != "__metadata__")]
-        if 8 + header + max(ends, default=0) > length:
-            raise PretrainedWeightsError(f"{str(file)!r} is truncated: its header describes"
-                                         f" {8 + header + max(ends)} bytes, the file has {length}.")
     return stored
 
 
@@ -274,10 +266,12 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 def _tied_keys(module: nn.Module, prefix: str) -> dict[str, str]:
     """Names (without ``prefix``) of weights tied to another that the files may hold alone → that other's name:
-    Hugging Face's ``all_tied_weights_keys`` of the model under ``prefix``, and parameters held under two names."""
+    Hugging Face's ``all_tied_weights_keys`` of the model under ``prefix`` (the ties its config makes; its class's
+    ``_tied_weights_keys`` declares them for an untied Llama too, whose head must come from the files), and
+    parameters held under two names."""
     tied: dict[str, str] = {}
     inner = module.get_submodule(prefix.rstrip(".")) if prefix else module
-    declared = getattr(inner, "all_tied_weights_keys", None) or getattr(inner, "_tied_weights_keys", None)
+    declared = getattr(inner, "all_tied_weights_keys", None)
     if isinstance(declared, Mapping):
         tied.update({str(k): str(v) for k, v in declared.items()})
     names: dict[int, str] = {}

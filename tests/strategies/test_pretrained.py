@@ -141,7 +141,8 @@ def test_a_damaged_or_truncated_file_is_named(tmp_path):
     file = folder / "model.safetensors"
     data = file.read_bytes()
     file.write_bytes(data[: len(data) // 2])
-    with pytest.raises(PretrainedWeightsError, match=r"model.safetensors' (is truncated|cannot be read)"):
+    with pytest.raises(PretrainedWeightsError, match=r"model.safetensors. cannot be read as safetensors .*truncated"
+                                                     ):
         load_pretrained(lit_causal_lm("llama"), folder)
     file.write_bytes(b"\xff" * 16 + data[16:])
     with pytest.raises(PretrainedWeightsError, match=r"model.safetensors' cannot be read as safetensors"):
@@ -209,3 +210,16 @@ def test_a_gpt_loads_llama_weights_and_exports_as_a_llama_in_one_process(tmp_pat
     trainer.save_checkpoint(tmp_path / "gelu")
     with pytest.raises(PretrainedWeightsError, match=r"as a Llama only: GPTConfig\(mlp='gelu'\) has no"):
         export_pretrained(tmp_path / "gelu", tmp_path / "gelu-out")
+
+
+def test_an_untied_head_the_files_lack_is_missing_not_read_from_the_embedding(tmp_path):
+    """Llama's class declares its head tied to the embedding; with tie_word_embeddings=False (hf_config's) the head
+    is a weight of its own, and files without it are refused naming it."""
+    from safetensors.torch import save_file
+
+    folder = save_pretrained(tmp_path, "llama")
+    state = from_pretrained(folder).state_dict()
+    del state["lm_head.weight"]
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    with pytest.raises(PretrainedWeightsError, match=r"the files lack lm_head.weight"):
+        load_pretrained(lit_causal_lm("llama"), folder)
