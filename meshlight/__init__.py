@@ -1,7 +1,7 @@
 """meshlight: train a LightningModule on one accelerator or thousands by changing ``Trainer(strategy=...)``."""
 
 from meshlight import callbacks, demos, models, nn, parallel, strategies
-from meshlight.parallel import ParallelLayout
+from meshlight.parallel import GradientCompression, ParallelLayout
 from meshlight.strategies import (
     DDPStrategy,
     Hybrid3DStrategy,
@@ -19,6 +19,7 @@ register_with_lightning()
 __version__ = "0.1.0"
 __all__ = [
     "DDPStrategy",
+    "GradientCompression",
     "Hybrid3DStrategy",
     "MeshStrategy",
     "MoEStrategy",

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from meshlight.parallel.compression import GradientCompression
 from meshlight.parallel.pipeline import SCHEDULES
 from meshlight.parallel.planner import (
     HARDWARE,
@@ -100,6 +101,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner.add_argument("--offload-activations", type=float, default=0.0, metavar="SHARE",
                          help="share of the blocks whose saved activations the Offload callback keeps in host"
                               " memory (1: every block; 0.5: Offload(activations_every_n_blocks=2))")
+    planner.add_argument("--grad-compression", choices=("bf16", "fp16"),
+                         help="gradients reduced in this dtype over the data-parallel ranks (the strategies'"
+                              " grad_compression; PowerSGD runs on plain DDP only, which needs no plan)")
     planner.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: ~4M tokens)")
     for size in ("dp", "pp", "tp", "ep", "zero"):
         planner.add_argument(f"--{size}", type=int, help=f"fix {size} instead of planning it")
@@ -245,7 +249,9 @@ def _hardware_of(args: argparse.Namespace) -> Hardware:
         raise ValueError(f"--offload-activations {args.offload_activations:g}: give a share between 0 and 1")
     return preset.replace(**changes, **precision_bytes(*PRECISIONS[args.precision]),
                           offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations,
-                          float32_matmul_precision=args.float32_matmul_precision)
+                          float32_matmul_precision=args.float32_matmul_precision,
+                          gradient_compression=GradientCompression(args.grad_compression).ratio()
+                          if args.grad_compression else 1.0)
 
 
 def _consolidate(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from meshlight.parallel.checkpoint import (
     save_checkpoint,
 )
 from meshlight.parallel.clip import clip_grad_norm_, total_grad_norm
+from meshlight.parallel.compression import GradientCompression
 from meshlight.parallel.data_parallel import apply_data_parallel, gradient_accumulation
 from meshlight.parallel.expert import apply_expert_parallel
 from meshlight.parallel.layout import MESH_AXES, ParallelLayout, build_device_mesh
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CollectiveTraffic",
+    "GradientCompression",
     "ParallelLayout",
     "BlockSelection",
     "adapt_optimizer",

@@ -207,7 +207,7 @@ def estimate(
     if pp > 1:  # activations forward and gradients back, and the schedule's actions, per microbatch and stage
         actions = 2 * microbatches * virtual_stages
         p2p = actions * (activation / tp / _bandwidth(hw, 2, world // pp) + 2 * hw.latency)
-    grad_bytes = (dense + experts) * hw.state_bytes
+    grad_bytes = (dense + experts) * hw.state_bytes * hw.gradient_compression
     param_bytes = (dense + experts) * hw.param_bytes
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * microbatches}[zero]
     reductions = microbatches if zero >= 2 and pp == 1 else 1  # pipeline schedules reduce once per step

@@ -45,6 +45,7 @@ from torch.distributed.utils import _sync_params_and_buffers
 from torch.nn.parallel import DistributedDataParallel
 
 from meshlight.parallel.blocks import repeated_blocks
+from meshlight.parallel.compression import GradientCompression, accumulate_in_parameter_dtype
 from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import expert_data_mesh
 from meshlight.parallel.layout import DATA_AXES, axis
@@ -84,6 +85,7 @@ def apply_data_parallel(
     precision: Optional[PrecisionPolicy] = None,
     cpu_offload: Optional[CPUOffloadPolicy] = None,
     compile_arguments: Optional[Mapping[str, Any]] = None,
+    grad_compression: Optional[GradientCompression] = None,
 ) -> nn.Module:
     """Make ``module`` data parallel in place over ``mesh``'s data axes with ZeRO stage ``zero``.
 
@@ -99,25 +101,43 @@ def apply_data_parallel(
     either, data parallelism always runs on FSDP2 — over shard groups of one rank where the layout shards nothing.
     ``compile_arguments``: ``torch.compile``'s, where blocks are compiled; the modules mixed precision keeps in
     fp32 (:func:`~meshlight.parallel.precision.keep_fp32`) are compiled with them too.
+    ``grad_compression``: how gradients travel in the reductions (:mod:`meshlight.parallel.compression`).
     """
     policies: dict[str, Any] = {"offload_policy": cpu_offload} if cpu_offload is not None else {}
     on_fsdp = precision is not None or cpu_offload is not None
     if axis(mesh, "dp").size() == 1 and not on_fsdp:
         return module  # nothing to replicate or shard over; FSDP on one rank would only add copies
+    on_ddp = zero == 0 and not has_dtensor_parameters(module) and not pipelined and not on_fsdp
+    if grad_compression is not None and grad_compression.ddp_only and not on_ddp:
+        raise ValueError(
+            f"grad_compression={grad_compression.kind!r} is a DDP communication hook, and this layout reduces"
+            f" gradients with FSDP2 ({_why_fsdp(zero, pipelined, precision, cpu_offload)}): use"
+            " grad_compression='bf16' (or 'fp16') here, or strategy='ddp' alone for PowerSGD."
+        )
+    mp_policy = precision.fsdp if precision is not None else None
+    unit_policy = FP32_UNIT
+    if grad_compression is not None and not on_ddp:
+        mp_policy, unit_policy = grad_compression.fsdp_policy(mp_policy), grad_compression.fsdp_policy(FP32_UNIT)
     ignored = _expert_data_parallel(experts, mesh, zero, on_fsdp,
-                                    {**policies, **({"mp_policy": precision.fsdp} if precision else {})})
-    if zero == 0 and not has_dtensor_parameters(module) and not pipelined and not on_fsdp:
+                                    {**policies, **({"mp_policy": mp_policy} if mp_policy else {})})
+    if on_ddp:
         # Composable DDP: the real DDP reducer (bucketed all-reduce overlapped with backward) installed as
         # hooks on `module`, which keeps its class and parameter names.
-        return replicate(module, process_group=data_parallel_mesh(mesh, zero).get_group(), **(ddp_kwargs or {}))
+        group = data_parallel_mesh(mesh, zero).get_group()
+        replicated = replicate(module, process_group=group, **(ddp_kwargs or {}))
+        if grad_compression is not None:
+            names = {p.data_ptr(): name for name, p in module.named_parameters()}
+            grad_compression.register(replicated, group, names)
+        return replicated
     dp_mesh = mesh[DATA_AXES] if zero == 0 else data_parallel_mesh(mesh, zero)
     shard = functools.partial(fully_shard, mesh=dp_mesh, reshard_after_forward=zero == 3, ignored_params=ignored,
                               **policies)
     if precision is not None:  # fp32 units first: FSDP units nest bottom-up
         for fp32_module, output_dtype in precision.fp32_units(module):
             keep_fp32(fp32_module, output_dtype, compile_arguments)
-            shard(fp32_module, mp_policy=FP32_UNIT)
-        shard = functools.partial(shard, mp_policy=precision.fsdp)
+            shard(fp32_module, mp_policy=unit_policy)
+    if mp_policy is not None:
+        shard = functools.partial(shard, mp_policy=mp_policy)
     for block in repeated_blocks(module) if blocks is None else blocks:
         shard(block)
     # ZeRO-3's root (embedding, head, final norm) stays gathered from forward to the backward that follows at once,
@@ -125,7 +145,18 @@ def apply_data_parallel(
     # would gather it a second time every step). A pipeline stage's root is resharded like its blocks: the
     # schedule runs several forwards before their backwards.
     shard(module, reshard_after_forward=zero == 3 and pipelined)
+    if grad_compression is not None:
+        accumulate_in_parameter_dtype(module)
     return module
+
+
+def _why_fsdp(zero: int, pipelined: bool, precision: Optional[PrecisionPolicy],
+              cpu_offload: Optional[CPUOffloadPolicy]) -> str:
+    if zero:
+        return f"ZeRO-{zero}"
+    reasons = [what for what, present in (("pipeline parallelism", pipelined), ("MixedPrecision", precision),
+                                          ("Offload", cpu_offload)) if present]
+    return ", ".join(reasons) or "tensor parallelism"
 
 
 def _expert_data_parallel(

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.compile import apply_compile
+from meshlight.parallel.compression import GradientCompression
 from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_module_states, is_data_parallel
 from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import (
@@ -49,6 +50,7 @@ def parallelize(
     ddp_kwargs: Optional[dict[str, Any]] = None,
     later_stage: bool = False,
     sequence_region: Union[str, tuple[str, str], None] = "auto",
+    grad_compression: Optional[GradientCompression] = None,
 ) -> nn.Module:
     """Apply every transform ``layout`` asks for to ``module`` in place; ``module`` becomes the root whose
     forward runs the collectives. ``tensor_parallel`` says how tensor parallelism splits it (its ``plan`` of
@@ -65,7 +67,8 @@ def parallelize(
     ``module`` is a pipeline stage after the first, which receives the sequence parallelism's share of the sequence
     (:func:`~meshlight.parallel.tensor.sequence_share_input`). ``sequence_region``: where sequence parallelism
     holds shares of the sequence (:func:`~meshlight.parallel.tensor_plan.sequence_region`), found from ``module`` when
-    ``"auto"``; a pipeline stage is given its whole model's.
+    ``"auto"``; a pipeline stage is given its whole model's. ``grad_compression``: how gradients travel in the
+    data-parallel reductions (:mod:`meshlight.parallel.compression`).
     """
     tensor_parallel, transforms = tensor_parallel or TensorParallelOptions(), transforms or Transforms()
     moe_layers = has_experts(module)
@@ -122,7 +125,8 @@ def parallelize(
     cpu_offload = offload.fsdp if offload is not None else None
     return apply_data_parallel(module, mesh, layout.zero, ddp_kwargs=ddp_kwargs, pipelined=layout.pp > 1,
                                experts=sharded_experts(module), precision=precision, cpu_offload=cpu_offload,
-                               compile_arguments=compile.arguments if compile is not None else None)
+                               compile_arguments=compile.arguments if compile is not None else None,
+                               grad_compression=grad_compression)
 
 
 def _check_stacked_experts_under_tp(module: nn.Module, layout: ParallelLayout, sequence_parallel: bool) -> None:

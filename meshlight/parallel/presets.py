@@ -161,6 +161,9 @@ class Hardware:
     state_bytes: int = 4  # per value of the master copy, gradients and Adam's moments (16-bit "true" precision: 2)
     offload_optimizer: bool = False  # master shards, their gradients and the optimizer's state in host memory
     offload_activations: float = 0.0  # share of the blocks whose saved activations wait in host memory
+    # bytes the data-parallel gradient reductions move over uncompressed (grad_compression: bf16 of fp32 gradients
+    # 0.5; GradientCompression.ratio())
+    gradient_compression: float = 1.0
     host_memory: float = 256e9  # bytes of host memory per device, for what is offloaded (2 TB over 8 devices)
     host_bandwidth: float = 0.85 * 64e9  # bytes/s each way between the device and host memory (PCIe 5 x16)
     host_step_rate: float = 0.78e9  # parameters/s one host thread's optimizer step reaches (optimizer offload)

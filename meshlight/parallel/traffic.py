@@ -17,12 +17,18 @@ all-to-all     the input                bytes of the input not addressed to this
 send           the tensor               ``S``
 ============== ======================== =============================================
 
+A dispatch mode sees the thread it was entered on. Collectives that DDP communication hooks issue from their
+futures' callbacks (PowerSGD's factors), on the backend's threads, are recorded from ``torch.distributed``'s own
+functions instead, for as long as the context is active.
+
 This is what the program asks the network to move; a backend may implement a collective less
 efficiently (gloo on CPU runs reduce-scatter as an all-reduce), which this deliberately does not count.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -89,12 +95,48 @@ class TrafficRecord:
     bytes_sent: float
 
 
+# torch.distributed functions a communication hook's callbacks call from other threads -> (kind, tensor argument)
+_THREADED_CALLS = {"all_reduce": ("all_reduce", 0), "all_gather_into_tensor": ("all_gather", 0),
+                   "reduce_scatter_tensor": ("reduce_scatter", 1)}
+
+
 class CollectiveTraffic(TorchDispatchMode):
     """Use as a context manager around the code to measure; then read :attr:`bytes_sent` or :meth:`summary`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[TrafficRecord] = []
+        self._thread: Optional[int] = None
+        self._originals: dict[str, Any] = {}
+
+    def __enter__(self) -> CollectiveTraffic:
+        self._thread = threading.get_ident()
+        for name, (kind, index) in _THREADED_CALLS.items():
+            self._originals[name] = original = getattr(dist, name)
+            setattr(dist, name, self._recording_elsewhere(original, kind, index))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
+        return super().__exit__(*exc)
+
+    def _recording_elsewhere(self, original: Any, kind: str, index: int) -> Any:
+        """``original`` (a ``torch.distributed`` function) recording its collective when called on another thread
+        than the one the mode sees."""
+
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != self._thread:
+                group = kwargs.get("group") or dist.group.WORLD
+                nbytes, size = _nbytes(args[index] if len(args) > index else kwargs["tensor"]), group.size()
+                if kind == "all_gather":
+                    nbytes *= size
+                self.records.append(TrafficRecord(kind, size, nbytes, bytes_sent_per_rank(kind, nbytes, size)))
+            return original(*args, **kwargs)
+
+        return call
 
     @property
     def bytes_sent(self) -> float:

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -20,11 +21,15 @@ from meshlight.parallel.checkpoint import (
     load_rng_state,
     save_checkpoint,
 )
+from meshlight.parallel.compression import powersgd_of
 from meshlight.parallel.pretrained import model_configs
 from meshlight.strategies.lightning_internals import PathLike, collect_rng_states, set_rng_states
 from meshlight.strategies.preemption import newest_whole_hpc_checkpoint
 
-__all__ = ["ShardedCheckpointing"]
+__all__ = ["POWERSGD_KEY", "ShardedCheckpointing"]
+
+#: where a rank's PowerSGD state is kept among its random states (``rng-<rank>.pt``)
+POWERSGD_KEY = "powersgd"
 
 
 class ShardedCheckpointing(ParallelStrategy):
@@ -73,6 +78,9 @@ class ShardedCheckpointing(ParallelStrategy):
         if asynchronous and self._checkpoint_writer is None:
             self._checkpoint_writer = AsyncCheckpointWriter()
         rng = {"world_size": self.world_size, **collect_rng_states(include_cuda=self.root_device.type == "cuda")}
+        powersgd = powersgd_of(self.model) if self.model is not None else None
+        if powersgd is not None:  # per rank, like the random state: its error feedback differs between ranks
+            rng[POWERSGD_KEY] = {"layout": self.layout.describe(), **powersgd.state_dict()}
         # the models' configs, for `meshlight export --to hf`
         checkpoint = {**checkpoint, **model_configs(self.lightning_module)}
         save_checkpoint(path, checkpoint, write_metadata=self.is_global_zero, rng_state=rng,
@@ -97,10 +105,25 @@ class ShardedCheckpointing(ParallelStrategy):
             rng, refused = None, error
         if self.reduce_boolean_decision(refused is not None, all=False):
             raise refused or CheckpointError(f"Another rank refused its random state in {str(path)!r}: see its error.")
+        self._resume_powersgd(rng.pop(POWERSGD_KEY, None) if rng is not None else None, path)
         if rng is not None and rng.pop("world_size", None) == self.world_size:
             set_rng_states(rng)  # same ranks, same streams: dropout continues as if never interrupted
             self._resumed_rng = rng
         return checkpoint
+
+    def _resume_powersgd(self, state: Optional[dict[str, Any]], path: str) -> None:
+        """Continue PowerSGD's error feedback and factors where the checkpoint left them, if it was saved on this
+        layout; otherwise they start afresh, with a warning (their buckets and ranks were another layout's)."""
+        powersgd = powersgd_of(self.model) if self.model is not None else None
+        if powersgd is None:
+            return
+        layout = self.layout.describe()
+        if state is not None and state.pop("layout") == layout:
+            powersgd.load_state_dict(state)
+            return
+        rank_zero_warn(f"{path} holds no PowerSGD state saved on {layout}: PowerSGD's error feedback and factors"
+                       " start afresh (after its warm-up of plain all-reduces), so training does not continue"
+                       " exactly as an uninterrupted run would.")
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

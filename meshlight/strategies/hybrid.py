@@ -206,7 +206,8 @@ class Hybrid3DStrategy(MeshStrategy):
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         self.hardware = hardware.replace(
             **precision_bytes(precision, asked.precision.param_dtype if asked.precision else None),
-            **_offloaded(asked.offload, self.lightning_module, self.root_device))
+            **_offloaded(asked.offload, self.lightning_module, self.root_device),
+            gradient_compression=self.grad_compression.ratio() if self.grad_compression else 1.0)
         return self.hardware
 
     def _asked_transforms(self) -> Transforms:

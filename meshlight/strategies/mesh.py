@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from meshlight.nn.moe import attach_moe_updates
 from meshlight.parallel.clip import clip_grad_norm_
+from meshlight.parallel.compression import GradientCompression
 from meshlight.parallel.data_parallel import ddp_engine
 from meshlight.parallel.layout import ParallelLayout, Size, seed_by_mesh_position
 from meshlight.parallel.offload import apart_from_host, prepare_host_steps
@@ -67,6 +68,10 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         schedule, microbatches, virtual_stages, split: pipeline parallelism (see
             :class:`~meshlight.strategies.PipelineStrategy`).
         ddp_kwargs: extra arguments for PyTorch DDP when ``zero=0`` (e.g. ``find_unused_parameters=True``).
+        grad_compression: how gradients travel in the data-parallel reductions: ``"bf16"`` or ``"fp16"`` (half
+            the bytes; every layout), ``"powersgd"`` or a :class:`~meshlight.parallel.GradientCompression` with its
+            rank and warm-up (plain DDP only), or a torch DDP communication hook. See
+            :mod:`meshlight.parallel.compression`.
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
         timeout: collective timeout.
         gc_every_n_steps: while training, Python's automatic garbage collection is off and a young-generation
@@ -100,6 +105,7 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         virtual_stages: int = 1,
         split: SplitSpec = None,
         ddp_kwargs: Optional[dict[str, Any]] = None,
+        grad_compression: Union[None, str, GradientCompression, Callable[..., Any]] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         gc_every_n_steps: Optional[int] = 50,
@@ -114,6 +120,8 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
                          precision_plugin=precision_plugin)
         self._sizes: dict[str, Any] = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, tp=tp, ep=ep, zero=zero)
         self._ddp_kwargs = ddp_kwargs or {}
+        self.grad_compression = GradientCompression.of(grad_compression)
+        _check_compression(self.grad_compression, zero, tp, pp)
         self.tensor_parallel = TensorParallelOptions(tp_plan, sequence_parallel, loss_parallel, keep_gathered_inputs)
         validate_schedule(schedule, pp if isinstance(pp, int) else 1, virtual_stages, microbatches or 1)
         self._pipeline_options = PipelineOptions(schedule, microbatches, virtual_stages, split)
@@ -183,7 +191,8 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         module = self.lightning_module
         assert module is not None
         self._parallel = parallel_model(module, self.layout, self.device_mesh, self.root_device, self.tensor_parallel,
-                                        self.transforms, self._pipeline_options, self._ddp_kwargs)
+                                        self.transforms, self._pipeline_options, self._ddp_kwargs,
+                                        self.grad_compression)
         self._state_names = self._parallel.state_names
         partial = self.layout.tp > 1
         self._engine = (SpmdEngine(self, partial, self._parallel.root, self.layout.zero)
@@ -292,3 +301,17 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+
+def _check_compression(compression: Optional[GradientCompression], zero: Any, tp: Any, pp: Any) -> None:
+    """A DDP communication hook asked for where the layout's given sizes put data parallelism on FSDP2 is refused
+    at once (what callbacks add, mixed precision or offload, is checked when the model is parallelized)."""
+    if compression is None or not compression.ddp_only:
+        return
+    on_fsdp = [f"{name}={value}" for name, value in (("zero", zero), ("tp", tp), ("pp", pp))
+               if isinstance(value, int) and value > (0 if name == "zero" else 1)]
+    if on_fsdp:
+        raise ValueError(
+            f"grad_compression={compression.kind!r} is a DDP communication hook, and {', '.join(on_fsdp)} reduces"
+            " gradients with FSDP2: use grad_compression='bf16' (or 'fp16') there, or strategy='ddp' for PowerSGD."
+        )

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from meshlight.parallel.compression import GradientCompression
 from meshlight.parallel.data_parallel import ddp_engine, is_data_parallel
 from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import expert_layers
@@ -89,6 +90,7 @@ def parallel_model(
     transforms: Transforms,
     pipeline_options: PipelineOptions,
     ddp_kwargs: Optional[dict[str, Any]] = None,
+    grad_compression: Optional[GradientCompression] = None,
 ) -> ParallelModel:
     """``module``'s parallelized model for ``layout``: the one built before when it is for the same layout (and
     pipeline options), else a new one. A module that an earlier layout changed inside (sharded parameters, split
@@ -106,12 +108,13 @@ def parallel_model(
             " Trainer (to continue from its weights, save a checkpoint and pass it as `ckpt_path`)."
         )
     if pipelined:
-        built = _pipelined(module, layout, mesh, device, tensor_parallel, transforms, pipeline_options)
+        built = _pipelined(module, layout, mesh, device, tensor_parallel, transforms, pipeline_options,
+                           grad_compression)
     else:
         root = StepRunner(module)
         plan, region = _tensor_plan(root, layout, tensor_parallel)
         parallelize(root, layout, mesh, tensor_parallel=tensor_parallel, plan=plan, transforms=transforms,
-                    ddp_kwargs=ddp_kwargs, sequence_region=region)
+                    ddp_kwargs=ddp_kwargs, sequence_region=region, grad_compression=grad_compression)
         untouched = not (is_data_parallel(module) or has_dtensor_parameters(module) or expert_layers(module)
                          or transforms != Transforms())
         built = ParallelModel(root, layout, sequence_region=region, untouched=untouched)
@@ -121,7 +124,7 @@ def parallel_model(
 
 def _pipelined(module: LightningModule, layout: ParallelLayout, mesh: DeviceMesh, device: torch.device,
                tensor_parallel: TensorParallelOptions, transforms: Transforms,
-               options: PipelineOptions) -> ParallelModel:
+               options: PipelineOptions, grad_compression: Optional[GradientCompression]) -> ParallelModel:
     state_names = set(module.state_dict())  # before the split: the whole model's names
     # Tensor-parallel roles are planned on the whole model, before the split frees other stages' pieces; a stage
     # holds the model root as its `root`.
@@ -132,7 +135,7 @@ def _pipelined(module: LightningModule, layout: ParallelLayout, mesh: DeviceMesh
     def parallelize_stage(stage: nn.Module, index: int) -> nn.Module:
         return parallelize(stage, layout, mesh, tensor_parallel=tensor_parallel,
                            plan=stage_plan(plan, stage) if plan is not None else None, transforms=transforms,
-                           later_stage=index > 0, sequence_region=region)
+                           later_stage=index > 0, sequence_region=region, grad_compression=grad_compression)
 
     steps, stages = setup_pipeline(module, layout, mesh, options, device, parallelize_stage)
     return ParallelModel(StepRunner(stages), layout, options, steps, region, state_names)

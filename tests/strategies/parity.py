@@ -67,14 +67,14 @@ def make_data(batch_size: int) -> AdditionDataModule:
 
 
 def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel: int = 0,
-          model: Any = None, save_to: Any = None, callbacks: Sequence[Callback] = (), **trainer_args: Any,
-          ) -> dict[str, Any]:
+          model: Any = None, save_to: Any = None, callbacks: Sequence[Callback] = (), ckpt_path: Any = None,
+          **trainer_args: Any) -> dict[str, Any]:
     """Train one variant; return the logged losses, gradient norms, (on global rank 0) the full weights, and
     the trained ``module`` itself (not picklable across processes: pop it before saving).
 
     ``data_parallel``: ranks reading different data (default: all); ``model``: a factory replacing GPT-tiny;
-    ``save_to``: a checkpoint path written after training; ``callbacks`` and ``trainer_args``: added to the
-    Trainer's.
+    ``save_to``: a checkpoint path written after training; ``ckpt_path``: one to resume from; ``callbacks`` and
+    ``trainer_args``: added to the Trainer's (``max_steps`` replacing ``STEPS``).
     """
     pl.seed_everything(SEED, verbose=False)
     world = devices
@@ -82,9 +82,10 @@ def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel:
     data = make_data(GLOBAL_BATCH // (data_parallel or world))
     recorder = Recorder()
     trainer = ml.Trainer(
-        strategy=strategy, devices=devices, accelerator="cpu", max_steps=STEPS, logger=False,
+        strategy=strategy, devices=devices, accelerator="cpu", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, callbacks=[recorder, *callbacks], **{**VARIANTS[variant][1], **trainer_args},
+        limit_val_batches=0, callbacks=[recorder, *callbacks],
+        **{"max_steps": STEPS, **VARIANTS[variant][1], **trainer_args},
     )
     if strategy == "auto":  # the single-process control reads the distributed permutation
         data.setup()
@@ -92,7 +93,7 @@ def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel:
         loader = DataLoader(data.train_set, batch_size=GLOBAL_BATCH, sampler=sampler, drop_last=True)
         trainer.fit(model, train_dataloaders=loader)
     else:
-        trainer.fit(model, data)
+        trainer.fit(model, data, ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     weights = full_weights(model) if world > 1 else {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -49,6 +49,9 @@ STRATEGIES = {
     "tp": (lambda: "tp", 0),
     "pipeline": (lambda: "pipeline", 0),
     "moe": (lambda: "moe", 4),
+    # PowerSGD's error feedback and factors, per rank, continue where they were (after 3 plain steps)
+    "ddp-powersgd": (lambda: ml.DDPStrategy(grad_compression=ml.GradientCompression("powersgd", rank=2,
+                                                                                   start_step=3)), 0),
 }  # and "3d", (dp, pp, tp) = (2, 2, 2) on 8 processes: reshard_worker
 
 

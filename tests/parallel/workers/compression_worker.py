@@ -1,0 +1,80 @@
+"""torchrun worker: training with compressed gradient reductions on WORLD processes, against the uncompressed control
+of tests/strategies/parity.py (the test runs the control in its own process).
+
+    compression_worker.py OUT DIR   rank 0 writes {run name: {"losses", "weights", ...}} to OUT, and under
+                                    "resumed without state" the warnings of a PowerSGD run resumed from a
+                                    checkpoint (in DIR) that an uncompressed run saved
+
+ZeRO-1 with bf16 reductions and 2 micro-batches also records, after the first micro-batch's backward (gradients
+waiting for the reduction), the dtypes FSDP2 keeps them in: meshlight keeps them fp32.
+"""
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.fsdp import FSDPModule
+
+import meshlight as ml
+from meshlight.parallel import GradientCompression
+from tests.strategies.parity import train
+
+WORLD = 2
+# name -> (strategy, Trainer arguments)
+RUNS = {
+    "ddp/bf16": (lambda: ml.DDPStrategy(grad_compression="bf16"), {}),
+    "ddp/fp16": (lambda: ml.DDPStrategy(grad_compression="fp16"), {}),
+    "zero1/bf16/accumulate": (lambda: ml.ZeroStrategy(1, grad_compression="bf16"), {"accumulate_grad_batches": 2}),
+    "zero2/bf16/accumulate": (lambda: ml.ZeroStrategy(2, grad_compression="bf16"), {"accumulate_grad_batches": 2}),
+    "zero3/bf16": (lambda: ml.ZeroStrategy(3, grad_compression="bf16"), {}),
+    "ddp/powersgd": (lambda: ml.DDPStrategy(grad_compression=GradientCompression("powersgd", rank=2, start_step=3)),
+                     {}),
+}
+
+
+class WaitingGradients(Callback):
+    """The dtypes of the gradients FSDP2 holds after the first micro-batch of the second step."""
+
+    def __init__(self) -> None:
+        self.dtypes: set[str] = set()
+
+    def on_after_backward(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.global_step != 1 or self.dtypes:
+            return
+        for unit in trainer.strategy.model.modules():
+            group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
+            for param in group.fsdp_params if group is not None else ():
+                waiting = param.unsharded_accumulated_grad
+                if waiting is None:
+                    waiting = param._unsharded_param.grad
+                self.dtypes.add(str(waiting.dtype) if waiting is not None else "none")
+
+
+def run(name: str, **extra: Any) -> dict[str, Any]:
+    strategy, trainer_args = RUNS[name]
+    probe = WaitingGradients()
+    result = train("adamw-3e-3", strategy(), devices=WORLD, callbacks=[probe], **trainer_args, **extra)
+    result.pop("module")
+    return {**result, "waiting_dtypes": sorted(probe.dtypes)}
+
+
+def resumed_without_state(directory: Path) -> list[str]:
+    """The warnings of a PowerSGD run resumed from a checkpoint of an uncompressed run."""
+    train("adamw-3e-3", "ddp", devices=WORLD, save_to=directory / "uncompressed")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train("adamw-3e-3", RUNS["ddp/powersgd"][0](), devices=WORLD, max_steps=22,
+              ckpt_path=directory / "uncompressed")
+    return [str(w.message) for w in caught if "PowerSGD" in str(w.message)]
+
+
+if __name__ == "__main__":
+    results = {name: run(name) for name in RUNS}
+    results["resumed without state"] = resumed_without_state(Path(sys.argv[2]))
+    if dist.get_rank() == 0:
+        torch.save(results, sys.argv[1])
