@@ -9,10 +9,13 @@ zero3 with 1 and 2 micro-batches per step, uncompressed and with bf16 gradients,
 all-gathers' share of the compressed step's bytes (they are not compressed).
 
 *convergence* — the demo task (``examples/train_gpt.py``'s defaults: 2-digit sums, 2 blocks of dim 128, 64 sequences
-per rank, learning rate 3e-3, 500 steps) under ddp on 2 processes, uncompressed, with bf16 gradients and with
-PowerSGD (rank 4, after 10 plain steps): the training loss every 50 steps and the final answer accuracy.
+per rank, learning rate 3e-3, 500 steps) under ddp on 2 processes, uncompressed, with bf16 gradients, with
+PowerSGD (``GradientCompression("powersgd")``'s defaults: rank 4, after 50 plain steps) and with every block's saved
+activations in bf16 (``ActivationCompression``), each with ``--seeds``: the training loss every 50 steps and the final
+answer accuracy.
 
-    python benchmarks/compression.py [--sections traffic convergence] [--nprocs 2]   # prints JSON
+    python benchmarks/compression.py [--sections traffic convergence] [--variants ...] [--nprocs 2]
+                                     [--powersgd-rank 4] [--powersgd-start 10]          # prints JSON
 """
 
 from __future__ import annotations
@@ -90,15 +93,18 @@ def traffic_worker() -> list[dict[str, Any]]:
     return rows
 
 
-CONVERGENCE = {"uncompressed": None, "bf16": "bf16", "powersgd": "powersgd"}
+# name -> (grad_compression, ActivationCompression dtype)
+CONVERGENCE = {"uncompressed": (None, None), "bf16 gradients": ("bf16", None), "powersgd": ("powersgd", None),
+               "bf16 activations": (None, "bf16")}
 CONVERGENCE_STEPS, CURVE_EVERY = 500, 50
 
 
-def convergence_worker(name: str) -> dict[str, Any]:
+def convergence_worker(name: str, powersgd_rank: str, powersgd_start: str, seed: str) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
     import meshlight as ml
+    from meshlight.callbacks import ActivationCompression
     from meshlight.demos import AdditionDataModule, LitGPT
     from meshlight.models import GPTConfig
 
@@ -111,33 +117,45 @@ def convergence_worker(name: str) -> dict[str, Any]:
                 self.losses[trainer.global_step] = round(float(trainer.callback_metrics["train/loss"]), 4)
 
     world = int(os.environ["WORLD_SIZE"])
-    pl.seed_everything(0, verbose=False)
+    pl.seed_everything(int(seed), verbose=False)
     batch = 64  # per rank, as the example
-    data = AdditionDataModule(2, batch_size=batch, train_size=CONVERGENCE_STEPS * batch * world)
+    data = AdditionDataModule(2, batch_size=batch, train_size=CONVERGENCE_STEPS * batch * world, seed=int(seed))
     config = GPTConfig(vocab_size=data.vocab_size, max_seq_len=data.seq_len, n_layers=2, dim=128, n_heads=4)
     model = LitGPT(config, lr=3e-3, weight_decay=0.0, warmup_steps=CONVERGENCE_STEPS // 20, foreach=True)
     curve = Curve()
-    trainer = ml.Trainer(strategy=ml.DDPStrategy(grad_compression=CONVERGENCE[name]), devices=world,
+    grad_compression, activations = CONVERGENCE[name]
+    if grad_compression == "powersgd":
+        grad_compression = ml.GradientCompression("powersgd", rank=int(powersgd_rank), start_step=int(powersgd_start))
+    compressed = [ActivationCompression(activations)] if activations else []
+    trainer = ml.Trainer(strategy=ml.DDPStrategy(grad_compression=grad_compression), devices=world,
                          accelerator="cpu", max_steps=CONVERGENCE_STEPS, val_check_interval=CONVERGENCE_STEPS,
                          check_val_every_n_epoch=None, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[curve])
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[curve, *compressed])
     trainer.fit(model, data)
-    return {"variant": name, "world": world, "steps": CONVERGENCE_STEPS, "loss_curve": curve.losses,
-            "answer_accuracy": round(float(trainer.callback_metrics["val/answer_accuracy"]), 4)}
+    powersgd = {"powersgd_rank": int(powersgd_rank), "powersgd_start": int(powersgd_start)}
+    accuracy = round(float(trainer.callback_metrics["val/answer_accuracy"]), 4)
+    return {"variant": name, "world": world, "seed": int(seed), **(powersgd if name == "powersgd" else {}),
+            "steps": CONVERGENCE_STEPS, "loss_curve": curve.losses, "answer_accuracy": accuracy}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", default=["traffic", "convergence"],
                         choices=["traffic", "convergence"])
+    parser.add_argument("--variants", nargs="+", default=list(CONVERGENCE), choices=list(CONVERGENCE),
+                        help="convergence runs (default: all)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--powersgd-rank", type=int, default=4)
+    parser.add_argument("--powersgd-start", type=int, default=50, help="PowerSGD's plain steps first")
     parser.add_argument("--nprocs", type=int, default=2)
     args = parser.parse_args()
     results: dict[str, Any] = {}
     if "traffic" in args.sections:
         results["traffic"] = launch(__file__, args.nprocs, "traffic")
     if "convergence" in args.sections:
-        results["convergence"] = [launch(__file__, args.nprocs, "convergence", name, timeout=1800)
-                                  for name in CONVERGENCE]
+        results["convergence"] = [launch(__file__, args.nprocs, "convergence", name, str(args.powersgd_rank),
+                                         str(args.powersgd_start), str(seed), timeout=1800)
+                                  for name in args.variants for seed in args.seeds]
     print(json.dumps(results, indent=1))
 
 

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from meshlight.parallel.activation_compression import COMPRESSED_DTYPES
 from meshlight.parallel.compression import GradientCompression
 from meshlight.parallel.pipeline import SCHEDULES
 from meshlight.parallel.planner import (
@@ -101,6 +102,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner.add_argument("--offload-activations", type=float, default=0.0, metavar="SHARE",
                          help="share of the blocks whose saved activations the Offload callback keeps in host"
                               " memory (1: every block; 0.5: Offload(activations_every_n_blocks=2))")
+    planner.add_argument("--compress-activations", choices=("bf16", "fp8_e4m3"),
+                         help="every block's saved activations kept in this dtype (the ActivationCompression"
+                              " callback)")
     planner.add_argument("--grad-compression", choices=("bf16", "fp16"),
                          help="gradients reduced in this dtype over the data-parallel ranks (the strategies'"
                               " grad_compression; PowerSGD runs on plain DDP only, which needs no plan)")
@@ -251,7 +255,9 @@ def _hardware_of(args: argparse.Namespace) -> Hardware:
                           offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations,
                           float32_matmul_precision=args.float32_matmul_precision,
                           gradient_compression=GradientCompression(args.grad_compression).ratio()
-                          if args.grad_compression else 1.0)
+                          if args.grad_compression else 1.0,
+                          compressed_activations=1.0 if args.compress_activations else 0.0,
+                          compressed_activation_bytes=COMPRESSED_DTYPES[args.compress_activations or "bf16"].itemsize)
 
 
 def _consolidate(args: argparse.Namespace) -> int:

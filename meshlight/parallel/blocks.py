@@ -3,12 +3,17 @@ between, and that recomputation, compilation and activation offload choose among
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["BlockSelection", "holds_blocks", "repeated_blocks"]
+from meshlight.parallel.dtensors import local_tensor
+
+__all__ = ["BlockSelection", "claim_saved_tensor_hooks", "holds_blocks", "record_in_forward", "repeated_blocks"]
 
 
 def repeated_blocks(module: nn.Module) -> list[nn.Module]:
@@ -54,3 +59,35 @@ class BlockSelection:
             return [m for m in module.modules() if isinstance(m, tuple(self.module_types))]
         blocks = repeated_blocks(module)
         return [block for i, block in enumerate(blocks) if i % self.every_n_blocks == self.every_n_blocks - 1]
+
+
+def claim_saved_tensor_hooks(blocks: Sequence[nn.Module], transform: str) -> None:
+    """Mark ``blocks`` as running their forward under ``transform``'s saved-tensor hooks. Only the innermost hooks
+    see what a forward saves, so a block another such transform claimed is refused, naming both."""
+    for block in blocks:
+        owner = getattr(block, "_meshlight_saved_tensor_hooks", transform)
+        if owner != transform:
+            raise ValueError(f"{transform} and {owner} both chose {type(block).__name__} blocks: one set of"
+                             " saved-tensor hooks applies to a block. Choose other blocks for one of them"
+                             " (every_n_blocks / module_types), or drop one.")
+    for block in blocks:
+        block._meshlight_saved_tensor_hooks = transform
+
+
+def record_in_forward(block: nn.Module, marker: str, run: Callable[..., Any]) -> None:
+    """Patch ``block.forward`` (once per ``marker``) to call ``run(forward, kept, *args, **kwargs)`` when autograd
+    records it — ``kept``: the storages of the block's parameters as they are now (gathered), which saved-tensor hooks
+    leave alone — and the plain forward otherwise (evaluation, recomputation's first pass)."""
+    if getattr(block, marker, False):
+        return
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        kept = {local_tensor(p).untyped_storage().data_ptr() for p in block.parameters()}
+        return run(forward, kept, *args, **kwargs)
+
+    block.forward = patched  # type: ignore[method-assign]
+    setattr(block, marker, True)

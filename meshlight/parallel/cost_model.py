@@ -174,9 +174,13 @@ def estimate(
     model_state = (model_state_bytes(dense, dp, zero, hw, pipelined=pp > 1, block=block, root=root / tp)
                    + model_state_bytes(experts, dp // ep, zero, hw, pipelined=pp > 1))
     # --- activations of the first stage: micro-batches in flight × layers × per-layer bytes
-    layer_activations = model.activation_values_per_token(tp) * s * micro_batch * hw.activation_bytes
+    # bytes per saved value, where ActivationCompression keeps some blocks' in fewer (never more) bytes
+    compressed = hw.compressed_activations
+    saved_bytes = hw.activation_bytes * (1 - compressed) + min(hw.activation_bytes,
+                                                                hw.compressed_activation_bytes) * compressed
+    layer_activations = model.activation_values_per_token(tp) * s * micro_batch * saved_bytes
     # with recomputation a block keeps only its input: the residual stream, split over the sequence under tp
-    per_layer = s * micro_batch * h * hw.activation_bytes / tp if recompute else layer_activations
+    per_layer = s * micro_batch * h * saved_bytes / tp if recompute else layer_activations
     # 1F1B: the first stage holds pp microbatches of its layers; interleaving adds (pp−1)/(pp·v) (Korthikanti);
     # GPipe and looped BFS run every forward first and hold them all
     interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1

@@ -22,18 +22,18 @@ import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.fsdp import CPUOffloadPolicy
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_leaves
 
-from meshlight.parallel.blocks import BlockSelection
-from meshlight.parallel.dtensors import local_tensor
+from meshlight.parallel.blocks import BlockSelection, claim_saved_tensor_hooks, record_in_forward
+from meshlight.parallel.dtensors import DTensorSpec, as_dtensor_like, dtensor_spec, local_tensor
 
 __all__ = ["FUSED_ON_HOST", "ActivationOffloader", "OffloadPolicy", "apart_from_host", "apply_activation_offload",
            "fuse_host_steps", "prepare_host_steps"]
@@ -46,11 +46,14 @@ FUSED_ON_HOST = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.opt
 class OffloadPolicy:
     """``optimizer``: optimizer state, fp32 parameter shards and gradients in host memory; ``activations``: the
     blocks whose saved activations go to host memory (None: none); ``pin_memory``: page-locked host buffers
-    (faster, asynchronous copies; only with CUDA)."""
+    (faster, asynchronous copies; only with CUDA); ``nvme``: a folder on a local disk where the optimizer state
+    waits between steps instead of host memory (:mod:`meshlight.parallel.nvme`), in files of ``nvme_chunk_bytes``."""
 
     optimizer: bool = True
     activations: Optional[BlockSelection] = None
     pin_memory: bool = True
+    nvme: Optional[Path] = None
+    nvme_chunk_bytes: int = 32 * 2**20
 
     @property
     def fsdp(self) -> Optional[CPUOffloadPolicy]:
@@ -138,7 +141,7 @@ class _Saved:
 
     host: Tensor
     device: torch.device
-    dtensor: Optional[tuple[Any, Any, torch.Size, tuple[int, ...]]]  # mesh, placements, shape, stride
+    dtensor: Optional[DTensorSpec]
     written: Optional[torch.cuda.Event]
     back: Optional[Tensor] = None
     back_ready: Optional[torch.cuda.Event] = None
@@ -164,27 +167,18 @@ class ActivationOffloader:
 
     def wrap(self, block: nn.Module) -> None:
         """Patch ``block.forward`` to offload what its forward saves for backward (once per block)."""
-        if getattr(block, "_meshlight_offload", False):
-            return
-        forward = block.forward
+        record_in_forward(block, "_meshlight_offload", self._run)
 
-        @functools.wraps(forward)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
-            kept = {local_tensor(p).untyped_storage().data_ptr() for p in block.parameters()}  # as gathered now
-            stash: list[_Saved] = []
-            previous, self._last = self._last, stash
-            with saved_tensors_hooks(functools.partial(self._pack, stash, kept), self._unpack):
-                output = forward(*args, **kwargs)
-            grad_output = next((t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad), None)
-            if previous is not None and grad_output is not None:
-                # The gradient reaching this block's output starts the previous block's activations back.
-                grad_output.register_hook(lambda grad: self._prefetch(previous))
-            return output
-
-        block.forward = run  # type: ignore[method-assign]
-        block._meshlight_offload = True
+    def _run(self, forward: Any, kept: set[int], *args: Any, **kwargs: Any) -> Any:
+        stash: list[_Saved] = []
+        previous, self._last = self._last, stash
+        with saved_tensors_hooks(functools.partial(self._pack, stash, kept), self._unpack):
+            output = forward(*args, **kwargs)
+        grad_output = next((t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad), None)
+        if previous is not None and grad_output is not None:
+            # The gradient reaching this block's output starts the previous block's activations back.
+            grad_output.register_hook(lambda grad: self._prefetch(previous))
+        return output
 
     def _pack(self, stash: list[_Saved], kept: set[int], tensor: Tensor) -> Any:
         local = local_tensor(tensor)
@@ -200,9 +194,7 @@ class ActivationOffloader:
             local.record_stream(self._stream)  # its memory is not reused before the copy has read it
         else:
             host.copy_(local)
-        spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) if isinstance(
-            tensor, DTensor) else None
-        saved = _Saved(host, local.device, spec, written)
+        saved = _Saved(host, local.device, dtensor_spec(tensor), written)
         stash.append(saved)
         self.offloaded_bytes += host.numel() * host.element_size()
         return saved
@@ -220,10 +212,7 @@ class ActivationOffloader:
             if saved.written is not None:
                 torch.cuda.current_stream(saved.device).wait_event(saved.written)
             local = saved.host.to(saved.device, non_blocking=self.pin_memory)
-        if saved.dtensor is None:
-            return local
-        mesh, placements, shape, stride = saved.dtensor
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return as_dtensor_like(local, saved.dtensor)
 
     def _prefetch(self, stash: list[_Saved]) -> None:
         for saved in stash:
@@ -248,6 +237,7 @@ def apply_activation_offload(module: nn.Module, selection: BlockSelection, pin_m
     offloader = getattr(module, "_meshlight_offloader", None) or ActivationOffloader(pin_memory)
     module._meshlight_offloader = offloader
     chosen = selection.select(module)
+    claim_saved_tensor_hooks(chosen, "Offload")
     for block in chosen:
         offloader.wrap(block)
     return chosen

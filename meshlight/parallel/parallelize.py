@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from meshlight.parallel.activation_compression import apply_activation_compression
 from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.compile import apply_compile
 from meshlight.parallel.compression import GradientCompression
@@ -63,7 +64,8 @@ def parallelize(
     parallelism, DDP or FSDP applied in ``configure_model`` — is not applied again. ``transforms``: the blocks
     recomputed in backward (:mod:`meshlight.parallel.recompute`), low-precision parameters and compute with fp32
     master weights (:mod:`meshlight.parallel.precision`), optimizer state and chosen activations in host memory
-    (:mod:`meshlight.parallel.offload`), compiled blocks (:mod:`meshlight.parallel.compile`). ``later_stage``:
+    (:mod:`meshlight.parallel.offload`), compiled blocks (:mod:`meshlight.parallel.compile`), saved activations kept
+    in bf16 or fp8 (:mod:`meshlight.parallel.activation_compression`). ``later_stage``:
     ``module`` is a pipeline stage after the first, which receives the sequence parallelism's share of the sequence
     (:func:`~meshlight.parallel.tensor.sequence_share_input`). ``sequence_region``: where sequence parallelism
     holds shares of the sequence (:func:`~meshlight.parallel.tensor_plan.sequence_region`), found from ``module`` when
@@ -122,6 +124,8 @@ def parallelize(
             apply(module, policy)
     if offload is not None and offload.activations is not None:
         apply_activation_offload(module, offload.activations, offload.pin_memory)
+    if transforms.activation_compression is not None:
+        apply_activation_compression(module, transforms.activation_compression)
     cpu_offload = offload.fsdp if offload is not None else None
     return apply_data_parallel(module, mesh, layout.zero, ddp_kwargs=ddp_kwargs, pipelined=layout.pp > 1,
                                experts=sharded_experts(module), precision=precision, cpu_offload=cpu_offload,

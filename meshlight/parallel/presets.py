@@ -161,6 +161,9 @@ class Hardware:
     state_bytes: int = 4  # per value of the master copy, gradients and Adam's moments (16-bit "true" precision: 2)
     offload_optimizer: bool = False  # master shards, their gradients and the optimizer's state in host memory
     offload_activations: float = 0.0  # share of the blocks whose saved activations wait in host memory
+    # share of the blocks whose saved activations ActivationCompression keeps in fewer bytes, and those bytes per value
+    compressed_activations: float = 0.0
+    compressed_activation_bytes: float = 2.0
     # bytes the data-parallel gradient reductions move over uncompressed (grad_compression: bf16 of fp32 gradients
     # 0.5; GradientCompression.ratio())
     gradient_compression: float = 1.0

@@ -1,5 +1,6 @@
 """Typed options for :func:`~meshlight.parallel.parallelize`: how tensor parallelism splits the model, and the
-transforms (recomputation, mixed precision, offload, compilation) that callbacks ask for as policy values.
+transforms (recomputation, mixed precision, offload, compilation, activation compression) that callbacks ask for as
+policy values.
 
 A callback that wants a transform is a :class:`PolicySource`; a strategy collects the sources' policies once,
 by type (:meth:`Transforms.collect`), so neither side imports or probes the other.
@@ -14,6 +15,7 @@ from typing import Any, Optional, Union
 
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from meshlight.parallel.activation_compression import ActivationCompressionPolicy
 from meshlight.parallel.compile import CompilePolicy
 from meshlight.parallel.offload import OffloadPolicy
 from meshlight.parallel.precision import PrecisionPolicy
@@ -21,7 +23,7 @@ from meshlight.parallel.recompute import RecomputePolicy
 
 __all__ = ["PolicySource", "TensorParallelOptions", "Transforms"]
 
-Policy = Union[RecomputePolicy, PrecisionPolicy, OffloadPolicy, CompilePolicy]
+Policy = Union[RecomputePolicy, PrecisionPolicy, OffloadPolicy, CompilePolicy, ActivationCompressionPolicy]
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Transforms:
     precision: Optional[PrecisionPolicy] = None
     offload: Optional[OffloadPolicy] = None
     compile: Optional[CompilePolicy] = None
+    activation_compression: Optional[ActivationCompressionPolicy] = None
 
     @classmethod
     def collect(cls, candidates: Iterable[object]) -> Transforms:
@@ -81,4 +84,4 @@ class PolicySource:
 
 
 _FIELD_OF: dict[type, str] = {RecomputePolicy: "recompute", PrecisionPolicy: "precision", OffloadPolicy: "offload",
-                              CompilePolicy: "compile"}
+                              CompilePolicy: "compile", ActivationCompressionPolicy: "activation_compression"}

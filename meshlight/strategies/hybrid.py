@@ -12,7 +12,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.utils.data import DataLoader
 
-from meshlight.parallel.blocks import repeated_blocks
+from meshlight.parallel.activation_compression import ActivationCompressionPolicy
+from meshlight.parallel.blocks import BlockSelection, repeated_blocks
 from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import has_experts
 from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, _fix_hint, data_sizes
@@ -207,6 +208,7 @@ class Hybrid3DStrategy(MeshStrategy):
         self.hardware = hardware.replace(
             **precision_bytes(precision, asked.precision.param_dtype if asked.precision else None),
             **_offloaded(asked.offload, self.lightning_module, self.root_device),
+            **_compressed(asked.activation_compression, self.lightning_module),
             gradient_compression=self.grad_compression.ratio() if self.grad_compression else 1.0)
         return self.hardware
 
@@ -330,12 +332,23 @@ def _offloaded(policy: Optional[OffloadPolicy], module: nn.Module, device: torch
     whose activations it offloads."""
     if policy is None or not apart_from_host(device):
         return {}
-    share = 0.0
-    if policy.activations is not None:
-        chosen = {id(m) for m in policy.activations.select(module)}
-        blocks = repeated_blocks(module)
-        share = sum(id(block) in chosen for block in blocks) / len(blocks) if blocks else 0.0
+    share = _block_share(policy.activations, module) if policy.activations is not None else 0.0
     return {"offload_optimizer": policy.optimizer, "offload_activations": share}
+
+
+def _compressed(policy: Optional[ActivationCompressionPolicy], module: nn.Module) -> dict[str, Any]:
+    """:class:`Hardware`'s ``compressed_activations`` and ``compressed_activation_bytes`` for ``policy``."""
+    if policy is None:
+        return {}
+    return {"compressed_activations": _block_share(policy.blocks, module),
+            "compressed_activation_bytes": policy.torch_dtype.itemsize}
+
+
+def _block_share(selection: BlockSelection, module: nn.Module) -> float:
+    """The share of ``module``'s repeated blocks that ``selection`` chooses."""
+    chosen = {id(m) for m in selection.select(module)}
+    blocks = repeated_blocks(module)
+    return sum(id(block) in chosen for block in blocks) / len(blocks) if blocks else 0.0
 
 
 def _virtual_stages(schedule: str, pp: int, given: Optional[int]) -> int:

@@ -34,6 +34,7 @@ from meshlight.parallel.clip import clip_grad_norm_
 from meshlight.parallel.compression import GradientCompression
 from meshlight.parallel.data_parallel import ddp_engine
 from meshlight.parallel.layout import ParallelLayout, Size, seed_by_mesh_position
+from meshlight.parallel.nvme import OptimizerStateOnDisk, put_on_disk
 from meshlight.parallel.offload import apart_from_host, prepare_host_steps
 from meshlight.parallel.optimizers import adapt_optimizer
 from meshlight.parallel.pipeline import SplitSpec, validate_schedule
@@ -135,6 +136,7 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         self.collect_garbage_every(gc_every_n_steps)
         self._timeout = timeout
         self._layout: Optional[ParallelLayout] = None
+        self._state_on_disk: list[OptimizerStateOnDisk] = []  # Offload(optimizer="nvme")
         self._device_mesh: Optional[DeviceMesh] = None
         self.set_forward_redirection(MeshForwardRedirection())
         self.num_nodes = 1
@@ -210,6 +212,15 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         if offload and offload.optimizer and apart_from_host(self.root_device):  # the host steps them
             for note in prepare_host_steps(self.optimizers, self.num_processes):
                 rank_zero_info(note)
+        self._close_state_on_disk()  # a previous setup's (fit, then fit again)
+        if offload and offload.nvme is not None:
+            self._state_on_disk = put_on_disk(self.optimizers, offload.nvme, self.global_rank, self.num_processes,
+                                              offload.nvme_chunk_bytes)
+
+    def _close_state_on_disk(self) -> None:
+        for state in self._state_on_disk:
+            state.close()
+        self._state_on_disk = []
 
     @override
     def model_to_device(self) -> None:
@@ -295,6 +306,7 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         # does): its parameters are managed by DDP / FSDP2, and a later `trainer.test` reuses them.
         assert self.cluster_environment is not None and self.accelerator is not None
         self.wait_for_checkpoint()  # a checkpoint still being written is finished and committed
+        self._close_state_on_disk()
         self.stop_collecting_garbage()  # also after a failed fit
         self._contexts.close()
         self.cluster_environment.teardown()

@@ -38,6 +38,17 @@ def test_offloading_changes_no_bit_of_training(runs, run):
         assert offloaded["offloaded_bytes"] > 0 and offloaded["prefetches"] > 0
 
 
+@pytest.mark.parametrize("run", ["zero2", "pipeline"])
+def test_optimizer_state_on_disk_changes_no_bit_of_training_and_leaves_no_file(runs, run):
+    plain, on_disk = runs[run], runs[f"{run} offload nvme"]
+    assert on_disk["losses"] == plain["losses"]
+    assert all(torch.equal(on_disk["weights"][k], w) for k, w in plain["weights"].items())
+    # 20 steps: each writes every chunk once and (after the first) reads it once, in several files of 20 kB
+    assert on_disk["disk_written"] > 0 and on_disk["disk_read"] == pytest.approx(on_disk["disk_written"] * 19 / 20)
+    assert len(on_disk["files"]) > 2 and all(f.startswith("chunk-") for f in on_disk["files"])
+    assert on_disk["left_behind"] == []  # removed when training ends
+
+
 def test_ddp_under_offload_copies_each_unit_in_once_per_step_while_accumulating(runs):
     # DDP runs on FSDP2 (shard groups of one rank) under offload; it keeps its parameters on the device between
     # micro-batches, as ZeRO-1/2 do, instead of copying the master in for each of the 2: once per unit and step
@@ -179,3 +190,53 @@ def test_the_callback_asks_meshlights_strategies_for_offload_by_a_policy_value()
     callback = Offload(activations_every_n_blocks=2, pin_memory=False)
     expected = OffloadPolicy(optimizer=True, activations=BlockSelection(2), pin_memory=False)
     assert Transforms.collect([callback]) == Transforms(offload=expected)
+
+
+# ---------------------------------------------------------------- optimizer state on disk: one process
+
+
+def _fit_on_disk(tmp_path, name: str, *, on_disk: bool, max_steps: int = 6, ckpt_path=None) -> list[float]:
+    import meshlight as ml
+    from meshlight.callbacks import DistributedCheckpoint
+    from meshlight.demos import AdditionDataModule
+    from tests.callbacks.workers.resume_worker import Losses, model
+
+    losses = Losses()
+    callbacks = [losses, DistributedCheckpoint(tmp_path / name, every_n_train_steps=3, async_save=False,
+                                                          keep_last_k=2)]
+    if on_disk:
+        (tmp_path / "nvme").mkdir(exist_ok=True)
+        callbacks.append(Offload("nvme", path=tmp_path / "nvme", nvme_chunk_mb=0.005))
+    trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=max_steps, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         default_root_dir=tmp_path, callbacks=callbacks)
+    trainer.fit(model(0, dropout=0.0), AdditionDataModule(3, batch_size=4, train_size=4 * 8), ckpt_path=ckpt_path)
+    return [losses.losses[step] for step in sorted(losses.losses)]
+
+
+def test_a_run_with_its_optimizer_state_on_disk_resumes_exactly_and_its_checkpoints_are_plain(tmp_path):
+    full = _fit_on_disk(tmp_path, "full", on_disk=True)
+    step_3 = tmp_path / "full" / "step=000000003"
+    assert _fit_on_disk(tmp_path, "resumed", on_disk=True, ckpt_path=step_3) == full[3:]
+    # the checkpoint holds the whole optimizer state: a run without offload continues from it the same way
+    assert _fit_on_disk(tmp_path, "plain", on_disk=False, ckpt_path=step_3) == full[3:]
+    assert _fit_on_disk(tmp_path, "plain from the start", on_disk=False) == full
+
+
+def test_the_disk_for_optimizer_state_is_checked_before_training(tmp_path, monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    with pytest.raises(OffloadError, match="needs path=<a folder on a local disk>"):
+        Offload("nvme")
+    with pytest.raises(OffloadError, match="path applies to optimizer='nvme' only"):
+        Offload(path=tmp_path)
+    with pytest.raises(OffloadError, match=r"Offload\(optimizer='disk'\): give True \(or 'host': host memory\)"):
+        Offload("disk")
+    with pytest.raises(ValueError, match="the folder does not exist; create it on a local disk"):
+        Offload("nvme", path=tmp_path / "missing")
+    # a full disk: refused at setup, once the state's size is known, before the first step
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    with pytest.raises(ValueError, match=r"0.00 GiB free, and the optimizer state needs 0.00 GiB on this disk"):
+        _fit_on_disk(tmp_path, "full disk", on_disk=True)
+    assert not (tmp_path / "full disk").exists()  # no step ran, no checkpoint was written

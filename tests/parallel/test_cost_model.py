@@ -201,3 +201,19 @@ def test_the_command_line_plans_compressed_reductions(capsys):
         main([*fixed, *flags])
         (runs[bool(flags)],) = json.loads(capsys.readouterr().out)
     assert runs[True]["step_seconds"] < runs[False]["step_seconds"]
+
+
+def test_compressed_activations_count_their_smaller_bytes_and_never_more():
+    model, hardware = MODELS["llama3-8b"], HARDWARE["h100"]
+
+    def activations(**changes) -> float:
+        return estimate(model, hardware.replace(**changes), 8, 64, 1, 8, 1, 1, 0, 16, 1, False).activation_bytes
+
+    fp32, fp32_bf16 = activations(activation_bytes=4), activations(activation_bytes=4, compressed_activations=1.0)
+    logits = 2 * model.seq_len * 4 * model.vocab * 4  # fp32 logits and their gradient, not compressed
+    assert fp32_bf16 - logits == pytest.approx((fp32 - logits) / 2)
+    half = activations(activation_bytes=4, compressed_activations=0.5)
+    assert half - logits == pytest.approx(0.75 * (fp32 - logits))
+    assert activations(compressed_activations=1.0) == activations()  # bf16 kept as bf16
+    fp8 = activations(compressed_activations=1.0, compressed_activation_bytes=1)
+    assert fp8 - logits == pytest.approx((activations() - logits) / 2)

@@ -1,16 +1,18 @@
 """torchrun worker (2 processes): the parity experiment with and without Offload under zero2 (gradient clipping),
-ddp (gradient accumulation) and a 2-stage pipeline; saved activations count as offloadable on CPU here, so the
-hooks run. "zero2 offload from an accelerator" runs as optimizer offload from a GPU would: the host steps the
-optimizer, with torch's fused host kernel. Rank 0 writes {run: result} to OUT (losses, full weights, whether FSDP
-offloads every unit, the activation bytes offloaded, the optimizer groups' ``fused`` flags, and how many times each
-FSDP unit gathered its parameters)."""
+ddp (gradient accumulation) and a 2-stage pipeline, and with the optimizer state on disk (zero2, pipeline); saved
+activations count as offloadable on CPU here, so the hooks run. "zero2 offload from an accelerator" runs as optimizer
+offload from a GPU would: the host steps the optimizer, with torch's fused host kernel. Rank 0 writes {run: result}
+to OUT (losses, full weights, whether FSDP offloads every unit, the activation bytes offloaded, the optimizer groups'
+``fused`` flags, how many times each FSDP unit gathered its parameters, and what the state on disk read and wrote)."""
 
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
@@ -59,6 +61,30 @@ def run_from_accelerator(variant: str, strategy: Any, callbacks: list) -> dict[s
         mesh.apart_from_host = offload.apart_from_host
 
 
+class DiskTraffic(Callback):
+    """The bytes the optimizer state on disk moved, and its files, at the end of training (before teardown)."""
+
+    def __init__(self) -> None:
+        self.read = self.written = 0
+        self.files: list[str] = []
+
+    def on_train_end(self, trainer: Any, *args: Any) -> None:
+        states = trainer.strategy._state_on_disk
+        for state in states:
+            state.wait()  # the last step's chunks are written behind it
+        self.read, self.written = sum(s.read_bytes for s in states), sum(s.written_bytes for s in states)
+        self.files = sorted(str(f.relative_to(s.directory)) for s in states for f in s.directory.iterdir())
+
+
+def on_disk(variant: str, strategy: Any, folder: Path, **options: Any) -> dict[str, Any]:
+    folder.mkdir(parents=True, exist_ok=True)
+    traffic = DiskTraffic()
+    result = run(variant, strategy, [Offload("nvme", path=folder, nvme_chunk_mb=0.02), traffic], **options)
+    result.update(disk_read=traffic.read, disk_written=traffic.written, files=traffic.files,
+                  left_behind=sorted(str(f) for f in folder.rglob("*") if f.is_file()))
+    return result
+
+
 def _offloads(unit: FSDPModule) -> bool:
     group = unit._get_fsdp_state()._fsdp_param_group
     return group is not None and all(p.offload_to_cpu for p in group.fsdp_params)
@@ -75,6 +101,10 @@ if __name__ == "__main__":
         "pipeline": run("adamw", pipeline, [], data_parallel=1),
         "pipeline offload": run("adamw", ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4),
                                 [Offload(activations_every_n_blocks=1)], data_parallel=1),
+        # the optimizer state in files between steps, in chunks of 20 kB
+        "zero2 offload nvme": on_disk("clip", "zero2", Path(sys.argv[1]).parent / "nvme-zero2"),
+        "pipeline offload nvme": on_disk("adamw", ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4),
+                                         Path(sys.argv[1]).parent / "nvme-pipeline", data_parallel=1),
     }
     if dist.get_rank() == 0:
         torch.save(results, sys.argv[1])

@@ -49,9 +49,10 @@ STRATEGIES = {
     "tp": (lambda: "tp", 0),
     "pipeline": (lambda: "pipeline", 0),
     "moe": (lambda: "moe", 4),
-    # PowerSGD's error feedback and factors, per rank, continue where they were (after 3 plain steps)
-    "ddp-powersgd": (lambda: ml.DDPStrategy(grad_compression=ml.GradientCompression("powersgd", rank=2,
-                                                                                   start_step=3)), 0),
+    # PowerSGD's error feedback and factors, per rank, continue where they were (after 3 plain steps), in DDP
+    # buckets of 40 kB: the resumed run's first step has one bucket of every gradient, the next steps DDP's rebuilt ones
+    "ddp-powersgd": (lambda: ml.DDPStrategy(grad_compression=ml.GradientCompression("powersgd", rank=2, start_step=3),
+                                            bucket_cap_mb=0.04), 0),
 }  # and "3d", (dp, pp, tp) = (2, 2, 2) on 8 processes: reshard_worker
 
 

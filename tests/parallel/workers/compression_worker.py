@@ -1,5 +1,5 @@
-"""torchrun worker: training with compressed gradient reductions on WORLD processes, against the uncompressed control
-of tests/strategies/parity.py (the test runs the control in its own process).
+"""torchrun worker: training with compressed gradient reductions or saved activations on WORLD processes, against the
+uncompressed control of tests/strategies/parity.py (the test runs the control in its own process).
 
     compression_worker.py OUT DIR   rank 0 writes {run name: {"losses", "weights", ...}} to OUT, and under
                                     "resumed without state" the warnings of a PowerSGD run resumed from a
@@ -21,19 +21,25 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.fsdp import FSDPModule
 
 import meshlight as ml
+from meshlight.callbacks import ActivationCheckpointing, ActivationCompression
 from meshlight.parallel import GradientCompression
 from tests.strategies.parity import train
 
 WORLD = 2
-# name -> (strategy, Trainer arguments)
-RUNS = {
+# name -> (strategy, Trainer arguments (and parity.train's data_parallel)[, callbacks])
+RUNS: dict[str, tuple[Any, ...]] = {
     "ddp/bf16": (lambda: ml.DDPStrategy(grad_compression="bf16"), {}),
     "ddp/fp16": (lambda: ml.DDPStrategy(grad_compression="fp16"), {}),
     "zero1/bf16/accumulate": (lambda: ml.ZeroStrategy(1, grad_compression="bf16"), {"accumulate_grad_batches": 2}),
     "zero2/bf16/accumulate": (lambda: ml.ZeroStrategy(2, grad_compression="bf16"), {"accumulate_grad_batches": 2}),
     "zero3/bf16": (lambda: ml.ZeroStrategy(3, grad_compression="bf16"), {}),
-    "ddp/powersgd": (lambda: ml.DDPStrategy(grad_compression=GradientCompression("powersgd", rank=2, start_step=3)),
-                     {}),
+    # several buckets: gloo would run their factors' all-reduces in different orders on different ranks
+    "ddp/powersgd": (lambda: ml.DDPStrategy(grad_compression=GradientCompression("powersgd", rank=2, start_step=3),
+                                            bucket_cap_mb=0.04), {}),
+    # saved activations compressed: DTensors under tensor parallelism; a recomputed block's inputs under ZeRO-3
+    "tp/activations-bf16": (lambda: "tp", {"data_parallel": 1}, lambda: [ActivationCompression("bf16")]),
+    "zero3/recompute/activations-fp8": (lambda: "zero3", {}, lambda: [ActivationCheckpointing(),
+                                                                        ActivationCompression("fp8_e4m3")]),
 }
 
 
@@ -55,10 +61,11 @@ class WaitingGradients(Callback):
                 self.dtypes.add(str(waiting.dtype) if waiting is not None else "none")
 
 
-def run(name: str, **extra: Any) -> dict[str, Any]:
-    strategy, trainer_args = RUNS[name]
+def run(name: str) -> dict[str, Any]:
+    strategy, trainer_args, *callbacks = RUNS[name]
     probe = WaitingGradients()
-    result = train("adamw-3e-3", strategy(), devices=WORLD, callbacks=[probe], **trainer_args, **extra)
+    extra = callbacks[0]() if callbacks else []
+    result = train("adamw-3e-3", strategy(), devices=WORLD, callbacks=[probe, *extra], **trainer_args)
     result.pop("module")
     return {**result, "waiting_dtypes": sorted(probe.dtypes)}
 
