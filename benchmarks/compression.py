@@ -8,13 +8,18 @@ zero3 with 1 and 2 micro-batches per step, uncompressed and with bf16 gradients,
 ``reduction_ratio`` is the compressed run's reduction bytes over the uncompressed run's; ``gather_share`` the weight
 all-gathers' share of the compressed step's bytes (they are not compressed).
 
+*activations* — the bytes autograd keeps for backward in one forward of ``common.bench_config()``'s GPT (fp32, 4
+sequences of 64 tokens), each distinct tensor once and parameters left out, uncompressed and with every block's saved
+activations compressed by ``ActivationCompression`` (bf16, fp8 e4m3): the blocks' compressed bytes plus what is
+saved outside them (embeddings, final norm, the logits for the loss).
+
 *convergence* — the demo task (``examples/train_gpt.py``'s defaults: 2-digit sums, 2 blocks of dim 128, 64 sequences
 per rank, learning rate 3e-3, 500 steps) under ddp on 2 processes, uncompressed, with bf16 gradients, with
 PowerSGD (``GradientCompression("powersgd")``'s defaults: rank 4, after 50 plain steps) and with every block's saved
 activations in bf16 (``ActivationCompression``), each with ``--seeds``: the training loss every 50 steps and the final
 answer accuracy.
 
-    python benchmarks/compression.py [--sections traffic convergence] [--variants ...] [--nprocs 2]
+    python benchmarks/compression.py [--sections traffic activations convergence] [--variants ...] [--nprocs 2]
                                      [--powersgd-rank 4] [--powersgd-start 10]          # prints JSON
 """
 
@@ -138,10 +143,49 @@ def convergence_worker(name: str, powersgd_rank: str, powersgd_start: str, seed:
             "steps": CONVERGENCE_STEPS, "loss_curve": curve.losses, "answer_accuracy": accuracy}
 
 
+def activations() -> list[dict[str, Any]]:
+    import torch
+    from common import bench_config
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from meshlight.models import GPT
+    from meshlight.parallel.activation_compression import ActivationCompressionPolicy, apply_activation_compression
+
+    def saved_bytes(dtype: Any) -> tuple[int, int]:
+        """Bytes saved outside compressed blocks (the compressor's hooks see those inside), and inside: compressed."""
+        torch.manual_seed(0)
+        model = GPT(bench_config())
+        if dtype is not None:
+            apply_activation_compression(model, ActivationCompressionPolicy(dtype))
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[tuple[Any, ...], torch.Tensor] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.untyped_storage().data_ptr() not in params:
+                seen[(tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape,
+                      tensor.stride())] = tensor
+            return tensor
+
+        tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        with saved_tensors_hooks(pack, lambda tensor: tensor):
+            model.loss(model(tokens[:, :-1]), tokens[:, 1:])
+        outside = sum(t.numel() * t.element_size() for t in seen.values())
+        compressor = getattr(model, "_meshlight_compressor", None)
+        return outside, compressor.compressed_bytes if compressor is not None else 0
+
+    plain = sum(saved_bytes(None))
+    rows = []
+    for dtype in ("bf16", "fp8_e4m3"):
+        outside, inside = saved_bytes(dtype)
+        rows.append({"dtype": dtype, "uncompressed_bytes": plain, "outside_blocks_bytes": outside,
+                     "compressed_blocks_bytes": inside, "ratio": (outside + inside) / plain})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", nargs="+", default=["traffic", "convergence"],
-                        choices=["traffic", "convergence"])
+    parser.add_argument("--sections", nargs="+", default=["traffic", "activations", "convergence"],
+                        choices=["traffic", "activations", "convergence"])
     parser.add_argument("--variants", nargs="+", default=list(CONVERGENCE), choices=list(CONVERGENCE),
                         help="convergence runs (default: all)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -152,6 +196,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     if "traffic" in args.sections:
         results["traffic"] = launch(__file__, args.nprocs, "traffic")
+    if "activations" in args.sections:
+        results["activations"] = activations()
     if "convergence" in args.sections:
         results["convergence"] = [launch(__file__, args.nprocs, "convergence", name, str(args.powersgd_rank),
                                          str(args.powersgd_start), str(seed), timeout=1800)

@@ -5,6 +5,8 @@
     python examples/train_gpt.py --strategy zero3 --devices 4
     python examples/train_gpt.py --strategy moe --experts 8         # mixture of experts, split over 2 ranks
     python examples/train_gpt.py --digits 3 --max-steps 1500 --strategy zero1   # a harder sum, longer
+    python examples/train_gpt.py --strategy ddp --grad-compression powersgd     # compressed gradients
+    python examples/train_gpt.py --compress-activations bf16        # saved activations in bf16
     python examples/train_gpt.py --profile-steps 50 52              # + a profiler trace of steps 50-52 per rank
     torchrun --nproc-per-node 8 examples/train_gpt.py --devices 8   # processes started by torchrun
 
@@ -25,10 +27,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import meshlight as ml
-from meshlight.callbacks import ProfileSteps, TrainingMonitor
+from meshlight.callbacks import ActivationCompression, ProfileSteps, TrainingMonitor
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 from meshlight.nn import MoEConfig
+from meshlight.strategies import resolve_strategy
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,18 +56,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--val-every", type=int, default=100, help="validate every N training steps")
     parser.add_argument("--out", type=Path, default=Path("runs/train_gpt"), help="logs and checkpoints")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--grad-compression", choices=("bf16", "fp16", "powersgd"),
+                        help="gradients compressed in the data-parallel reductions (powersgd: --strategy ddp)")
+    parser.add_argument("--compress-activations", choices=("bf16", "fp8_e4m3"),
+                        help="keep every block's saved activations in this dtype")
     parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"),
                         help="write a torch.profiler trace of these optimizer steps per rank to <log dir>/profile")
     return parser.parse_args(argv)
 
 
-def make_strategy(args: argparse.Namespace) -> str | ml.Hybrid3DStrategy:
+def make_strategy(args: argparse.Namespace) -> str | ml.MeshStrategy:
     """The strategy by name, or "3d" with the sizes given — on CPU dp=2, pp=2, tp=2 unless given; on GPUs the
     sizes not given are the planner's. Also fills in --devices."""
     gpu = args.accelerator in ("gpu", "cuda") or (args.accelerator == "auto" and torch.cuda.is_available())
+    options = {"grad_compression": args.grad_compression} if args.grad_compression else {}
     if args.strategy != "3d":
         args.devices = args.devices or (torch.cuda.device_count() if gpu else 2)
-        return args.strategy
+        return resolve_strategy(args.strategy, **options)
     sizes = {"dp": args.dp, "pp": args.pp, "tp": args.tp}
     if not gpu and not any(sizes.values()):
         sizes = {"dp": 2, "pp": 2, "tp": 2}
@@ -72,7 +80,7 @@ def make_strategy(args: argparse.Namespace) -> str | ml.Hybrid3DStrategy:
     if args.devices is None:
         known = all(sizes.values())
         args.devices = sizes["dp"] * sizes["pp"] * sizes["tp"] if known else torch.cuda.device_count() if gpu else 8
-    return ml.Hybrid3DStrategy(dp=sizes["dp"] or "auto", pp=sizes["pp"], tp=sizes["tp"])
+    return ml.Hybrid3DStrategy(dp=sizes["dp"] or "auto", pp=sizes["pp"], tp=sizes["tp"], **options)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     first, last = args.profile_steps or (0, -1)
     profile = [ProfileSteps(steps=range(first, last + 1))] if args.profile_steps else []
+    compressed = [ActivationCompression(args.compress_activations)] if args.compress_activations else []
     trainer = ml.Trainer(
         strategy=strategy,
         devices=args.devices,
@@ -106,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         check_val_every_n_epoch=None,
         log_every_n_steps=10,
         default_root_dir=args.out,
-        callbacks=[checkpoint, TrainingMonitor()] + profile,  # + tokens/s, MFU, step time, memory, layout
+        callbacks=[checkpoint, TrainingMonitor(), *profile, *compressed],  # + tokens/s, MFU, step time, memory, layout
     )
     start = time.perf_counter()
     trainer.fit(model, data)

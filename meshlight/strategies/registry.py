@@ -40,11 +40,15 @@ _ENTRIES: dict[str, _Entry] = {
 STRATEGY_NAMES: tuple[str, ...] = tuple(_ENTRIES)
 
 
-def resolve_strategy(strategy: Union[str, Strategy]) -> Union[str, Strategy]:
-    """A meshlight strategy instance for a meshlight name; anything else is returned for Lightning to resolve."""
+def resolve_strategy(strategy: Union[str, Strategy], **options: Any) -> Union[str, Strategy]:
+    """A meshlight strategy instance for a meshlight name, with ``options`` for its class (``grad_compression=…``);
+    anything else is returned for Lightning to resolve."""
     if isinstance(strategy, str) and strategy.lower() in _ENTRIES:
         entry = _ENTRIES[strategy.lower()]
-        return entry.cls(**entry.init)
+        return entry.cls(**entry.init, **options)
+    if options:
+        raise ValueError(f"strategy={strategy!r} is not one of meshlight's ({', '.join(_ENTRIES)}): its options"
+                         f" {sorted(options)} cannot be given by name; pass a strategy instance.")
     return strategy
 
 

@@ -1,6 +1,7 @@
 """examples/train_gpt.py runs under Lightning's own launcher (devices=2, no torchrun), logs the losses and
 the answer accuracy to TensorBoard, writes a sharded checkpoint and, with --profile-steps, a profiler trace per
-rank, and says where the logs and checkpoints are."""
+rank, and says where the logs and checkpoints are; its compression flags (bf16 gradients and saved activations)
+train too."""
 
 import os
 import subprocess
@@ -14,7 +15,8 @@ from tests.launch import REPO
 
 def test_example_trains_logs_and_checkpoints(tmp_path):
     command = [sys.executable, "examples/train_gpt.py", "--strategy", "zero2", "--devices", "2", "--max-steps", "40",
-               "--val-every", "20", "--dim", "32", "--profile-steps", "30", "31", "--out", str(tmp_path)]
+               "--val-every", "20", "--dim", "32", "--profile-steps", "30", "31", "--out", str(tmp_path),
+               "--grad-compression", "bf16", "--compress-activations", "bf16"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr[-4000:]

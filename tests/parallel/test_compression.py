@@ -144,3 +144,19 @@ def test_powersgd_trains_with_error_feedback(runs, controls):
 def test_powersgd_resumed_from_a_checkpoint_without_its_state_warns_that_it_starts_afresh(runs):
     (warning,) = runs["resumed without state"]
     assert "holds no PowerSGD state saved on dp=2 (DDP)" in warning and "start afresh" in warning
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("compression-mesh") / "results.pt"
+    torchrun(WORKER, 4, "--mesh", str(out))
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("name", list(compression_worker.MESH_RUNS))
+def test_bf16_reductions_over_dp_beside_tensor_and_pipeline_parallelism(mesh_runs, controls, name):
+    # the data-parallel reductions run on FSDP2 there: its units reduce in bf16, and training follows fp32's
+    result = mesh_runs[name]
+    assert result["reduce_dtypes"] == ["torch.bfloat16"]
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(controls["adamw"]["losses"]), rtol=1e-3,
+                               atol=0)

@@ -4,6 +4,9 @@ uncompressed control of tests/strategies/parity.py (the test runs the control in
     compression_worker.py OUT DIR   rank 0 writes {run name: {"losses", "weights", ...}} to OUT, and under
                                     "resumed without state" the warnings of a PowerSGD run resumed from a
                                     checkpoint (in DIR) that an uncompressed run saved
+    compression_worker.py --mesh OUT    on 4 processes: bf16 reductions over dp=2 under tp=2 and under pp=2
+                                    (data parallelism on FSDP2 beside the other axes), with the reduce dtypes the
+                                    FSDP units were given
 
 ZeRO-1 with bf16 reductions and 2 micro-batches also records, after the first micro-batch's backward (gradients
 waiting for the reduction), the dtypes FSDP2 keeps them in: meshlight keeps them fp32.
@@ -43,22 +46,36 @@ RUNS: dict[str, tuple[Any, ...]] = {
 }
 
 
+MESH_RUNS = {
+    "tp2xdp2/bf16": (lambda: ml.TensorParallelStrategy(tp=2, grad_compression="bf16"), 2),
+    "pp2xdp2/bf16": (lambda: ml.PipelineStrategy(pp=2, microbatches=2, grad_compression="bf16"), 2),
+}  # name -> (strategy, data-parallel size)
+
+
+def fsdp_params(trainer: pl.Trainer) -> list[Any]:
+    """FSDP2's per-parameter objects in the trainer's model (private: the touch point under test)."""
+    units = [unit for unit in trainer.strategy.model.modules() if isinstance(unit, FSDPModule)]
+    groups = [unit._get_fsdp_state()._fsdp_param_group for unit in units]
+    return [param for group in groups if group is not None for param in group.fsdp_params]
+
+
 class WaitingGradients(Callback):
-    """The dtypes of the gradients FSDP2 holds after the first micro-batch of the second step."""
+    """The dtypes of the gradients FSDP2 holds after the first micro-batch of the second step, and the reduce dtypes
+    its units were given."""
 
     def __init__(self) -> None:
         self.dtypes: set[str] = set()
+        self.reduce_dtypes: set[str] = set()
 
     def on_after_backward(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.global_step != 1 or self.dtypes:
             return
-        for unit in trainer.strategy.model.modules():
-            group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
-            for param in group.fsdp_params if group is not None else ():
-                waiting = param.unsharded_accumulated_grad
-                if waiting is None:
-                    waiting = param._unsharded_param.grad
-                self.dtypes.add(str(waiting.dtype) if waiting is not None else "none")
+        for param in fsdp_params(trainer):
+            waiting = param.unsharded_accumulated_grad
+            if waiting is None:
+                waiting = param._unsharded_param.grad
+            self.dtypes.add(str(waiting.dtype) if waiting is not None else "none")
+            self.reduce_dtypes.add(str(param.reduce_dtype))
 
 
 def run(name: str) -> dict[str, Any]:
@@ -68,6 +85,14 @@ def run(name: str) -> dict[str, Any]:
     result = train("adamw-3e-3", strategy(), devices=WORLD, callbacks=[probe, *extra], **trainer_args)
     result.pop("module")
     return {**result, "waiting_dtypes": sorted(probe.dtypes)}
+
+
+def run_on_mesh(name: str) -> dict[str, Any]:
+    strategy, dp = MESH_RUNS[name]
+    probe = WaitingGradients()
+    result = train("adamw-3e-3", strategy(), devices=4, data_parallel=dp, callbacks=[probe])
+    result.pop("module")
+    return {**result, "reduce_dtypes": sorted(probe.reduce_dtypes)}
 
 
 def resumed_without_state(directory: Path) -> list[str]:
@@ -81,7 +106,10 @@ def resumed_without_state(directory: Path) -> list[str]:
 
 
 if __name__ == "__main__":
-    results = {name: run(name) for name in RUNS}
-    results["resumed without state"] = resumed_without_state(Path(sys.argv[2]))
+    if sys.argv[1] == "--mesh":
+        results = {name: run_on_mesh(name) for name in MESH_RUNS}
+    else:
+        results = {name: run(name) for name in RUNS}
+        results["resumed without state"] = resumed_without_state(Path(sys.argv[2]))
     if dist.get_rank() == 0:
-        torch.save(results, sys.argv[1])
+        torch.save(results, sys.argv[-1] if sys.argv[1] == "--mesh" else sys.argv[1])
