@@ -33,6 +33,7 @@ COMMANDS = {
     "pretrained": "python benchmarks/pretrained_load.py --nprocs 4",
     "compression": "python benchmarks/compression.py",
     "nvme": "python benchmarks/nvme_offload.py",
+    "integrity": "python benchmarks/checkpoint_integrity.py",
 }
 BELOW_1F1B = ("interleaved1f1b", "interleavedzerobubble", "zbvzerobubble")
 #: Run on a GPU machine (`make bench` here has none): the first two write benchmarks/gpu_results.json, the
@@ -509,6 +510,23 @@ def nvme_section(result: dict) -> str:
     return "\n".join(lines)
 
 
+def integrity_section(r: dict) -> str:
+    return "\n".join([
+        "## Checkpoint checksums",
+        "",
+        f"Command: `{COMMANDS['integrity']}` — one process saving {r['checkpoint_bytes']:,} bytes (a model of"
+        f" {r['params']:,} fp32 parameters and AdamW's two moments) with `save_checkpoint`, {r['rounds']} times with"
+        " checksums and as many without, interleaved (median seconds); the time spent recording the checksums,",
+        "timed in each save, over the median save without them (target: < 10%); and checking every file of one",
+        "checkpoint, as the ranks of a resume do between them before reading it.",
+        "",
+        "| save without (s) | save with (s) | recording the checksums (s) | share of a save | checking (s) |",
+        "|---:|---:|---:|---:|---:|",
+        f"| {r['save_seconds_without']:.3f} | {r['save_seconds_with_checksums']:.3f} |"
+        f" {r['checksum_seconds_per_save']:.3f} | {r['checksum_share_of_a_save']:.1%} | {r['check_seconds']:.3f} |",
+    ])
+
+
 def overhead_section(rows: list[dict]) -> str:
     lines = [
         "## Step-time overhead per strategy",
@@ -690,6 +708,7 @@ def main() -> None:
     bubble, balance, planner = run(COMMANDS["bubble"]), run(COMMANDS["balance"]), run(COMMANDS["planner"])
     recompute, profile, host_step = run(COMMANDS["recompute"]), run(COMMANDS["profile"]), run(COMMANDS["host_step"])
     pretrained, compression, nvme = run(COMMANDS["pretrained"]), run(COMMANDS["compression"]), run(COMMANDS["nvme"])
+    integrity = run(COMMANDS["integrity"])
     header = "\n".join([
         "# Benchmark results",
         "",
@@ -702,6 +721,7 @@ def main() -> None:
         f"- Versions: Python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}",
     ])
     sections = [header, comm_section(comm), memory_section(memory), pretrained_section(pretrained),
+                integrity_section(integrity),
                 overhead_section(overhead), bubble_section(bubble),
                 balance_section(balance), planner_section(planner), recompute_section(recompute),
                 host_step_section(host_step, _recorded(GPU_HOST_STEP)), compression_section(compression),

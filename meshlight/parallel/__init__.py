@@ -2,6 +2,7 @@
 
 from meshlight.parallel.blocks import BlockSelection, repeated_blocks
 from meshlight.parallel.checkpoint import (
+    CheckpointDamagedError,
     CheckpointError,
     CheckpointMismatchError,
     checkpoint_keys,
@@ -23,6 +24,7 @@ from meshlight.parallel.traffic import CollectiveTraffic, bytes_sent_per_rank
 
 __all__ = [
     "MESH_AXES",
+    "CheckpointDamagedError",
     "CheckpointError",
     "CheckpointMismatchError",
     "CollectiveTraffic",

@@ -34,15 +34,18 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from meshlight.parallel.dtensors import has_dtensor_parameters
+from meshlight.parallel.integrity import CHECKSUMS_FILENAME, checksummed_writer, damaged_files
 from meshlight.parallel.random_state import from_weights_only_form, weights_only_form
 
 __all__ = [
     "META_FILENAME",
     "OPTIMIZER_STATE",
     "AsyncCheckpointWriter",
+    "CheckpointDamagedError",
     "CheckpointError",
     "CheckpointMismatchError",
     "check_complete",
+    "check_intact",
     "checkpoint_keys",
     "consolidate",
     "is_complete",
@@ -69,6 +72,10 @@ class CheckpointError(RuntimeError):
     """The checkpoint is not whole: interrupted while being written, or a file of it is missing or unreadable."""
 
 
+class CheckpointDamagedError(CheckpointError):
+    """A file of the checkpoint differs from what its writer recorded (damaged, truncated or missing)."""
+
+
 class CheckpointMismatchError(KeyError):
     """The checkpoint's names and the model's differ; the message lists both sides."""
 
@@ -83,6 +90,7 @@ def save_checkpoint(
     write_metadata: bool,
     rng_state: Optional[dict[str, Any]] = None,
     writer: Optional[AsyncCheckpointWriter] = None,
+    checksums: bool = True,
 ) -> None:
     """Write a Lightning checkpoint dict: its ``state_dict`` and ``optimizer_states`` as DCP shards (every rank
     writes its own), the rest to ``meta.pt`` (only where ``write_metadata``), and ``rng_state`` (this rank's
@@ -92,7 +100,8 @@ def save_checkpoint(
     only once every rank's shards and the metadata are written, so a checkpoint interrupted mid-save is never
     taken for a whole one (:func:`is_complete`, and loading it raises :class:`CheckpointError`). With a
     ``writer`` the shards are staged in memory and written in the background, and the folder is committed as soon
-    as the write completes (:class:`AsyncCheckpointWriter`).
+    as the write completes (:class:`AsyncCheckpointWriter`). ``checksums``: each rank records the checksums of the
+    files it wrote, checked before a load reads them (:mod:`meshlight.parallel.integrity`).
     """
     checkpoint = dict(checkpoint)
     shards = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
@@ -120,12 +129,15 @@ def save_checkpoint(
         if write_metadata:  # DCP's coordinator finishes only after every rank's shards are written
             fs.rm(_join(root, INCOMPLETE_MARKER))
 
+    beside = ([RNG_FILENAME.format(rank=_rank())] if rng_state is not None else []) + (
+        [META_FILENAME] if write_metadata else [])
+    storage = checksummed_writer(str(path), beside) if checksums else _storage(path, write=True)
     if writer is None:
-        dcp.save(shards, storage_writer=_storage(path, write=True))
+        dcp.save(shards, storage_writer=storage)
         commit()
         _barrier()
     else:
-        writer.submit(shards, path, commit)
+        writer.submit(shards, storage, commit)
 
 
 class AsyncCheckpointWriter:
@@ -137,11 +149,12 @@ class AsyncCheckpointWriter:
         self._group: Optional[dist.ProcessGroup] = None
         self._pending: Optional[tuple[Any, threading.Event]] = None
 
-    def submit(self, shards: dict[str, Any], path: PathLike, commit: Any) -> None:
+    def submit(self, shards: dict[str, Any], storage: Any, commit: Any) -> None:
+        """Write ``shards`` with DCP's storage writer ``storage`` in the background, then ``commit``."""
         self.wait()
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
-        response = dcp.async_save(shards, storage_writer=_storage(path, write=True), process_group=self._group,
+        response = dcp.async_save(shards, storage_writer=storage, process_group=self._group,
                                   no_dist=not dist.is_initialized())
         future = getattr(response, "upload_completion", response)  # newer torch: staging, then upload
         committed = threading.Event()
@@ -198,6 +211,23 @@ def check_complete(path: PathLike) -> None:
     problem = _incompleteness(path)
     if problem is not None:
         raise CheckpointError(problem)
+
+
+def check_intact(path: PathLike, *, collective: bool = True) -> None:
+    """Raise :class:`CheckpointDamagedError` naming the checkpoint and every file of it that differs from what its
+    writer recorded. ``collective`` (under ``torch.distributed``): the ranks each check a share of the files."""
+    collective = collective and dist.is_initialized()
+    share = (dist.get_rank(), dist.get_world_size()) if collective else (0, 1)
+    problems = damaged_files(str(path), share)
+    if collective:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, problems)
+        problems = sorted(problem for part in gathered for problem in part)
+    if problems:
+        raise CheckpointDamagedError(
+            f"The checkpoint {str(path)!r} is damaged: {'; '.join(problems)}. Nothing was read from it; resume from an"
+            " earlier checkpoint (meshlight's Trainer.fit(ckpt_path=\"last\") falls back to the newest intact one)."
+        )
 
 
 def _incompleteness(path: PathLike) -> Optional[str]:
@@ -283,7 +313,9 @@ def _rank() -> int:
 
 
 def _is_earlier_save(name: str) -> bool:
-    return name.endswith((".distcp", ".metadata")) or (name.startswith("rng-") and name.endswith(".pt"))
+    return name.endswith((".distcp", ".metadata")) or any(
+        name.startswith(prefix.split("{")[0]) and name.endswith(prefix.split("}")[1])
+        for prefix in (RNG_FILENAME, CHECKSUMS_FILENAME))
 
 
 def _barrier() -> None:
@@ -309,6 +341,7 @@ def load_checkpoint(
     is read, so every rank fails the same way and none waits in a collective.
     """
     check_complete(path)
+    check_intact(path)
     keys = checkpoint_keys(path)
     model_state = get_model_state_dict(module)
     loadable = _check_names(expected_names or set(model_state), keys.get(MODEL_KEY, set()), strict, path)
@@ -397,6 +430,7 @@ def read_model_weights(path: PathLike) -> dict[str, torch.Tensor]:
     """The model weights of a sharded checkpoint (any layout), whole, by the names the LightningModule has them
     under; read in one process, no process group."""
     check_complete(path)
+    check_intact(path, collective=False)
     stored = _storage(path).read_metadata().state_dict_metadata
     state = {key.partition(".")[2]: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in stored.items() if key.startswith(MODEL_KEY + ".") and hasattr(meta, "size")}

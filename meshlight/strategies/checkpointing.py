@@ -4,6 +4,7 @@ random state; resumed into the parallelized model (see :mod:`meshlight.parallel.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -16,7 +17,9 @@ from typing_extensions import override
 from meshlight.parallel.checkpoint import (
     OPTIMIZER_STATE,
     AsyncCheckpointWriter,
+    CheckpointDamagedError,
     CheckpointError,
+    check_intact,
     load_checkpoint,
     load_rng_state,
     save_checkpoint,
@@ -40,6 +43,8 @@ class ShardedCheckpointing(ParallelStrategy):
     _state_names: Optional[set[str]] = None
     #: the random state a resumed run's first training batch starts from (see :meth:`on_train_batch_start`)
     _resumed_rng: Optional[dict[str, Any]] = None
+    #: older checkpoints to resume from, newest first, when the one asked for is damaged (``ckpt_path="last"``)
+    fallback_checkpoints: Sequence[str] = ()
 
     @property
     @override
@@ -95,6 +100,7 @@ class ShardedCheckpointing(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = self.broadcast(newest_whole_hpc_checkpoint(str(checkpoint_path)) if self.is_global_zero
                               else checkpoint_path)
+        path = self._intact(path)
         module = self.lightning_module
         assert module is not None
         checkpoint = load_checkpoint(path, module, self.optimizers, strict=module.strict_loading,
@@ -110,6 +116,20 @@ class ShardedCheckpointing(ParallelStrategy):
             set_rng_states(rng)  # same ranks, same streams: dropout continues as if never interrupted
             self._resumed_rng = rng
         return checkpoint
+
+    def _intact(self, path: str) -> str:
+        """``path``, or — when it is damaged and the Trainer gave older checkpoints to fall back to — the newest
+        intact of those, with a warning naming what was damaged."""
+        candidates, self.fallback_checkpoints = [path, *self.fallback_checkpoints], ()
+        for candidate, older in zip(candidates, [*candidates[1:], None]):
+            try:
+                check_intact(candidate)
+                return candidate
+            except CheckpointDamagedError as error:
+                if older is None:
+                    raise
+                rank_zero_warn(f"{error} Resuming from {older} instead.")
+        return path
 
     def _resume_powersgd(self, state: Optional[dict[str, Any]], path: str) -> None:
         """Continue PowerSGD's error feedback and factors where the checkpoint left them, if it was saved on this

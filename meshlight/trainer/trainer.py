@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from meshlight.callbacks.checkpoint import DistributedCheckpoint
 from meshlight.callbacks.expert_load import ExpertLoadMonitor
 from meshlight.parallel.checkpoint import load_metadata, numbered_entries
+from meshlight.strategies.checkpointing import ShardedCheckpointing
 from meshlight.strategies.preemption import HPC_CHECKPOINT, newest_hpc_checkpoint
 from meshlight.strategies.registry import resolve_strategy
 
@@ -60,10 +61,13 @@ class Trainer(pl.Trainer):
         requeued = (ckpt_path is None and SLURMEnvironment.detect()
                     and bool(numbered_entries(str(self.default_root_dir), HPC_CHECKPOINT)))
         if requeued or ckpt_path == "last" and any(isinstance(c, DistributedCheckpoint) for c in self.callbacks):
-            newest = self.newest_checkpoint()
+            found = self.complete_checkpoints()
+            newest = found[0] if found else None
             if newest is not None:
                 ckpt_path = newest[1]
                 rank_zero_info(f"Resuming from {ckpt_path} (step {newest[0]}), the newest checkpoint.")
+                if isinstance(self.strategy, ShardedCheckpointing):  # where it is damaged, the next newest
+                    self.strategy.fallback_checkpoints = [path for _, path in found[1:]]
             elif ckpt_path == "last":
                 ckpt_path = None
                 rank_zero_info('ckpt_path="last": no complete checkpoint yet, starting from scratch.')
@@ -74,9 +78,16 @@ class Trainer(pl.Trainer):
         """``(step, path)`` of the newest complete checkpoint of the :class:`~meshlight.callbacks.DistributedCheckpoint`
         callbacks and of the whole ``hpc_ckpt_*`` in ``default_root_dir`` (None when there is none); at equal
         steps, a callback's."""
-        found = [(steps[-1], c.path_of(steps[-1])) for c in self.callbacks if isinstance(c, DistributedCheckpoint)
-                 for steps in [c.complete_steps()] if steps]
+        found = self.complete_checkpoints()
+        return found[0] if found else None
+
+    def complete_checkpoints(self) -> list[tuple[int, str]]:
+        """``(step, path)`` of every complete checkpoint of the :class:`~meshlight.callbacks.DistributedCheckpoint`
+        callbacks and of the newest whole ``hpc_ckpt_*`` in ``default_root_dir``, newest first (at equal steps, a
+        callback's first)."""
+        found = [(step, c.path_of(step)) for c in self.callbacks if isinstance(c, DistributedCheckpoint)
+                 for step in c.complete_steps()]
         hpc = newest_hpc_checkpoint(str(self.default_root_dir))
         if hpc is not None:
             found.append((int(load_metadata(hpc)["global_step"]), hpc))
-        return max(found, key=lambda step_path: step_path[0]) if found else None
+        return sorted(found, key=lambda step_path: -step_path[0])

@@ -226,19 +226,28 @@ def test_partial_and_damaged_checkpoints_fail_naming_the_file(tmp_path):
         _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
     (folder / INCOMPLETE_MARKER).unlink()
     (folder / "meta.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(CheckpointError, match=r"meta.pt' cannot be read .*: the file is corrupted"):
+    with pytest.raises(CheckpointError, match=r"meta.pt is truncated or grown \(16 bytes, written with"):
         _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
     shard = next(p for p in folder.iterdir() if p.suffix == ".distcp")
     (folder / "meta.pt").write_bytes(before["meta.pt"])
     shard.write_bytes(shard.read_bytes()[:100])
     damaged = {p.name: p.read_bytes() for p in folder.iterdir()}
-    with pytest.raises(CheckpointError, match=rf"'{re.escape(str(shard))}' is truncated \(100 of [\d,]+ bytes\)"):
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(shard))} is truncated or grown \(100 bytes"):
         _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == damaged  # a failed resume writes nothing
+    # without the checksums (a checkpoint of an older meshlight, or DCP's alone) the reads still name the damage
+    for record in folder.glob("checksums-*.json"):
+        record.unlink()
+    with pytest.raises(CheckpointError, match=rf"'{re.escape(str(shard))}' is truncated \(100 of [\d,]+ bytes\)"):
+        _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
+    shard.write_bytes(before[shard.name])
+    (folder / "meta.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"meta.pt' cannot be read .*: the file is corrupted"):
+        _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
     (folder / ".metadata").unlink()
     with pytest.raises(CheckpointError, match=r"\.metadata' is missing"):
         _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
-    assert {p.name for p in folder.iterdir()} == set(before) - {".metadata"}
+    assert {p.name for p in folder.iterdir()} == set(before) - {".metadata", "checksums-0.json"}
     assert not (tmp_path / "other").exists()  # no run that failed to resume saved anything
 
 
@@ -261,11 +270,18 @@ def test_a_random_state_file_that_would_run_code_is_refused_naming_it_unless_tru
     assert set(state) >= {"torch", "numpy", "python", "world_size"}
     ran = tmp_path / "payload-ran"
     torch.save({**state, "numpy": _Payload(ran)}, folder / "rng-0.pt")
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(folder / 'rng-0.pt'))} is (damaged|truncated)"):
+        _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))  # it is not the file written
+    # checksums are no defence against someone who writes them too: the file is still read as data only
+    from meshlight.parallel.integrity import record_checksums
+
+    record_checksums(str(folder), ["rng-0.pt"], rank=0)
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(folder / 'rng-0.pt'))} holds objects that unpickling"
                                               r" would have to run code for.*weights_only=False"):
         _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
     assert not ran.exists()  # refused before anything ran
     torch.save(state, folder / "rng-0.pt")
+    record_checksums(str(folder), ["rng-0.pt"], rank=0)
     _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))  # the file as meshlight wrote it resumes
 
 
