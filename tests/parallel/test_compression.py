@@ -154,9 +154,12 @@ def mesh_runs(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("name", list(compression_worker.MESH_RUNS))
-def test_bf16_reductions_over_dp_beside_tensor_and_pipeline_parallelism(mesh_runs, controls, name):
+def test_bf16_reductions_over_dp_beside_tensor_pipeline_and_expert_parallelism(mesh_runs, controls, name):
     # the data-parallel reductions run on FSDP2 there: its units reduce in bf16, and training follows fp32's
-    result = mesh_runs[name]
+    result, moe = mesh_runs[name], compression_worker.MESH_RUNS[name][2]
+    control = train("adamw-3e-3", model=compression_worker.moe_model) if moe else controls["adamw"]
     assert result["reduce_dtypes"] == ["torch.bfloat16"]
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(controls["adamw"]["losses"]), rtol=1e-3,
-                               atol=0)
+    # Dense models stay within 1.4e-5 of fp32's losses. Under MoE the rounding moves a few tokens to other experts
+    # from step 3 on, and the routing amplifies it: within 5.2e-3 (uncompressed, the same ep=2 run is within 2e-7).
+    rtol = 1e-2 if moe else 1e-3
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(control["losses"]), rtol=rtol, atol=0)

@@ -5,8 +5,8 @@ uncompressed control of tests/strategies/parity.py (the test runs the control in
                                     "resumed without state" the warnings of a PowerSGD run resumed from a
                                     checkpoint (in DIR) that an uncompressed run saved
     compression_worker.py --mesh OUT    on 4 processes: bf16 reductions over dp=2 under tp=2 and under pp=2
-                                    (data parallelism on FSDP2 beside the other axes), with the reduce dtypes the
-                                    FSDP units were given
+                                    (data parallelism on FSDP2 beside the other axes) and over the dense and the
+                                    expert weights under ep=2, with the reduce dtypes the FSDP units were given
 
 ZeRO-1 with bf16 reductions and 2 micro-batches also records, after the first micro-batch's backward (gradients
 waiting for the reduction), the dtypes FSDP2 keeps them in: meshlight keeps them fp32.
@@ -25,8 +25,12 @@ from torch.distributed.fsdp import FSDPModule
 
 import meshlight as ml
 from meshlight.callbacks import ActivationCheckpointing, ActivationCompression
+from meshlight.demos import AdditionDataModule, LitGPT
+from meshlight.models import GPTConfig
+from meshlight.nn import MoEConfig
 from meshlight.parallel import GradientCompression
 from tests.strategies.parity import train
+from tests.strategies.workers.moe_worker import EXPERTS
 
 WORLD = 2
 # name -> (strategy, Trainer arguments (and parity.train's data_parallel)[, callbacks])
@@ -47,9 +51,19 @@ RUNS: dict[str, tuple[Any, ...]] = {
 
 
 MESH_RUNS = {
-    "tp2xdp2/bf16": (lambda: ml.TensorParallelStrategy(tp=2, grad_compression="bf16"), 2),
-    "pp2xdp2/bf16": (lambda: ml.PipelineStrategy(pp=2, microbatches=2, grad_compression="bf16"), 2),
-}  # name -> (strategy, data-parallel size)
+    "tp2xdp2/bf16": (lambda: ml.TensorParallelStrategy(tp=2, grad_compression="bf16"), 2, None),
+    "pp2xdp2/bf16": (lambda: ml.PipelineStrategy(pp=2, microbatches=2, grad_compression="bf16"), 2, None),
+    # experts over ep=2 are data parallel over the 2 ranks holding the same ones, the dense weights over all 4
+    "moe ep2/bf16": (lambda: ml.MoEStrategy(ep=2, grad_compression="bf16"), 4, True),
+}  # name -> (strategy, data-parallel size, whether the model is moe_model's (else parity's GPT-tiny))
+
+
+def moe_model() -> LitGPT:
+    """GPT-tiny with MoE blocks at the learning rate of 3e-3: at 1e-2 (the MoE parity runs') routing is chaotic
+    enough that bf16's rounding moves a token to another expert by step 3, and the curves part."""
+    config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=2, bias=False,
+                            moe=MoEConfig(num_experts=EXPERTS))
+    return LitGPT(config, lr=3e-3, warmup_steps=2)
 
 
 def fsdp_params(trainer: pl.Trainer) -> list[Any]:
@@ -88,9 +102,10 @@ def run(name: str) -> dict[str, Any]:
 
 
 def run_on_mesh(name: str) -> dict[str, Any]:
-    strategy, dp = MESH_RUNS[name]
+    strategy, dp, moe = MESH_RUNS[name]
     probe = WaitingGradients()
-    result = train("adamw-3e-3", strategy(), devices=4, data_parallel=dp, callbacks=[probe])
+    model = moe_model if moe else None
+    result = train("adamw-3e-3", strategy(), devices=4, data_parallel=dp, callbacks=[probe], model=model)
     result.pop("module")
     return {**result, "reduce_dtypes": sorted(probe.reduce_dtypes)}
 
