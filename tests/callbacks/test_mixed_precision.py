@@ -83,6 +83,18 @@ def test_fp16_overflow_skips_steps_until_the_scale_fits(runs):
     assert sum(result["changed"]) >= 10 and result["finite"]
 
 
+@pytest.mark.parametrize("run", ["fp16 pipeline", "16-mixed zero2 inf"])
+def test_fp16_gradients_once_unscaled_are_the_fp32_gradients_to_fp16s_rounding(runs, run):
+    # A wrong loss scale hides from the losses (AdamW divides it out: doubled gradients move 20 steps' losses by
+    # 3e-5), not from the gradients themselves: at the first step, from the same weights and batch, every tensor is
+    # the fp32 run's within 1e-2 of its norm.
+    fp32, fp16 = runs["fp32"]["gradients"], runs[run]["gradients"]
+    assert fp16.keys() == fp32.keys() and len(fp32) > 10
+    errors = {name: float((fp16[name] - grad).norm() / grad.norm()) for name, grad in fp32.items()}
+    assert max(errors.values()) <= 1e-2, errors
+    assert max(errors.values()) > 1e-5  # computed in fp16, not fp32
+
+
 def test_one_rank_overflowing_skips_the_step_on_every_rank(runs):
     result = runs["16-mixed zero2 inf"]  # Lightning's fp16 plugin; rank 1 alone sees inf at step 3
     assert result["changed"] == [i != 3 for i in range(20)]  # recorded on rank 0

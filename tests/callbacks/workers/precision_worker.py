@@ -24,9 +24,10 @@ from tests.strategies.workers.hybrid_worker import moe_gpt4
 
 
 class Probe(Callback):
-    """On the first batch: the (input dtype, weight dtype) each Linear, norm and router sees in forward; after
-    every step: the loss scale, whether the weights changed, whether every rank's weights are finite, and the
-    dtypes of the stored weights and gradients."""
+    """On the first batch: the (input dtype, weight dtype) each Linear, norm and router sees in forward, and the
+    whole gradients the optimizer is given (after the loss scale is divided out); after every step: the loss scale,
+    whether the weights changed, whether every rank's weights are finite, and the dtypes of the stored weights and
+    gradients."""
 
     def __init__(self, inject_inf_at: int = -1) -> None:
         self.seen: dict[str, set[tuple[str, str]]] = {}
@@ -34,6 +35,7 @@ class Probe(Callback):
         self.changed: list[bool] = []
         self.stored: set[str] = set()
         self.finite: list[bool] = []  # after each step, on every rank
+        self.gradients: dict[str, torch.Tensor] = {}  # at the first step, whole, from every rank (on rank 0)
         self.inject_inf_at = inject_inf_at
         self._handles: list[Any] = []
         self._forwards: dict[type, Any] = {}
@@ -67,6 +69,15 @@ class Probe(Callback):
             grad = next(p.grad for p in module.parameters() if p.grad is not None)
             _local(grad).view(-1)[0] = float("inf")
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step != 0 or self.gradients:
+            return
+        local = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float().cpu()
+                 for name, p in module.named_parameters() if p.grad is not None}
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)  # pipeline stages hold different parameters
+        self.gradients = {name: grad for part in gathered for name, grad in part.items()}
+
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
         for handle in self._handles:
             handle.remove()
@@ -97,7 +108,7 @@ def run(strategy: Any, precision: Any, probe: Probe = None, **options: Any) -> d
     result.pop("module")
     finite = len(probe.finite) == 20 and all(probe.finite)
     return {**result, "finite": finite, "seen": probe.seen, "scales": probe.scales, "changed": probe.changed,
-            "stored": probe.stored}
+            "stored": probe.stored, "gradients": probe.gradients}
 
 
 def runs(world: int) -> dict[str, Any]:
