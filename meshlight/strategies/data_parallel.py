@@ -45,8 +45,9 @@ class ZeroStrategy(MeshStrategy):
     """ZeRO data parallelism on FSDP2: shard optimizer state (stage 1), also gradients (2), also parameters (3).
 
     Args:
-        stage: 1, 2 or 3. Stages 1 and 2 move the same bytes per step as DDP; stage 3 adds one all-gather of
-            the parameters in backward. See :mod:`meshlight.parallel.data_parallel` for the exact mapping.
+        stage: 1, 2 or 3. Stages 1 and 2 move the same bytes per step as DDP (stage 2 with k micro-batches of
+            gradient accumulation reduce-scatters each: (1 + k)/2 × DDP's); stage 3 adds one all-gather of the
+            parameters in backward. See :mod:`meshlight.parallel.data_parallel` for the exact mapping.
         dp_replicate: hybrid sharding — shard within groups of ``world/dp_replicate`` ranks and replicate
             across those groups (HSDP), to keep sharding traffic on fast links.
         **kwargs: passed to :class:`MeshStrategy`.

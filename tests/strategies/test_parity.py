@@ -49,3 +49,29 @@ def test_zero3_gathers_the_blocks_twice_and_the_root_once_per_step(distributed):
     assert gathers["bytes_sent"] == pytest.approx(expected)
     reduced = result["traffic"]["reduce_scatter"]["bytes_sent"]
     assert reduced == pytest.approx(result["param_bytes"] * (world - 1) / world)
+
+
+@pytest.mark.parametrize("variant", ["adamw", "accumulate"])
+def test_zero1_and_zero2_move_ddps_bytes_per_step_and_zero2_more_while_accumulating(distributed, variant):
+    # DDP all-reduces the gradients once per step; ZeRO-1 and ZeRO-2 reduce-scatter them and gather the stepped
+    # parameters: the same bytes. With 2 micro-batches ZeRO-2 reduce-scatters each (its gradients are sharded):
+    # (1 + 2)/2 of DDP's. ZeRO-1 keeps whole gradients until the step and still moves DDP's bytes.
+    world = distributed["world"]
+    share = (world - 1) / world
+
+    def sent(run: str, *kinds: str) -> float:
+        return sum(distributed[run]["traffic"].get(kind, {}).get("bytes_sent", 0.0) for kind in kinds)
+
+    params = distributed[f"ddp/{variant}"]["param_bytes"]
+    assert sent(f"ddp/{variant}", "all_reduce") == pytest.approx(2 * params * share, abs=64)  # + the logged loss
+    assert sent(f"zero1/{variant}", "all_gather", "reduce_scatter") == pytest.approx(2 * params * share)
+    reductions = 2 if variant == "accumulate" else 1
+    assert sent(f"zero2/{variant}", "all_gather", "reduce_scatter") == pytest.approx((1 + reductions) * params * share)
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+def test_every_zero_stage_keeps_its_share_of_the_optimizer_state(distributed, stage):
+    world, result = distributed["world"], distributed[f"{stage}/adamw"]
+    assert distributed["ddp/adamw"]["optimizer_state_bytes"] == 2 * result["param_bytes"]  # AdamW's two moments
+    # rank 0's shard: rows split over the ranks, the first ranks holding a row more where they do not divide
+    assert result["optimizer_state_bytes"] == pytest.approx(2 * result["param_bytes"] / world, rel=0.05)

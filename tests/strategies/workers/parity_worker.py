@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
 
 from meshlight.parallel import CollectiveTraffic, repeated_blocks
 from tests.strategies.parity import train
@@ -19,27 +20,38 @@ MEASURED_STEP = 3  # after lazy initialization
 
 
 class StepTraffic(Callback):
-    """The collectives issued during batch ``MEASURED_STEP`` (forward, backward and optimizer step)."""
+    """The collectives issued during optimizer step ``MEASURED_STEP`` (forward, backward of each of its
+    ``micro_batches`` and the optimizer step), and the bytes of optimizer state this rank holds after training."""
 
-    def __init__(self) -> None:
+    def __init__(self, micro_batches: int = 1) -> None:
         self.traffic = CollectiveTraffic()
+        self.micro_batches = micro_batches
+        self.optimizer_state_bytes = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, index: int) -> None:
-        if index == MEASURED_STEP:
+        if index == MEASURED_STEP * self.micro_batches:
             self.traffic.__enter__()
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, index: int) -> None:
-        if index == MEASURED_STEP:
+        if index == MEASURED_STEP * self.micro_batches + self.micro_batches - 1:
             self.traffic.__exit__(None, None, None)
+
+    def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
+        values = [value for optimizer in trainer.optimizers for state in optimizer.state.values()
+                  for value in state.values() if torch.is_tensor(value)]
+        locals_ = [value.to_local() if isinstance(value, DTensor) else value for value in values]
+        self.optimizer_state_bytes = sum(t.numel() * t.element_size() for t in locals_ if t.dim())  # not step counts
 
 
 def run(strategy: str, variant: str, world: int) -> dict[str, Any]:
-    probe = StepTraffic()
-    result = train(variant, strategy, devices=world, callbacks=[probe] if variant == "adamw" else [])
+    probe = StepTraffic(micro_batches=2 if variant == "accumulate" else 1)
+    measured = variant in ("adamw", "accumulate")
+    result = train(variant, strategy, devices=world, callbacks=[probe] if measured else [])
     module = result.pop("module")
-    if variant == "adamw":
+    if measured:
         blocks = [p for block in repeated_blocks(module) for p in block.parameters()]
         result.update(traffic=probe.traffic.summary(), blocks=len(repeated_blocks(module)),
+                      optimizer_state_bytes=probe.optimizer_state_bytes,
                       param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
                       block_bytes=sum(p.numel() * p.element_size() for p in blocks))
     return result
