@@ -75,3 +75,10 @@ def test_every_zero_stage_keeps_its_share_of_the_optimizer_state(distributed, st
     assert distributed["ddp/adamw"]["optimizer_state_bytes"] == 2 * result["param_bytes"]  # AdamW's two moments
     # rank 0's shard: rows split over the ranks, the first ranks holding a row more where they do not divide
     assert result["optimizer_state_bytes"] == pytest.approx(2 * result["param_bytes"] / world, rel=0.05)
+
+
+def test_a_model_that_shards_itself_keeps_its_own_fsdp_units(distributed):
+    # OwnShardingGPT applies fully_shard to its blocks and itself in configure_model: the strategy adds none
+    # (under "zero3" it would shard the blocks and its own root around the LightningModule)
+    assert distributed["own fsdp/adamw"]["fsdp_units"] == ["", "model.blocks.0", "model.blocks.1"]
+    assert distributed["zero3/adamw"]["fsdp_units"] == ["model.blocks.0", "model.blocks.1"]

@@ -1,5 +1,7 @@
 """torchrun worker: train every data-parallel strategy and variant on this world; rank 0 saves the results,
-with the collectives of one optimizer step of each strategy's AdamW run."""
+with the collectives of one optimizer step of each strategy's AdamW run. Besides the named strategies: HSDP (ZeRO-3
+sharded within groups of world/2 ranks, replicated across the 2 groups) and a model that applies FSDP2 itself in
+``configure_model`` (the strategy then applies none)."""
 
 import sys
 from typing import Any
@@ -8,15 +10,37 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+import meshlight as ml
+from meshlight.demos import LitGPT
 from meshlight.parallel import CollectiveTraffic, repeated_blocks
-from tests.strategies.parity import train
+from tests.strategies.parity import make_model, train
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 RUNS = [(s, v) for s in STRATEGIES for v in ("adamw", "accumulate", "clip")]
 RUNS += [(s, v) for s in ("zero1", "zero3") for v in ("sgd", "adafactor")]
+RUNS += [("hsdp", "adamw"), ("own fsdp", "adamw")]
 MEASURED_STEP = 3  # after lazy initialization
+
+
+class OwnShardingGPT(LitGPT):
+    """A LightningModule sharding itself with FSDP2 over the strategy's data-parallel mesh, block by block."""
+
+    def configure_model(self) -> None:
+        if any(isinstance(m, FSDPModule) for m in self.modules()):
+            return
+        mesh = self.device_mesh["dp"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+def strategy_of(name: str) -> Any:
+    if name == "hsdp":
+        return ml.ZeroStrategy(3, dp_replicate=2)
+    return "zero3" if name == "own fsdp" else name
 
 
 class StepTraffic(Callback):
@@ -46,8 +70,12 @@ class StepTraffic(Callback):
 def run(strategy: str, variant: str, world: int) -> dict[str, Any]:
     probe = StepTraffic(micro_batches=2 if variant == "accumulate" else 1)
     measured = variant in ("adamw", "accumulate")
-    result = train(variant, strategy, devices=world, callbacks=[probe] if measured else [])
+    own = strategy == "own fsdp"
+    model = (lambda: OwnShardingGPT(make_model(variant).config, lr=1e-2, warmup_steps=2)) if own else None
+    result = train(variant, strategy_of(strategy), devices=world, callbacks=[probe] if measured else [], model=model)
     module = result.pop("module")
+    # the strategy applied no data parallelism of its own over the model's (FSDP units: the model's own)
+    result["fsdp_units"] = sorted(name for name, m in module.named_modules() if isinstance(m, FSDPModule))
     if measured:
         blocks = [p for block in repeated_blocks(module) for p in block.parameters()]
         result.update(traffic=probe.traffic.summary(), blocks=len(repeated_blocks(module)),
