@@ -138,6 +138,20 @@ def test_resuming_mid_epoch_loads_only_the_samples_still_to_come(tmp_path):
     assert resumed.train_set.loaded == full.train_set.loaded[4 * 4:]
 
 
+def test_one_process_with_dropout_resumes_every_loss_bitwise_mid_epoch(tmp_path):
+    # ddp on one process (the 2-process runs above are killed; here the second fit stands for the restart)
+    from tests.callbacks.workers.reshard_worker import StopAfter
+
+    full, first, resumed = resume_worker.Losses(), resume_worker.Losses(), resume_worker.Losses()
+    _fit(tmp_path, tmp_path / "full", max_steps=9, callbacks=[full], async_save=False)
+    # stopped after step 4 (of 6-step epochs: mid-epoch) with max_steps, and so the LR schedule, as the full run's
+    _fit(tmp_path, tmp_path / "ckpt", max_steps=9, callbacks=[first, StopAfter(4)], async_save=False)
+    _fit(tmp_path, tmp_path / "ckpt", max_steps=9, callbacks=[resumed], async_save=False, ckpt_path="last")
+    assert sorted(resumed.losses) == [5, 6, 7, 8, 9]
+    assert {step: full.losses[step] for step in resumed.losses} == resumed.losses  # exact float equality
+    assert resume_worker.model(0).config.dropout == 0.1
+
+
 def test_refuses_strategies_that_are_not_meshlights(tmp_path):
     import lightning.pytorch as pl
 
@@ -331,8 +345,9 @@ def resharded(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("reshard")
     worker = Path(reshard_worker.__file__)
-    killed = torchrun(worker, 8, "kill", str(root), timeout=600, check=False)
-    assert killed.returncode != 0, "the 3-D run was meant to be killed after step 12"
+    for kill in ("kill", "kill-dropout"):
+        killed = torchrun(worker, 8, kill, str(root), timeout=600, check=False)
+        assert killed.returncode != 0, "the 3-D run was meant to be killed after step 12"
     started = time.monotonic()
     torchrun(worker, 8, "term", str(root), str(root / "term.pt"), timeout=300)  # before: hung until killed
     term_seconds = time.monotonic() - started
@@ -356,6 +371,16 @@ def test_resume_after_sigkill_reproduces_every_loss_bitwise_under_dp2_pp2_tp2(re
     first = min(resumed)  # from step 10, or step 5 if step 10's background write was still in flight
     assert first in (6, 11) and sorted(resumed) == list(range(first, 21)), sorted(resumed)
     assert {step: full[step] for step in resumed} == resumed  # exact float equality
+
+
+def test_resume_after_sigkill_with_dropout_reproduces_every_loss_bitwise_under_dp2_pp2_tp2(resharded):
+    # every random stream — data ranks', pipeline stages', and the tp ranks' own inside the blocks under sequence
+    # parallelism — continues where the uninterrupted run had it
+    full, resumed = resharded["3d"]["dropout losses"], resharded["3d"]["dropout resumed"]
+    first = min(resumed)
+    assert first in (6, 11) and sorted(resumed) == list(range(first, 21)), sorted(resumed)
+    assert {step: full[step] for step in resumed} == resumed  # exact float equality
+    assert full != resharded["3d"]["losses"]  # dropout was on
 
 
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_which_is_saved_and_resumes_bitwise(resharded):

@@ -3,6 +3,7 @@ SIGTERM, and its checkpoint resumes under other layouts.
 
     kill DIR            8 processes: train under "3d" with asynchronous checkpoints every 5 steps into DIR/killed;
                         every rank SIGKILLs itself right after step 12
+    kill-dropout DIR    the same with dropout 0.1, into DIR/killed-dropout
     term DIR OUT        8 processes: the same into DIR/term, but rank 5 alone sends itself SIGTERM as the batch of
                         step 7 starts; then validate, rank 5 sending itself SIGTERM as validation batch 7 (of 28)
                         starts; rank 0 writes each rank's (exception raised, global step or validation batch then)
@@ -19,8 +20,9 @@ SIGTERM, and its checkpoint resumes under other layouts.
                         writes the full weights right after loading and the losses of steps 11–15
 
 Epochs are 8 steps long (as in resume_worker), so step 10 is mid-epoch. Dropout is off: the losses of a run
-resumed under another layout are compared with the 3-D run's, and every layout draws its own dropout masks
-(resume_worker covers resuming with dropout on).
+resumed under another layout are compared with the 3-D run's, and every layout draws its own dropout masks — except
+in "kill-dropout" (as "kill", into DIR/killed-dropout, dropout 0.1), whose resume "save" also runs and compares with
+an uninterrupted run with dropout.
 """
 
 import os
@@ -42,6 +44,7 @@ from tests.callbacks.workers.resume_worker import GLOBAL_BATCH, KILL_AFTER, MAX_
 from tests.strategies.parity import full_weights
 
 EVERY, RESHARD_AT, RESHARD_TO, TERM_AT, TERM_RANK = 5, 10, 15, 7, 5
+DROPOUT = 0.1  # of the runs killed and resumed with dropout on
 STRATEGIES = {"3d": lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, zero=1), "ddp": lambda: "ddp",
               "zero3": lambda: "zero3", "single": lambda: "ddp"}
 
@@ -123,8 +126,8 @@ def slurm_job(directory: Path):
 
 
 def train(name: str, checkpoint: DistributedCheckpoint = None, *, stop_after: int = MAX_STEPS, ckpt_path: str = None,
-          kill: bool = False, callbacks: tuple[Callback, ...] = (),
-          root: Path = None) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+          kill: bool = False, callbacks: tuple[Callback, ...] = (), root: Path = None,
+          dropout: float = 0.0) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     world = int(os.environ["WORLD_SIZE"])
     dp = 2 if name == "3d" else world
     pl.seed_everything(0, verbose=False)
@@ -135,13 +138,17 @@ def train(name: str, checkpoint: DistributedCheckpoint = None, *, stop_after: in
                          callbacks=[losses, weights, StopAfter(stop_after), *callbacks]
                          + ([checkpoint] if checkpoint else []))
     data = ml.demos.AdditionDataModule(3, batch_size=GLOBAL_BATCH // dp, train_size=GLOBAL_BATCH * STEPS_PER_EPOCH)
-    trainer.fit(model(0, dropout=0.0), data, ckpt_path=ckpt_path)
+    trainer.fit(model(0, dropout=dropout), data, ckpt_path=ckpt_path)
     return losses.losses, weights.weights
 
 
 def main(mode: str, directory: Path, out: str = "", name: str = "3d") -> None:
     if mode == "kill":
         train("3d", DistributedCheckpoint(directory / "killed", every_n_train_steps=EVERY, keep_last_k=2), kill=True)
+        return
+    if mode == "kill-dropout":
+        train("3d", DistributedCheckpoint(directory / "killed-dropout", every_n_train_steps=EVERY, keep_last_k=2),
+              kill=True, dropout=DROPOUT)
         return
     if mode == "term":
         term, validated = SignalAt(), SignalAt()
@@ -177,8 +184,14 @@ def main(mode: str, directory: Path, out: str = "", name: str = "3d") -> None:
                               ckpt_path="last")
         with slurm_job(directory):
             after_requeue, _ = train("3d", root=directory / "requeue")
+        # with dropout: every random stream (data ranks', pipeline stages', tensor ranks' under sequence
+        # parallelism) continues where the uninterrupted run had it
+        dropped, _ = train("3d", dropout=DROPOUT)
+        resumed_dropped, _ = train("3d", DistributedCheckpoint(directory / "killed-dropout", every_n_train_steps=EVERY,
+                                                               keep_last_k=2), ckpt_path="last", dropout=DROPOUT)
         result = {"weights": weights, "losses": losses, "resumed": resumed, "resumed_after_term": after_term,
-                  "resumed_after_requeue": after_requeue}
+                  "resumed_after_requeue": after_requeue, "dropout losses": dropped,
+                  "dropout resumed": resumed_dropped}
     else:
         saved = directory / "full" / f"step={RESHARD_AT:09d}"
         losses, weights = train(name, stop_after=RESHARD_TO, ckpt_path=str(saved))
