@@ -254,17 +254,32 @@ def load_rng_state(path: PathLike, *, weights_only: Optional[bool] = None) -> Op
     name = _join(root, RNG_FILENAME.format(rank=_rank()))
     if not fs.exists(name):
         return None
-    with fs.open(name, "rb") as f:
-        try:
-            state = torch.load(f, map_location="cpu", weights_only=weights_only is not False)
-        except pickle.UnpicklingError as error:
+    return from_weights_only_form(_load_data(name, weights_only))
+
+
+def _load_data(name: str, weights_only: Optional[bool]) -> Any:
+    """``torch.load`` of the file ``name`` (a path or URL) as data only unless ``weights_only`` is ``False``; a file
+    whose unpickling would run code, or that is not a torch file at all, raises :class:`CheckpointError` naming it."""
+    try:
+        with fsspec.open(name, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=weights_only is not False)
+    except pickle.UnpicklingError as error:
+        if weights_only is not False and "Unsupported global" in str(error):
             raise CheckpointError(
-                f"{name} holds objects that unpickling would have to run code for, and was not read"
-                f" ({str(error).splitlines()[0]}). meshlight writes random states as tensors and numbers only; a file"
+                f"{name!r} holds objects that unpickling would have to run code for, and was not read"
+                f" ({_first_line(error)}). meshlight writes checkpoints as tensors, numbers and strings only; a file"
                 " written otherwise comes from elsewhere or from an older meshlight. If you trust it, resume with"
-                " trainer.fit(..., weights_only=False)."
+                " trainer.fit(..., weights_only=False), or allow its types with torch.serialization.add_safe_globals."
             ) from None
-    return from_weights_only_form(state)
+        raise CheckpointError(f"{name!r} cannot be read ({_first_line(error)}): the file is corrupted.") from error
+    except (RuntimeError, EOFError) as error:
+        raise CheckpointError(f"{name!r} cannot be read ({_first_line(error)}): the file is corrupted.") from error
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's first line, without the terminal colours torch puts in some."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _read(state: dict[str, Any], path: PathLike, *, no_dist: bool = False) -> None:
@@ -381,13 +396,12 @@ def _without_empty_groups(optimizer: Optimizer) -> Iterator[None]:
 
 def load_metadata(path: PathLike, *, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """The checkpoint's ``meta.pt``: Lightning's checkpoint dict without the model and optimizer states (the
-    loops, ``global_step``, LR schedulers, callbacks' states)."""
-    try:
-        with fsspec.open(_join(path, META_FILENAME), "rb") as f:
-            return torch.load(f, map_location="cpu", weights_only=bool(weights_only))
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
-        raise CheckpointError(f"{_join(str(path), META_FILENAME)!r} cannot be read ({error}): the file is corrupted."
-                              ) from error
+    loops, ``global_step``, LR schedulers, callbacks' states).
+
+    Read as tensors, numbers, strings and containers only (``weights_only``, unless it is ``False``), as torch reads
+    any checkpoint by default: unpickling other objects can run code the file brings, so a ``meta.pt`` that needs it
+    is refused, naming the file and how to read it if it is trusted."""
+    return _load_data(_join(str(path), META_FILENAME), weights_only)
 
 
 def load_model_weights(module: nn.Module, path: PathLike, *, strict: bool = True) -> None:

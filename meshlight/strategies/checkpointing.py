@@ -45,6 +45,8 @@ class ShardedCheckpointing(ParallelStrategy):
     _resumed_rng: Optional[dict[str, Any]] = None
     #: older checkpoints to resume from, newest first, when the one asked for is damaged (``ckpt_path="last"``)
     fallback_checkpoints: Sequence[str] = ()
+    #: ``fit(weights_only=...)``: Lightning 2.6 does not hand it to a strategy that restores after setup
+    resume_weights_only: Optional[bool] = None
 
     @property
     @override
@@ -98,6 +100,7 @@ class ShardedCheckpointing(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        weights_only = self.resume_weights_only if weights_only is None else weights_only
         path = self.broadcast(newest_whole_hpc_checkpoint(str(checkpoint_path)) if self.is_global_zero
                               else checkpoint_path)
         path = self._intact(path)

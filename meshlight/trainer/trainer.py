@@ -72,6 +72,8 @@ class Trainer(pl.Trainer):
                 ckpt_path = None
                 rank_zero_info('ckpt_path="last": no complete checkpoint yet, starting from scratch.')
             # else a requeued job whose only hpc_ckpt_* is interrupted: Lightning picks it, and loading says so
+        if isinstance(self.strategy, ShardedCheckpointing):
+            self.strategy.resume_weights_only = kwargs.get("weights_only")
         super().fit(*args, ckpt_path=ckpt_path, **kwargs)
 
     def newest_checkpoint(self) -> Optional[tuple[int, str]]:

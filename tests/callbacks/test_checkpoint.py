@@ -46,7 +46,7 @@ def test_resume_after_sigkill_reproduces_every_loss_bitwise(runs, name):
 # ---------------------------------------------------------------- one process: commit, retention, errors
 
 
-def _fit(tmp_path, dirpath, *, max_steps=10, ckpt_path=None, callbacks=(), batch_size=4, data=None,
+def _fit(tmp_path, dirpath, *, max_steps=10, ckpt_path=None, callbacks=(), batch_size=4, data=None, weights_only=None,
          **checkpoint_args):
     import meshlight as ml
     from meshlight.callbacks import DistributedCheckpoint
@@ -55,7 +55,7 @@ def _fit(tmp_path, dirpath, *, max_steps=10, ckpt_path=None, callbacks=(), batch
     trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=max_steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          default_root_dir=tmp_path, callbacks=[*callbacks, checkpoint])
-    trainer.fit(resume_worker.model(0), data or _data(batch_size), ckpt_path=ckpt_path)
+    trainer.fit(resume_worker.model(0), data or _data(batch_size), ckpt_path=ckpt_path, weights_only=weights_only)
     return trainer, checkpoint
 
 
@@ -290,13 +290,31 @@ def test_a_random_state_file_that_would_run_code_is_refused_naming_it_unless_tru
     from meshlight.parallel.integrity import record_checksums
 
     record_checksums(str(folder), ["rng-0.pt"], rank=0)
-    with pytest.raises(CheckpointError, match=rf"{re.escape(str(folder / 'rng-0.pt'))} holds objects that unpickling"
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(folder / 'rng-0.pt'))}' holds objects that unpickling"
                                               r" would have to run code for.*weights_only=False"):
         _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
     assert not ran.exists()  # refused before anything ran
     torch.save(state, folder / "rng-0.pt")
     record_checksums(str(folder), ["rng-0.pt"], rank=0)
     _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))  # the file as meshlight wrote it resumes
+
+
+def test_metadata_that_would_run_code_is_refused_naming_it_unless_trusted(tmp_path):
+    from meshlight.parallel.checkpoint import CheckpointError
+    from meshlight.parallel.integrity import record_checksums
+
+    _fit(tmp_path, tmp_path / "ckpt", max_steps=2, async_save=False)
+    folder = tmp_path / "ckpt" / "step=000000002"
+    meta = torch.load(folder / "meta.pt", weights_only=True)  # what meshlight writes loads without unpickling
+    ran = tmp_path / "payload-ran"
+    torch.save({**meta, "planted": _Payload(ran)}, folder / "meta.pt")
+    record_checksums(str(folder), ["meta.pt"], rank=0)  # as whoever planted it would
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(folder / 'meta.pt'))}' holds objects that unpickling"
+                                              r" would have to run code for.*weights_only=False"):
+        _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder))
+    assert not ran.exists()  # refused before anything ran
+    _fit(tmp_path, tmp_path / "other", max_steps=4, ckpt_path=str(folder), weights_only=False)  # trusted: read
+    assert ran.exists()
 
 
 def test_writes_to_an_fsspec_url_and_ranks_by_a_monitored_metric(tmp_path):
