@@ -47,8 +47,10 @@ class GradientCompression:
 
     ``kind``: ``"bf16"`` or ``"fp16"`` (half the bytes), ``"powersgd"`` (low-rank factors of ``rank``, after
     ``start_step`` optimizer steps of plain all-reduce: torch's default of 1,000 is longer than many fine-tunes; after
-    10 the demo task's accuracy varied from 13% to 99% between seeds, after 50 it reached 96–98% for each,
-    ``benchmarks/RESULTS.md``), or ``"hook"``: a torch DDP communication ``hook`` with its ``state`` (DDP only)."""
+    10 the demo task's accuracy was 89%, 99.8% and 13% for 3 seeds, after 50 96–98% for each:
+    ``python benchmarks/compression.py --sections convergence --variants powersgd --powersgd-start 10``), or
+    ``"hook"``: a torch DDP communication ``hook`` with its ``state`` (DDP only; None: the data-parallel process group,
+    which torch's own hooks take)."""
 
     kind: str
     rank: int = 4
@@ -119,8 +121,8 @@ class GradientCompression:
             powersgd = PowerSGD(group, self.rank, self.start_step, names)
             module.__dict__[_ATTRIBUTE] = powersgd
             module.register_comm_hook(powersgd, PowerSGD.hook)
-        else:
-            module.register_comm_hook(self.state, self.hook)
+        else:  # torch's own hooks take the process group as their state
+            module.register_comm_hook(group if self.state is None else self.state, self.hook)
 
 
 def accumulate_in_parameter_dtype(module: nn.Module) -> None:

@@ -94,9 +94,9 @@ def return_large_blocks(threshold: int = 2**20) -> bool:
     """Make glibc's malloc map blocks of ``threshold`` bytes and more on their own, so that freeing one gives it back to
     the system; returns whether it did. By default glibc raises that threshold to the size of large blocks freed (up
     to 32 MB) and keeps later ones in its heap, where the optimizer's transient per-chunk memory — its first step's
-    state, its updates' temporaries — stays resident: the state on disk would free only half its size in host memory
-    (``benchmarks/RESULTS.md``). Process-wide, as the ``MALLOC_MMAP_THRESHOLD_`` variable is; left alone where that
-    variable is set or the C library is not glibc."""
+    state, its updates' temporaries — stays resident, and the state on disk would free much less host memory than
+    its size (in trials here, about half). Process-wide, as the ``MALLOC_MMAP_THRESHOLD_`` variable is; left alone
+    where that variable is set or the C library is not glibc."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:
