@@ -1,18 +1,18 @@
-"""Compressed saved activations: what autograd keeps for backward inside chosen blocks is stored in bf16 or fp8
-and restored to its own dtype when backward reads it.
+"""Compressed saved activations: what autograd keeps for backward inside chosen blocks is stored in bf16 or fp8 and
+restored to its own dtype when backward reads it.
 
 A chosen block's forward runs under saved-tensor hooks (as Gist encodes activations between their forward and
-backward use). Each floating-point tensor wider than the target dtype is cast down on the way in: to bf16
-directly, or to fp8 (e4m3) scaled by its largest magnitude, so that it uses fp8's range. A tensor saved by
-several operations (a block's input, read by its query, key and value projections) is compressed once. The
-block's own parameters are not copied: they are kept anyway. Gradients then see the activations with bf16's 8
-(fp8's 4) significant bits: lossy, like Gist's encodings; training follows the uncompressed run closely
+backward use). Each floating-point tensor wider than the target dtype is cast down on the way in: to bf16 directly,
+or to fp8 (e4m3) scaled by its largest magnitude, so that it uses fp8's range (a tensor holding an infinity, which
+e4m3 cannot, stays as it is; finding out costs fp8 one synchronization per saved tensor). A tensor saved by several
+operations (a block's input, read by its query, key and value projections) is compressed once. The block's own
+parameters are not copied: they are kept anyway. Gradients then see the activations with bf16's 8 (fp8's 4)
+significant bits: lossy, like Gist's encodings; training follows the uncompressed run closely
 (``benchmarks/RESULTS.md``).
 
-In the transform order it comes after recomputation: a recomputed block keeps only its inputs, and those are
-what is compressed. Offloading the same blocks' activations as well is refused: only the innermost saved-tensor
-hooks see what a forward saves.
-"""
+In the transform order it comes after recomputation: a recomputed block keeps only its inputs, and those are what is
+compressed. Offloading the same blocks' activations as well is refused: only the innermost saved-tensor hooks see
+what a forward saves."""
 
 from __future__ import annotations
 
@@ -97,7 +97,10 @@ class ActivationCompressor:
             return seen[key][1]
         scale = None
         if self.dtype.itemsize == 1:  # fp8: scaled into its range by the largest magnitude
-            scale = (local.detach().abs().amax().float() / torch.finfo(self.dtype).max).clamp_min(1e-12)
+            largest = local.detach().abs().amax().float()
+            if not bool(torch.isfinite(largest)):  # e4m3 has no infinity: a tensor holding one (a mask) stays
+                return tensor
+            scale = (largest / torch.finfo(self.dtype).max).clamp_min(1e-12)
             values = (local.detach() / scale).to(self.dtype)
         else:
             values = local.detach().to(self.dtype)

@@ -94,6 +94,17 @@ def test_a_tensor_saved_by_several_operations_is_compressed_once():
     assert compressed < sum(t.numel() * t.element_size() for t in saves)
 
 
+def test_fp8_leaves_a_tensor_holding_an_infinity_as_it_is_and_restores_the_others():
+    from meshlight.parallel.activation_compression import ActivationCompressor, _unpack
+
+    compressor = ActivationCompressor(torch.float8_e4m3fn)
+    mask = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf"))
+    assert compressor._pack(set(), {}, mask) is mask  # e4m3 has no infinity
+    x = torch.randn(64, 64)
+    restored = _unpack(compressor._pack(set(), {}, x))
+    assert restored.dtype == torch.float32 and (restored - x).norm() / x.norm() < 0.05  # 4 significant bits
+
+
 def test_an_unknown_dtype_is_refused_with_the_valid_ones():
     with pytest.raises(ValueError, match="ActivationCompression\\(dtype='int4'\\): choose one of 'bf16', 'fp8_e4m3'"):
         ActivationCompressionPolicy("int4")
