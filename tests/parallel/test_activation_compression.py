@@ -135,3 +135,47 @@ def test_the_callback_trains_on_one_device_under_lightnings_strategy(tmp_path):
                          callbacks=[ActivationCompression("bf16")])
     trainer.fit(model, data)
     assert model._meshlight_compressor.compressed_bytes > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "litgpt"])
+def test_models_we_did_not_write_keep_half_the_bytes_and_the_rounded_gradients(family):
+    # Hugging Face's Llama (GQA, rotary, SDPA) and GPT-2 (Conv1D, fused q|k|v), litgpt's GPT: their blocks are found
+    # and what they save is compressed as in meshlight's GPT
+    from tests.strategies.hf_models import hf_config, litgpt_model
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        if family == "litgpt":
+            return litgpt_model(vocab=64)
+        import transformers
+
+        return transformers.AutoModelForCausalLM.from_config(hf_config(family, vocab=64), attn_implementation="sdpa")
+
+    def run(model: torch.nn.Module) -> tuple[int, dict[str, torch.Tensor]]:
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[tuple, int] = {}
+
+        def pack(tensor):
+            if tensor.untyped_storage().data_ptr() not in params:
+                seen[(tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride())] = (
+                    tensor.numel() * tensor.element_size())
+            return tensor
+
+        tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(1))
+        with saved_tensors_hooks(pack, lambda tensor: tensor):
+            output = model(tokens[:, :-1])
+            logits = output if torch.is_tensor(output) else output.logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        compressor = getattr(model, "_meshlight_compressor", None)
+        inside = compressor.compressed_bytes if compressor is not None else 0
+        return sum(seen.values()) + inside, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, exact = run(build())
+    model = build()
+    assert len(apply_activation_compression(model, ActivationCompressionPolicy("bf16"))) == 4  # its 4 blocks
+    compressed, rounded = run(model)
+    assert compressed / plain <= 0.55, (compressed, plain)
+    errors = {name: float((rounded[name] - grad).norm() / grad.norm()) for name, grad in exact.items()
+              if grad.norm() > 0}
+    assert 0 < max(errors.values()) <= 1e-2, errors

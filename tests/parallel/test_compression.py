@@ -13,7 +13,7 @@ import meshlight as ml
 from meshlight.parallel import GradientCompression
 from tests.launch import torchrun
 from tests.parallel.workers import compression_worker
-from tests.strategies.parity import train
+from tests.strategies.parity import assert_parity, train
 
 WORKER = Path(compression_worker.__file__)
 
@@ -117,7 +117,7 @@ def controls() -> dict:
     return {"adamw": train("adamw-3e-3"), "accumulate": train("adamw-3e-3", accumulate_grad_batches=2)}
 
 
-@pytest.mark.parametrize("name", [name for name in compression_worker.RUNS if "powersgd" not in name])
+@pytest.mark.parametrize("name", [name for name in compression_worker.RUNS if not name.endswith(("powersgd", "hook"))])
 def test_compressed_reductions_and_activations_follow_uncompressed_training(runs, controls, name):
     # Gradients rounded to 8 (bf16) or 11 (fp16) significant bits before the sum, then summed back in fp32: over 20
     # AdamW steps the logged losses stay within 1.4e-5 (bf16) and 2e-6 (fp16) of uncompressed training's (measured).
@@ -126,6 +126,11 @@ def test_compressed_reductions_and_activations_follow_uncompressed_training(runs
     result, control = runs[name], controls["accumulate" if "accumulate" in name else "adamw"]
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(control["losses"]), rtol=1e-3, atol=0)
     assert result["losses"] != control["losses"]  # the reductions were compressed
+
+
+def test_a_torch_hook_given_without_state_reduces_over_the_data_parallel_group(runs, controls):
+    # torch's plain all-reduce hook: what DDP does without a hook, to single-process training's rounding
+    assert_parity(runs["ddp/torch-hook"], controls["adamw"])
 
 
 def test_zero1_keeps_gradients_waiting_for_their_reduction_in_fp32(runs):

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.fsdp import FSDPModule
 
 import meshlight as ml
@@ -43,6 +44,8 @@ RUNS: dict[str, tuple[Any, ...]] = {
     # several buckets: gloo would run their factors' all-reduces in different orders on different ranks
     "ddp/powersgd": (lambda: ml.DDPStrategy(grad_compression=GradientCompression("powersgd", rank=2, start_step=3),
                                             bucket_cap_mb=0.04), {}),
+    # a torch communication hook given as it is: torch's plain all-reduce hook, with the data-parallel group as state
+    "ddp/torch-hook": (lambda: ml.DDPStrategy(grad_compression=allreduce_hook), {}),
     # saved activations compressed: DTensors under tensor parallelism; a recomputed block's inputs under ZeRO-3
     "tp/activations-bf16": (lambda: "tp", {"data_parallel": 1}, lambda: [ActivationCompression("bf16")]),
     "zero3/recompute/activations-fp8": (lambda: "zero3", {}, lambda: [ActivationCheckpointing(),
