@@ -20,6 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 GPU_RESULTS = REPO / "benchmarks" / "gpu_results.json"
 #: what ``benchmarks/host_step.py`` printed on the host of that GPU machine (``run_all.GPU_COMMANDS``)
 GPU_HOST_STEP = REPO / "benchmarks" / "gpu_host_step.json"
+#: what ``benchmarks/context_parallel.py --gpu`` printed on a GPU machine (``run_all.GPU_CONTEXT_COMMAND``)
+GPU_CONTEXT = REPO / "benchmarks" / "gpu_context_parallel.json"
 RESULT_PREFIX = "BENCHMARK-RESULT "
 
 

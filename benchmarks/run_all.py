@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from common import GPU_HOST_STEP, GPU_RESULTS
+from common import GPU_CONTEXT, GPU_HOST_STEP, GPU_RESULTS
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -34,7 +34,10 @@ COMMANDS = {
     "compression": "python benchmarks/compression.py",
     "nvme": "python benchmarks/nvme_offload.py",
     "integrity": "python benchmarks/checkpoint_integrity.py",
+    "context": "python benchmarks/context_parallel.py",
 }
+#: on a GPU machine: context parallelism's two attention methods on CUDA (written to GPU_CONTEXT)
+GPU_CONTEXT_COMMAND = "python benchmarks/context_parallel.py --gpu > benchmarks/gpu_context_parallel.json"
 BELOW_1F1B = ("interleaved1f1b", "interleavedzerobubble", "zbvzerobubble")
 #: Run on a GPU machine (`make bench` here has none): the first two write benchmarks/gpu_results.json, the
 #: third its host's optimizer step (the planner's host-step figures beside the memory section)
@@ -637,6 +640,43 @@ def bubble_section(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def context_section(result: dict, gpu: Optional[dict]) -> str:
+    """Context parallelism: saved bytes per rank against the whole sequence's (and the CUDA runs, when recorded)."""
+    lines = ["## Context parallelism: memory per rank, and the attention methods on CUDA", "",
+             f"Command: `{COMMANDS['context']}`. A GQA GPT (kv heads = heads / 4) runs one training forward on 2"
+             " sequences, whole on one rank and split over cp ranks (all-gather-K/V attention); bytes of the tensors"
+             " autograd saves for backward, per rank (each storage once, parameters left out). Backward keeps the"
+             " gathered K/V (`kv share`: their part of the cp run's bytes).", "",
+             "| cp | tokens | cp=1 (MB) | per rank at cp (MB) | ratio | target | kv share |",
+             "|---:|---:|---:|---:|---:|---|---:|"]
+    for row in result["memory"]:
+        per_rank = max(row["cp_bytes_per_rank"])
+        lines.append(f"| {row['cp']} | {row['seq']:,} | {row['cp1_bytes'] / 1e6:.1f} | {per_rank / 1e6:.1f} |"
+                     f" {row['ratio']:.3f} | ≤ 0.35 ({verdict(row['ratio'], 0.35)}) | {row['kv_share']:.1%} |")
+    lines.append("")
+    if gpu is None:
+        lines.append(f"On CUDA (`{GPU_CONTEXT_COMMAND}`): not recorded yet.")
+        return "\n".join(lines)
+    run = gpu["gpu"]
+    lines += [f"On CUDA (`{GPU_CONTEXT_COMMAND}`): {run['device']}, torch {run['torch']}; a GPT of {run['layers']}"
+              f" blocks 1024 wide (16 heads, 4 key/value heads), one sequence of {run['seq']:,} tokens, fp32, whole on"
+              f" one rank and split over {run['ranks']} ranks sharing the one GPU (gloo; their times contend, so a"
+              " step ratio above 1 is expected there).", "",
+              "| attention | loss vs whole (rel.) | grad norm vs whole (rel.) | step / whole | peak memory / whole |",
+              "|---|---:|---:|---:|---:|"]
+    for method in ("allgather", "ring"):
+        compared = run.get(f"{method}_vs_whole")
+        if compared is None:
+            rows = run.get(method)
+            error = rows.get("error") if isinstance(rows, dict) else next(
+                (r.get("error") for r in rows if "error" in r), "no result")
+            lines.append(f"| {method} | failed: {error} | | | |")
+            continue
+        lines.append(f"| {method} | {compared['loss_rel']:.1e} | {compared['grad_norm_rel']:.1e} |"
+                     f" {compared['step_ratio']:.2f} | {compared['peak_ratio']:.2f} |")
+    return "\n".join(lines)
+
+
 def gpu_section(result: object) -> str:
     """The single-accelerator figures, from the JSON the `GPU_COMMANDS` wrote on a GPU machine (None: not yet)."""
     lines = ["## One GPU: MFU, overhead against a plain PyTorch loop, recomputation and offload", ""]
@@ -708,7 +748,7 @@ def main() -> None:
     bubble, balance, planner = run(COMMANDS["bubble"]), run(COMMANDS["balance"]), run(COMMANDS["planner"])
     recompute, profile, host_step = run(COMMANDS["recompute"]), run(COMMANDS["profile"]), run(COMMANDS["host_step"])
     pretrained, compression, nvme = run(COMMANDS["pretrained"]), run(COMMANDS["compression"]), run(COMMANDS["nvme"])
-    integrity = run(COMMANDS["integrity"])
+    integrity, context = run(COMMANDS["integrity"]), run(COMMANDS["context"])
     header = "\n".join([
         "# Benchmark results",
         "",
@@ -725,7 +765,7 @@ def main() -> None:
                 overhead_section(overhead), bubble_section(bubble),
                 balance_section(balance), planner_section(planner), recompute_section(recompute),
                 host_step_section(host_step, _recorded(GPU_HOST_STEP)), compression_section(compression),
-                nvme_section(nvme), profile_section(profile),
+                nvme_section(nvme), context_section(context, _recorded(GPU_CONTEXT)), profile_section(profile),
                 gpu_section(_recorded(GPU_RESULTS))]
     text = "\n\n".join(sections) + "\n"
     (HERE / "RESULTS.md").write_text(text)

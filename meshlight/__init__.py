@@ -3,6 +3,7 @@
 from meshlight import callbacks, demos, models, nn, parallel, strategies
 from meshlight.parallel import GradientCompression, ParallelLayout
 from meshlight.strategies import (
+    ContextParallelStrategy,
     DDPStrategy,
     Hybrid3DStrategy,
     MeshStrategy,
@@ -18,6 +19,7 @@ register_with_lightning()
 
 __version__ = "0.1.0"
 __all__ = [
+    "ContextParallelStrategy",
     "DDPStrategy",
     "GradientCompression",
     "Hybrid3DStrategy",

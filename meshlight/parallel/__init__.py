@@ -14,6 +14,7 @@ from meshlight.parallel.checkpoint import (
 )
 from meshlight.parallel.clip import clip_grad_norm_, total_grad_norm
 from meshlight.parallel.compression import GradientCompression
+from meshlight.parallel.context import ContextParallel, ContextParallelError
 from meshlight.parallel.data_parallel import apply_data_parallel, gradient_accumulation
 from meshlight.parallel.expert import apply_expert_parallel
 from meshlight.parallel.layout import MESH_AXES, ParallelLayout, build_device_mesh
@@ -28,6 +29,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CollectiveTraffic",
+    "ContextParallel",
+    "ContextParallelError",
     "GradientCompression",
     "ParallelLayout",
     "BlockSelection",

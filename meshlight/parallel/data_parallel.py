@@ -28,6 +28,7 @@ stage, so per-rank memory after a step is at most the classic ZeRO formula for t
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from itertools import chain
@@ -65,12 +66,23 @@ _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 def data_parallel_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:
     """The mesh data parallelism runs on: flattened ``dp`` for DDP; ``dp_shard`` (or the 2-D hybrid
-    ``dp_replicate × dp_shard`` when replicating too) for ZeRO."""
+    ``dp_replicate × dp_shard`` when replicating too) for ZeRO. Under context parallelism the cp ranks of a replica
+    hold the same weights and join in: ``dp_cp`` and ``dp_shard_cp`` instead."""
+    context = mesh["cp"].size() > 1
     if zero == 0:
-        return axis(mesh, "dp")
+        return axis(mesh, "dp_cp" if context else "dp")
+    shard = "dp_shard_cp" if context else "dp_shard"
     if axis(mesh, "dp_replicate").size() > 1:
-        return mesh[DATA_AXES]
-    return axis(mesh, "dp_shard")
+        return _hybrid_mesh(mesh, shard)
+    return axis(mesh, shard)
+
+
+def _hybrid_mesh(mesh: DeviceMesh, shard: str) -> DeviceMesh:
+    """The 2-D ``dp_replicate × shard`` mesh of hybrid sharding (``shard`` may be a flattened axis, whose slicing
+    from the root torch announces it will deprecate; no other way to build it exists yet)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+        return mesh["dp_replicate", shard]
 
 
 def apply_data_parallel(
@@ -105,7 +117,7 @@ def apply_data_parallel(
     """
     policies: dict[str, Any] = {"offload_policy": cpu_offload} if cpu_offload is not None else {}
     on_fsdp = precision is not None or cpu_offload is not None
-    if axis(mesh, "dp").size() == 1 and not on_fsdp:
+    if data_parallel_mesh(mesh, zero).size() == 1 and not on_fsdp:
         return module  # nothing to replicate or shard over; FSDP on one rank would only add copies
     on_ddp = zero == 0 and not has_dtensor_parameters(module) and not pipelined and not on_fsdp
     if grad_compression is not None and grad_compression.ddp_only and not on_ddp:
@@ -129,7 +141,11 @@ def apply_data_parallel(
             names = {p.data_ptr(): name for name, p in module.named_parameters()}
             grad_compression.register(replicated, group, names)
         return replicated
-    dp_mesh = mesh[DATA_AXES] if zero == 0 else data_parallel_mesh(mesh, zero)
+    # DDP on FSDP2: hybrid sharding over shard groups of one rank (DDP's all-reduce); under context parallelism the
+    # cp ranks shard instead (the same bytes: reduce-scatter and all-gather), since no 2-D mesh can replicate over
+    # the data axes and cp together.
+    dp_mesh = data_parallel_mesh(mesh, zero) if zero else (
+        _hybrid_mesh(mesh, "dp_shard_cp") if mesh["cp"].size() > 1 else mesh[DATA_AXES])
     shard = functools.partial(fully_shard, mesh=dp_mesh, reshard_after_forward=zero == 3, ignored_params=ignored,
                               **policies)
     if precision is not None:  # fp32 units first: FSDP units nest bottom-up

@@ -20,14 +20,16 @@ __all__ = [
 ]
 
 #: Axes of the device mesh, outermost first: pipeline stages span the slowest links, tensor
-#: parallelism the fastest. :func:`build_device_mesh` adds two flattened axes: ``"dp"`` (replicate ×
-#: shard: the data-parallel replicas) and ``"stage"`` (dp × tp: the ranks holding one pipeline stage).
-#: With expert parallelism the data axis it borrows from is split in two (see :func:`build_device_mesh`).
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+#: parallelism the fastest, context parallelism (the sequence split over ranks) next to it. :func:`build_device_mesh`
+#: adds flattened axes: ``"dp"`` (replicate × shard: the data-parallel replicas, each reading its own data) and
+#: ``"stage"`` (dp × cp × tp: the ranks holding one pipeline stage); with ``cp > 1`` also ``"dp_cp"`` and
+#: ``"dp_shard_cp"``, over which gradients are reduced and ZeRO shards (the cp ranks of one replica hold the same
+#: weights). With expert parallelism the data axis it borrows from is split in two (see :func:`build_device_mesh`).
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 #: The data-parallel axes among them (replicate, shard).
 DATA_AXES = MESH_AXES[1:3]
 
-_SIZE_FIELDS = ("dp_replicate", "dp_shard", "pp", "tp", "ep")
+_SIZE_FIELDS = ("dp_replicate", "dp_shard", "pp", "tp", "ep", "cp")
 _ZERO_STAGES = (0, 1, 2, 3)
 
 Size = Union[int, Literal["auto"]]
@@ -35,13 +37,15 @@ Size = Union[int, Literal["auto"]]
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Sizes of each parallel dimension; their product ``dp_replicate·dp_shard·pp·tp`` is the world size.
+    """Sizes of each parallel dimension; their product ``dp_replicate·dp_shard·pp·cp·tp`` is the world size.
 
     ``zero`` is the ZeRO stage of the data-parallel dimension: 0 replicates everything (DDP), 1 shards
     optimizer state, 2 also gradients, 3 also parameters. Sharding happens over ``dp_shard``;
     ``dp_replicate`` keeps full copies (plain DDP, or the replicate half of hybrid sharding).
     Expert parallelism borrows ranks from data parallelism: ``ep`` divides ``dp_shard`` (``dp_replicate``
-    with ``zero=0``, where nothing is sharded).
+    with ``zero=0``, where nothing is sharded). ``cp`` splits each sequence over that many ranks
+    (:mod:`meshlight.parallel.context`); they hold the same weights, so gradients are reduced and ZeRO shards over
+    ``dp × cp``.
     """
 
     dp_replicate: int = 1
@@ -50,6 +54,7 @@ class ParallelLayout:
     tp: int = 1
     ep: int = 1
     zero: int = 0
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -66,6 +71,11 @@ class ParallelLayout:
                 f"ep={self.ep} does not divide {self.expert_axis}={borrowed}: expert parallelism borrows its ranks"
                 f" from data parallelism; choose ep in {_divisors(borrowed)}."
             )
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(
+                f"cp={self.cp} with ep={self.ep} is not supported yet: expert weights would need their gradients"
+                " reduced over the context-parallel ranks too. Use ep=1 with cp, or cp=1 with ep."
+            )
 
     @property
     def dp(self) -> int:
@@ -79,7 +89,7 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @classmethod
     def for_world(
@@ -92,6 +102,7 @@ class ParallelLayout:
         tp: int = 1,
         ep: int = 1,
         zero: int = 0,
+        cp: int = 1,
     ) -> ParallelLayout:
         """Resolve one ``"auto"`` data-parallel size from ``world_size`` and check the product.
 
@@ -102,19 +113,19 @@ class ParallelLayout:
         if len(auto) > 1:
             raise ValueError("Only one of dp_replicate and dp_shard can be 'auto'.")
         # Check each fixed size first, so that e.g. tp=0 is reported as such and not as a world mismatch.
-        for name, value in {**dp_sizes, "pp": pp, "tp": tp, "ep": ep}.items():
+        for name, value in {**dp_sizes, "pp": pp, "tp": tp, "ep": ep, "cp": cp}.items():
             if value != "auto":
                 _check_size(name, value)
         if auto:
             fixed = {name: value for name, value in dp_sizes.items() if value != "auto"}
-            used = math.prod(fixed.values()) * pp * tp
+            used = math.prod(fixed.values()) * pp * tp * cp
             if world_size % used:
                 raise ValueError(
-                    f"{_product_text(fixed, pp, tp)} does not divide the {world_size} processes of the world."
-                    f" {_fix_hint(world_size, pp, tp)}"
+                    f"{_product_text(fixed, pp, tp, cp)} does not divide the {world_size} processes of the world."
+                    f" {_fix_hint(world_size, pp, tp, cp)}"
                 )
             dp_sizes[auto[0]] = world_size // used
-        layout = cls(**dp_sizes, pp=pp, tp=tp, ep=ep, zero=zero)
+        layout = cls(**dp_sizes, pp=pp, tp=tp, ep=ep, zero=zero, cp=cp)
         layout.check_world(world_size)
         return layout
 
@@ -122,20 +133,23 @@ class ParallelLayout:
         if self.world_size != world_size:
             raise ValueError(
                 f"{self} uses {self.world_size} processes but the world has {world_size}:"
-                f" dp_replicate·dp_shard·pp·tp must equal {world_size}. {_fix_hint(world_size, self.pp, self.tp)}"
+                f" dp_replicate·dp_shard·pp·cp·tp must equal {world_size}."
+                f" {_fix_hint(world_size, self.pp, self.tp, self.cp)}"
             )
 
     def describe(self) -> str:
-        """One line for logs: ``dp=8 (replicate 2 × shard 4, ZeRO-3) · pp=1 · tp=1 · ep=1``."""
+        """One line for logs: ``dp=8 (replicate 2 × shard 4, ZeRO-3) · pp=1 · tp=1 · ep=1`` (and ``· cp=4`` when the
+        sequence is split)."""
         hybrid = min(self.dp_replicate, self.dp_shard) > 1
         parts = [f"replicate {self.dp_replicate} × shard {self.dp_shard}"] if hybrid else []
         parts.append(f"ZeRO-{self.zero}" if self.zero else "DDP")
-        return f"dp={self.dp} ({', '.join(parts)}) · pp={self.pp} · tp={self.tp} · ep={self.ep}"
+        context = f" · cp={self.cp}" if self.cp > 1 else ""
+        return f"dp={self.dp} ({', '.join(parts)}) · pp={self.pp} · tp={self.tp} · ep={self.ep}{context}"
 
 
 def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     """The one mesh every process group comes from: axes ``MESH_AXES`` plus the flattened ``"dp"`` and
-    ``"stage"``.
+    ``"stage"`` (and, with ``cp > 1``, ``"dp_cp"`` and ``"dp_shard_cp"``).
 
     With ``ep > 1`` the data axis experts borrow from (:attr:`ParallelLayout.expert_axis`) is built as two
     axes, ``edp_shard × ep`` (or ``edp_replicate × ep``), and flattened back under its own name: ``ep``
@@ -150,12 +164,15 @@ def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
         split = {outer: sizes[borrowed] // layout.ep, "ep": layout.ep}
         sizes = {k: v for name, size in sizes.items()
                  for k, v in (split.items() if name == borrowed else [(name, size)])}
-    names = tuple(sizes)  # pp first, tp last: the data axes between them
+    names = tuple(sizes)  # pp first, then the data axes, cp and tp last
     mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=names)
     if layout.ep > 1:
         mesh[outer, "ep"]._flatten(layout.expert_axis)
-    mesh[names[1:-1]]._flatten("dp")
+    mesh[names[1:-2]]._flatten("dp")
     mesh[names[1:]]._flatten("stage")
+    if layout.cp > 1:
+        mesh[names[1:-1]]._flatten("dp_cp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     return mesh
 
 
@@ -183,11 +200,12 @@ def axis(mesh: DeviceMesh, name: str) -> DeviceMesh:
 
 
 def seed_by_mesh_position(mesh: DeviceMesh, seed: int, *, separate_tensor_ranks: bool) -> None:
-    """Seed this rank's RNG so that data-parallel replicas and pipeline stages draw different random numbers
-    (dropout masks) while the tensor-parallel ranks of one replica draw the same ones — required where they
-    hold replicated activations. With sequence parallelism those ranks hold different tokens instead, so
-    ``separate_tensor_ranks`` gives them separate streams too."""
-    stream = axis(mesh, "dp").get_local_rank() * mesh["pp"].size() + mesh["pp"].get_local_rank()
+    """Seed this rank's RNG so that data-parallel replicas, context-parallel ranks (different tokens of one
+    sequence) and pipeline stages draw different random numbers (dropout masks) while the tensor-parallel ranks
+    of one replica draw the same ones — required where they hold replicated activations. With sequence parallelism
+    those ranks hold different tokens instead, so ``separate_tensor_ranks`` gives them separate streams too."""
+    position = axis(mesh, "dp").get_local_rank() * mesh["cp"].size() + mesh["cp"].get_local_rank()
+    stream = position * mesh["pp"].size() + mesh["pp"].get_local_rank()
     if separate_tensor_ranks:
         stream = stream * mesh["tp"].size() + mesh["tp"].get_local_rank()
     torch.manual_seed(seed + stream)
@@ -212,21 +230,24 @@ def _divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def _product_text(sizes: dict[str, int], pp: int, tp: int) -> str:
+def _product_text(sizes: dict[str, int], pp: int, tp: int, cp: int = 1) -> str:
     """``tp=8``, or ``pp=2·tp=4 (= 8)`` for several sizes."""
-    named = [(name, value) for name, value in {**sizes, "pp": pp, "tp": tp}.items() if value != 1]
+    named = [(name, value) for name, value in {**sizes, "pp": pp, "cp": cp, "tp": tp}.items() if value != 1]
     if len(named) == 1:
         return f"{named[0][0]}={named[0][1]}"
     return "·".join(f"{n}={v}" for n, v in named) + f" (= {math.prod(v for _, v in named)})" if named else "1"
 
 
-def _fix_hint(world_size: int, pp: int, tp: int) -> str:
-    model = pp * tp
+def _fix_hint(world_size: int, pp: int, tp: int, cp: int = 1) -> str:
+    model = pp * tp * cp
     if world_size % model == 0:
+        kept = f"pp={pp}, tp={tp}" + (f", cp={cp}" if cp > 1 else "")
         return (
-            f"For example keep pp={pp}, tp={tp} and use data-parallel size {world_size // model}"
+            f"For example keep {kept} and use data-parallel size {world_size // model}"
             " (leave it 'auto' to have it computed)."
         )
+    if cp > 1:
+        return f"pp·cp·tp={model} must divide {world_size}: lower cp, or run on a multiple of {model} processes."
     valid = [d for d in _divisors(world_size) if d > 1]
     nearest = "; ".join(f"dp={d} pp={p} tp={t}" for d, p, t in nearest_layouts(world_size, pp=pp, tp=tp))
     return f"pp·tp={model} must divide {world_size}; choose pp·tp in {[1, *valid]}. Nearest layouts: {nearest}."

@@ -116,9 +116,11 @@ def _structural_roles(model: nn.Module, blocks: list[tuple[str, nn.Module]], hid
     vocabulary = heads[-1][1].out_features if heads else None
     if heads:
         roles[heads[-1][0]] = "head"
-    # the token embedding (any width: a factorized one is projected to D after it); other D-wide tables: positions
-    roles.update({n: "embedding" if m.num_embeddings == vocabulary else "replicate" for n, m in embeddings
-                  if m.num_embeddings == vocabulary or m.embedding_dim == hidden})
+    # the token embedding (any width: a factorized one is projected to D after it): the first with the head's
+    # vocabulary (a position table may be as long as the vocabulary is wide); other D-wide tables: positions
+    token = next((n for n, m in embeddings if m.num_embeddings == vocabulary), None)
+    roles.update({n: "embedding" if n == token else "replicate" for n, m in embeddings
+                  if n == token or m.embedding_dim == hidden})
     return roles
 
 

@@ -1,5 +1,6 @@
 """Lightning strategies: thin presets of :class:`MeshStrategy` over the mechanisms in :mod:`meshlight.parallel`."""
 
+from meshlight.strategies.context_parallel import ContextParallelStrategy
 from meshlight.strategies.data_parallel import DDPStrategy, ZeroStrategy
 from meshlight.strategies.expert_parallel import MoEStrategy
 from meshlight.strategies.hybrid import Hybrid3DStrategy
@@ -10,6 +11,7 @@ from meshlight.strategies.tensor_parallel import TensorParallelStrategy
 
 __all__ = [
     "STRATEGY_NAMES",
+    "ContextParallelStrategy",
     "DDPStrategy",
     "Hybrid3DStrategy",
     "MeshStrategy",

@@ -32,6 +32,7 @@ from typing_extensions import override
 from meshlight.nn.moe import attach_moe_updates
 from meshlight.parallel.clip import clip_grad_norm_
 from meshlight.parallel.compression import GradientCompression
+from meshlight.parallel.context import ATTENTION_METHODS, ContextParallel
 from meshlight.parallel.data_parallel import ddp_engine
 from meshlight.parallel.layout import ParallelLayout, Size, seed_by_mesh_position
 from meshlight.parallel.nvme import OptimizerStateOnDisk, put_on_disk
@@ -49,17 +50,20 @@ from meshlight.strategies.metrics import count_metric_samples_once
 from meshlight.strategies.parallel_model import MeshForwardRedirection, ParallelModel, parallel_model
 from meshlight.strategies.pipeline_steps import PipelineOptions, PipelineSteps
 from meshlight.strategies.precision import adapt_precision_plugin
-from meshlight.strategies.step_engines import PipelineEngine, SpmdEngine, StepEngine
+from meshlight.strategies.step_engines import ContextParallelSteps, PipelineEngine, SpmdEngine, StepEngine
 
 __all__ = ["MeshStrategy"]
 
 
 class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHooks, DataParallelCollectives,
                    ShardedCheckpointing):
-    """Train on a mesh of ``dp_replicate × dp_shard × pp × tp`` processes (one ``"auto"`` size fills the world).
+    """Train on a mesh of ``dp_replicate × dp_shard × pp × cp × tp`` processes (one ``"auto"`` size fills the world).
 
     Args:
-        dp_replicate, dp_shard, pp, tp, ep, zero: the :class:`~meshlight.parallel.ParallelLayout`.
+        dp_replicate, dp_shard, pp, tp, ep, zero, cp: the :class:`~meshlight.parallel.ParallelLayout`.
+        cp_attention: under context parallelism (``cp > 1``), how attention sees the whole sequence:
+            ``"allgather"`` (K/V all-gathered; any device) or ``"ring"`` (torch's ring attention; CUDA). See
+            :mod:`meshlight.parallel.context`.
         tp_plan, sequence_parallel, loss_parallel: tensor parallelism (see :mod:`meshlight.parallel.tensor`):
             a dict of module-name patterns to roles replacing the automatic plan; sequence parallelism of
             norms and dropout between blocks; vocabulary-sharded logits for the loss while training.
@@ -81,7 +85,7 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
             cost several percent of a step (``benchmarks/overhead.py``). None keeps Python's automatic GC.
 
     The LightningModule can read the mesh as ``self.device_mesh`` (axes ``pp``, ``dp_replicate``,
-    ``dp_shard``, ``tp`` and the flattened ``dp``) in ``configure_model``; if it applies data parallelism
+    ``dp_shard``, ``cp``, ``tp`` and the flattened ``dp``) in ``configure_model``; if it applies data parallelism
     itself there, the strategy applies none. Callbacks that ask for transforms (recomputation, mixed precision,
     offload, compilation) are collected at setup (:class:`~meshlight.parallel.transforms.Transforms`).
     """
@@ -97,6 +101,8 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         tp: int = 1,
         ep: int = 1,
         zero: int = 0,
+        cp: int = 1,
+        cp_attention: str = "allgather",
         tp_plan: Optional[Mapping[str, Union[str, ParallelStyle]]] = None,
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
@@ -119,7 +125,11 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self._sizes: dict[str, Any] = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, tp=tp, ep=ep, zero=zero)
+        self._sizes: dict[str, Any] = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, tp=tp, ep=ep, zero=zero,
+                                           cp=cp)
+        if cp_attention not in ATTENTION_METHODS:
+            raise ValueError(f"cp_attention={cp_attention!r}: choose one of {list(ATTENTION_METHODS)}.")
+        self.cp_attention = cp_attention
         self._ddp_kwargs = ddp_kwargs or {}
         self.grad_compression = GradientCompression.of(grad_compression)
         _check_compression(self.grad_compression, zero, tp, pp)
@@ -199,7 +209,20 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         partial = self.layout.tp > 1
         self._engine = (SpmdEngine(self, partial, self._parallel.root, self.layout.zero)
                         if self._parallel.pipeline is None else PipelineEngine(self, partial, self._parallel.pipeline))
+        if self.layout.cp > 1:
+            self._engine = ContextParallelSteps(self._engine, self._context_parallel(), module)
         return self._parallel
+
+    def _context_parallel(self) -> ContextParallel:
+        """The model's context-parallel hooks (made once per parallelized model)."""
+        assert self._parallel is not None
+        if self._parallel.context is None:
+            context = ContextParallel(self.device_mesh["cp"], self.lightning_module, attention=self.cp_attention,
+                                      device=self.root_device)
+            for stage in self._parallel.pipeline.stage_modules if self._parallel.pipeline is not None else ():
+                context.add_model(stage)
+            self._parallel.context = context
+        return self._parallel.context
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:

@@ -70,7 +70,8 @@ class ParallelModel:
     """``root``: the strategy's model; ``pipeline``: the steps on this rank's stages (None without pipelining);
     ``sequence_region``: where sequence parallelism over the blocks only holds shares of the sequence;
     ``state_names``: the whole model's state names (a pipeline stage holds some of them); ``untouched``: the
-    LightningModule's own modules and parameters are as they were (only ``root`` carries the parallelism)."""
+    LightningModule's own modules and parameters are as they were (only ``root`` carries the parallelism);
+    ``context``: the model's context-parallel hooks."""
 
     root: StepRunner
     layout: ParallelLayout
@@ -79,6 +80,7 @@ class ParallelModel:
     sequence_region: Optional[tuple[str, str]] = None
     state_names: Optional[set[str]] = None
     untouched: bool = False
+    context: Optional[Any] = None  # the ContextParallel hooks, under context parallelism (made by the strategy)
 
 
 def parallel_model(

@@ -31,20 +31,16 @@ class LogRecorder:
     @contextmanager
     def capture(self, module: LightningModule, microbatch: int = 0) -> Iterator[None]:
         self.microbatch = microbatch
-        module.log = self.log  # type: ignore[method-assign]
-        module.log_dict = self.log_dict  # type: ignore[method-assign]
-        try:
+        with _logging_to(module, self.log, self.log_dict):
             yield
-        finally:
-            del module.log, module.log_dict
 
     @contextmanager
     def discard(self, module: LightningModule) -> Iterator[None]:
-        module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
-        try:
+        def ignore(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        with _logging_to(module, ignore, ignore):
             yield
-        finally:
-            del module.log, module.log_dict
 
     def log(self, name: str, value: Any, **kwargs: Any) -> None:
         values, _ = self.entries.setdefault(name, ({}, kwargs))
@@ -80,6 +76,19 @@ class LogRecorder:
             else:
                 value = value.to(module.device)
             module.log(name, value, **kwargs)
+
+
+@contextmanager
+def _logging_to(module: LightningModule, log: Callable[..., None], log_dict: Callable[..., None]) -> Iterator[None]:
+    """``module.log``/``log_dict`` replaced on the instance, and what was there before back afterwards (recorders
+    nest: context parallelism records around a pipeline's)."""
+    before = {name: module.__dict__[name] for name in ("log", "log_dict") if name in module.__dict__}
+    module.log, module.log_dict = log, log_dict  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+        module.__dict__.update(before)
 
 
 def logged_layout(logged: list[tuple[str, Any, dict[str, Any]]]) -> list[tuple[str, Any, dict[str, Any]]]:

@@ -177,6 +177,9 @@ class PipelineSteps:
         self._accumulate = 1
         self._scaler: Optional[torch.amp.GradScaler] = None
         self._logged_layout: Optional[list[Any]] = None  # what the last stage's step logged, values left out
+        #: ``(loss, microbatch) → loss`` applied to each microbatch's loss (context parallelism weighs it by tokens)
+        self.weigh_loss: Optional[Callable[[Tensor, Any], Tensor]] = None
+        self._chunks: list[Any] = []
         #: while a list: each stage compute call is appended as (kind "F"/"B"/"W", stage, start, end) in
         #: ``time.perf_counter`` seconds (TrainingMonitor's pipeline timeline)
         self.timeline: Optional[list[tuple[str, int, float, float]]] = None
@@ -208,6 +211,7 @@ class PipelineSteps:
         self._check_inputs(args, kwargs)
         chunks = self._split(batch)
         self._microbatch_steps = [lambda chunk=chunk: module.training_step(chunk, batch_idx) for chunk in chunks]
+        self._chunks = chunks
         self._losses = {}
         self._accumulate = accumulate
         self._scaler = scaler
@@ -244,6 +248,8 @@ class PipelineSteps:
         loss = result["loss"] if isinstance(result, Mapping) else result
         if not isinstance(loss, Tensor):
             raise PipelineError("Under pipelining, training_step must return the loss (a tensor or {'loss': …}).")
+        if self.weigh_loss is not None:
+            loss = self.weigh_loss(loss, self._chunks[microbatch])
         self._losses[microbatch] = detached_whole(loss)
         loss = loss / self._accumulate
         return self._scaler.scale(loss) if self._scaler is not None else loss

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, Union
 
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
+from meshlight.strategies.context_parallel import ContextParallelStrategy
 from meshlight.strategies.data_parallel import DDPStrategy, ZeroStrategy
 from meshlight.strategies.expert_parallel import MoEStrategy
 from meshlight.strategies.hybrid import Hybrid3DStrategy
@@ -34,6 +35,7 @@ _ENTRIES: dict[str, _Entry] = {
     "tp": _Entry(TensorParallelStrategy, {}, "meshlight tensor + sequence parallel within a node, ZeRO-1 across"),
     "pipeline": _Entry(PipelineStrategy, {}, "meshlight pipeline parallel over every process, 1F1B schedule"),
     "moe": _Entry(MoEStrategy, {}, "meshlight expert parallel: MoE experts split over every process, ZeRO-1"),
+    "cp": _Entry(ContextParallelStrategy, {}, "meshlight context parallel: each sequence split over every process"),
     "3d": _Entry(Hybrid3DStrategy, {}, "meshlight pipeline × tensor × expert × data parallel on one mesh"),
 }
 

@@ -1,23 +1,29 @@
 """How a step runs, chosen once at setup: every rank runs the user's step (SPMD: data, ZeRO, tensor and expert
-parallelism), or a pipeline schedule runs it over microbatches. :class:`~meshlight.strategies.MeshStrategy`'s
-Lightning hooks each delegate to one of these engines, so no hook asks which kind of layout runs."""
+parallelism), or a pipeline schedule runs it over microbatches; under context parallelism either runs on this rank's
+share of each sequence. :class:`~meshlight.strategies.MeshStrategy`'s Lightning hooks each delegate to one of these
+engines, so no hook asks which kind of layout runs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from meshlight.parallel.context import ContextParallel, LocalBatch
 from meshlight.parallel.data_parallel import gradient_accumulation
 from meshlight.parallel.tensor import reduce_partial_gradients
+from meshlight.strategies.pipeline_logging import LogRecorder
 from meshlight.strategies.pipeline_steps import PipelineSteps
 
-__all__ = ["PipelineEngine", "SpmdEngine", "StepEngine"]
+__all__ = ["ContextParallelSteps", "PipelineEngine", "SpmdEngine", "StepEngine"]
 
 
 class StepEngine:
@@ -108,3 +114,87 @@ class PipelineEngine(StepEngine):
 
 
 _PRECISION_CONTEXT = {"validation": "val"}  # the precision plugin names it `val_step_context`
+
+
+class ContextParallelSteps(StepEngine):
+    """The steps of ``inner`` (SPMD or pipeline) on this rank's share of each sequence.
+
+    It cuts the batch to this rank's share before the user's step runs, keeps the model's attention and positions
+    global while forward and backward run, weighs the loss by each rank's tokens (the step's loss is the whole
+    sequence's, on every rank), and logs what the step logs as the whole sequence's value (token-weighted over the
+    cp ranks), so that ``self.log`` and the progress bar read as in one process. Predictions run on whole sequences.
+    """
+
+    def __init__(self, inner: StepEngine, context: ContextParallel, module: LightningModule) -> None:
+        super().__init__(inner.strategy, partial_gradients=False)
+        self.inner, self.context, self.module = inner, context, module
+        self._recorder = LogRecorder()
+        self._local: Optional[LocalBatch] = None  # the last training batch's share, for its backward
+        if isinstance(inner, PipelineEngine):  # the schedule's loss function weighs each microbatch's loss
+            inner.steps.weigh_loss = self._weigh_microbatch
+
+    def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        self._local = local = self.context.split(batch)
+        return self._logged_over_ranks(local, lambda: self.inner.training_step(local.batch, batch_idx, *args, **kwargs),
+                                       weigh=True)
+
+    def backward(self, loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        with self.context.active(self._local) if self._local is not None else nullcontext():
+            return self.inner.backward(loss, optimizer, *args, **kwargs)
+
+    def evaluation_step(self, kind: str, *args: Any, **kwargs: Any) -> Any:
+        if kind == "predict":  # whole sequences on every rank: a prediction is per token
+            return self.inner.evaluation_step(kind, *args, **kwargs)
+        batch, rest = args[0], args[1:]
+        local = self.context.split(batch)
+        return self._logged_over_ranks(local, lambda: self.inner.evaluation_step(kind, local.batch, *rest, **kwargs),
+                                       weigh=False)
+
+    def accumulating(self) -> AbstractContextManager[None]:
+        return self.inner.accumulating()
+
+    def optimizer_closure(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
+        return self.inner.optimizer_closure(closure, optimizer)
+
+    # ------------------------------------------------------------------------------------------ machinery
+
+    def _logged_over_ranks(self, local: LocalBatch, step: Callable[[], Any], *, weigh: bool) -> Any:
+        """Run ``step`` on ``local`` with what it logs recorded, then log each value as the whole sequence's."""
+        self._recorder.clear()
+        with self.context.active(local), self._recorder.capture(self.module):
+            result = step()
+        if weigh and not isinstance(self.inner, PipelineEngine):  # (the schedule weighed its microbatches' losses)
+            result = self._weighed(result, local.tokens)
+        self._recorder.replay(self.module, self._over_ranks(self._recorder.reduced(self.module), local.tokens))
+        return result
+
+    def _weighed(self, result: Any, tokens: Optional[Tensor]) -> Any:
+        if isinstance(result, Tensor):
+            return self.context.weighted_loss(result, tokens)
+        if isinstance(result, Mapping) and isinstance(result.get("loss"), Tensor):
+            return {**result, "loss": self.context.weighted_loss(result["loss"], tokens)}
+        return result  # manual optimization: the user's own backward ran in the step
+
+    def _weigh_microbatch(self, loss: Tensor, microbatch: Any) -> Tensor:
+        return self.context.weighted_loss(loss, self.context.tokens_of(microbatch))
+
+    def _over_ranks(self, logged: list[tuple[str, Any, dict[str, Any]]],
+                    tokens: Optional[Tensor]) -> list[tuple[str, Any, dict[str, Any]]]:
+        """Logged numbers averaged over the cp ranks, each weighted by its tokens (one all-reduce)."""
+        numbers = [i for i, (_, value, _) in enumerate(logged) if not isinstance(value, tuple)]
+        if not numbers:
+            return logged
+        weight = (tokens if tokens is not None else torch.ones(())).to(torch.float64)
+        device = self.strategy.root_device
+        # (a rank whose share holds no label logs a NaN loss, 0/0: it adds nothing)
+        flat = torch.stack([weight] + [torch.where(weight > 0, logged[i][1].to(torch.float64).reshape(()) * weight, 0.0)
+                                       for i in numbers])
+        flat = flat.to(device)
+        dist.all_reduce(flat, group=self.context.group)
+        flat = flat.cpu()
+        total = flat[0].clamp_min(1e-30)
+        out = list(logged)
+        for position, i in enumerate(numbers, start=1):
+            name, value, options = logged[i]
+            out[i] = (name, (flat[position] / total).to(value.dtype), options)
+        return out

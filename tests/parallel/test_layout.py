@@ -70,10 +70,12 @@ def test_layout_is_frozen():
     [
         (dict(dp_replicate=2, dp_shard=2, pp=2, tp=2, zero=1), MESH_AXES, [0, 2, 4, 6], list(range(8))),
         # experts borrow from replicas without ZeRO, from shards with it: that axis is built as e<axis> × ep
-        (dict(dp_replicate=4, pp=2, tp=2, ep=2), ("pp", "edp_replicate", "ep", "dp_shard", "tp"), [0, 2, 4, 6],
-         list(range(8))),
-        (dict(dp_replicate=2, dp_shard=4, tp=2, ep=4, zero=3), ("pp", "dp_replicate", "edp_shard", "ep", "tp"),
+        (dict(dp_replicate=4, pp=2, tp=2, ep=2), ("pp", "edp_replicate", "ep", "dp_shard", "cp", "tp"),
+         [0, 2, 4, 6], list(range(8))),
+        (dict(dp_replicate=2, dp_shard=4, tp=2, ep=4, zero=3), ("pp", "dp_replicate", "edp_shard", "ep", "cp", "tp"),
          list(range(0, 16, 2)), list(range(16))),
+        # context parallelism: cp between the data axes and tp; a replica's ranks read the same data
+        (dict(dp_replicate=2, pp=2, cp=2, tp=2), MESH_AXES, [0, 4], list(range(8))),
     ],
 )
 def test_the_mesh_has_the_layouts_axes_pp_outermost_and_tp_innermost(sizes, names, dp, stage):
@@ -87,6 +89,33 @@ def test_the_mesh_has_the_layouts_axes_pp_outermost_and_tp_innermost(sizes, name
     assert mesh.mesh_dim_names == names
     assert axis(mesh, "dp").mesh.tolist() == dp and axis(mesh, "stage").mesh.tolist() == stage
     assert axis(mesh, "tp").mesh.tolist() == [0, 1]
+
+
+def test_context_parallel_ranks_join_the_data_parallel_reductions():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshlight.parallel.data_parallel import data_parallel_mesh
+    from meshlight.parallel.layout import axis, build_device_mesh
+
+    dist.init_process_group("fake", rank=0, world_size=16, store=FakeStore())
+    mesh = build_device_mesh(ParallelLayout(dp_replicate=2, dp_shard=2, cp=2, tp=2, zero=3), "cpu")
+    assert axis(mesh, "cp").mesh.tolist() == [0, 2]
+    assert axis(mesh, "dp").mesh.tolist() == [0, 4, 8, 12]  # the replicas, each reading its own data
+    assert axis(mesh, "dp_cp").mesh.tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+    hybrid = data_parallel_mesh(mesh, 3)  # replicate 2 × shard (dp_shard · cp = 4)
+    assert hybrid.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and hybrid.mesh.tolist() == [[0, 2, 4, 6],
+                                                                                                    [8, 10, 12, 14]]
+
+
+def test_context_parallel_sizes_count_in_the_world_and_are_described():
+    layout = ParallelLayout.for_world(8, dp_shard="auto", cp=4, zero=3)
+    assert (layout.dp, layout.cp, layout.world_size) == (2, 4, 8)
+    assert layout.describe() == "dp=2 (ZeRO-3) · pp=1 · tp=1 · ep=1 · cp=4"
+    with pytest.raises(ValueError, match=r"cp=3 does not divide the 8 processes.*lower cp, or run on a multiple of 3"):
+        ParallelLayout.for_world(8, dp_replicate="auto", cp=3)
+    with pytest.raises(ValueError, match="cp=2 with ep=2 is not supported yet"):
+        ParallelLayout(dp_replicate=2, cp=2, ep=2)
 
 
 def test_data_sizes_replicate_without_zero_and_shard_with_it():

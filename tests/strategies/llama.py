@@ -10,7 +10,8 @@ group holds: tensor parallelism leaves it whole); ``LitLlama(qk_norm=True)`` nor
 describes: a factorized token embedding (16 wide, projected to the model's width, ALBERT's) and a transform between
 the final norm and the LM head (Linear, GELU, norm: BERT's masked-LM head); ``LitLlama(head_dim_only=True)`` keeps
 only ``head_dim`` in its attention, as Hugging Face's Llama does: the head counts are the projections' widths over it,
-and heads are reshaped with ``-1``. ``layers`` sets the number of blocks.
+and heads are reshaped with ``-1``. ``layers`` sets the number of blocks, ``seq`` the length of the rotary tables
+(which the forward slices by its input's length).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class TransformerBlock(nn.Module):
 
 class Llama(nn.Module):
     def __init__(self, experts: int = 0, gated: bool = False, qk_norm: bool = False, outside: bool = False,
-                 head_dim_only: bool = False, layers: int = LAYERS) -> None:
+                 head_dim_only: bool = False, layers: int = LAYERS, seq: int = SEQ) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, 16 if outside else DIM)
         self.project = nn.Linear(16, DIM, bias=False) if outside else None
@@ -118,7 +119,7 @@ class Llama(nn.Module):
         self.transform = nn.Sequential(nn.Linear(DIM, DIM), nn.GELU(), RMSNorm(DIM)) if outside else None
         self.output = nn.Linear(DIM, VOCAB, bias=False)
         head_dim = DIM // HEADS
-        angles = torch.outer(torch.arange(SEQ).float(), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
+        angles = torch.outer(torch.arange(seq).float(), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
         self.register_buffer("cos", angles.cos()[:, None, :], persistent=False)
         self.register_buffer("sin", angles.sin()[:, None, :], persistent=False)
 
@@ -135,10 +136,10 @@ class Llama(nn.Module):
 
 class LitLlama(pl.LightningModule):
     def __init__(self, lr: float = 1e-2, experts: int = 0, gated: bool = False, qk_norm: bool = False,
-                 outside: bool = False, head_dim_only: bool = False, layers: int = LAYERS) -> None:
+                 outside: bool = False, head_dim_only: bool = False, layers: int = LAYERS, seq: int = SEQ) -> None:
         super().__init__()
         self.lr = lr
-        self.model = Llama(experts, gated, qk_norm, outside, head_dim_only, layers)
+        self.model = Llama(experts, gated, qk_norm, outside, head_dim_only, layers, seq)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = batch

@@ -62,24 +62,26 @@ def make_model(variant: str) -> LitGPT:
     return LitGPT(config, **{"lr": 1e-2, "warmup_steps": 2, **VARIANTS[variant][0]})
 
 
-def make_data(batch_size: int) -> AdditionDataModule:
-    return AdditionDataModule(3, batch_size=batch_size, train_size=GLOBAL_BATCH * STEPS * 2, val_size=32, seed=SEED)
+def make_data(batch_size: int, pad_to_multiple_of: int = 1) -> AdditionDataModule:
+    return AdditionDataModule(3, batch_size=batch_size, train_size=GLOBAL_BATCH * STEPS * 2, val_size=32, seed=SEED,
+                              pad_to_multiple_of=pad_to_multiple_of)
 
 
 def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel: int = 0,
           model: Any = None, save_to: Any = None, callbacks: Sequence[Callback] = (), ckpt_path: Any = None,
-          **trainer_args: Any) -> dict[str, Any]:
+          pad_to_multiple_of: int = 1, **trainer_args: Any) -> dict[str, Any]:
     """Train one variant; return the logged losses, gradient norms, (on global rank 0) the full weights, and
     the trained ``module`` itself (not picklable across processes: pop it before saving).
 
     ``data_parallel``: ranks reading different data (default: all); ``model``: a factory replacing GPT-tiny;
     ``save_to``: a checkpoint path written after training; ``ckpt_path``: one to resume from; ``callbacks`` and
-    ``trainer_args``: added to the Trainer's (``max_steps`` replacing ``STEPS``).
+    ``trainer_args``: added to the Trainer's (``max_steps`` replacing ``STEPS``); ``pad_to_multiple_of``: the
+    sequences' length is padded to a multiple of it (12 tokens unpadded).
     """
     pl.seed_everything(SEED, verbose=False)
     world = devices
     model = model() if model is not None else make_model(variant)
-    data = make_data(GLOBAL_BATCH // (data_parallel or world))
+    data = make_data(GLOBAL_BATCH // (data_parallel or world), pad_to_multiple_of)
     recorder = Recorder()
     trainer = ml.Trainer(
         strategy=strategy, devices=devices, accelerator="cpu", logger=False,

@@ -1,0 +1,170 @@
+"""torchrun worker: context-parallel parity runs (cp alone, with tp, pp and ZeRO-3 data parallelism, and by the
+name "cp") on meshlight's GPT, a Llama-shaped model that slices its rotary tables by its input's length, and Hugging
+Face's Llama; a validation loss; and the refusals of what cp cannot split."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import meshlight as ml
+from meshlight.demos import AdditionDataModule, LitGPT
+from meshlight.models import GPTConfig
+from tests.strategies.hf_models import LitCausalLM
+from tests.strategies.llama import LitLlama
+from tests.strategies.parity import make_data, train
+
+SEQ = 16  # the addition sequences (12 tokens) padded to a multiple of 2·cp for cp ≤ 4
+
+
+def lit_gpt(positions: str = "learned", **config: Any) -> LitGPT:
+    config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=SEQ, dim=32, n_heads=4, bias=False,
+                            positions=positions, **config)
+    return LitGPT(config, lr=1e-2, warmup_steps=2)
+
+
+class LitLlamaLabels(LitCausalLM):
+    """Hugging Face's Llama trained as its users often do: dict batches, and the model's own loss from ``labels``
+    (which it shifts itself). The data's targets are turned back into such labels before the batch reaches the
+    strategy; ``in_step=True`` makes them inside the step instead, from what the step is given (refused under cp)."""
+
+    def __init__(self, in_step: bool = False) -> None:
+        super().__init__("llama")
+        self.in_step = in_step
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        inputs, targets = batch
+        return {"input_ids": inputs, "targets": targets} if self.in_step else {"input_ids": inputs,
+                                                                               "labels": _unshifted(targets)}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.in_step:
+            batch = {"input_ids": batch["input_ids"], "labels": _unshifted(batch["targets"])}
+        loss = self.model(**batch).loss
+        self.log("train/loss", loss)
+        return loss
+
+
+def _unshifted(targets: torch.Tensor) -> torch.Tensor:
+    """Labels the model shifts by one into ``targets`` (the token after each position)."""
+    return torch.cat([torch.full_like(targets[:, :1], -100), targets[:, :-1]], dim=1)
+
+
+# model name -> factory
+MODELS: dict[str, Callable[[], pl.LightningModule]] = {
+    "gpt": lit_gpt,
+    "llama": functools.partial(LitLlama, seq=SEQ),
+    "hf-llama": functools.partial(LitCausalLM, "llama"),
+}
+EXTRA_MODELS: dict[str, Callable[[], pl.LightningModule]] = {
+    "gpt-rotary-gqa": functools.partial(lit_gpt, positions="rotary", n_kv_heads=2, mlp="swiglu", norm="rmsnorm"),
+    "hf-llama-labels": LitLlamaLabels,
+    "hf-gpt2": functools.partial(LitCausalLM, "gpt2", optimizer="sgd", lr=0.3),
+}
+
+# layout name -> (strategy factory, data-parallel size), per world size
+LAYOUTS: dict[int, dict[str, tuple[Callable[[], Any], int]]] = {
+    2: {"cp2": (lambda: ml.MeshStrategy(cp=2, dp_replicate=1), 1), "name-cp": (lambda: "cp", 1)},
+    4: {"cp4": (lambda: ml.MeshStrategy(cp=4, dp_replicate=1), 1),
+        "cp2xtp2": (lambda: ml.MeshStrategy(cp=2, tp=2, dp_replicate=1), 1),
+        "cp2xpp2": (lambda: ml.MeshStrategy(cp=2, pp=2, dp_replicate=1, microbatches=2), 1),
+        "cp2xdp2-zero3": (lambda: ml.ContextParallelStrategy(cp=2, zero=3), 2)},
+}
+
+
+def runs(world: int) -> list[tuple[str, str]]:
+    """(layout, model) for this world size."""
+    grid = [(layout, model) for layout in LAYOUTS[world] for model in MODELS]
+    if world == 2:
+        grid += [("cp2", model) for model in EXTRA_MODELS]
+    return grid
+
+
+def model_factory(name: str) -> Callable[[], pl.LightningModule]:
+    return {**MODELS, **EXTRA_MODELS}[name]
+
+
+def validation(strategy: Any = None) -> float:
+    """The validation loss of GPT-tiny (untrained) on the addition data's 32 validation sequences, whole on one
+    process (no ``strategy``) or split by ``strategy``."""
+    pl.seed_everything(0, verbose=False)
+    trainer = ml.Trainer(strategy=strategy or "auto", devices=dist.get_world_size() if strategy else 1,
+                         accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    return trainer.validate(lit_gpt(), make_data(16, SEQ), verbose=False)[0]["val/loss"]
+
+
+def refusals() -> dict[str, str]:
+    """The error each input cp cannot split gets, before any optimizer step."""
+    out = {}
+    cases = {
+        "length": (lit_gpt, 7),  # 14 tokens: not a multiple of 2·cp = 4
+        "mask": (functools.partial(LlamaAttendingWith, _sliding_window), 8),
+        "manual-attention": (functools.partial(LlamaAttendingWith, _written_out), 8),
+        "labels-made-in-step": (functools.partial(LitLlamaLabels, in_step=True), 8),
+    }
+    for name, (factory, multiple) in cases.items():
+        try:
+            train("adamw", ml.MeshStrategy(cp=2, dp_replicate=1), devices=dist.get_world_size(), data_parallel=1,
+                  model=factory, pad_to_multiple_of=multiple, max_steps=1)
+        except Exception as error:  # noqa: BLE001 - the message is the result
+            out[name] = f"{type(error).__name__}: {error}"
+        else:
+            out[name] = "no error"
+    return out
+
+
+class LlamaAttendingWith(LitLlama):
+    """The Llama with every attention's forward replaced by ``attend(attention, q, k, v)`` on its projections."""
+
+    def __init__(self, attend: Callable[..., torch.Tensor]) -> None:
+        super().__init__(seq=SEQ)
+        for layer in self.model.layers:
+            layer.attention.forward = functools.partial(_attention, layer.attention, attend)
+
+
+def _attention(attention: Any, attend: Callable[..., torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+    b, t, _ = x.shape
+    q, k, v = (proj(x).view(b, t, -1, attention.head_dim).transpose(1, 2)
+               for proj in (attention.wq, attention.wk, attention.wv))
+    y = attend(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1))
+    return attention.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _sliding_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A custom mask, which cp cannot split."""
+    t = q.shape[2]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(t, t, dtype=torch.bool).tril().triu(-4))
+
+
+def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q·kᵀ)·v, which cp cannot see."""
+    t = q.shape[2]
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf")).softmax(-1) @ v
+
+
+if __name__ == "__main__":
+    out, world = sys.argv[1], int(sys.argv[2])
+    only = sys.argv[3].split(",") if len(sys.argv) > 3 else None
+    results: dict[Any, Any] = {}
+    for layout, model in runs(world):
+        if only and f"{layout}/{model}" not in only:
+            continue
+        strategy, dp = LAYOUTS[world][layout]
+        result = train("adamw", strategy(), devices=world, data_parallel=dp, model=model_factory(model),
+                       pad_to_multiple_of=SEQ)
+        result.pop("module")
+        results[(layout, model)] = result
+    if world == 2 and not only:
+        results["refusals"] = refusals()
+        results["validation"] = validation(ml.MeshStrategy(cp=2, dp_replicate=1))
+    if dist.get_rank() == 0:
+        torch.save(results, out)
