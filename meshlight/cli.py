@@ -1,6 +1,7 @@
 """The ``meshlight`` command line.
 
     meshlight plan --model llama3-70b --gpus 1024 --gpu h100 --seq 8192     # layouts for a cluster you plan
+    meshlight plan --model llama3-8b --gpus 64 --seq 131072                 # ... long sequences split over cp ranks
     meshlight plan --gpus 64 --layers 48 --hidden 6144 --heads 48 --vocab 32000   # ... for a model of your own
     meshlight consolidate runs/ckpt/step=000001000 model.safetensors         # one full state dict, for inference
     meshlight export runs/ckpt/last hf-model --to hf                          # a folder from_pretrained loads
@@ -22,6 +23,7 @@ from meshlight.parallel.compression import GradientCompression
 from meshlight.parallel.pipeline import SCHEDULES
 from meshlight.parallel.planner import (
     HARDWARE,
+    LONG_SEQUENCE,
     MODELS,
     Hardware,
     ModelSpec,
@@ -57,9 +59,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     planner = commands.add_parser(
         "plan", help="rank parallel layouts for a model on a cluster (no devices needed)",
-        description="Estimate per-device memory and step time of every valid (dp, pp, tp, ep, zero, microbatches,"
-                    " virtual stages, recomputation) and print the best layouts. Exit status: 0 when a layout"
-                    " fits, 1 when none does (what would fit is printed), 2 for input no layout can have.")
+        description="Estimate per-device memory and step time of every valid (dp, pp, tp, cp, ep, zero,"
+                    " microbatches, virtual stages, recomputation) and print the best layouts. Exit status: 0 when a"
+                    " layout fits, 1 when none does (what would fit is printed), 2 for input no layout can have.")
     planner.add_argument("--model", choices=sorted(MODELS),
                          help="model preset; or give your model's shape with the flags below (they also override a"
                               " preset's)")
@@ -111,6 +113,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: ~4M tokens)")
     for size in ("dp", "pp", "tp", "ep", "zero"):
         planner.add_argument(f"--{size}", type=int, help=f"fix {size} instead of planning it")
+    planner.add_argument("--cp", type=int, help="fix cp (the ranks each sequence is split over) instead of planning"
+                                                f" it; planned for sequences longer than {LONG_SEQUENCE} tokens")
     planner.add_argument("--schedule", choices=list(SCHEDULES), help="fix the pipeline schedule")
     planner.add_argument("--virtual-stages", type=int, help="fix the pipeline stages per rank")
     planner.add_argument("--microbatches", type=int, help="fix the microbatches of a pipelined replica's batch")
@@ -151,7 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as error:
         planner.error(str(error))
     global_batch = args.global_batch if args.global_batch is not None else max(TOKENS_PER_STEP // model.seq_len, 1)
-    fixed = {k: v for k, v in dict(dp=args.dp, pp=args.pp, tp=args.tp, ep=args.ep, zero=args.zero,
+    fixed = {k: v for k, v in dict(dp=args.dp, pp=args.pp, tp=args.tp, ep=args.ep, zero=args.zero, cp=args.cp,
                                    schedule=args.schedule, virtual_stages=args.virtual_stages,
                                    microbatches=args.microbatches,
                                    recompute=None if args.recompute is None else args.recompute == "yes").items()

@@ -1,19 +1,23 @@
 """The layout planner's cost model: what one candidate layout costs each rank, analytically.
 
 - **Memory**: parameters, gradients and optimizer state of the rank's share of the model (tensor, pipeline and
-  expert splits, then ZeRO over the data ranks, as meshlight's FSDP2 ZeRO holds them: stages 1–2 keep the
-  gathered parameters beside the shard, stage 3 a block gathered and the next one's gather in flight, stage 1
-  whole gradients, stages 2–3 one block's whole gradients at a time; inside a pipeline schedule every
-  stage peaks as stage 1 does, since PyTorch's schedules keep the parameters gathered and the gradients whole
-  until the schedule's last backward; at the run's bytes per value — :func:`precision_bytes` — less what the
-  ``Offload`` callback keeps in host memory), plus activations: per layer and
-  micro-batch what autograd saves in meshlight's blocks (:meth:`ModelSpec.activation_values_per_token`,
+  expert splits, then ZeRO over the data ranks — dp × cp: context-parallel ranks hold the same weights — as
+  meshlight's FSDP2 ZeRO holds them: stages 1–2 keep the gathered parameters beside the shard, stage 3 a block
+  gathered and the next one's gather in flight, stage 1 whole gradients, stages 2–3 one block's whole gradients
+  at a time; inside a pipeline schedule every stage peaks as stage 1 does, since PyTorch's schedules keep the
+  parameters gathered and the gradients whole until the schedule's last backward; at the run's bytes per value —
+  :func:`precision_bytes` — less what the ``Offload`` callback keeps in host memory), plus activations: per layer
+  and micro-batch what autograd saves in meshlight's blocks (:meth:`ModelSpec.activation_values_per_token`,
   checked against saved-tensor hooks in the tests; about ``22·h/tp`` values per token for Llama shapes: the
   inputs of the column-parallel projections are kept split and gathered again in backward, as in
   Megatron-Core), the block's input (``h/tp``) with full recomputation plus one
   block's activations while it is recomputed; a 1F1B stage holds ``pp`` micro-batches
   in flight (interleaving multiplies that by ``1 + (pp−1)/(pp·v)``; GPipe and looped BFS hold all of them); the
   last stage also holds fp32 logits; blocks whose activations are offloaded keep two blocks' worth in transit.
+  Context parallelism (``cp``) leaves each rank ``seq/cp`` tokens of every sequence, and a block's backward keeps
+  the K/V its attention gathered over the whole sequence (``2·seq·heads·head_dim/tp`` values: K/V heads repeated
+  to the query heads for the GPU kernels; :func:`_context_parallel_values`), in a recomputed block only while it
+  is recomputed.
   What the ``Offload`` callback moves out (optimizer state with the master shards and their gradients, the
   offloaded activations) must fit the device's share of host memory, as the rest must fit the device.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak for the run's matmuls
@@ -25,14 +29,18 @@
   without pipelining, gradients reduce-scattered per micro-batch under ZeRO-2) overlapped with backward compute
   except the last bucket (as Megatron-Core overlaps it; meshlight's pipeline schedules still reduce after the
   last microbatch);
-  expert all_to_all (4 exchanges of the routed tokens per MoE layer and micro-batch); what the ``Offload``
-  callback adds: its host-link copies (offloaded activations out in forward and back in backward; under optimizer
-  offload the master shards in for each gather and the gradient shards out) beyond the compute of their phase,
-  and the host's optimizer step, which nothing overlaps; and latencies: a fixed
-  one per p2p message and pipeline action (what makes many tiny microbatches slow), and for each TP and DP
+  expert all_to_all (4 exchanges of the routed tokens per MoE layer and micro-batch); context parallelism's K/V
+  all-gather before each layer's attention (again when it is recomputed) and the reduce-scatter of their gradients
+  in backward, ``(cp−1)/cp`` of the whole sequence's K/V per rank, not overlapped (:func:`_kv_exchange_time`);
+  what the ``Offload`` callback adds: its host-link copies (offloaded activations out in forward and back in
+  backward; under optimizer offload the master shards in for each gather and the gradient shards out) beyond the
+  compute of their phase, and the host's optimizer step, which nothing overlaps; and latencies: a fixed one per p2p
+  message and pipeline action (what makes many tiny microbatches slow), and for each TP and DP
   collective NCCL's ring model — a base plus one hop per ring step, inter-node hops slower (what makes ZeRO-3
   over hundreds of ranks latency-bound). Links: a group within one node uses the intra-node bandwidth,
-  otherwise the inter-node one (mesh order pp, dp, ep, tp: tp innermost).
+  otherwise the inter-node one (mesh order pp, dp, ep, cp, tp: tp innermost, cp next to it). Compute needs no
+  term of its own for cp: each rank runs ``1/cp`` of every sequence's tokens through the weights and, its chunks
+  balanced (an early and a late one), ``1/cp`` of the causal attention.
 
 :func:`estimate` prices one layout; :mod:`meshlight.parallel.planner` searches the layouts and ranks them.
 The assumptions are deliberately few; ``benchmarks/planner.py`` measures how far they are from published
@@ -75,6 +83,7 @@ class Candidate:
     pp: int
     tp: int
     ep: int
+    cp: int  # ranks each sequence is split over
     zero: int
     microbatches: int
     virtual_stages: int
@@ -83,7 +92,7 @@ class Candidate:
     model_state_bytes: float
     activation_bytes: float
     memory_limit: float
-    times: dict[str, float]  # compute, bubble, tp, p2p, dp, ep, host (exposed seconds per step)
+    times: dict[str, float]  # compute, bubble, tp, cp, p2p, dp, ep, host (exposed seconds per step)
     tokens_per_step: int
     world: int
     flops_per_token: float
@@ -112,13 +121,14 @@ class Candidate:
         return self.tokens_per_second_per_device * self.flops_per_token / self.peak_flops
 
     @property
-    def layout(self) -> tuple[int, int, int, int]:
-        return self.dp, self.pp, self.tp, self.ep
+    def layout(self) -> tuple[int, int, int, int, int]:
+        return self.dp, self.pp, self.tp, self.ep, self.cp
 
     @property
     def sizes(self) -> str:
-        """``dp=… pp=… tp=…`` (and ``ep=…`` when experts are split)."""
-        return f"dp={self.dp} pp={self.pp} tp={self.tp}" + (f" ep={self.ep}" if self.ep > 1 else "")
+        """``dp=… pp=… tp=…`` (and ``cp=…`` when sequences are split, ``ep=…`` when experts are)."""
+        return (f"dp={self.dp} pp={self.pp} tp={self.tp}" + (f" cp={self.cp}" if self.cp > 1 else "")
+                + (f" ep={self.ep}" if self.ep > 1 else ""))
 
     def describe(self) -> str:
         parts = [self.sizes, f"zero={self.zero}"]
@@ -133,8 +143,9 @@ class Candidate:
 
     def strategy_arguments(self) -> dict[str, Any]:
         """Arguments of :class:`~meshlight.strategies.Hybrid3DStrategy` for this layout."""
-        return dict(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, zero=self.zero, schedule=self.schedule,
-                    microbatches=self.microbatches if self.pp > 1 else None, virtual_stages=self.virtual_stages)
+        return dict(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, cp=self.cp, zero=self.zero,
+                    schedule=self.schedule, microbatches=self.microbatches if self.pp > 1 else None,
+                    virtual_stages=self.virtual_stages)
 
 
 def precision_bytes(precision: str, param_dtype: Optional[torch.dtype] = None) -> dict[str, float]:
@@ -155,12 +166,14 @@ def precision_bytes(precision: str, param_dtype: Optional[torch.dtype] = None) -
 
 def estimate(
     model: ModelSpec, hw: Hardware, world: int, global_batch: int, dp: int, pp: int, tp: int, ep: int, zero: int,
-    microbatches: int, virtual_stages: int, recompute: bool, schedule: Optional[str] = None,
+    microbatches: int, virtual_stages: int, recompute: bool, schedule: Optional[str] = None, cp: int = 1,
 ) -> Candidate:
     """Per-rank memory and step time of one layout (see the module docstring for the model). ``schedule``
-    default: 1F1B, interleaved with more than one virtual stage."""
+    default: 1F1B, interleaved with more than one virtual stage. ``cp``: ranks each sequence is split over."""
     schedule = schedule or _schedule_of(virtual_stages)
     s, h = model.seq_len, model.hidden
+    local = s / cp  # tokens of each sequence on this rank
+    data = dp * cp  # ranks holding the same weights: gradients are reduced and ZeRO shards over them
     micro_batch = global_batch // dp // microbatches
     layers_per_stage = math.ceil(model.layers / pp)
     # --- model state: the most loaded stage (blocks, plus the embedding or the head at either end)
@@ -171,16 +184,17 @@ def estimate(
     # ZeRO-3 without pipelining keeps the root unit (embedding and head) gathered from forward to backward
     root = model.embedding_params + model.head_params if pp == 1 else 0
     block = model.block_params / model.layers / tp
-    model_state = (model_state_bytes(dense, dp, zero, hw, pipelined=pp > 1, block=block, root=root / tp)
-                   + model_state_bytes(experts, dp // ep, zero, hw, pipelined=pp > 1))
+    model_state = (model_state_bytes(dense, data, zero, hw, pipelined=pp > 1, block=block, root=root / tp)
+                   + model_state_bytes(experts, data // ep, zero, hw, pipelined=pp > 1))
     # --- activations of the first stage: micro-batches in flight × layers × per-layer bytes
     # bytes per saved value, where ActivationCompression keeps some blocks' in fewer (never more) bytes
     compressed = hw.compressed_activations
     saved_bytes = hw.activation_bytes * (1 - compressed) + min(hw.activation_bytes,
                                                                 hw.compressed_activation_bytes) * compressed
-    layer_activations = model.activation_values_per_token(tp) * s * micro_batch * saved_bytes
+    layer_activations = (model.activation_values_per_token(tp) * local * micro_batch
+                         + _context_parallel_values(model, cp, tp, micro_batch)) * saved_bytes
     # with recomputation a block keeps only its input: the residual stream, split over the sequence under tp
-    per_layer = s * micro_batch * h * saved_bytes / tp if recompute else layer_activations
+    per_layer = local * micro_batch * h * saved_bytes / tp if recompute else layer_activations
     # 1F1B: the first stage holds pp microbatches of its layers; interleaving adds (pp−1)/(pp·v) (Korthikanti);
     # GPipe and looped BFS run every forward first and hold them all
     interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1
@@ -190,23 +204,24 @@ def estimate(
     offloaded = hw.offload_activations
     activations = per_layer * layers_per_stage * in_flight * (1 - offloaded) + (2 * per_layer if offloaded else 0.0)
     # in host memory: the offloaded activations, and what optimizer offload keeps there
-    host = (per_layer * layers_per_stage * in_flight * offloaded + host_state_bytes(dense, dp, zero, hw)
-            + host_state_bytes(experts, dp // ep, zero, hw))
+    host_state = host_state_bytes(dense, data, zero, hw) + host_state_bytes(experts, data // ep, zero, hw)
+    host = per_layer * layers_per_stage * in_flight * offloaded + host_state
     if recompute:  # one layer's full activations during its recomputation
         activations += layer_activations
     # fp32 logits and their gradient, on the last stage; added to the first stage's activations (a bound)
-    activations += 2 * s * micro_batch * model.vocab * 4 / tp
+    activations += 2 * local * micro_batch * model.vocab * 4 / tp
     # --- time
     tokens = global_batch * s
     flops = tokens * (model.flops_per_token() + (model.recompute_flops_per_token() if recompute else 0)) / world
     compute = flops / (hw.compute_flops * ACHIEVABLE_FRACTION)
     bubble = compute * (pp - 1) / (microbatches * virtual_stages) if pp > 1 else 0.0
-    activation = s * micro_batch * h * hw.activation_bytes
+    activation = local * micro_batch * h * hw.activation_bytes
     tp_time = 0.0
     if tp > 1:
         collectives = 6 if recompute else 4
         messages = layers_per_stage * microbatches * collectives
         tp_time = messages * (2 * (tp - 1) / tp * activation / _bandwidth(hw, tp, 1) + _ring_latency(hw, tp, 1))
+    cp_time = _kv_exchange_time(model, hw, cp, tp, micro_batch, layers_per_stage * microbatches, recompute)
     p2p = 0.0
     if pp > 1:  # activations forward and gradients back, and the schedule's actions, per microbatch and stage
         actions = 2 * microbatches * virtual_stages
@@ -216,11 +231,11 @@ def estimate(
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * microbatches}[zero]
     reductions = microbatches if zero >= 2 and pp == 1 else 1  # pipeline schedules reduce once per step
     kept_root = microbatches * root / tp * hw.param_bytes if zero == 3 else 0.0  # not gathered again in backward
-    dp_bytes = (gathers * param_bytes - kept_root + reductions * grad_bytes * (1 if zero else 2)) * (dp - 1) / dp
+    dp_bytes = (gathers * param_bytes - kept_root + reductions * grad_bytes * (1 if zero else 2)) * (data - 1) / data
     dp_messages = (layers_per_stage + 1) * (gathers + reductions)  # one collective per block and direction
     # an all-reduce (zero=0) is a reduce-scatter then an all-gather: twice the ring's steps
-    dp_latency = dp_messages * _ring_latency(hw, dp, tp) * (1 if zero else 2)
-    dp_time = dp_bytes / _bandwidth(hw, dp, tp) + dp_latency if dp > 1 else 0.0
+    dp_latency = dp_messages * _ring_latency(hw, data, tp) * (1 if zero else 2)
+    dp_time = dp_bytes / _bandwidth(hw, data, tp) + dp_latency if data > 1 else 0.0
     # reduced bucket by bucket during backward (2/3 of compute); the last bucket is exposed
     dp_exposed = max(0.0, dp_time - compute * 2 / 3) + dp_time / max(layers_per_stage, 1)
     ep_time = 0.0
@@ -230,15 +245,15 @@ def estimate(
         ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / _bandwidth(hw, ep, tp)
     host_time = _host_time(model, hw, world, compute, recompute,
                            moved=per_layer * layers_per_stage * microbatches * offloaded,
-                           shard=host_state_bytes(dense, dp, zero, hw) + host_state_bytes(experts, dp // ep, zero, hw),
+                           shard=host_state,
                            gathers=microbatches if zero == 3 else 1,
                            regathers=microbatches if zero == 3 else 0, reductions=reductions,
-                           kept=host_state_bytes(root / tp, dp, zero, hw) if zero == 3 else 0.0)
-    times = {"compute": compute, "bubble": bubble, "tp": tp_time, "p2p": p2p, "dp": dp_exposed, "ep": ep_time,
-             "host": host_time}
-    return Candidate(dp, pp, tp, ep, zero, microbatches, virtual_stages, recompute, schedule, model_state, activations,
-                     hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(), hw.peak_flops,
-                     host, hw.host_memory * MEMORY_HEADROOM)
+                           kept=host_state_bytes(root / tp, data, zero, hw) if zero == 3 else 0.0)
+    times = {"compute": compute, "bubble": bubble, "tp": tp_time, "cp": cp_time, "p2p": p2p, "dp": dp_exposed,
+             "ep": ep_time, "host": host_time}
+    return Candidate(dp, pp, tp, ep, cp, zero, microbatches, virtual_stages, recompute, schedule, model_state,
+                     activations, hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(),
+                     hw.peak_flops, host, hw.host_memory * MEMORY_HEADROOM)
 
 
 def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, pipelined: bool = False,
@@ -301,6 +316,32 @@ def _host_time(model: ModelSpec, hw: Hardware, world: int, compute: float, recom
     accumulating = (reductions - 1) * master / hw.host_bandwidth
     return (max(0.0, forward - compute * forward_share) + max(0.0, backward - compute * (1 - forward_share))
             + accumulating + master / hw.state_bytes / hw.host_steps_per_second(world))
+
+
+def _context_parallel_values(model: ModelSpec, cp: int, tp: int, micro_batch: int) -> float:
+    """Values a block's attention keeps for backward under context parallelism beside its own tokens': the K/V it
+    gathered over the whole sequence, split over tp — on a GPU at the query heads, to which meshlight's all-gather
+    attention repeats a GQA model's K/V heads for the flash and efficient kernels (which take as many). Its chunks'
+    causal masks are no values: those kernels apply a mask aligned to the lower right without building it."""
+    if cp == 1:
+        return 0.0
+    return 2 * model.seq_len * model.heads * model.head_dim / tp * micro_batch
+
+
+def _kv_exchange_time(model: ModelSpec, hw: Hardware, cp: int, tp: int, micro_batch: int, passes: int,
+                      recompute: bool) -> float:
+    """Seconds per step context parallelism's K/V exchange takes on a rank, over ``passes`` layer-microbatch passes:
+    K and V all-gathered over the ``cp`` ranks (``tp`` apart) before each layer's attention, again when it is
+    recomputed, and their gradients reduce-scattered in backward — each ``(cp−1)/cp`` of the whole sequence's K/V
+    (at the model's K/V heads, split over tp), two ring collectives. None of it is hidden: meshlight's attention
+    waits for the gathered K/V at once (nothing is left to compute beside them), and the K/V projections' backward
+    needs the reduced gradients next. The bytes grow with the sequence, attention's compute with its square, so
+    at long sequences this is small beside the step anyway."""
+    if cp == 1:
+        return 0.0
+    kv = 2 * model.seq_len * micro_batch * model.kv_heads * model.head_dim / tp * hw.activation_bytes
+    exchanges = passes * (3 if recompute else 2)
+    return exchanges * ((cp - 1) / cp * kv / _bandwidth(hw, cp, tp) + 2 * _ring_latency(hw, cp, tp))
 
 
 def _bandwidth(hw: Hardware, size: int, stride: int) -> float:

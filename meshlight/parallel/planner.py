@@ -1,9 +1,10 @@
-"""Layout planner: the fastest (dp, pp, tp, ep, zero, microbatches, virtual stages, recomputation) that fits.
+"""Layout planner: the fastest (dp, pp, tp, cp, ep, zero, microbatches, virtual stages, recomputation) that fits.
 
 :func:`plan` enumerates every valid candidate for a world of devices (tp within a node and dividing the heads and
-the MLP, pp at most the layers, dp dividing the batch, ep the experts, microbatches suiting the schedule), prices
-each with the analytic cost model (:mod:`meshlight.parallel.cost_model`: per-rank memory and step time) and ranks
-them, those that fit before those that do not. :func:`format_plan` prints the best ones and why the winner won;
+the MLP, pp at most the layers, cp splitting a long sequence into ``2·cp·tp`` equal chunks, dp dividing the batch,
+ep the experts, microbatches suiting the schedule), prices each with the analytic cost model
+(:mod:`meshlight.parallel.cost_model`: per-rank memory and step time) and ranks them, those that fit before those
+that do not. :func:`format_plan` prints the best ones and why the winner won;
 when nothing fits, the hints name the nearest layouts, the fewest devices, or the change that would fit.
 """
 
@@ -32,7 +33,8 @@ from meshlight.parallel.pipeline import SCHEDULES, default_virtual_stages
 from meshlight.parallel.presets import GB, HARDWARE, MODELS, Hardware, ModelSpec, detect_hardware, preset_named
 
 __all__ = [
-    "ACHIEVABLE_FRACTION", "AUTOCAST_ACTIVATION_BYTES", "HARDWARE", "MODELS", "Candidate", "Hardware", "ModelSpec",
+    "ACHIEVABLE_FRACTION", "AUTOCAST_ACTIVATION_BYTES", "CP_TP_REACH", "HARDWARE", "LONG_SEQUENCE", "MODELS",
+    "Candidate", "Hardware", "ModelSpec",
     "PlanError", "best_per_layout", "detect_hardware", "estimate", "explain", "fewest_devices", "format_plan",
     "model_spec_of", "more_devices_hint", "nearest_fitting", "plan", "precision_bytes", "preset_named",
     "same_devices_hint", "shown_layouts",
@@ -41,6 +43,13 @@ __all__ = [
 #: How many times the devices at hand :func:`fewest_devices` looks up to, for a model that fits on none, and
 #: the fewest devices it looks up to whatever the devices at hand
 DEVICE_REACH, DEVICE_REACH_FLOOR = 64, 1024
+#: Sequences longer than this are planned with context parallelism too (shorter ones only where cp is given): Llama 3
+#: pretrained at 8K tokens without it and split its long-context stage (up to 128K) over CP 16 (the Llama 3 paper,
+#: Table 4); torchtitan's context-parallel runs start at 64K
+LONG_SEQUENCE = 8192
+#: The most ranks the planner splits one sequence over, cp·tp, unless cp is given: torchtitan's longest published
+#: runs split Llama 3.1 405B's 256K-token sequences over TP 8 × CP 8
+CP_TP_REACH = 64
 
 
 class PlanError(ValueError):
@@ -75,6 +84,7 @@ def plan(
     tp: Optional[int] = None,
     ep: Optional[int] = None,
     zero: Optional[int] = None,
+    cp: Optional[int] = None,
     recompute: Optional[bool] = None,
     schedule: Optional[str] = None,
     virtual_stages: Optional[int] = None,
@@ -84,21 +94,22 @@ def plan(
     those that do not. The batch is ``global_batch`` sequences per optimizer step, or ``local_batch`` per data
     replica (as a LightningModule's DataLoader gives it: the global batch then grows with dp). Sizes given are
     kept fixed, and so are, for pipelined candidates, the ``schedule``, ``virtual_stages`` and ``microbatches``
-    given (otherwise 1F1B or Interleaved1F1B with 2 virtual stages, and the best microbatch count)."""
+    given (otherwise 1F1B or Interleaved1F1B with 2 virtual stages, and the best microbatch count). ``cp`` not given
+    is planned for sequences longer than :data:`LONG_SEQUENCE`, else 1."""
     if (global_batch is None) == (local_batch is None):
         raise ValueError("Give exactly one of global_batch and local_batch.")
-    _check_request(world, global_batch, local_batch, schedule, dp=dp, pp=pp, tp=tp, ep=ep, zero=zero,
+    _check_request(world, global_batch, local_batch, schedule, dp=dp, pp=pp, tp=tp, ep=ep, zero=zero, cp=cp,
                    virtual_stages=virtual_stages, microbatches=microbatches)
     pipelines = _pipeline_choices(schedule, virtual_stages, microbatches)
     candidates = [
         estimate(model, hardware, world, global_batch or local_batch * layout[0], *layout)
-        for layout in _layouts(model, hardware, world, global_batch, local_batch, dp, pp, tp, ep, zero, recompute,
+        for layout in _layouts(model, hardware, world, global_batch, local_batch, dp, pp, tp, ep, cp, zero, recompute,
                                pipelines)
     ]
     if not candidates:
-        message = _no_layout_message(model, hardware, world, global_batch, local_batch, pipelines, dp, pp, tp, ep)
+        message = _no_layout_message(model, hardware, world, global_batch, local_batch, pipelines, dp, pp, tp, ep, cp)
         nearest = nearest_fitting(model, hardware, world, global_batch, local_batch=local_batch,
-                                  given={"dp": dp, "pp": pp, "tp": tp, "ep": ep})
+                                  given={"dp": dp, "pp": pp, "tp": tp, "ep": ep, "cp": cp})
         if nearest:
             message += " Nearest layouts that work: " + "; ".join(c.describe() for c in nearest) + "."
         raise PlanError(message)
@@ -208,8 +219,8 @@ def same_devices_hint(
 
 
 def best_per_layout(candidates: Iterable[Candidate]) -> list[Candidate]:
-    """The best candidate of each (dp, pp, tp, ep), in the order given."""
-    seen: dict[tuple[int, int, int, int], Candidate] = {}
+    """The best candidate of each (dp, pp, tp, ep, cp), in the order given."""
+    seen: dict[tuple[int, ...], Candidate] = {}
     for candidate in candidates:
         seen.setdefault(candidate.layout, candidate)
     return list(seen.values())
@@ -217,14 +228,15 @@ def best_per_layout(candidates: Iterable[Candidate]) -> list[Candidate]:
 
 def _layouts(
     model: ModelSpec, hw: Hardware, world: int, global_batch: Optional[int], local_batch: Optional[int],
-    dp: Optional[int], pp: Optional[int], tp: Optional[int], ep: Optional[int], zero: Optional[int],
-    recompute: Optional[bool], pipelines: _Pipelines,
+    dp: Optional[int], pp: Optional[int], tp: Optional[int], ep: Optional[int], cp: Optional[int],
+    zero: Optional[int], recompute: Optional[bool], pipelines: _Pipelines,
 ) -> Iterable[tuple[Any, ...]]:
-    """(dp, pp, tp, ep, zero, microbatches, virtual stages, recompute, schedule) of every valid candidate."""
-    for t, p in itertools.product(_divisors(world), repeat=2):
-        d = world // t // p if world % (t * p) == 0 else 0
-        fixed = all(given is None or given == size for given, size in ((tp, t), (pp, p), (dp, d)))
-        if not (d and fixed and p <= model.layers and _tp_fits(model, hw, t, given=tp is not None)):
+    """(dp, pp, tp, ep, zero, microbatches, virtual stages, recompute, schedule, cp) of every valid candidate."""
+    for t, p, c in itertools.product(_divisors(world), repeat=3):
+        d = world // (t * p * c) if world % (t * p * c) == 0 else 0
+        fixed = all(given is None or given == size for given, size in ((tp, t), (pp, p), (dp, d), (cp, c)))
+        if not (d and fixed and p <= model.layers and _tp_fits(model, hw, t, given=tp is not None)
+                and _cp_fits(model, t, c, given=cp is not None)):
             continue
         if global_batch is not None and global_batch % d:
             continue
@@ -236,10 +248,12 @@ def _layouts(
         ):
             if p * v > model.layers or (model.experts and (model.experts % e or d % e or t > 1 and e > 1)):
                 continue
+            if c > 1 and e > 1:  # experts split over ep would need their gradients reduced over cp too: not yet
+                continue
             # without pipelining, microbatches are gradient accumulation: the trainer's when it gives the batch
             accumulate = p == 1 and local_batch is not None
             for m in [1] if accumulate else pipelines.microbatch_choices(replica_batch, p, v):
-                yield d, p, t, e, z, m, v, r, s
+                yield d, p, t, e, z, m, v, r, s, c
 
 
 @dataclass(frozen=True)
@@ -278,6 +292,16 @@ def _tp_fits(model: ModelSpec, hw: Hardware, tp: int, *, given: bool = False) ->
             and model.kv_heads % tp == 0 and model.ffn_hidden % tp == 0)
 
 
+def _cp_fits(model: ModelSpec, tp: int, cp: int, *, given: bool = False) -> bool:
+    """Whether ``cp`` splits the sequence into ``2·cp`` equal chunks (an early and a late one per rank, balancing the
+    causal work) that tensor parallelism's sequence split divides too; unless cp is given, only a sequence longer
+    than :data:`LONG_SEQUENCE`, over ``cp·tp`` ranks within :data:`CP_TP_REACH`."""
+    if cp == 1:
+        return True
+    planned = model.seq_len > LONG_SEQUENCE and cp * tp <= CP_TP_REACH
+    return model.seq_len % (2 * cp * tp) == 0 and (given or planned)
+
+
 def _microbatch_choices(replica_batch: int, pp: int, virtual_stages: int) -> list[int]:
     """Microbatch counts dividing the replica's batch; under pipelining at least one per stage (interleaved
     schedules: a multiple of pp)."""
@@ -309,22 +333,23 @@ def _no_layout_message(model: ModelSpec, hw: Hardware, world: int, global_batch:
                        local_batch: Optional[int], pipelines: _Pipelines, *sizes: Optional[int]) -> str:
     """Which constraints a world (and the sizes given) failed, and the nearest worlds and global batches that
     have a layout."""
-    dp, pp, tp, ep = sizes
-    given = ", ".join(f"{n}={v}" for n, v in zip(("dp", "pp", "tp", "ep"), sizes) if v is not None)
+    dp, pp, tp, ep, cp = sizes
+    given = ", ".join(f"{n}={v}" for n, v in zip(("dp", "pp", "tp", "ep", "cp"), sizes) if v is not None)
     hints = [f"tp must divide heads={model.heads}, kv_heads={model.kv_heads} and the MLP width"
              f" {model.ffn_hidden}, and stay within a node", f"pp ≤ layers={model.layers}",
+             f"2·cp·tp must divide the sequence length {model.seq_len}",
              f"dp must divide the global batch and the microbatches a replica's batch"
              f" ({global_batch or local_batch})"]
     if pipelines.microbatches is not None:
         hints.append(f"microbatches={pipelines.microbatches} must divide a pipelined replica's batch")
     if model.experts:
-        hints.append(f"ep must divide experts={model.experts} and dp")
+        hints.append(f"ep must divide experts={model.experts} and dp, and be 1 with cp > 1")
     message = (f"No layout of {world} devices{' with ' + given if given else ''} suits {model.name}: "
                + "; ".join(hints) + ".")
 
     def valid(devices: int, batch: Optional[int]) -> bool:
         pipelined = _Pipelines(pipelines.schedules[:1], pipelines.microbatches)
-        layouts = _layouts(model, hw, devices, batch, local_batch, dp, pp, tp, ep, None, False, pipelined)
+        layouts = _layouts(model, hw, devices, batch, local_batch, dp, pp, tp, ep, cp, None, False, pipelined)
         return next(iter(layouts), None) is not None
 
     worlds = _nearest(world, lambda w: valid(w, global_batch))
@@ -373,8 +398,8 @@ def explain(candidates: Sequence[Candidate]) -> str:
     shares = {k: runner.times[k] / runner.step_time - winner.times[k] / winner.step_time for k in winner.times}
     cost = max(shares, key=shares.get)
     names = {"compute": "compute (recomputation)", "bubble": "the pipeline bubble", "tp": "tensor-parallel traffic",
-             "p2p": "pipeline sends", "dp": "exposed data-parallel traffic", "ep": "expert all_to_all",
-             "host": "offload's host copies and host step"}
+             "cp": "context-parallel K/V exchange", "p2p": "pipeline sends", "dp": "exposed data-parallel traffic",
+             "ep": "expert all_to_all", "host": "offload's host copies and host step"}
     speedup = winner.tokens_per_second_per_device / runner.tokens_per_second_per_device
     if speedup < 1.005:
         return f"{lead}, level with {next_one} ({runner.describe()}) to within 0.5%.{note}"

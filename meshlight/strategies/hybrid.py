@@ -57,8 +57,11 @@ class Hybrid3DStrategy(MeshStrategy):
     plans everything; ``Hybrid3DStrategy(tp=2)`` plans the rest around tp=2.
 
     Args:
-        dp: data-parallel size; ``"auto"``: what the world leaves after ``pp × tp`` (or the planner's choice).
+        dp: data-parallel size; ``"auto"``: what the world leaves after ``pp × cp × tp`` (or the planner's choice).
         pp: pipeline stages; tp: tensor-parallel size; ep: expert-parallel size (borrowed from dp).
+        cp: context-parallel size: each sequence split over that many ranks (see
+            :class:`~meshlight.strategies.ContextParallelStrategy`). Default 1: not split; ``None``: the planner's
+            choice, which splits only sequences longer than 8,192 tokens.
         zero: ZeRO stage over the data-parallel ranks (0 = DDP); ``None``, like any size left out, is the
             planner's choice — so ``Hybrid3DStrategy(dp=2, pp=2, tp=2)`` still plans ``ep``, ``zero`` and,
             unless given, the schedule and the microbatches; give ``ep=1, zero=1`` as well to fix them.
@@ -95,6 +98,7 @@ class Hybrid3DStrategy(MeshStrategy):
         ep: Optional[int] = None,
         zero: Optional[int] = None,
         *,
+        cp: int = 1,
         schedule: Optional[str] = None,
         microbatches: Optional[int] = None,
         virtual_stages: Optional[int] = None,
@@ -105,7 +109,7 @@ class Hybrid3DStrategy(MeshStrategy):
         seq_len: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
-        self._requested = dict(dp=None if dp == "auto" else dp, pp=pp, tp=tp, ep=ep, zero=zero)
+        self._requested = dict(dp=None if dp == "auto" else dp, pp=pp, tp=tp, ep=ep, zero=zero, cp=cp)
         for name, value in self._requested.items():
             if value is not None:
                 _check_zero(value) if name == "zero" else _check_size(name, value)
@@ -120,7 +124,7 @@ class Hybrid3DStrategy(MeshStrategy):
         self.hardware: Optional[Hardware] = None  # the device it assumed, with the run's precision
         schedule = schedule or "1f1b"
         zero = 1 if zero is None else zero
-        super().__init__(**data_sizes(dp, zero), pp=pp or 1, tp=tp or 1, ep=ep or 1, zero=zero,
+        super().__init__(**data_sizes(dp, zero), pp=pp or 1, tp=tp or 1, ep=ep or 1, zero=zero, cp=cp or 1,
                          schedule=schedule, microbatches=microbatches,
                          virtual_stages=_virtual_stages(schedule, pp or 1, virtual_stages),
                          sequence_parallel=sequence_parallel, keep_gathered_inputs=keep_gathered_inputs is True,
@@ -142,11 +146,12 @@ class Hybrid3DStrategy(MeshStrategy):
 
     def _check_given_sizes(self) -> None:
         """Sizes given that cannot fill the world fail at once, before any process starts."""
-        given = {k: v for k, v in self._requested.items() if k in ("dp", "pp", "tp") and v is not None}
-        used, sizes = math.prod(given.values()), " × ".join(f"{k}={v}" for k, v in given.items())
-        if len(given) == 3 and used != self.world_size:
+        given = {k: v for k, v in self._requested.items() if k in ("dp", "pp", "cp", "tp") and v is not None}
+        used = math.prod(given.values())
+        sizes = " × ".join(f"{k}={v}" for k, v in given.items() if k != "cp" or v > 1)
+        if len(given) == 4 and used != self.world_size:
             raise ValueError(f"{sizes} uses {used} processes but the world has {self.world_size}."
-                             f" {_fix_hint(self.world_size, given['pp'], given['tp'])}")
+                             f" {_fix_hint(self.world_size, given['pp'], given['tp'], given['cp'])}")
         if given and self.world_size % used:
             raise ValueError(f"{sizes} does not divide the {self.world_size} processes of the world: give sizes whose"
                              f" product divides {self.world_size}, or run on a multiple of {used} processes.")
@@ -165,13 +170,14 @@ class Hybrid3DStrategy(MeshStrategy):
         try:
             model = self._model_spec()
             self.plan = plan(model, hardware, self.world_size, local_batch=batch, dp=layout.dp, pp=layout.pp,
-                             tp=layout.tp, ep=layout.ep, zero=layout.zero, **options)
+                             tp=layout.tp, ep=layout.ep, cp=layout.cp, zero=layout.zero, **options)
         except PlanError:
             return
         if not self.plan[0].fits:
             nearest = nearest_fitting(model, hardware, self.world_size, local_batch=batch,
-                                      given={"dp": layout.dp, "pp": layout.pp, "tp": layout.tp})
-            fixed = dict(dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep, zero=layout.zero, **options)
+                                      given={"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "cp": layout.cp})
+            fixed = dict(dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep, cp=layout.cp, zero=layout.zero,
+                         **options)
             if nearest:  # and what would fit as given
                 remedy = " ".join(filter(None, ["Nearest layouts that fit: " + "; ".join(
                     c.describe() for c in nearest) + ".", self._what_would_fit(model, hardware, batch, fixed,
@@ -269,7 +275,7 @@ class Hybrid3DStrategy(MeshStrategy):
             return
         kept = estimate(model.replace(keep_gathered_inputs=True), hardware, self.world_size,
                         best.tokens_per_step // model.seq_len, best.dp, best.pp, best.tp, best.ep, best.zero,
-                        best.microbatches, best.virtual_stages, recompute, best.schedule)
+                        best.microbatches, best.virtual_stages, recompute, best.schedule, best.cp)
         self.tensor_parallel = self.tensor_parallel.replace(keep_gathered_inputs=kept.fits)
         rank_zero_info("Sequence-parallel projection inputs: "
                        + ("kept whole for backward (the layout fits with them)." if kept.fits else
@@ -298,8 +304,8 @@ class Hybrid3DStrategy(MeshStrategy):
             model = self._model_spec()
         except PlanError as error:
             sizes = {"dp": "auto", "pp": 1, "tp": 1, "ep": 1, "zero": 1, **requested}
-            raise PlanError(f"{error} For example: Hybrid3DStrategy("
-                            + ", ".join(f"{k}={v!r}" for k, v in sizes.items()) + ").") from None
+            example = ", ".join(f"{k}={v!r}" for k, v in sizes.items() if k != "cp" or v != 1)
+            raise PlanError(f"{error} For example: Hybrid3DStrategy({example}).") from None
         requested.update(self._unsplittable())
         fixed = {k: v for k, v in self._run_options().items() if v is not None}
         batch = _replica_batch(self.lightning_module)
@@ -318,7 +324,8 @@ class Hybrid3DStrategy(MeshStrategy):
             raise PlanError(f"No layout of {self.world_size} processes fits {model.name} in {hardware.name} memory. "
                             f"{explain(self.plan)} {more}")
         self._settle(model, hardware, best)
-        self._sizes.update(data_sizes(best.dp, best.zero), pp=best.pp, tp=best.tp, ep=best.ep, zero=best.zero)
+        self._sizes.update(data_sizes(best.dp, best.zero), pp=best.pp, tp=best.tp, ep=best.ep, zero=best.zero,
+                           cp=best.cp)
         options = self._pipeline_options
         schedule = self._schedule_given or best.schedule
         self._pipeline_options = PipelineOptions(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from meshlight.cli import main
-from meshlight.parallel.cost_model import _ring_latency, estimate, model_state_bytes, precision_bytes
+from meshlight.parallel.cost_model import _bandwidth, _ring_latency, estimate, model_state_bytes, precision_bytes
 from meshlight.parallel.planner import best_per_layout, plan
 from meshlight.parallel.presets import HARDWARE, MODELS, detect_hardware
 
@@ -64,6 +64,47 @@ def test_activations_offloaded_from_every_block_do_not_grow_with_depth():
     # every other block: about half way (two blocks' worth in transit besides)
     assert activations(32, 1.0) < activations(32, 0.5) < activations(32, 0.0)
     assert activations(32, 0.5) == pytest.approx((activations(32, 0.0) + activations(32, 1.0)) / 2, rel=0.05)
+
+
+def test_context_parallel_ranks_hold_a_share_of_the_activations_and_shard_state_as_data_ranks_do():
+    # 8 GPUs, 8 sequences of 32K: dp=8, or dp=4 × cp=2 accumulating 2 micro-batches (one sequence each either way)
+    model, h100 = MODELS["llama3-8b"].replace(seq_len=32768), HARDWARE["h100"]
+    # what one layer's attention keeps beyond its tokens' values: the K and V it gathered over the whole sequence,
+    # repeated to the query heads for the GPU's kernels (which apply the chunks' causal masks without building them)
+    gathered = 2 * model.seq_len * model.heads * model.head_dim * 2
+
+    def run(dp, cp, zero=3, recompute=False):
+        return estimate(model, h100, 8, 8, dp, 1, 1, 1, zero, 8 // dp, 1, recompute, cp=cp)
+
+    for zero in (0, 1, 2, 3):  # ZeRO shards over dp × cp; without it the cp ranks keep whole replicas, as dp's do
+        assert run(4, 2, zero).model_state_bytes == run(8, 1, zero).model_state_bytes
+    # each rank keeps half the tokens' values (its fp32 logits included) and what every layer gathered ...
+    assert run(4, 2).activation_bytes == pytest.approx(run(8, 1).activation_bytes / 2 + model.layers * gathered)
+    # ... under recomputation the block inputs, halved, and one layer's activations while it is recomputed
+    assert run(4, 2, recompute=True).activation_bytes == pytest.approx(run(8, 1, recompute=True).activation_bytes / 2
+                                                                       + gathered)
+    # the same tokens per rank: the same compute (the causal work balanced), and gradients reduced over dp × cp
+    # (ZeRO-1: once per step, however many micro-batches)
+    assert run(4, 2).times["compute"] == pytest.approx(run(8, 1).times["compute"])
+    assert run(4, 2, zero=1).times["dp"] == pytest.approx(run(8, 1, zero=1).times["dp"])
+    assert run(8, 1).times["cp"] == 0 and "cp=" not in run(8, 1).describe() and "cp=2" in run(4, 2).describe()
+
+
+@pytest.mark.parametrize("cp, tp", [(2, 1), (8, 1), (4, 2), (16, 1), (8, 2)])
+def test_context_parallel_exchanges_the_whole_sequences_kv_over_the_links_cp_spans(cp, tp):
+    # per layer and micro-batch: K and V all-gathered in forward, again when recomputed, their gradients
+    # reduce-scattered in backward; (cp−1)/cp of the whole sequence's K/V each, two ring collectives, none hidden
+    model, h100 = MODELS["llama3-8b"].replace(seq_len=131072), HARDWARE["h100"]
+    world = 2 * cp * tp
+    kv = 2 * model.seq_len * model.kv_heads * model.head_dim / tp * h100.activation_bytes
+    link = h100.intra_bandwidth if cp * tp <= 8 else h100.inter_bandwidth  # cp sits next to tp in the mesh
+    assert _bandwidth(h100, cp, tp) == link
+    for recompute, exchanges in ((False, 2), (True, 3)):
+        candidate = estimate(model, h100, world, 4, 2, 1, tp, 1, 3, 2, 1, recompute, cp=cp)
+        expected = model.layers * 2 * exchanges * ((cp - 1) / cp * kv / link + 2 * _ring_latency(h100, cp, tp))
+        assert candidate.times["cp"] == pytest.approx(expected)
+    if cp * tp <= 8:  # within a node, at 128K tokens, attention's compute (the sequence's square) dwarfs it
+        assert candidate.times["cp"] < 0.03 * candidate.times["compute"]
 
 
 def test_collective_latency_follows_the_ring_as_nccl_models_it():

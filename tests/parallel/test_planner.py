@@ -75,6 +75,68 @@ def test_405b_in_2d_outruns_torchtitans_3d_layout_by_no_more_than_torchtitan_mea
     assert 1 < ratio < 109 / (128 / (942.4 / 652.4))
 
 
+#: torchtitan's context-parallel Llama 3 8B runs on 8 H100s (96 GB HBM2e, 500 W cap; FSDP over dp × cp, full activation
+#: checkpointing, torch.compile and Float8; one sequence per dp rank): (cp, sequence length) -> tokens/s per GPU
+#: (benchmarks/llama3_h100_202412_torchtitan.md, Dec 2024)
+TORCHTITAN_CONTEXT_PARALLEL = {(1, 32768): 3890, (2, 65536): 2540, (4, 131072): 1071, (8, 262144): 548}
+
+
+def _torchtitan_context_parallel_estimate(cp, seq_len):
+    """The planner's estimate of one of those runs, as torchtitan ran it: dp = 8/cp, ZeRO-3, full recomputation."""
+    dp = 8 // cp
+    return estimate(MODELS["llama3-8b"].replace(seq_len=seq_len), HARDWARE["h100-96gb-500w"], 8, dp, dp, 1, 1, 1, 3, 1,
+                    1, True, cp=cp)
+
+
+# torchtitan's 128K run (cp=4) reached 0.42× the tokens/s of its 64K run (cp=2); the planner, whose compute per rank
+# grows 1.70× between them (its K/V exchange is 0.3% of the step), predicts 0.59×. The 256K run then follows the 128K
+# one as predicted. Nothing the planner models accounts for that step, and its constants are not fitted to these
+# runs. Float8 does not cancel entirely (it speeds the linear layers, not attention, which dominates at long
+# sequences), but pricing the linear layers at torchtitan's measured Float8 speedup (1.445×) narrows these misses
+# only to 1.26–1.34×.
+_CP4_MISSED = pytest.mark.xfail(strict=True, reason="torchtitan's 128K run (cp=4) reached 0.42× its 64K run's"
+                                                    " tokens/s; the planner predicts 0.59×")
+
+
+@pytest.mark.parametrize("row, reference", [
+    ((2, 65536), (1, 32768)),
+    pytest.param((4, 131072), (1, 32768), marks=_CP4_MISSED),
+    pytest.param((8, 262144), (1, 32768), marks=_CP4_MISSED),
+    pytest.param((4, 131072), (2, 65536), marks=_CP4_MISSED),
+    ((8, 262144), (4, 131072)),
+])
+def test_context_parallel_throughput_follows_torchtitans_runs_within_25_percent(row, reference):
+    # ratios between runs, so that what the planner does not model alike in all of them (Float8, torch.compile)
+    # cancels as far as it can; each (layout, sequence) as torchtitan ran it, priced with the planner's own estimate
+    predicted = (_torchtitan_context_parallel_estimate(*row).tokens_per_second_per_device
+                 / _torchtitan_context_parallel_estimate(*reference).tokens_per_second_per_device)
+    published = TORCHTITAN_CONTEXT_PARALLEL[row] / TORCHTITAN_CONTEXT_PARALLEL[reference]
+    assert predicted / published == pytest.approx(1, abs=0.25), (predicted, published)
+
+
+def test_torchtitans_context_parallel_runs_fit_and_long_sequences_are_split_as_torchtitan_split_them():
+    hardware = HARDWARE["h100-96gb-500w"]
+    for cp, seq_len in TORCHTITAN_CONTEXT_PARALLEL:
+        assert _torchtitan_context_parallel_estimate(cp, seq_len).fits, (cp, seq_len)  # torchtitan: about 84 GiB
+    # given torchtitan's batch (a sequence per data rank), the planner's best layout at 128K and 256K tokens is
+    # torchtitan's: the sequence split over cp ranks, recomputing every block
+    for cp, seq_len in ((4, 131072), (8, 262144)):
+        best = plan(MODELS["llama3-8b"].replace(seq_len=seq_len), hardware, 8, 8 // cp)[0]
+        assert (best.dp, best.pp, best.tp, best.cp, best.recompute) == (8 // cp, 1, 1, cp, True), best.describe()
+        assert f"tp=1 cp={cp} zero=" in best.describe()
+    long = MODELS["llama3-8b"].replace(seq_len=131072)
+    # one 128K sequence's activations do not fit one GPU (its fp32 logits alone need 134 GB) ...
+    assert not plan(long, hardware, 8, 8, dp=8)[0].fits
+    # ... and without cp the planner splits the blocks over tp instead, at more traffic: slower
+    blocks, split = plan(long, hardware, 8, 2, cp=1)[0], plan(long, hardware, 8, 2)[0]
+    assert blocks.fits and blocks.tp > 1 and split.cp > 1
+    assert split.tokens_per_second_per_device > blocks.tokens_per_second_per_device
+    # sequences of 8K tokens or fewer are split only when cp is given
+    short = plan(MODELS["llama3-8b"], HARDWARE["h100"], 64, 512)
+    assert {c.cp for c in short} == {1} and "cp=" not in short[0].describe()
+    assert {c.cp for c in plan(MODELS["llama3-8b"], HARDWARE["h100"], 64, 512, cp=2)} == {2}
+
+
 def test_a_deep_tensor_parallel_pipeline_fits_without_recomputation_as_in_megatron():
     # Megatron 462B's published layout (dp=48 pp=16 tp=8, 16 microbatches in flight on the first stage) fits
     # without recomputation because a block keeps its sequence-parallel projection inputs split and gathers them
@@ -99,6 +161,12 @@ def test_fixed_sizes_that_cannot_work_fail_naming_the_constraints():
     assert _nearest(10**7, lambda n: tried.append(n) and False) == []
     assert min(tried) == 10**7 - 4096 and max(tried) == 10**7 + 4096 and len(tried) == 2 * 4096
     assert _nearest(10, lambda n: n % 4 == 0) == [8, 12]
+    # cp gives each rank two of 2·cp equal chunks of the sequence; experts split over ep do not run with cp yet
+    with pytest.raises(PlanError, match="2·cp·tp must divide the sequence length 8192") as error:
+        plan(MODELS["llama3-8b"], HARDWARE["h100"], 24, 48, cp=3)
+    assert "Nearest layouts that work: " in str(error.value)
+    with pytest.raises(PlanError, match="ep must divide experts=8 and dp, and be 1 with cp > 1"):
+        plan(MODELS["mixtral-8x7b"].replace(seq_len=32768), HARDWARE["h100"], 64, 64, cp=2, ep=2)
 
 
 def test_the_schedule_virtual_stages_and_microbatches_given_are_what_it_plans_with():
@@ -124,7 +192,7 @@ def test_with_every_size_given_the_winner_is_explained_against_its_next_option()
     model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]
     candidates = plan(model, h100, 64, 128, dp=4, pp=2, tp=8, zero=1, recompute=True)
     winner, runner = candidates[0], candidates[1]
-    assert winner.layout == runner.layout == (4, 2, 8, 1)
+    assert winner.layout == runner.layout == (4, 2, 8, 1, 1)  # dp, pp, tp, ep, cp
     options = sum(c.fits for c in candidates)
     speedup = winner.tokens_per_second_per_device / runner.tokens_per_second_per_device
     assert speedup > 1.005  # more microbatches, a smaller bubble
@@ -149,6 +217,7 @@ def test_the_explanation_counts_the_layouts_that_do_not_fit():
     ({"schedule": "dualpipe"}, "Unknown pipeline schedule 'dualpipe'; choose one of"),
     ({"global_batch": 0}, "global_batch=0: a layout needs a whole number of sequences"),
     ({"tp": 0}, "tp=0 is not a valid size"),
+    ({"cp": 0}, "cp=0 is not a valid size"),
     ({"zero": 4}, "zero=4 is not a ZeRO stage: choose 0"),
 ])
 
@@ -301,6 +370,21 @@ def test_command_line(capsys):
     with pytest.raises(SystemExit):
         main([*big, "--offload-activations", "2"])
     assert "give a share between 0 and 1" in capsys.readouterr().err
+
+
+def test_command_line_splits_long_sequences_over_cp_ranks_unless_cp_is_fixed(capsys):
+    long = ["plan", "--model", "llama3-8b", "--gpus", "64", "--seq", "131072"]
+    assert main(long) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("Llama 3 8B (seq 131072, global batch 32) on 64 × NVIDIA H100 SXM 80GB")
+    assert all(" cp=" in row for row in table[2:7]), table  # the five best layouts split the sequence
+    assert main([*long, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert all(row["cp"] > 1 and f"cp={row['cp']}" in row["layout"] and row["times"]["cp"] > 0 for row in rows)
+    assert main([*long, "--cp", "1", "--json"]) == 0
+    assert {row["cp"] for row in json.loads(capsys.readouterr().out)} == {1}
+    assert main([*long, "--cp", "3"]) == 2
+    assert "2·cp·tp must divide the sequence length 131072" in capsys.readouterr().err
 
 
 def test_command_line_plans_a_model_given_by_its_shape_as_it_plans_the_same_preset(capsys):
