@@ -20,6 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 GPU_RESULTS = REPO / "benchmarks" / "gpu_results.json"
 #: what ``benchmarks/host_step.py`` printed on the host of that GPU machine (``run_all.GPU_COMMANDS``)
 GPU_HOST_STEP = REPO / "benchmarks" / "gpu_host_step.json"
+#: the speed section measured again on an H200 (``gpu.py --section speed --rounds 1``), beside the H100's full run
+GPU_RESULTS_H200 = REPO / "benchmarks" / "gpu_results_h200.json"
 #: what ``benchmarks/context_parallel.py --gpu`` printed on a GPU machine (``run_all.GPU_CONTEXT_COMMAND``)
 GPU_CONTEXT = REPO / "benchmarks" / "gpu_context_parallel.json"
 RESULT_PREFIX = "BENCHMARK-RESULT "

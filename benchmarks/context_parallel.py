@@ -10,8 +10,9 @@ sequence's, at the kv heads) rather than gathering them again: ``kv_bytes`` is t
 ``--gpu`` (a CUDA machine; two ranks share its one GPU over gloo, so their times are contended and only their
 ratio means much): a GPT of ``--gpu-layers`` blocks, 1024 wide (16 heads, 4 key/value heads), trains on one sequence
 of ``--gpu-seq`` tokens in fp32, whole on rank 0 and split over both ranks with each attention method
-(``allgather``, and ``ring``: torch's ring attention over the efficient CUDA kernel); the loss and the gradients'
-norm against the whole sequence's, the step time and each rank's peak memory.
+(``allgather``, and ``ring``: torch's ring attention over the efficient CUDA kernel, its K/V passed between the
+ranks by c10d all-gathers here, as gloo cannot run torch's functional collectives on CUDA tensors); the loss and the
+gradients' norm against the whole sequence's, the step time and each rank's peak memory.
 
     python benchmarks/context_parallel.py [--nprocs 4] [--seq 1024]    # prints JSON
     python benchmarks/context_parallel.py --gpu [--gpu-seq 8192]       # on a CUDA machine
@@ -133,7 +134,7 @@ def gpu_worker(seq: int, layers: int) -> None:
         synchronize()
         seconds = time.perf_counter() - started
         norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
-        return float(loss), norm, seconds, torch.cuda.max_memory_allocated(device) if cuda else 1
+        return float(loss.detach()), norm, seconds, torch.cuda.max_memory_allocated(device) if cuda else 1
 
     def measure(context: object, repeats: int = 3) -> dict[str, object]:
         try:
@@ -147,10 +148,13 @@ def gpu_worker(seq: int, layers: int) -> None:
     results: dict[str, object] = {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
                                   "torch": torch.__version__,
                                   "seq": seq, "layers": layers, "ranks": dist.get_world_size()}
-    if dist.get_rank() == 0:
+    methods = os.environ["CP_BENCH_GPU_METHODS"].split(",")
+    if "ring" in methods and cuda:
+        _rotate_through_c10d()
+    if dist.get_rank() == 0 and "allgather" in methods:
         results["whole"] = measure(None)
     dist.barrier()
-    for method in ("allgather", "ring"):
+    for method in methods:
         try:
             context = ContextParallel(mesh, model, attention=method, device=device)
         except Exception as error:  # noqa: BLE001
@@ -160,17 +164,48 @@ def gpu_worker(seq: int, layers: int) -> None:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, measured)
         results[method] = gathered
-    whole = results.get("whole", {})
     for method in ("allgather", "ring"):
-        rows = results.get(method)
-        if isinstance(rows, list) and "loss" in rows[0] and "loss" in whole:
-            results[f"{method}_vs_whole"] = {
-                "loss_rel": abs(rows[0]["loss"] - whole["loss"]) / whole["loss"],
-                "grad_norm_rel": abs(rows[0]["grad_norm"] / 2 - whole["grad_norm"]) / whole["grad_norm"],
-                "step_ratio": rows[0]["step_seconds"] / whole["step_seconds"],
-                "peak_ratio": max(r["peak_bytes"] for r in rows) / whole["peak_bytes"]}
+        _compare(results, method)
     report(results)
     dist.destroy_process_group()
+
+
+def _compare(results: dict, method: str) -> None:
+    """``<method>_vs_whole``: the split run's loss and gradient norm (summed over the 2 ranks: halved) against the
+    whole sequence's, its step time and largest peak over the whole run's."""
+    rows, whole = results.get(method), results.get("whole", {})
+    if isinstance(rows, list) and "loss" in rows[0] and "loss" in whole:
+        results[f"{method}_vs_whole"] = {
+            "loss_rel": abs(rows[0]["loss"] - whole["loss"]) / whole["loss"],
+            "grad_norm_rel": abs(rows[0]["grad_norm"] / 2 - whole["grad_norm"]) / whole["grad_norm"],
+            "step_ratio": rows[0]["step_seconds"] / whole["step_seconds"],
+            "peak_ratio": max(r["peak_bytes"] for r in rows) / whole["peak_bytes"]}
+
+
+def _rotate_through_c10d() -> None:
+    """torch's ring attention passes K/V (and their gradients) around with functional collectives, which gloo cannot
+    run on CUDA tensors (the ranks die); this one-GPU benchmark's gloo group passes them with c10d's all-gather
+    instead. The attention kernels and the merging of their partial results stay torch's."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    def gathered(buffer: object, group: object) -> object:
+        local = buffer.contiguous()
+        out = local.new_empty((dist.get_world_size(group) * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(out, local, group=group)
+        return out
+
+    def all_gather_exchange(self: object, buffer: object) -> None:
+        self._idx += 1
+        if self._aggregated_buffer is None:
+            self._aggregated_buffer = gathered(buffer, self._pg)
+
+    def all_to_all_exchange(self: object, buffer: object) -> None:  # each rank's buffer to the next rank
+        size, rank = dist.get_world_size(self._pg), dist.get_rank(self._pg)
+        self._buffer = gathered(buffer, self._pg).chunk(size)[(rank - 1) % size]
+
+    ring._AllGatherRotater.exchange_buffers = all_gather_exchange
+    ring._AllToAllRotater.exchange_buffers = all_to_all_exchange
 
 
 def main() -> None:
@@ -182,8 +217,17 @@ def main() -> None:
     parser.add_argument("--gpu-layers", type=int, default=4)
     args = parser.parse_args()
     if args.gpu:
-        os.environ.update(CP_BENCH_GPU_SEQ=str(args.gpu_seq), CP_BENCH_GPU_LAYERS=str(args.gpu_layers))
-        print(json.dumps({"gpu": launch(__file__, 2)}, indent=1))
+        os.environ.update(CP_BENCH_GPU_SEQ=str(args.gpu_seq), CP_BENCH_GPU_LAYERS=str(args.gpu_layers),
+                          CP_BENCH_GPU_METHODS="allgather")
+        result = launch(__file__, 2)
+        # torch's ring attention in a launch of its own: on a backend it cannot use the ranks may die, not raise
+        os.environ["CP_BENCH_GPU_METHODS"] = "ring"
+        try:
+            result["ring"] = launch(__file__, 2, timeout=300)["ring"]
+        except (RuntimeError, TimeoutError) as error:
+            result["ring"] = {"error": str(error).strip().splitlines()[-1][:400]}
+        _compare(result, "ring")
+        print(json.dumps({"gpu": result}, indent=1))
         return
     os.environ["CP_BENCH_SEQ"] = str(args.seq)
     print(json.dumps({"memory": [launch(__file__, n) for n in args.nprocs]}, indent=1))

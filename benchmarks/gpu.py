@@ -118,7 +118,7 @@ def main() -> None:
             }
         sections[section] = {"command": " ".join(["python", "benchmarks/gpu.py", *sys.argv[1:]]),
                              "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
-                             "backend": args.backend, "variants": rows}
+                             "backend": args.backend, "date": datetime.date.today().isoformat(), "variants": rows}
     summary["ratios"] = ratios(sections, summary["model"]["params"])
     text = json.dumps(summary, indent=1)
     print(text)

@@ -9,7 +9,8 @@ tokens sit:
 
 - ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` becomes attention over the whole sequence
   (:func:`gathered_kv_attention`: K and V all-gathered over cp, each local chunk attending to the keys up to its own
-  end under its causal mask — any device, any SDPA backend; or torch's ring attention on CUDA). Hugging Face models
+  end under its causal mask, aligned to the lower right, which CUDA's kernels apply without building it — any
+  device, any SDPA backend; or torch's ring attention on CUDA). Hugging Face models
   get the same through an attention implementation set on their own config (``"meshlight_cp"``).
 - a buffer sliced by the local length (``self.cos[:seq_len]``, rotary tables) returns the rows of this rank's
   global positions instead;
@@ -20,8 +21,9 @@ Losses are weighted by each rank's share of the tokens (:func:`token_weighted_lo
 gradients are those of the whole sequence. What cp cannot split is refused, naming the module: attention with a
 custom mask or without ``is_causal``, and a block that computes attention some other way.
 
-Backward keeps the gathered K/V of each layer (at the model's K/V heads: a GQA model keeps ``kv_heads/heads`` of a
-full sequence's queries) rather than gathering them again: one all-gather per layer and step, not two.
+Backward keeps the gathered K/V of each layer rather than gathering them again: one all-gather per layer and step,
+not two. They are kept at the model's K/V heads, except on CUDA, where a GQA model's are repeated to the query heads
+first: the flash and efficient kernels take as many (without them SDPA would fall back to building every score).
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -219,27 +221,47 @@ def gathered_kv_attention(
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     chunk = query.shape[2] // 2
     keys, values = (_gather_sequence(t, group, chunk) for t in (key, value))
+    if enable_gqa and query.is_cuda:  # CUDA's kernels take as many K/V heads as query heads (else SDPA falls back
+        # to one that builds the whole score matrix); elsewhere K/V stay at their own heads
+        repeat = query.shape[1] // keys.shape[1]
+        keys, values, enable_gqa = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1), False
     out = []
     for slot, index in enumerate((rank, 2 * cp - 1 - rank)):
         end = (index + 1) * chunk
-        mask = torch.ones(chunk, end, dtype=torch.bool, device=query.device).tril(diagonal=index * chunk)
+        # A causal mask aligned to the lower right: the chunk's i-th query sees keys up to index·chunk + i. CUDA's
+        # flash and efficient kernels apply it without building it; elsewhere SDPA builds it.
         out.append(F.scaled_dot_product_attention(
-            query[:, :, slot * chunk:(slot + 1) * chunk], keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-            dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
+            query[:, :, slot * chunk:(slot + 1) * chunk], keys[:, :, :end], values[:, :, :end],
+            attn_mask=causal_lower_right(chunk, end), dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
     return torch.cat(out, dim=2)
 
 
 def _gather_sequence(tensor: Tensor, group: dist.ProcessGroup, chunk: int) -> Tensor:
     """``tensor``'s dimension 2 (the sequence) from every rank of ``group``, in global order."""
     cp = dist.get_world_size(group)
-    gathered = _all_gather_autograd(tensor.contiguous(), gather_dim=2, group=group)
-    if isinstance(gathered, funcol.AsyncCollectiveTensor):
-        gathered = gathered.wait()
-    return gathered.index_select(2, _global_order(cp, chunk, tensor.device))
+    return _AllGatherSequence.apply(tensor, group).index_select(2, _global_order(cp, chunk, tensor.device))
 
 
-# (renamed in torch 2.10; the old name warns since)
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+class _AllGatherSequence(torch.autograd.Function):
+    """All-gather along dimension 2 (rank order); backward reduce-scatters the gradients. c10d's collectives, which
+    every backend has (gloo's functional collectives fail on CUDA tensors)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        local = tensor.movedim(2, 0).contiguous()
+        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(out, local, group=group)
+        return out.movedim(0, 2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        size = dist.get_world_size(ctx.group)
+        whole = grad.movedim(2, 0).contiguous()
+        out = whole.new_empty((whole.shape[0] // size, *whole.shape[1:]))
+        dist.reduce_scatter_tensor(out, whole, group=ctx.group)
+        return out.movedim(0, 2), None
 
 
 @functools.lru_cache(maxsize=16)

@@ -78,3 +78,6 @@ def test_the_name_cp_is_context_parallelism_over_every_process():
     strategy = ml.Trainer(strategy=ml.ContextParallelStrategy(cp=2), devices=4, accelerator="cpu",
                           logger=False).strategy
     assert (strategy.layout.cp, strategy.layout.dp_shard) == (2, 2)
+    strategy = ml.Trainer(strategy=ml.Hybrid3DStrategy(dp=1, pp=1, tp=2, ep=1, zero=1, cp=2), devices=4,
+                          accelerator="cpu", logger=False).strategy
+    assert (strategy.layout.cp, strategy.layout.tp) == (2, 2)
