@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.dtensors import as_dtensor_like, dtensor_spec
+from meshlight.parallel.expert import expert_layers
 
 __all__ = [
     "ATTENTION_METHODS",
@@ -350,6 +352,7 @@ class ContextParallel:
                 self._unchecked[id(module)] = name
         for hf in _hugging_face_models(model):
             self._prepare_hf(hf)
+        _check_experts(model)
 
     def _prepare_hf(self, model: nn.Module) -> None:
         config = model.config
@@ -501,6 +504,26 @@ class ContextParallel:
                 )
             kwargs["shift_labels"] = kwargs["labels"]
         return args, kwargs
+
+
+def _check_experts(model: nn.Module) -> None:
+    """meshlight's MoE layers count a capacity and a balancing loss per sequence: under cp each rank sees its share
+    of every sequence. A capacity would drop other tokens than in one process: refused. The balancing loss still
+    balances, computed on each share: said once."""
+    layers = expert_layers(model)
+    capped = [layer for layer in layers if layer.config.capacity_factor is not None]
+    if capped:
+        raise ContextParallelError(
+            f"{type(capped[0]).__name__} layers with capacity_factor={capped[0].config.capacity_factor} count each"
+            " expert's capacity per sequence, and under context parallelism every rank holds a share of each"
+            " sequence, so other tokens would be dropped than on one device. Use capacity_factor=None (dropless),"
+            " or train with cp=1."
+        )
+    if any(layer.config.aux_loss_coeff or layer.config.z_loss_coeff for layer in layers):
+        warnings.warn(
+            "Under context parallelism each rank computes its MoE layers' balancing losses on its share of every"
+            " sequence (two chunks of it), not on the whole sequence: they balance as before, but are not the"
+            " one-device values.", stacklevel=3)
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Optional[Tensor]:

@@ -28,7 +28,6 @@ stage, so per-rank memory after a step is at most the classic ZeRO formula for t
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from itertools import chain
@@ -49,7 +48,7 @@ from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.compression import GradientCompression, accumulate_in_parameter_dtype
 from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import expert_data_mesh
-from meshlight.parallel.layout import DATA_AXES, axis
+from meshlight.parallel.layout import DATA_AXES, axis, hybrid_mesh
 from meshlight.parallel.precision import FP32_UNIT, PrecisionPolicy, keep_fp32
 
 __all__ = [
@@ -73,16 +72,9 @@ def data_parallel_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:
         return axis(mesh, "dp_cp" if context else "dp")
     shard = "dp_shard_cp" if context else "dp_shard"
     if axis(mesh, "dp_replicate").size() > 1:
-        return _hybrid_mesh(mesh, shard)
+        return hybrid_mesh(mesh, shard)
     return axis(mesh, shard)
 
-
-def _hybrid_mesh(mesh: DeviceMesh, shard: str) -> DeviceMesh:
-    """The 2-D ``dp_replicate × shard`` mesh of hybrid sharding (``shard`` may be a flattened axis, whose slicing
-    from the root torch announces it will deprecate; no other way to build it exists yet)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
-        return mesh["dp_replicate", shard]
 
 
 def apply_data_parallel(
@@ -145,7 +137,7 @@ def apply_data_parallel(
     # cp ranks shard instead (the same bytes: reduce-scatter and all-gather), since no 2-D mesh can replicate over
     # the data axes and cp together.
     dp_mesh = data_parallel_mesh(mesh, zero) if zero else (
-        _hybrid_mesh(mesh, "dp_shard_cp") if mesh["cp"].size() > 1 else mesh[DATA_AXES])
+        hybrid_mesh(mesh, "dp_shard_cp") if mesh["cp"].size() > 1 else mesh[DATA_AXES])
     shard = functools.partial(fully_shard, mesh=dp_mesh, reshard_after_forward=zero == 3, ignored_params=ignored,
                               **policies)
     if precision is not None:  # fp32 units first: FSDP units nest bottom-up

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from meshlight.nn.experts import GroupedExperts, local_weight
 from meshlight.nn.moe import MoE
-from meshlight.parallel.layout import DATA_AXES, axis, same_experts_axis
+from meshlight.parallel.layout import DATA_AXES, axis, hybrid_mesh, same_experts_axis
 
 __all__ = [
     "AllToAllDispatcher",
@@ -86,8 +86,13 @@ def sharded_experts(module: nn.Module) -> list[nn.Module]:
 
 def expert_data_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:
     """The ranks holding the same experts, as the data-parallel mesh for expert weights: ``edp_shard`` (with
-    ``dp_replicate`` for hybrid sharding) under ZeRO; ``edp_replicate × dp_shard`` (shard size 1) under DDP."""
+    ``dp_replicate`` for hybrid sharding) under ZeRO; ``edp_replicate × dp_shard`` (shard size 1) under DDP. Under
+    context parallelism the cp ranks hold the same experts too (``edp_*_cp``); there, without ZeRO, they shard the
+    experts instead of replicating them (the same bytes: no 2-D mesh replicates over both)."""
     replicate, shard = DATA_AXES
+    if mesh["cp"].size() > 1:
+        name = same_experts_axis(replicate if zero == 0 else shard) + "_cp"
+        return hybrid_mesh(mesh, name) if zero and axis(mesh, replicate).size() > 1 else axis(mesh, name)
     if zero == 0:
         return mesh[same_experts_axis(replicate), shard]
     if axis(mesh, replicate).size() > 1:
@@ -99,7 +104,7 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int) -> None:
     """Split every MoE layer's experts over the mesh's ``ep`` axis in place (when ``ep > 1``), and tell every
     MoE layer the data-parallel group its expert loads add up over (for balancing and telemetry)."""
     layers = expert_layers(module)
-    data_group = axis(mesh, "dp").get_group()
+    data_group = axis(mesh, "dp_cp" if mesh["cp"].size() > 1 else "dp").get_group()  # every rank's own tokens
     for layer in layers:
         layer.data_parallel_group = data_group
     if ep == 1:

@@ -7,6 +7,7 @@ bad layout fails in every process at once with one sentence that names the fix, 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -15,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
-    "DATA_AXES", "MESH_AXES", "ParallelLayout", "axis", "build_device_mesh", "data_sizes", "same_experts_axis",
-    "seed_by_mesh_position",
+    "DATA_AXES", "MESH_AXES", "ParallelLayout", "axis", "build_device_mesh", "data_sizes", "hybrid_mesh",
+    "same_experts_axis", "seed_by_mesh_position",
 ]
 
 #: Axes of the device mesh, outermost first: pipeline stages span the slowest links, tensor
@@ -70,11 +71,6 @@ class ParallelLayout:
             raise ValueError(
                 f"ep={self.ep} does not divide {self.expert_axis}={borrowed}: expert parallelism borrows its ranks"
                 f" from data parallelism; choose ep in {_divisors(borrowed)}."
-            )
-        if self.cp > 1 and self.ep > 1:
-            raise ValueError(
-                f"cp={self.cp} with ep={self.ep} is not supported yet: expert weights would need their gradients"
-                " reduced over the context-parallel ranks too. Use ep=1 with cp, or cp=1 with ep."
             )
 
     @property
@@ -149,7 +145,7 @@ class ParallelLayout:
 
 def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     """The one mesh every process group comes from: axes ``MESH_AXES`` plus the flattened ``"dp"`` and
-    ``"stage"`` (and, with ``cp > 1``, ``"dp_cp"`` and ``"dp_shard_cp"``).
+    ``"stage"`` (and, with ``cp > 1``, ``"dp_cp"`` and ``"dp_shard_cp"``, and with experts too ``"edp_*_cp"``).
 
     With ``ep > 1`` the data axis experts borrow from (:attr:`ParallelLayout.expert_axis`) is built as two
     axes, ``edp_shard × ep`` (or ``edp_replicate × ep``), and flattened back under its own name: ``ep``
@@ -172,8 +168,20 @@ def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     mesh[names[1:]]._flatten("stage")
     if layout.cp > 1:
         mesh[names[1:-1]]._flatten("dp_cp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        shard = ("edp_shard", "ep") if layout.ep > 1 and layout.expert_axis == "dp_shard" else ("dp_shard",)
+        mesh[(*shard, "cp")]._flatten("dp_shard_cp")
+        if layout.ep > 1:  # the ranks holding the same experts, with the cp ranks beside them
+            outer = same_experts_axis(layout.expert_axis)
+            mesh[outer, "cp"]._flatten(outer + "_cp")
     return mesh
+
+
+def hybrid_mesh(mesh: DeviceMesh, shard: str) -> DeviceMesh:
+    """The 2-D ``dp_replicate × shard`` mesh of hybrid sharding (``shard`` may be a flattened axis, whose slicing
+    from the root torch announces it will deprecate; no other way to build it exists yet)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+        return mesh["dp_replicate", shard]
 
 
 def same_experts_axis(data_axis: str) -> str:

@@ -248,8 +248,6 @@ def _layouts(
         ):
             if p * v > model.layers or (model.experts and (model.experts % e or d % e or t > 1 and e > 1)):
                 continue
-            if c > 1 and e > 1:  # experts split over ep would need their gradients reduced over cp too: not yet
-                continue
             # without pipelining, microbatches are gradient accumulation: the trainer's when it gives the batch
             accumulate = p == 1 and local_batch is not None
             for m in [1] if accumulate else pipelines.microbatch_choices(replica_batch, p, v):
@@ -343,7 +341,7 @@ def _no_layout_message(model: ModelSpec, hw: Hardware, world: int, global_batch:
     if pipelines.microbatches is not None:
         hints.append(f"microbatches={pipelines.microbatches} must divide a pipelined replica's batch")
     if model.experts:
-        hints.append(f"ep must divide experts={model.experts} and dp, and be 1 with cp > 1")
+        hints.append(f"ep must divide experts={model.experts} and dp")
     message = (f"No layout of {world} devices{' with ' + given if given else ''} suits {model.name}: "
                + "; ".join(hints) + ".")
 

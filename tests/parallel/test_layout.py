@@ -76,6 +76,8 @@ def test_layout_is_frozen():
          list(range(0, 16, 2)), list(range(16))),
         # context parallelism: cp between the data axes and tp; a replica's ranks read the same data
         (dict(dp_replicate=2, pp=2, cp=2, tp=2), MESH_AXES, [0, 4], list(range(8))),
+        (dict(dp_shard=4, cp=2, tp=2, ep=2, zero=1), ("pp", "dp_replicate", "edp_shard", "ep", "cp", "tp"),
+         [0, 4, 8, 12], list(range(16))),
     ],
 )
 def test_the_mesh_has_the_layouts_axes_pp_outermost_and_tp_innermost(sizes, names, dp, stage):
@@ -108,14 +110,32 @@ def test_context_parallel_ranks_join_the_data_parallel_reductions():
                                                                                                     [8, 10, 12, 14]]
 
 
+@pytest.mark.parametrize(("zero", "sizes", "experts"), [
+    # ZeRO: ep borrows from the shards; the same experts sit on the other shard groups' ranks and on the cp ranks
+    (1, dict(dp_shard=4), [0, 2, 8, 10]),
+    # DDP: ep borrows from the replicas
+    (0, dict(dp_replicate=4), [0, 2, 8, 10]),
+])
+def test_under_context_parallelism_experts_are_data_parallel_over_their_cp_ranks_too(zero, sizes, experts):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshlight.parallel.expert import expert_data_mesh
+    from meshlight.parallel.layout import axis, build_device_mesh
+
+    dist.init_process_group("fake", rank=0, world_size=16, store=FakeStore())
+    mesh = build_device_mesh(ParallelLayout(**sizes, cp=2, tp=2, ep=2, zero=zero), "cpu")
+    assert axis(mesh, "ep").mesh.tolist() == [0, 4]
+    assert expert_data_mesh(mesh, zero).mesh.tolist() == experts
+    assert axis(mesh, "dp_cp").mesh.tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+
+
 def test_context_parallel_sizes_count_in_the_world_and_are_described():
     layout = ParallelLayout.for_world(8, dp_shard="auto", cp=4, zero=3)
     assert (layout.dp, layout.cp, layout.world_size) == (2, 4, 8)
     assert layout.describe() == "dp=2 (ZeRO-3) · pp=1 · tp=1 · ep=1 · cp=4"
     with pytest.raises(ValueError, match=r"cp=3 does not divide the 8 processes.*lower cp, or run on a multiple of 3"):
         ParallelLayout.for_world(8, dp_replicate="auto", cp=3)
-    with pytest.raises(ValueError, match="cp=2 with ep=2 is not supported yet"):
-        ParallelLayout(dp_replicate=2, cp=2, ep=2)
 
 
 def test_data_sizes_replicate_without_zero_and_shard_with_it():

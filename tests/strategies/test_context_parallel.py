@@ -3,7 +3,8 @@ cp=2 and cp=4, cp=2 × tp=2, cp=2 × pp=2, cp=2 × dp=2 with ZeRO-3, and ``strat
 (learned positions, looked up with ``arange``), a Llama-shaped model whose rotary tables are buffers sliced by its
 input's length, and Hugging Face's Llama (positions given as ``position_ids``, attention through its config); at cp=2
 also GPT with rotary positions and grouped-query attention, Hugging Face's GPT-2 and Llama trained on its own loss from
-dict ``labels``. The addition data scores only the last tokens of each sequence, so the ranks' shares hold different
+dict ``labels``; and cp=2 × ep=2 (experts borrowing data ranks, under ZeRO-1 and DDP) on the Llama with a dropless
+MoE in every block. The addition data scores only the last tokens of each sequence, so the ranks' shares hold different
 numbers of scored tokens: the loss is weighted by them. Validation logs the whole sequences' loss. What cp cannot
 split is refused before any optimizer step, naming the module and the fix."""
 
@@ -54,6 +55,8 @@ def test_validation_logs_the_whole_sequences_loss(distributed):
     ("manual-attention", r"Block `model.layers.0` \(TransformerBlock\) ran no scaled_dot_product_attention.*"
                          r"attn_implementation='sdpa'"),
     ("labels-made-in-step", r"LlamaForCausalLM is given labels that did not come in the batch.*under 'labels'"),
+    ("moe-capacity", r"MoE layers with capacity_factor=1.0 count each expert's capacity per sequence.*"
+                     r"capacity_factor=None"),
 ])
 def test_what_context_parallelism_cannot_split_is_refused_naming_it(distributed, case, message):
     assert distributed[2]["refusals"][case].startswith("ContextParallelError: ")

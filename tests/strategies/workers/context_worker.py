@@ -1,9 +1,10 @@
-"""torchrun worker: context-parallel parity runs (cp alone, with tp, pp and ZeRO-3 data parallelism, and by the
-name "cp") on meshlight's GPT, a Llama-shaped model that slices its rotary tables by its input's length, and Hugging
-Face's Llama; a validation loss; and the refusals of what cp cannot split."""
+"""torchrun worker: context-parallel parity runs (cp alone, with tp, pp, ZeRO-3 data parallelism and expert
+parallelism, and by the name "cp") on meshlight's GPT, a Llama-shaped model that slices its rotary tables by its
+input's length, and Hugging Face's Llama; a validation loss; and the refusals of what cp cannot split."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
+from meshlight.parallel.expert import expert_layers
 from tests.strategies.hf_models import LitCausalLM
 from tests.strategies.llama import LitLlama
 from tests.strategies.parity import make_data, train
@@ -69,26 +71,40 @@ EXTRA_MODELS: dict[str, Callable[[], pl.LightningModule]] = {
     "hf-gpt2": functools.partial(LitCausalLM, "gpt2", optimizer="sgd", lr=0.3),
 }
 
+def lit_llama_moe(**moe: Any) -> LitLlama:
+    """The Llama with a dropless top-2 MoE of 4 experts in every block, its balancing loss off (computed on each
+    rank's share of a sequence, it is not one process's under cp) unless ``moe`` sets options."""
+    module = LitLlama(experts=4, seq=SEQ)
+    for layer in expert_layers(module):
+        layer.config = dataclasses.replace(layer.config, **{"aux_loss_coeff": 0.0, **moe})
+    return module
+
+
 # layout name -> (strategy factory, data-parallel size), per world size
 LAYOUTS: dict[int, dict[str, tuple[Callable[[], Any], int]]] = {
     2: {"cp2": (lambda: ml.MeshStrategy(cp=2, dp_replicate=1), 1), "name-cp": (lambda: "cp", 1)},
     4: {"cp4": (lambda: ml.MeshStrategy(cp=4, dp_replicate=1), 1),
         "cp2xtp2": (lambda: ml.MeshStrategy(cp=2, tp=2, dp_replicate=1), 1),
         "cp2xpp2": (lambda: ml.MeshStrategy(cp=2, pp=2, dp_replicate=1, microbatches=2), 1),
-        "cp2xdp2-zero3": (lambda: ml.ContextParallelStrategy(cp=2, zero=3), 2)},
+        "cp2xdp2-zero3": (lambda: ml.ContextParallelStrategy(cp=2, zero=3), 2),
+        # experts split over 2 data ranks (borrowed from the shards under ZeRO, the replicas under DDP)
+        "cp2xep2-zero1": (lambda: ml.MeshStrategy(cp=2, dp_replicate=1, dp_shard=2, ep=2, zero=1), 2),
+        "cp2xep2-ddp": (lambda: ml.MeshStrategy(cp=2, dp_replicate=2, ep=2, zero=0), 2)},
 }
+EXPERT_LAYOUTS = ("cp2xep2-zero1", "cp2xep2-ddp")
 
 
 def runs(world: int) -> list[tuple[str, str]]:
     """(layout, model) for this world size."""
-    grid = [(layout, model) for layout in LAYOUTS[world] for model in MODELS]
+    grid = [(layout, model) for layout in LAYOUTS[world] if layout not in EXPERT_LAYOUTS for model in MODELS]
+    grid += [(layout, "llama-moe") for layout in LAYOUTS[world] if layout in EXPERT_LAYOUTS]
     if world == 2:
         grid += [("cp2", model) for model in EXTRA_MODELS]
     return grid
 
 
 def model_factory(name: str) -> Callable[[], pl.LightningModule]:
-    return {**MODELS, **EXTRA_MODELS}[name]
+    return {**MODELS, **EXTRA_MODELS, "llama-moe": lit_llama_moe}[name]
 
 
 def validation(strategy: Any = None) -> float:
@@ -108,6 +124,7 @@ def refusals() -> dict[str, str]:
         "mask": (functools.partial(LlamaAttendingWith, _sliding_window), 8),
         "manual-attention": (functools.partial(LlamaAttendingWith, _written_out), 8),
         "labels-made-in-step": (functools.partial(LitLlamaLabels, in_step=True), 8),
+        "moe-capacity": (functools.partial(lit_llama_moe, capacity_factor=1.0), 8),
     }
     for name, (factory, multiple) in cases.items():
         try:
