@@ -114,8 +114,8 @@ class DistributedCheckpoint(Checkpoint):
         if not isinstance(trainer.strategy, MeshStrategy):
             raise TypeError(
                 f"DistributedCheckpoint writes through meshlight's strategies and {type(trainer.strategy).__name__}"
-                " is not one: pass a meshlight strategy (strategy=\"ddp\", \"zero3\", \"3d\", …) or use Lightning's"
-                " ModelCheckpoint."
+                " is not one: use ml.Trainer (on one device it runs meshlight's \"ddp\", a mesh of one process), pass a"
+                " meshlight strategy (ml.DDPStrategy(), \"zero3\", \"3d\", …), or use Lightning's ModelCheckpoint."
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -68,6 +68,7 @@ class MixedPrecision(PolicySource, Callback):
         if not isinstance(strategy, MeshStrategy):
             raise MixedPrecisionError(
                 f"MixedPrecision runs under meshlight's strategies and {type(strategy).__name__} is not one: use"
+                " ml.Trainer (on one device it runs meshlight's 'ddp', a mesh of one process) or"
                 " ml.Trainer(strategy='ddp' | 'zero1' | … | '3d'), or Lightning's precision='bf16-mixed' flag."
             )
         if type(strategy.precision_plugin) is not Precision and not isinstance(

@@ -81,7 +81,7 @@ class Offload(PolicySource, Callback):
         if self.policy.optimizer:
             raise OffloadError(
                 f"Offload(optimizer=True) runs under meshlight's strategies and {type(strategy).__name__} is not one:"
-                " use ml.Trainer(strategy='zero3' | … | '3d'), or Offload(optimizer=False,"
-                " activations_every_n_blocks=1)."
+                " use ml.Trainer (on one device it runs meshlight's 'ddp', a mesh of one process) or"
+                " ml.Trainer(strategy='zero3' | … | '3d'), or Offload(optimizer=False, activations_every_n_blocks=1)."
             )
         apply_activation_offload(pl_module, self.policy.activations, self.policy.pin_memory)

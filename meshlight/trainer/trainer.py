@@ -14,6 +14,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from meshlight.callbacks.checkpoint import DistributedCheckpoint
 from meshlight.callbacks.expert_load import ExpertLoadMonitor
+from meshlight.callbacks.mixed_precision import MixedPrecision
+from meshlight.callbacks.offload import Offload
 from meshlight.parallel.checkpoint import load_metadata, numbered_entries
 from meshlight.strategies.checkpointing import ShardedCheckpointing
 from meshlight.strategies.preemption import HPC_CHECKPOINT, newest_hpc_checkpoint
@@ -22,10 +24,20 @@ from meshlight.strategies.registry import resolve_strategy
 __all__ = ["Trainer"]
 
 
+def _runs_through_meshlight(callback: pl.Callback) -> bool:
+    """Whether ``callback`` needs one of meshlight's strategies (which collect or serve it while parallelizing)."""
+    if isinstance(callback, Offload):
+        return callback.policy.optimizer
+    return isinstance(callback, (DistributedCheckpoint, MixedPrecision))
+
+
 class Trainer(pl.Trainer):
     """``lightning.Trainer`` whose ``strategy`` also accepts ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``,
-    ``"fsdp"`` (= ``"zero3"``), ``"tp"``, ``"pipeline"``, ``"moe"`` and ``"3d"`` as meshlight strategies, or any
-    strategy instance.
+    ``"fsdp"`` (= ``"zero3"``), ``"tp"``, ``"pipeline"``, ``"moe"``, ``"cp"`` and ``"3d"`` as meshlight strategies,
+    or any strategy instance. ``strategy="auto"`` with a callback that runs through meshlight's strategies
+    (:class:`~meshlight.callbacks.DistributedCheckpoint`, :class:`~meshlight.callbacks.MixedPrecision`,
+    :class:`~meshlight.callbacks.Offload` of the optimizer) is meshlight's ``"ddp"``: on one device a mesh of one
+    process, so that a run developed on one device writes the same checkpoints as the runs that scale it out.
 
     ``logger=True`` (the default) logs to TensorBoard under ``default_root_dir/lightning_logs``. An
     :class:`~meshlight.callbacks.ExpertLoadMonitor` is added unless ``callbacks`` has one (it does nothing for
@@ -46,6 +58,8 @@ class Trainer(pl.Trainer):
         if not any(isinstance(c, ExpertLoadMonitor) for c in callbacks):
             callbacks.append(ExpertLoadMonitor())
         kwargs["callbacks"] = callbacks
+        if strategy == "auto" and any(_runs_through_meshlight(c) for c in callbacks):
+            strategy = "ddp"
         super().__init__(strategy=resolve_strategy(strategy), logger=logger, **kwargs)
 
     def fit(self, *args: Any, ckpt_path: Optional[str] = None, **kwargs: Any) -> None:

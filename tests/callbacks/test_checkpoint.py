@@ -152,6 +152,26 @@ def test_one_process_with_dropout_resumes_every_loss_bitwise_mid_epoch(tmp_path)
     assert resume_worker.model(0).config.dropout == 0.1
 
 
+def test_on_one_device_without_a_strategy_the_callbacks_run_through_a_mesh_of_one(tmp_path):
+    # developed on one device, the run writes the checkpoints the scaled-out runs read: ml.Trainer's "auto" is
+    # meshlight's ddp when a callback needs one of meshlight's strategies
+    import meshlight as ml
+    from meshlight.callbacks import DistributedCheckpoint, MixedPrecision
+    from meshlight.parallel import is_complete
+
+    losses = resume_worker.Losses()
+    for callbacks in ([DistributedCheckpoint(tmp_path / "ckpt", every_n_train_steps=2, async_save=False)],
+                      [MixedPrecision("bf16"), losses]):
+        trainer = ml.Trainer(devices=1, accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)
+        assert type(trainer.strategy) is ml.DDPStrategy and trainer.strategy.layout.world_size == 1
+        trainer.fit(resume_worker.model(0), _data())
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step=000000004"]  # (keeps the newest)
+    assert is_complete(tmp_path / "ckpt" / "step=000000004") and sorted(losses.losses) == [1, 2, 3, 4]
+    plain = ml.Trainer(devices=1, accelerator="cpu", logger=False)
+    assert type(plain.strategy).__name__ == "SingleDeviceStrategy"  # nothing asks for a mesh: Lightning's own
+
+
 def test_refuses_strategies_that_are_not_meshlights(tmp_path):
     import lightning.pytorch as pl
 
@@ -159,7 +179,8 @@ def test_refuses_strategies_that_are_not_meshlights(tmp_path):
 
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
                          callbacks=[DistributedCheckpoint(tmp_path)])
-    with pytest.raises(TypeError, match="DistributedCheckpoint writes through meshlight's strategies"):
+    with pytest.raises(TypeError, match="DistributedCheckpoint writes through meshlight's strategies.*use ml.Trainer"
+                                        r" \(on one device it runs meshlight's \"ddp\""):
         trainer.fit(resume_worker.model(0), _data())
 
 
