@@ -2,9 +2,10 @@
 asynchronously, mid-epoch) reproduces every loss of an uninterrupted 20-step run bit for bit, under every
 strategy (3-D as dp=2 × pp=2 × tp=2, whose checkpoint also resumes under ddp, zero3 and in one process); plus
 asynchronous writes, atomic commit, retention, restarts after faults under torchrun, the errors for partial or
-damaged checkpoints, and SIGTERM: every rank stops after the same step, which is saved and resumes bit for bit;
-SLURM's requeue signal: every rank writes the checkpoint after the same step, and the requeued job resumes it
-bit for bit (in one process: tests/strategies/test_preemption.py)."""
+damaged checkpoints, a crash inside a synchronous save (under torchrun's restarts) and inside an asynchronous
+one (the previous checkpoint resumes bit for bit), and SIGTERM: every rank stops after the same step, which is
+saved and resumes bit for bit; SLURM's requeue signal: every rank writes the checkpoint after the same step, and
+the requeued job resumes it bit for bit (in one process: tests/strategies/test_preemption.py)."""
 
 import re
 import time
@@ -514,6 +515,22 @@ def test_the_job_restarts_from_the_last_complete_checkpoint_and_ends_with_the_sa
     assert reference["weights"].keys() == restarted["weights"].keys()
     for name, tensor in reference["weights"].items():
         assert torch.equal(tensor, restarted["weights"][name]), name
+
+
+def test_a_crash_inside_an_asynchronous_save_leaves_the_previous_checkpoint_to_resume_from(tmp_path):
+    # the process dies from the background writer, its step-4 shards written and nothing committed, while training
+    # goes on: "last" is step 2, whose files the crash left as they were, and the resumed run is the uninterrupted one
+    crashed = torchrun(WORKER, 1, "async-crash", str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), "first",
+                       check=False, timeout=300)
+    assert crashed.returncode != 0 and "was meant to kill" not in crashed.stderr
+    assert (tmp_path / "ckpt" / "step=000000004").exists()  # left behind, uncommitted
+    torchrun(WORKER, 1, "async-crash", str(tmp_path / "ckpt"), str(tmp_path / "out.pt"), "resume", timeout=300)
+    result = torch.load(tmp_path / "out.pt")
+    assert result["step2_intact"] and result["started"] == 2
+    assert sorted(result["resumed"]) == [3, 4, 5, 6]
+    assert {step: result["full"][step] for step in result["resumed"]} == result["resumed"]  # bitwise
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step=000000002", "step=000000004",
+                                                                     "step=000000006"]
 
 
 def test_saving_over_a_checkpoint_replaces_its_files(tmp_path, recwarn):

@@ -12,6 +12,9 @@ and restarts after faults.
                         and DCP's metadata are written but before the folder is committed; "none": no fault.
                         Rank 0 writes the final full weights, the restart count, the step the last attempt
                         resumed from, and whether the step-5 checkpoint's files were unchanged by the fault
+    async-crash DIR OUT ATTEMPT  one process, asynchronous saves every 2 steps; "first": killed from the writing
+                        thread inside the save of step 4; "resume": fit(ckpt_path="last") and an uninterrupted run
+                        (see crash_in_async_save)
     validated DIR OUT   zero3 on 2 processes, validating every 3 steps and saving when the validation loss
                         improves (so after a validation, when ZeRO-3's root unit is still gathered), 12 steps;
                         then from the step-6 checkpoint to step 12. Rank 0 writes both runs' {step: loss} to OUT
@@ -156,6 +159,50 @@ def validated(directory: Path, out: Path) -> None:
         torch.save(results, out)
 
 
+def crash_in_async_save(directory: Path, out: Path, attempt: str) -> None:
+    """One process, checkpoints every 2 steps written in the background. ``first``: the process is SIGKILLed from
+    the writing thread inside the save of step 4 (its shards written, DCP's metadata and the commit not yet), while
+    training goes on. ``resume``: rank 0 writes the step-2 checkpoint's file digests from before the crash against
+    after it, the step the resumed run starts from, and its losses against an uninterrupted run's."""
+    digests_before = Path(f"{out}.step2")
+
+    def run(folder: Path, resume: bool) -> tuple[dict[int, float], int]:
+        pl.seed_everything(0, verbose=False)
+        losses, started = Losses(), {}
+
+        class Started(Callback):
+            def on_train_start(self, trainer: pl.Trainer, *args: object) -> None:
+                started["step"] = trainer.global_step
+
+        data = AdditionDataModule(3, batch_size=GLOBAL_BATCH, train_size=GLOBAL_BATCH * STEPS_PER_EPOCH)
+        trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=6, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                             callbacks=[losses, Started(), DistributedCheckpoint(folder, every_n_train_steps=2,
+                                                                                  keep_last_k=3)])
+        trainer.fit(model(0), data, ckpt_path="last" if resume else None)
+        return losses.losses, started["step"]
+
+    if attempt == "first":
+        from meshlight.parallel import integrity
+
+        real_write = integrity._ChecksumRecording.write_data
+
+        def crashing_write(self: object, plan: object, planner: object) -> object:
+            written = real_write(self, plan, planner)
+            if "step=000000004" in self.checkpoint:
+                torch.save(_digests(directory / "step=000000002"), digests_before)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return written
+
+        integrity._ChecksumRecording.write_data = crashing_write
+        run(directory, resume=False)
+        raise AssertionError("the save of step 4 was meant to kill this process")
+    full, _ = run(directory.parent / f"{directory.name}-full", resume=False)
+    intact = torch.load(digests_before) == _digests(directory / "step=000000002")
+    resumed, started = run(directory, resume=True)
+    torch.save({"full": full, "resumed": resumed, "started": started, "step2_intact": intact}, out)
+
+
 def _digests(folder: Path) -> dict[str, str]:
     """SHA-256 of every file in ``folder``."""
     import hashlib
@@ -169,6 +216,9 @@ def main(mode: str, args: list[str]) -> None:
         return
     if mode == "validated":
         validated(Path(args[0]), Path(args[1]))
+        return
+    if mode == "async-crash":
+        crash_in_async_save(Path(args[0]), Path(args[1]), args[2])
         return
     if mode == "kill":
         train(args[1], Path(args[0]), kill=True)
