@@ -278,12 +278,14 @@ class GPT(nn.Module):
 
     @staticmethod
     def loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
-        """Mean next-token cross-entropy in fp32 over targets that are not ``ignore_index``.
+        """Mean next-token cross-entropy in fp32 (fp64 for fp64 logits) over targets that are not ``ignore_index``.
 
         Logits sharded over the vocabulary (a DTensor, under tensor parallelism with loss parallelism) are
         never gathered; the loss comes back as an ordinary tensor.
         """
-        loss = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index)
+        logits = logits.flatten(0, -2)
+        logits = logits.double() if logits.dtype == torch.float64 else logits.float()  # fp64 models keep fp64
+        loss = F.cross_entropy(logits, targets.flatten(), ignore_index=ignore_index)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     @torch.no_grad()

@@ -31,7 +31,8 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts))
 
     def forward(self, x: Tensor) -> Routing:
-        logits = F.linear(x.float(), self.gate.weight.float())
+        dtype = torch.promote_types(x.dtype, torch.float32)  # at least fp32 (fp64 models stay fp64)
+        logits = F.linear(x.to(dtype), self.gate.weight.to(dtype))
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         experts = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)

@@ -114,12 +114,22 @@ def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor for part in gathered for name, tensor in part.items()}
 
 
+#: Weights whose gradient is exactly zero in exact arithmetic: a key projection's bias adds ``q·b`` to every score of
+#: a query alike, which softmax ignores. What they hold after training is rounding noise that Adam scales up (about
+#: 1e-5 after 20 steps in fp32, 1e-14 in fp64), differently in every layout, and the model's function never reads it.
+GAUGE_WEIGHTS = ("attn.wk.bias",)
+
+
 def assert_parity(result: dict[str, Any], control: dict[str, Any], rtol: float = 1e-4) -> None:
-    """Every logged loss within ``rtol`` relative, every final weight tensor within ``rtol`` (relative norm)."""
+    """Every logged loss within ``rtol`` relative, every final weight tensor within ``rtol`` (relative norm); the
+    :data:`GAUGE_WEIGHTS` within ``rtol`` absolute instead (near zero: they only gather rounding noise)."""
     losses, expected = torch.tensor(result["losses"]), torch.tensor(control["losses"])
     assert losses.shape == expected.shape, (losses.shape, expected.shape)
     torch.testing.assert_close(losses, expected, rtol=rtol, atol=0.0)
     assert result["weights"].keys() == control["weights"].keys()
     for name, weight in control["weights"].items():
+        if name.endswith(GAUGE_WEIGHTS):
+            assert result["weights"][name].abs().max() <= rtol and weight.abs().max() <= rtol, name
+            continue
         error = (result["weights"][name] - weight).norm() / weight.norm().clamp_min(1e-12)
         assert error <= rtol, f"{name}: relative error {error:.2e} > {rtol:.0e}"

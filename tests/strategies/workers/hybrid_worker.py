@@ -5,7 +5,8 @@ and under pp=2 × tp=2 with sequence parallelism models whose forward reads the 
 every stage (rotary tables: the GPT with rotary positions, the user-written Llama, here with a gate Linear that
 tensor parallelism leaves whole); and a 4-block grouped-query Llama whose attention keeps only ``head_dim`` (its head
 counts read from the projections' widths, by the planner as by tensor parallelism) under dp=2 × pp=2 × tp=2 on 8 and
-pp=2 × tp=2 ZeRO-3 on 4, the sizes left out planned.
+pp=2 × tp=2 ZeRO-3 on 4, the sizes left out planned; on 8 also the GPT with biases (GPTConfig's default) at the
+examples' learning rate.
 """
 
 import functools
@@ -47,7 +48,9 @@ MODELS = {"gpt4": gpt4, "moe": moe_gpt4, "gpt4-rotary": functools.partial(gpt4, 
           "llama-outside": functools.partial(LitLlama, outside=True),
           "llama-head-dim": functools.partial(LitLlama, head_dim_only=True, layers=4),
           # a vocabulary tp=2 does not divide, the embedding tied to the head across the first and last stage
-          "gpt4-tied-vocab61": functools.partial(gpt4, vocab_size=61, tie_embeddings=True)}
+          "gpt4-tied-vocab61": functools.partial(gpt4, vocab_size=61, tie_embeddings=True),
+          # a bias in every Linear and norm (GPTConfig's default), at the examples' learning rate
+          "gpt4-bias": functools.partial(gpt4, bias=True)}
 
 
 class Counting(LitGPT):
@@ -100,6 +103,8 @@ def runs(world: int) -> list[tuple[int, int, int, Optional[int], Optional[int], 
     # ep (and on 8 zero) left to the planner, which then reads the model's heads
     grid.append((2, 2, 2, None, None, "1f1b", "llama-head-dim") if world == 8 else
                 (1, 2, 2, None, 3, "1f1b", "llama-head-dim"))
+    if world == 8:
+        grid.append((2, 2, 2, 1, 1, "interleaved1f1b", "gpt4-bias"))
     if world == 4:
         grid += [(2, 2, 1, 2, 1, "1f1b", "moe"), (1, 2, 2, 1, 1, "interleaved1f1b", "gpt4-rotary"),
                  (1, 2, 2, 1, 1, "1f1b", "llama-gated"), (1, 2, 2, 1, 3, "1f1b", "llama-outside"),
