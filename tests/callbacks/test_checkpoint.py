@@ -173,6 +173,32 @@ def test_on_one_device_without_a_strategy_the_callbacks_run_through_a_mesh_of_on
     assert type(plain.strategy).__name__ == "SingleDeviceStrategy"  # nothing asks for a mesh: Lightning's own
 
 
+def test_a_checkpoint_written_on_one_device_resumes_under_zero3_on_two_processes(tmp_path):
+    # the same global batch of 16 (8 per rank there), no dropout: the continuation is the one device's
+    import meshlight as ml
+    from meshlight.callbacks import DistributedCheckpoint
+
+    losses = resume_worker.Losses()
+    trainer = ml.Trainer(devices=1, accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0,
+                         callbacks=[losses, DistributedCheckpoint(tmp_path / "one", every_n_train_steps=2,
+                                                                  keep_last_k=3, async_save=False)])
+    trainer.fit(resume_worker.model(0, dropout=0.0), _one_device_data())
+    torchrun(WORKER, 2, "from-one-device", str(tmp_path / "one" / "step=000000004"), str(tmp_path / "out.pt"),
+             timeout=300)
+    resumed = torch.load(tmp_path / "out.pt")
+    assert sorted(resumed) == [5, 6]
+    for step, loss in resumed.items():
+        assert abs(loss - losses.losses[step]) <= 1e-5 * losses.losses[step], (step, loss, losses.losses[step])
+
+
+def _one_device_data():
+    from meshlight.demos import AdditionDataModule
+
+    return AdditionDataModule(3, batch_size=resume_worker.GLOBAL_BATCH,
+                              train_size=resume_worker.GLOBAL_BATCH * resume_worker.STEPS_PER_EPOCH)
+
+
 def test_refuses_strategies_that_are_not_meshlights(tmp_path):
     import lightning.pytorch as pl
 

@@ -15,6 +15,7 @@ and restarts after faults.
     async-crash DIR OUT ATTEMPT  one process, asynchronous saves every 2 steps; "first": killed from the writing
                         thread inside the save of step 4; "resume": fit(ckpt_path="last") and an uninterrupted run
                         (see crash_in_async_save)
+    from-one-device CKPT OUT  zero3 on 2 processes from CKPT (written on one device at step 4) to step 6
     validated DIR OUT   zero3 on 2 processes, validating every 3 steps and saving when the validation loss
                         improves (so after a validation, when ZeRO-3's root unit is still gathered), 12 steps;
                         then from the step-6 checkpoint to step 12. Rank 0 writes both runs' {step: loss} to OUT
@@ -203,6 +204,18 @@ def crash_in_async_save(directory: Path, out: Path, attempt: str) -> None:
     torch.save({"full": full, "resumed": resumed, "started": started, "step2_intact": intact}, out)
 
 
+def from_one_device(checkpoint: Path, out: Path) -> None:
+    """zero3 on 2 processes from a checkpoint one device wrote at step 4, to step 6; rank 0 writes {step: loss}."""
+    pl.seed_everything(0, verbose=False)
+    losses = Losses()
+    data = AdditionDataModule(3, batch_size=GLOBAL_BATCH // 2, train_size=GLOBAL_BATCH * STEPS_PER_EPOCH)
+    trainer = ml.Trainer(strategy="zero3", devices=2, accelerator="cpu", max_steps=6, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[losses])
+    trainer.fit(model(0, dropout=0.0), data, ckpt_path=str(checkpoint))
+    if dist.get_rank() == 0:
+        torch.save(losses.losses, out)
+
+
 def _digests(folder: Path) -> dict[str, str]:
     """SHA-256 of every file in ``folder``."""
     import hashlib
@@ -216,6 +229,9 @@ def main(mode: str, args: list[str]) -> None:
         return
     if mode == "validated":
         validated(Path(args[0]), Path(args[1]))
+        return
+    if mode == "from-one-device":
+        from_one_device(Path(args[0]), Path(args[1]))
         return
     if mode == "async-crash":
         crash_in_async_save(Path(args[0]), Path(args[1]), args[2])
