@@ -114,7 +114,7 @@ def split_batch(batch: Any, cp: int, rank: int, *, shift_labels: bool = False) -
     positions. The sequence is the inputs': a mapping's ``input_ids`` (else its first tensor of two or more
     dimensions), a sequence's first tensor. ``shift_labels``: a mapping's ``labels`` are Hugging Face's, which the
     model shifts by one itself; they are shifted here, before the cut, because the next token of a chunk's last one
-    sits on another rank (the model is then told they are shifted already: :meth:`ContextParallel.prepare_model`).
+    sits on another rank (the model is then told they are shifted already, as ``shift_labels``).
 
     A padding mask that masks anything is refused: context parallelism splits plain causal attention only.
     """
