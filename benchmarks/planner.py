@@ -19,16 +19,26 @@ FSDP unit's post-backward through the two micro-batches of an accumulation windo
 parity tests in fp32, some in bf16-true, and layouts with and without pipelining under the Offload callback's
 optimizer offload (what is not in host memory), 8-block GPT-tiny (target within 10%).
 
+Out of sample (``OUT_OF_SAMPLE``, not used to set the cost model's constants): every amp_bf16 row at sequence 2048
+of llm-foundry's MPT tables on H100 80GB and A100 80GB (FSDP FULL_SHARD; the runs' layout is pure data parallelism,
+not chosen among others), and NeMo 24.12's FP8 Llama 2 and GPT-3 175B pre-training rows on H100 without context
+parallelism (layouts tuned for speed: the published one should be among the planner's three best), compared as
+published ÷ 1.445 like the Float8 row above.
+
     python benchmarks/planner.py [--nprocs 4 8]      # prints JSON
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from common import GPU_HOST_STEP, GPU_RESULTS
+
+if TYPE_CHECKING:
+    from meshlight.parallel.planner import Candidate, Hardware, ModelSpec
 
 #: torchtitan's measured Float8 (tensorwise) speedup over bf16, 70B on 256 H100 with async TP (Jun 2025 table)
 FLOAT8_SPEEDUP = 942.4 / 652.4
@@ -52,6 +62,77 @@ PUBLISHED = [
      "FSDP×TP, full AC, bf16"),
     ("torchtitan Llama 3 (T5)", "llama3-405b", "h100-96gb-500w", 512, 256, (8, 8, 8), "tokens/s/GPU", 128,
      "FSDP×TP×PP, Interleaved1F1B, Float8: compared ÷ 1.445"),
+]
+
+
+#: MPT's shapes as llm-foundry's ``scripts/train/yamls/pretrain/mpt-*.yaml`` give them (GELU MLP 4·d wide, LayerNorm
+#: without biases, tied embeddings, vocabulary 50,368; learned positions in the benchmark runs, whose NumParams grow
+#: by seq·d with the sequence): size -> (layers, d_model, heads)
+MPT = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
+       "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 64), "70b": (80, 8192, 64)}
+#: Llama 2's shapes (vocabulary 32,000): size -> (layers, hidden, heads, kv heads, MLP width)
+LLAMA2 = {"7b": (32, 4096, 32, 32, 11008), "13b": (40, 5120, 40, 40, 13824), "70b": (80, 8192, 64, 8, 28672)}
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published training run the cost model's constants were not set from, in tokens/s per GPU."""
+
+    source: str
+    model: str  # "mpt-7b", "llama2-70b", or a planner preset
+    seq_len: int
+    hardware: str  # a planner preset
+    gpus: int
+    global_batch: int  # sequences per optimizer step
+    layout: tuple[int, int, int]  # (dp, pp, tp)
+    published: float
+    note: str
+    chosen_as_fastest: bool = False  # the run's layout was tuned for speed among others
+    float8: bool = False  # compared as published ÷ FLOAT8_SPEEDUP
+
+    @property
+    def bf16_published(self) -> float:
+        return self.published / FLOAT8_SPEEDUP if self.float8 else self.published
+
+
+_FOUNDRY = "llm-foundry scripts/train/benchmarking/README.md"
+_NEMO = "NeMo 24.12 performance_summary (DGX H100, FP8)"
+
+
+def _foundry(hardware: str, size: str, gpus: int, micro: int, accumulate: int, recompute: bool,
+             published: float) -> PublishedRun:
+    """An llm-foundry MPT row at sequence 2048: FSDP FULL_SHARD over every GPU, amp_bf16 with bf16 parameters."""
+    note = f"FSDP FULL_SHARD, amp_bf16, micro-batch {micro} × accumulate {accumulate}" + (", AC" if recompute else "")
+    return PublishedRun(f"{_FOUNDRY} ({hardware.upper()} 80GB)", f"mpt-{size}", 2048, hardware, gpus,
+                        gpus * micro * accumulate, (gpus, 1, 1), published, note)
+
+
+OUT_OF_SAMPLE = [
+    # llm-foundry "H100 80GB BF16": every row at sequence 2048
+    _foundry("h100", "70b", 64, 8, 4, True, 1039), _foundry("h100", "70b", 32, 2, 16, True, 882),
+    _foundry("h100", "30b", 32, 14, 3, True, 2308), _foundry("h100", "30b", 16, 10, 3, True, 2263),
+    _foundry("h100", "30b", 8, 3, 21, True, 2002),
+    _foundry("h100", "13b", 64, 2, 1, False, 4800), _foundry("h100", "13b", 32, 2, 1, False, 4811),
+    _foundry("h100", "13b", 16, 2, 1, False, 4767), _foundry("h100", "13b", 8, 2, 1, False, 4792),
+    _foundry("h100", "7b", 8, 6, 1, False, 10643),
+    _foundry("h100", "3b", 64, 6, 3, False, 22525), _foundry("h100", "3b", 32, 6, 3, False, 23021),
+    _foundry("h100", "3b", 16, 10, 3, False, 24142),
+    _foundry("h100", "1b", 64, 20, 1, False, 44402), _foundry("h100", "1b", 32, 20, 1, False, 45130),
+    _foundry("h100", "1b", 16, 20, 1, False, 46037), _foundry("h100", "1b", 8, 14, 1, False, 45455),
+    _foundry("h100", "760m", 32, 24, 1, False, 67971), _foundry("h100", "760m", 16, 24, 1, False, 68551),
+    _foundry("h100", "760m", 8, 24, 2, False, 63147),
+    # llm-foundry "A100 80GB with 1600 Gbps node-node interconnect (RoCE)": every amp_bf16 row at sequence 2048
+    _foundry("a100", "30b", 8, 3, 21, True, 916), _foundry("a100", "13b", 8, 2, 3, False, 2262),
+    _foundry("a100", "7b", 8, 6, 2, False, 4641), _foundry("a100", "3b", 8, 10, 2, False, 10811),
+    _foundry("a100", "1b", 8, 14, 4, False, 20513), _foundry("a100", "760m", 8, 24, 2, False, 32434),
+    _foundry("a100", "350m", 8, 32, 2, False, 58782), _foundry("a100", "125m", 8, 40, 2, False, 142830),
+    _foundry("a100", "125m", 8, 32, 2, False, 141737),
+    # NeMo 24.12 pre-training (Megatron-Core, FP8): the rows without context parallelism
+    PublishedRun(_NEMO, "llama2-7b", 4096, "h100", 8, 128, (8, 1, 1), 16934, "TP 1 PP 1, MBS 1", True, True),
+    PublishedRun(_NEMO, "llama2-13b", 4096, "h100", 16, 128, (4, 4, 1), 8715, "TP 1 PP 4 VP 10, MBS 1", True, True),
+    PublishedRun(_NEMO, "llama2-70b", 4096, "h100", 64, 128, (4, 4, 4), 1728, "TP 4 PP 4 VP 20, MBS 1", True, True),
+    PublishedRun(_NEMO, "gpt3-175b", 2048, "h100", 128, 256, (4, 8, 4), 716, "TP 4 PP 8 VP 6, MBS 1", True, True),
+    PublishedRun(_NEMO, "gpt3-175b", 2048, "h100", 512, 2048, (16, 8, 4), 825, "TP 4 PP 8 VP 6, MBS 2", True, True),
 ]
 
 
@@ -140,16 +221,26 @@ def worker() -> None:
     report(rows)
 
 
+def planned_layout(model: ModelSpec, hardware: Hardware, gpus: int, batch: int,
+                   layout: tuple[int, int, int]) -> tuple[Candidate, list[Candidate], Optional[int]]:
+    """The planner's best candidate with the published (dp, pp, tp) fixed, its best fitting candidate of every
+    layout, fastest first, and the published layout's rank among them (None: it does not fit)."""
+    from meshlight.parallel.planner import best_per_layout, plan
+
+    ranked = [c for c in best_per_layout(plan(model, hardware, gpus, batch)) if c.fits]
+    layouts = [c.layout[:3] for c in ranked]
+    dp, pp, tp = layout
+    chosen = plan(model, hardware, gpus, batch, dp=dp, pp=pp, tp=tp)[0]
+    return chosen, ranked, layouts.index(layout) + 1 if layout in layouts else None
+
+
 def published() -> list[dict]:
-    from meshlight.parallel.planner import HARDWARE, MODELS, best_per_layout, plan
+    from meshlight.parallel.planner import HARDWARE, MODELS
 
     rows = []
     for source, preset, device, gpus, batch, (dp, pp, tp), metric, published, note in PUBLISHED:
         model, hardware = MODELS[preset], HARDWARE[device]
-        ranked = [c for c in best_per_layout(plan(model, hardware, gpus, batch)) if c.fits]
-        layouts = [c.layout[:3] for c in ranked]
-        rank = layouts.index((dp, pp, tp)) + 1 if (dp, pp, tp) in layouts else None
-        chosen = plan(model, hardware, gpus, batch, dp=dp, pp=pp, tp=tp)[0]
+        chosen, ranked, rank = planned_layout(model, hardware, gpus, batch, (dp, pp, tp))
         tokens = chosen.tokens_per_second_per_device
         predicted = tokens * model.flops_per_token() / 1e12 if metric == "TFLOP/s/GPU" else tokens
         bf16_published = published / FLOAT8_SPEEDUP if "Float8" in note else published
@@ -161,6 +252,44 @@ def published() -> list[dict]:
             "predicted_config": chosen.describe(), "fits": chosen.fits, "rank": rank,
             "best": [c.describe() for c in ranked[:3]],
             "best_over_published_layout": ranked[0].tokens_per_second_per_device / tokens,
+        })
+    return rows
+
+
+def out_of_sample_model(name: str, seq_len: int) -> ModelSpec:
+    """The planner's view of an :data:`OUT_OF_SAMPLE` run's model."""
+    from meshlight.parallel.planner import MODELS, ModelSpec
+
+    family, size = name.split("-", 1)
+    if family == "mpt":
+        layers, hidden, heads = MPT[size]
+        return ModelSpec(layers, hidden, heads, heads, 4 * hidden, vocab=50368, seq_len=seq_len, swiglu=False,
+                         tie_embeddings=True, name=f"MPT {size.upper()}", rmsnorm=False, positions=seq_len)
+    if family == "llama2":
+        return ModelSpec(*LLAMA2[size], vocab=32000, seq_len=seq_len, name=f"Llama 2 {size.upper()}")
+    return MODELS[name].replace(seq_len=seq_len)
+
+
+def out_of_sample() -> list[dict]:
+    """Each :data:`OUT_OF_SAMPLE` run: the planner's tokens/s per GPU for its (dp, pp, tp), the rest its own choice, ÷
+    the published figure (bf16: Float8 ones ÷ :data:`FLOAT8_SPEEDUP`), and the rank of that layout among the
+    planner's layouts that fit."""
+    from meshlight.parallel.planner import HARDWARE
+
+    rows = []
+    for run in OUT_OF_SAMPLE:
+        model, hardware = out_of_sample_model(run.model, run.seq_len), HARDWARE[run.hardware]
+        chosen, ranked, rank = planned_layout(model, hardware, run.gpus, run.global_batch, run.layout)
+        dp, pp, tp = run.layout
+        rows.append({
+            "source": run.source, "model": model.name, "seq_len": run.seq_len, "hardware": hardware.name,
+            "gpus": run.gpus, "global_batch": run.global_batch, "published_layout": {"dp": dp, "pp": pp, "tp": tp},
+            "note": run.note, "float8": run.float8, "published": run.published,
+            "bf16_published": run.bf16_published, "predicted": chosen.tokens_per_second_per_device,
+            "ratio": chosen.tokens_per_second_per_device / run.bf16_published,
+            "predicted_config": chosen.describe(), "fits": chosen.fits,
+            "chosen_as_fastest": run.chosen_as_fastest,
+            "rank": rank, "best": [c.describe() for c in ranked[:3]],
         })
     return rows
 
@@ -241,7 +370,7 @@ def main() -> None:
     args = parser.parse_args()
     memory, rows = [row for n in args.nprocs for row in launch(__file__, n)], published()
     print(json.dumps({"published": rows, "torchtitan_405b_2d_over_3d": torchtitan_405b_2d_over_3d(rows),
-                      "memory": memory, "one_gpu": one_gpu()}, indent=1))
+                      "out_of_sample": out_of_sample(), "memory": memory, "one_gpu": one_gpu()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,105 @@
+"""The planner against published runs its constants were not set from (``benchmarks/planner.py``'s
+``OUT_OF_SAMPLE``): each run's predicted tokens/s per GPU for its published layout within 25% of the published
+figure, and where the run tuned its layout for speed, that layout among the planner's three best. Runs that miss
+are strict xfails naming the measured ratio."""
+
+import sys
+
+import pytest
+
+from tests.launch import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmark's imports of common.py
+try:
+    import planner as planner_benchmark
+finally:
+    sys.path.remove(str(REPO / "benchmarks"))
+
+from meshlight.parallel.planner import HARDWARE  # noqa: E402
+
+_SMALL = ("compute-bound: the planner's FLOP count leaves out the tied LM head's matmul (counted, the ratio is"
+          " {head}), and it prices every matmul at half the dense peak whatever the width, where llm-foundry's run"
+          " reached {mfu} of peak")
+_ZERO_BETWEEN_NODES = ("the planner exposes {share} of the step to ZeRO traffic between nodes (50 GB/s per GPU);"
+                       " llm-foundry's run kept {kept}")
+
+#: run id -> why the planner misses it by more than 25% (predicted ÷ published, as measured)
+MISSES = {
+    "mpt-70b-h100-32x-b1024": "0.706: " + _ZERO_BETWEEN_NODES.format(
+        share="32%", kept="36% MFU, about the planner's compute alone with recomputation (37.5%)"),
+    "mpt-13b-h100-64x-b128": "0.474: " + _ZERO_BETWEEN_NODES.format(
+        share="63%", kept="its 8-GPU rate at 2 sequences per GPU"),
+    "mpt-13b-h100-32x-b64": "0.482: " + _ZERO_BETWEEN_NODES.format(
+        share="62%", kept="its 8-GPU rate at 2 sequences per GPU"),
+    "mpt-13b-h100-16x-b32": "0.502: " + _ZERO_BETWEEN_NODES.format(
+        share="61%", kept="its 8-GPU rate at 2 sequences per GPU"),
+    "mpt-13b-h100-8x-b16": "1.272: " + _SMALL.format(head="1.248", mfu="39%"),
+    "mpt-3b-h100-64x-b1152": "1.272: " + _SMALL.format(head="1.217", mfu="39%"),
+    "mpt-1b-h100-64x-b1280": "1.304: " + _SMALL.format(head="1.215", mfu="38%"),
+    "mpt-1b-h100-32x-b640": "1.284: " + _SMALL.format(head="1.196", mfu="39%"),
+    "mpt-1b-h100-16x-b320": "1.259: " + _SMALL.format(head="1.173", mfu="39%"),
+    "mpt-1b-h100-8x-b112": "1.285: " + _SMALL.format(head="1.197", mfu="39%"),
+    "mpt-760m-h100-32x-b768": "1.448: " + _SMALL.format(head="1.325", mfu="34%"),
+    "mpt-760m-h100-16x-b384": "1.437: " + _SMALL.format(head="1.314", mfu="35%"),
+    "mpt-760m-h100-8x-b384": "1.571: " + _SMALL.format(head="1.437", mfu="32%"),
+    "mpt-125m-a100-8x-b640": "1.483: " + _SMALL.format(head="1.128", mfu="34%"),
+    "mpt-125m-a100-8x-b512": "1.494: " + _SMALL.format(head="1.136", mfu="33%"),
+    "mpt-30b-a100-8x-b504": ("0.684: compute-bound with recomputation; at half the dense peak the planner predicts"
+                             " 37% MFU, and llm-foundry's A100 run reached 55% (74% counting the recomputation)"),
+    "gpt3-175b-h100-512x-b2048": ("0.727: an FP8 run compared at torchtitan's Float8 speedup (1.445×); the planner's"
+                                  " bf16 prediction (45% MFU) against 62% implied, so either NeMo's FP8 gains more"
+                                  " here or half the peak is too little for 12,288-wide matmuls"),
+}
+#: run id -> why the published layout, tuned for speed, is not among the planner's three best
+RANK_MISSES = {
+    "llama2-13b-h100-16x-b128": ("rank 5: the planner's five best layouts lie within 4%; it prices NeMo's TP 1 × PP 4"
+                                 " (VP 10) as plain 1F1B, its interleaving needing at least pp·v microbatches per"
+                                 " replica (40; the replica has 32), and puts TP 2 over NVLink first"),
+}
+
+
+def _id(run):
+    return f"{run.model}-{run.hardware}-{run.gpus}x-b{run.global_batch}"
+
+
+def _params(misses, runs):
+    return [pytest.param(run, id=_id(run), marks=[pytest.mark.xfail(strict=True, reason=misses[_id(run)])]
+                         if _id(run) in misses else []) for run in runs]
+
+
+def _planned(run):
+    """The planner's candidate for the run's published layout, its layouts that fit, and that layout's rank."""
+    model = planner_benchmark.out_of_sample_model(run.model, run.seq_len)
+    return planner_benchmark.planned_layout(model, HARDWARE[run.hardware], run.gpus, run.global_batch, run.layout)
+
+
+def test_the_out_of_sample_runs_are_five_or_more_and_not_in_the_in_sample_table():
+    runs = planner_benchmark.OUT_OF_SAMPLE
+    in_sample = {(source, gpus, batch) for source, _, _, gpus, batch, *_ in planner_benchmark.PUBLISHED}
+    assert len(runs) >= 5 and not in_sample & {(r.source, r.gpus, r.global_batch) for r in runs}
+    assert len({_id(run) for run in runs}) == len(runs)
+    assert set(MISSES) | set(RANK_MISSES) <= {_id(run) for run in runs}
+
+
+@pytest.mark.parametrize("run", _params(MISSES, planner_benchmark.OUT_OF_SAMPLE))
+def test_out_of_sample_throughput_within_25_percent(run):
+    chosen, _, _ = _planned(run)
+    assert chosen.fits, chosen.describe()
+    assert chosen.tokens_per_second_per_device / run.bf16_published == pytest.approx(1, abs=0.25), chosen.describe()
+
+
+@pytest.mark.parametrize("run", _params(RANK_MISSES, [r for r in planner_benchmark.OUT_OF_SAMPLE
+                                                      if r.chosen_as_fastest]))
+def test_a_layout_tuned_for_speed_is_among_the_planners_three_best(run):
+    _, ranked, rank = _planned(run)
+    assert rank is not None and rank <= 3, [c.describe() for c in ranked[:3]]
+
+
+def test_the_benchmark_reports_the_ratios_and_ranks_the_tests_check():
+    rows = planner_benchmark.out_of_sample()
+    assert len(rows) == len(planner_benchmark.OUT_OF_SAMPLE)
+    for run, row in zip(planner_benchmark.OUT_OF_SAMPLE, rows):
+        assert (0.75 <= row["ratio"] <= 1.25) == (_id(run) not in MISSES), _id(run)
+        if run.chosen_as_fastest:
+            assert (row["rank"] <= 3) == (_id(run) not in RANK_MISSES), _id(run)
+    assert sum(0.75 <= row["ratio"] <= 1.25 for row in rows) == 17  # of 34
