@@ -70,6 +70,13 @@ def cpu_model() -> str:
         return platform.machine()
 
 
+def spread_verdict(rounds: list[float], target: float) -> str:
+    """``met`` when every round's ratio meets ``target``, ``**not met**`` when none does, else ``inconclusive``."""
+    if max(rounds) <= target:
+        return "met"
+    return "**not met**" if min(rounds) > target else "inconclusive"
+
+
 def verdict(ratio: float, target: float) -> str:
     return "met" if ratio <= target else "**not met**"
 
@@ -538,11 +545,14 @@ def overhead_section(rows: list[dict]) -> str:
         f"Command: `{COMMANDS['overhead']}` — median wall time per training step of a 4-block GPT (dim 192, seq",
         "128, batch 8 per data replica, AdamW; moe: 4 experts per block) on 2 CPU processes, written by hand in",
         "plain PyTorch on the same engines, with Lightning's built-in strategy where one exists, and with",
-        "`meshlight.Trainer`. Hand-written: `DistributedDataParallel`; `fully_shard` per block and root;",
-        "meshlight's TP plan through `parallelize_module` with loss parallelism; meshlight's stage split driven",
-        "by `PipelineStage` + `Schedule1F1B` (4 microbatches); `meshlight.parallel.parallelize` (ep 2, ZeRO-1)",
-        "for moe. Lightning: `DDPStrategy`; `ModelParallelStrategy` with the same `fully_shard` calls or TP plan",
-        "in `configure_model`. Variants interleaved in one launch per strategy: a round runs each once, back to",
+        "`meshlight.Trainer`. Hand-written on PyTorch's APIs alone (the script imports nothing of meshlight's",
+        "parallelism): `DistributedDataParallel`; `fully_shard` per block and root; a torchtitan-style",
+        "`parallelize_module` plan (sequence-parallel norms, loss parallelism); the GPT split by hand into",
+        "`PipelineStage` + `Schedule1F1B` (4 microbatches); experts distributed over ep 2 with a hand-written",
+        "all-to-all dispatch, the dense weights under `fully_shard` (ZeRO-1). Each variant's first three losses are",
+        "in the JSON (`first_losses`): the hand-written ones equal meshlight's. Lightning: `DDPStrategy`;",
+        "`ModelParallelStrategy` with the same `fully_shard` calls or TP plan in `configure_model`. Variants",
+        "interleaved in one launch per strategy: a round runs each once, back to",
         f"back ({rows[0]['steps_per_round']} measured steps), in an order that rotates until each has run first"
         f" {rows[0]['rotations']} times.",
         "meshlight and the hand-written loops turn Python's automatic garbage collection off while training and",
@@ -551,8 +561,9 @@ def overhead_section(rows: list[dict]) -> str:
         "(paired in time, so drift cancels), and beside it the lowest and highest round's ratio: the noise of",
         "this machine; then the ratio of the two variants' lower deciles over all their measured steps (p10):",
         "load from outside the benchmark only adds time, so the fastest tenth of steps is what each variant",
-        "costs on a quiet machine, while a per-step cost of ours is in every step. A target missed by the",
-        "paired median but met at p10 is marked so: load, not ours.",
+        "costs on a quiet machine, while a per-step cost of ours is in every step. A verdict is `met` when every",
+        "round's ratio meets the target, `not met` when none does, and `inconclusive` when the rounds straddle it:",
+        "this machine's spread is then larger than the margin (the p10 ratio says which side a quiet machine takes).",
         "",
         "| strategy | PyTorch (ms) | Lightning (ms) | meshlight (ms) | meshlight ÷ PyTorch (≤ 1.05) | rounds · p10 |"
         " meshlight ÷ Lightning (≤ 1.02) | rounds · p10 | Lightning ÷ PyTorch |",
@@ -568,10 +579,8 @@ def overhead_section(rows: list[dict]) -> str:
                 cells += ["— (none in Lightning)", "—"]
                 continue
             rounds, quiet = r["round_ratios"][name], r["lower_decile_ratios"][name]
-            mark = verdict(r[name], target)
-            if r[name] > target and quiet <= target:
-                mark += " (p10 met: load)"
-            cells += [f"{r[name]:.3f}: {mark}", f"{min(rounds):.3f}–{max(rounds):.3f} · {quiet:.3f}"]
+            cells += [f"{r[name]:.3f}: {spread_verdict(rounds, target)}",
+                      f"{min(rounds):.3f}–{max(rounds):.3f} · {quiet:.3f}"]
         lightning_loop = f"{r['lightning_over_pytorch']:.3f}" if "lightning_over_pytorch" in r else "—"
         lines.append(f"| {r['strategy']} | {1000 * median['pytorch']:.1f} | {lightning} |"
                      f" {1000 * median['meshlight']:.1f} | {' | '.join(cells)} | {lightning_loop} |")
@@ -601,9 +610,12 @@ def overhead_section(rows: list[dict]) -> str:
         "from the last stage to every stage (a collective the hand-written loop does without: it all-reduces the",
         "last stage's loss directly), and their replay through `self.log(..., sync_dist=True)`.",
         "",
-        "Under tensor parallelism with dp = 1 meshlight reduces the sequence-parallel norms' partial gradients once",
-        "per step, where the hand-written loop and Lightning leave DTensor re-reducing them in each optimizer op",
-        "(three all-reduces per norm parameter with AdamW).",
+        "Under tensor parallelism meshlight and the hand-written loop reduce the sequence-parallel norms' partial",
+        "gradients once per step, where Lightning leaves DTensor re-reducing them in each optimizer op (three",
+        "all-reduces per norm parameter with AdamW). The hand-written plan keeps the gathered inputs of the",
+        "attention and MLP projections for backward (torchtitan's way); meshlight by default keeps this rank's share",
+        "and gathers it again (`keep_gathered_inputs=False`: less memory, one all-gather more per projection group",
+        "in backward).",
     ]
     return "\n".join(lines)
 
@@ -679,6 +691,38 @@ def context_section(result: dict, gpu: Optional[dict]) -> str:
             continue
         lines.append(f"| {method} | {compared['loss_rel']:.1e} | {compared['grad_norm_rel']:.1e} |"
                      f" {compared['step_ratio']:.2f} | {compared['peak_ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def planner_out_of_sample_section(result: dict) -> str:
+    """The planner against published runs its constants were not set from (``benchmarks/planner.py``'s
+    ``out_of_sample``)."""
+    rows = result["out_of_sample"]
+    within = sum(abs(row["ratio"] - 1) <= 0.25 for row in rows)
+    chosen = [row for row in rows if row["chosen_as_fastest"]]
+    top3 = sum(row["rank"] <= 3 for row in chosen)
+    lines = ["## Layout planner out of sample", "",
+             f"Command: `{COMMANDS['planner']}` (its `out_of_sample` part; `python benchmarks/planner.py --nprocs`"
+             " prints the published comparisons alone). Runs the planner's constants were not set from: every"
+             " amp_bf16 row at sequence 2048 of llm-foundry's MPT tables (H100 and A100; FSDP, so the layout was not"
+             " chosen against others) and NeMo 24.12's FP8 Llama 2 and GPT-3 175B rows (compared ÷ 1.445, the"
+             " in-sample table's Float8 factor; layouts tuned for speed). The planner fixes each published (dp, pp,"
+             " tp) and chooses the rest. Target: within 25%; a layout chosen as the fastest among its three best.",
+             "", f"Within 25%: {within} of {len(rows)} ({'met' if within == len(rows) else '**not met**'})."
+             f" Chosen layouts among the planner's three best: {top3} of {len(chosen)}. (NeMo's table is taken as"
+             " H100s from its FP8 throughput; the page read did not name the system.)", "",
+             "| source | model | GPUs | layout | tokens/s/GPU published (bf16) | predicted | ratio | within 25%"
+             " | rank |", "|---|---|---:|---|---:|---:|---:|---|---|"]
+    for row in rows:
+        layout = " ".join(f"{k}={v}" for k, v in row["published_layout"].items())
+        rank = str(row["rank"]) if row["chosen_as_fastest"] else "—"
+        lines.append(f"| {row['source'].split(' ')[0]} | {row['model']} | {row['gpus']} | {layout} |"
+                     f" {row['bf16_published']:,.0f} | {row['predicted']:,.0f} | {row['ratio']:.3f} |"
+                     f" {'yes' if abs(row['ratio'] - 1) <= 0.25 else '**no**'} | {rank} |")
+    lines += ["", "The misses follow three patterns: small models over-predicted (a tied LM head's matmul is left out"
+              " of the planner's FLOPs, and it assumes 50% of peak at every width); ZeRO-3 with 2 sequences per GPU"
+              " across nodes under-predicted (the planner exposes traffic llm-foundry hid); models reaching 55–62%"
+              " MFU under-predicted. No constant was changed to fit these runs."]
     return "\n".join(lines)
 
 
@@ -800,7 +844,8 @@ def main() -> None:
     sections = [header, comm_section(comm), memory_section(memory), pretrained_section(pretrained),
                 integrity_section(integrity),
                 overhead_section(overhead), bubble_section(bubble),
-                balance_section(balance), planner_section(planner), recompute_section(recompute),
+                balance_section(balance), planner_section(planner), planner_out_of_sample_section(planner),
+                recompute_section(recompute),
                 host_step_section(host_step, _recorded(GPU_HOST_STEP)), compression_section(compression),
                 nvme_section(nvme), context_section(context, _recorded(GPU_CONTEXT)),
                 context_planner_section(context_planner), profile_section(profile),
