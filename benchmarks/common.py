@@ -24,6 +24,8 @@ GPU_HOST_STEP = REPO / "benchmarks" / "gpu_host_step.json"
 GPU_RESULTS_H200 = REPO / "benchmarks" / "gpu_results_h200.json"
 #: what ``benchmarks/context_parallel.py --gpu`` printed on a GPU machine (``run_all.GPU_CONTEXT_COMMAND``)
 GPU_CONTEXT = REPO / "benchmarks" / "gpu_context_parallel.json"
+#: what ``benchmarks/cuda_paths.py`` printed on a GPU machine (``run_all.GPU_CUDA_PATHS_COMMAND``)
+GPU_CUDA_PATHS = REPO / "benchmarks" / "gpu_cuda_paths.json"
 RESULT_PREFIX = "BENCHMARK-RESULT "
 
 
