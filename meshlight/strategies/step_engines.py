@@ -184,7 +184,8 @@ class ContextParallelSteps(StepEngine):
         numbers = [i for i, (_, value, _) in enumerate(logged) if not isinstance(value, tuple)]
         if not numbers:
             return logged
-        weight = (tokens if tokens is not None else torch.ones(())).to(torch.float64)
+        # (the recorder's values are on the host; the tokens were counted where the batch is)
+        weight = (tokens if tokens is not None else torch.ones(())).to("cpu", torch.float64)
         device = self.strategy.root_device
         # (a rank whose share holds no label logs a NaN loss, 0/0: it adds nothing)
         flat = torch.stack([weight] + [torch.where(weight > 0, logged[i][1].to(torch.float64).reshape(()) * weight, 0.0)
