@@ -1,12 +1,13 @@
-"""Context parallelism reproduces single-process training over 20 steps (losses and final weights within 1e-4):
-cp=2 and cp=4, cp=2 × tp=2, cp=2 × pp=2, cp=2 × dp=2 with ZeRO-3, and ``strategy="cp"``, each on meshlight's GPT
-(learned positions, looked up with ``arange``), a Llama-shaped model whose rotary tables are buffers sliced by its
-input's length, and Hugging Face's Llama (positions given as ``position_ids``, attention through its config); at cp=2
-also GPT with rotary positions and grouped-query attention, Hugging Face's GPT-2 and Llama trained on its own loss from
-dict ``labels``; and cp=2 × ep=2 (experts borrowing data ranks, under ZeRO-1 and DDP) on the Llama with a dropless
-MoE in every block. The addition data scores only the last tokens of each sequence, so the ranks' shares hold different
-numbers of scored tokens: the loss is weighted by them. Validation logs the whole sequences' loss. What cp cannot
-split is refused before any optimizer step, naming the module and the fix."""
+"""Context parallelism reproduces single-process training over 20 steps (losses and final weights within 1e-4): cp=2
+and cp=4, cp=2 × tp=2, cp=2 × pp=2, cp=2 × dp=2 with ZeRO-3, and ``strategy="cp"``, each on meshlight's GPT (learned
+positions, looked up with ``arange``), a Llama-shaped model whose rotary tables are buffers sliced by its input's
+length, and Hugging Face's Llama (positions given as ``position_ids``, attention through its config); at cp=2 also
+GPT with rotary positions and grouped-query attention, Hugging Face's GPT-2, litgpt's GPT (its rotary cache sliced
+by length) and Hugging Face's Llama trained on its own loss from dict ``labels``; and cp=2 × ep=2 (experts borrowing
+data ranks, under ZeRO-1 and DDP) on the Llama with a dropless MoE in every block. The addition data scores only the
+last tokens of each sequence, so the ranks' shares hold different numbers of scored tokens: the loss is weighted by
+them. Validation logs the whole sequences' loss. What cp cannot split is refused before any optimizer step, naming
+the module and the fix."""
 
 import re
 from pathlib import Path

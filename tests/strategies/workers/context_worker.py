@@ -69,6 +69,7 @@ EXTRA_MODELS: dict[str, Callable[[], pl.LightningModule]] = {
     "gpt-rotary-gqa": functools.partial(lit_gpt, positions="rotary", n_kv_heads=2, mlp="swiglu", norm="rmsnorm"),
     "hf-llama-labels": LitLlamaLabels,
     "hf-gpt2": functools.partial(LitCausalLM, "gpt2", optimizer="sgd", lr=0.3),
+    "litgpt": functools.partial(LitCausalLM, "litgpt"),  # its rotary cache sliced by length, SDPA with is_causal
 }
 
 def lit_llama_moe(**moe: Any) -> LitLlama:
