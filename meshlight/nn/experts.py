@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["GroupedExperts", "Router", "Routing", "grouped_matmul", "local_weight"]
+__all__ = ["GroupedExperts", "Router", "Routing", "grouped_matmul", "local_weight", "scale_gradient"]
 
 
 class Routing(NamedTuple):
@@ -74,7 +74,12 @@ def local_weight(weight: Tensor, gradient_scale: float = 1.0) -> Tensor:
     """This rank's experts of ``weight`` (a DTensor sharded over experts, or a plain tensor), its gradient scaled by
     ``gradient_scale`` (``1/ep``: each expert sees the tokens of ``ep`` data ranks)."""
     local = weight.to_local() if isinstance(weight, DTensor) else weight
-    return _ScaleGradient.apply(local, gradient_scale) if gradient_scale != 1.0 else local
+    return scale_gradient(local, gradient_scale)
+
+
+def scale_gradient(x: Tensor, scale: float) -> Tensor:
+    """``x`` unchanged; its gradient multiplied by ``scale`` in backward."""
+    return _ScaleGradient.apply(x, scale) if scale != 1.0 else x
 
 
 def grouped_matmul(x: Tensor, weights: Tensor, counts: Tensor, grouped_mm: Optional[bool] = None) -> Tensor:

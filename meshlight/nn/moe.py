@@ -13,7 +13,8 @@ In the order a token meets it:
   sorted by expert, go through one grouped GEMM per weight (``torch._grouped_mm``) or a loop over experts.
 - **Dispatch**: :attr:`MoE.dispatcher` moves the sorted tokens to the ranks holding their experts and the
   results back; here it calls the experts directly. Expert parallelism
-  (:mod:`meshlight.parallel.expert`) installs an all-to-all one.
+  (:mod:`meshlight.parallel.expert`) installs an all-to-all one; tensor parallelism
+  (:mod:`meshlight.parallel.expert_tensor`) splits each expert over the tp ranks or folds the experts across them.
 - **Balancing**: the Switch/GShard auxiliary loss ``E·Σ_e f_e·P_e`` (per sequence, averaged), the router
   z-loss ``mean(logsumexp(logits)²)``, and aux-loss-free expert bias moved against each expert's load
   after every optimizer step (the step's own load, ready for the next forward; by a fixed step or in
@@ -32,7 +33,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,9 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from meshlight.nn.experts import GroupedExperts, Router, Routing
+
+if TYPE_CHECKING:
+    from meshlight.parallel.expert_tensor import ExpertTensorParallel
 
 __all__ = ["ExpertLoad", "MoE", "MoEConfig", "MoEUpdates", "attach_moe_updates"]
 
@@ -185,6 +189,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(num_experts, dim, hidden_dim, activation, grouped_mm)
         # Set by expert / data parallelism: how tokens reach the experts, and the ranks whose loads add up.
         self.dispatcher: Dispatcher = _call_experts
+        # Set by tensor parallelism (meshlight.parallel.expert_tensor.ExpertTensorParallel): the whole tokens on every
+        # tp rank, the router's gradients made whole, this rank's part of the expert work, the output's partial sums.
+        self.tensor_parallel: Optional[ExpertTensorParallel] = None
         self.data_parallel_group: Optional[dist.ProcessGroup] = None
         self.aux_gradient_scale = 1.0
         self.last_step: Optional[ExpertLoad] = None
@@ -206,10 +213,13 @@ class MoE(nn.Module):
             self.router.expert_bias.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
+        tp = self.tensor_parallel
+        if tp is not None:
+            x = tp.whole(x)
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         seq_len = shape[-2] if x.dim() >= 3 else tokens.shape[0]
-        routing = self.router(tokens)
+        routing = self.router(tokens) if tp is None else tp.route(self.router, tokens)
         keep = self._capacity_mask(routing, seq_len) if self.config.capacity_factor is not None else None
         out = self._dispatch_and_combine(tokens, routing, keep)
         if self.training and torch.is_grad_enabled() and not x.is_meta:
@@ -219,7 +229,8 @@ class MoE(nn.Module):
                 out = _AttachLoss.apply(out, loss, self.aux_gradient_scale)
             if torch._C._current_graph_task_id() == -1:  # not an activation-checkpointing recompute
                 self._record(routing, keep, aux, z)
-        return out.view(shape)
+        out = out.view(shape)
+        return out if tp is None else tp.share(out)
 
     def capacity(self, seq_len: int) -> int:
         """Assignments each expert accepts per sequence of ``seq_len`` tokens (with a capacity factor)."""
@@ -249,6 +260,8 @@ class MoE(nn.Module):
         flat_experts = routing.experts.flatten()
         slots = keep.flatten().nonzero().squeeze(1) if keep is not None else torch.arange(
             num_tokens * k, device=tokens.device)
+        if self.tensor_parallel is not None:
+            slots = self.tensor_parallel.own_slots(slots, num_tokens * k)
         slots = slots[flat_experts[slots].argsort(stable=True)]  # assignment slots grouped by expert
         counts = torch.bincount(flat_experts[slots], minlength=self.num_experts)
         expert_out = self.dispatcher(tokens[slots // k], counts, self.experts)

@@ -47,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from meshlight.parallel.blocks import repeated_blocks
+from meshlight.parallel.collectives import all_gather_along
 from meshlight.parallel.dtensors import as_dtensor_like, dtensor_spec
 from meshlight.parallel.expert import expert_layers
 
@@ -241,29 +242,7 @@ def gathered_kv_attention(
 def _gather_sequence(tensor: Tensor, group: dist.ProcessGroup, chunk: int) -> Tensor:
     """``tensor``'s dimension 2 (the sequence) from every rank of ``group``, in global order."""
     cp = dist.get_world_size(group)
-    return _AllGatherSequence.apply(tensor, group).index_select(2, _global_order(cp, chunk, tensor.device))
-
-
-class _AllGatherSequence(torch.autograd.Function):
-    """All-gather along dimension 2 (rank order); backward reduce-scatters the gradients. c10d's collectives, which
-    every backend has (gloo's functional collectives fail on CUDA tensors)."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        size = dist.get_world_size(group)
-        local = tensor.movedim(2, 0).contiguous()
-        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(out, local, group=group)
-        return out.movedim(0, 2)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        size = dist.get_world_size(ctx.group)
-        whole = grad.movedim(2, 0).contiguous()
-        out = whole.new_empty((whole.shape[0] // size, *whole.shape[1:]))
-        dist.reduce_scatter_tensor(out, whole, group=ctx.group)
-        return out.movedim(0, 2), None
+    return all_gather_along(tensor, 2, group).index_select(2, _global_order(cp, chunk, tensor.device))
 
 
 @functools.lru_cache(maxsize=16)

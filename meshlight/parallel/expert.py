@@ -19,17 +19,20 @@ module's own forward runs this rank's experts on what arrives (:class:`StackedEx
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from meshlight.nn.experts import GroupedExperts, local_weight
 from meshlight.nn.moe import MoE
+from meshlight.parallel.expert_tensor import ExpertTensorParallel, check_expert_split, local_slice, split_placements
 from meshlight.parallel.layout import DATA_AXES, axis, hybrid_mesh, same_experts_axis
 
 __all__ = [
@@ -78,7 +81,8 @@ def router_logits_collected(module: nn.Module) -> bool:
 
 def sharded_experts(module: nn.Module) -> list[nn.Module]:
     """The expert modules whose weights are split over ``ep`` (data parallelism treats them apart)."""
-    ours = [layer.experts for layer in expert_layers(module) if isinstance(layer.experts.w1, DTensor)]
+    ours = [layer.experts for layer in expert_layers(module) if isinstance(layer.experts.w1, DTensor)
+            and "ep" in (layer.experts.w1.device_mesh.mesh_dim_names or ())]  # split over tp alone: dense weights
     # split over ep: sharded; kept whole on every tp rank (replicated DTensors), they are data parallel with the rest
     return ours + [m for m in stacked_experts(module) if isinstance(weight := next(m.parameters()), DTensor)
                    and any(isinstance(p, Shard) for p in weight.placements)]
@@ -100,29 +104,43 @@ def expert_data_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:
     return mesh[same_experts_axis(shard)]
 
 
-def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int) -> None:
-    """Split every MoE layer's experts over the mesh's ``ep`` axis in place (when ``ep > 1``), and tell every
-    MoE layer the data-parallel group its expert loads add up over (for balancing and telemetry)."""
+def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, *, sequence_parallel: bool = False) -> None:
+    """Split every MoE layer's experts over the mesh's ``ep`` axis in place (when ``ep > 1``) and, under tensor
+    parallelism, each expert over ``tp`` (:mod:`meshlight.parallel.expert_tensor`; ``sequence_parallel``: the layers
+    run on shares of the sequence); and tell every MoE layer the data-parallel group its expert loads add up over (for
+    balancing and telemetry)."""
     layers = expert_layers(module)
     data_group = axis(mesh, "dp_cp" if mesh["cp"].size() > 1 else "dp").get_group()  # every rank's own tokens
+    tp = mesh["tp"].size()
     for layer in layers:
         layer.data_parallel_group = data_group
+        if tp > 1:
+            check_expert_split(layer.experts.w1.shape[-1], tp)
+            layer.tensor_parallel = ExpertTensorParallel(mesh["tp"].get_group(), sequence_parallel=sequence_parallel,
+                                                         fold=False)
+    if ep == 1 and tp == 1:
+        return
+    split_mesh = mesh["ep", "tp"] if ep > 1 and tp > 1 else mesh["ep" if ep > 1 else "tp"]
+    for layer in layers:
+        placements = (functools.partial(split_placements, ep=ep) if tp > 1 else lambda name: [Shard(0)])
+        if _split(layer.experts, layer.num_experts, split_mesh, placements) and ep > 1:
+            layer.experts.gradient_scale = 1.0 / ep
+            layer.dispatcher = AllToAllDispatcher(mesh["ep"].get_group(), layer.num_experts // ep)
     if ep == 1:
         return
     ep_mesh = mesh["ep"]
-    for layer in layers:
-        if _split(layer.experts, layer.num_experts, ep_mesh):
-            layer.experts.gradient_scale = 1.0 / ep
-            layer.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), layer.num_experts // ep)
     for experts in stacked_experts(module):
-        if _split(experts, experts.num_experts, ep_mesh):
+        if _split(experts, experts.num_experts, ep_mesh, lambda name: [Shard(0)]):
             StackedExpertsParallel(experts, ep_mesh.get_group())
 
 
-def _split(experts: nn.Module, num_experts: int, ep_mesh: DeviceMesh) -> bool:
-    """Make ``experts``' stacked weights DTensors sharded over the ``ep`` mesh, this rank keeping its share; False
-    where they already are."""
-    ep = ep_mesh.size()
+def _split(experts: nn.Module, num_experts: int, mesh: DeviceMesh,
+           placements: Callable[[str], list[Placement]]) -> bool:
+    """Make ``experts``' stacked weights DTensors on ``mesh`` with each weight's ``placements`` (experts split over
+    ``ep``, and under tensor parallelism each expert over ``tp``), this rank keeping its block; False where they
+    already are."""
+    names = mesh.mesh_dim_names or ()
+    ep = mesh.size(names.index("ep")) if "ep" in names else 1
     if num_experts % ep:
         valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
         raise ValueError(
@@ -131,11 +149,10 @@ def _split(experts: nn.Module, num_experts: int, ep_mesh: DeviceMesh) -> bool:
         )
     if any(isinstance(p, DTensor) for p in experts.parameters(recurse=False)):
         return False
-    local = num_experts // ep
-    start = ep_mesh.get_local_rank() * local
+    coordinates = [(mesh.get_local_rank(dim), mesh.size(dim)) for dim in range(mesh.ndim)]
     for name, param in list(experts.named_parameters(recurse=False)):
-        shard = param.detach()[start:start + local].clone()
-        sharded = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
+        shard = local_slice(param.detach(), coordinates, placements(name))
+        sharded = DTensor.from_local(shard, mesh, placements(name), run_check=False)
         setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     return True
 

@@ -23,7 +23,6 @@ from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_modu
 from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import (
     apply_expert_parallel,
-    expert_layers,
     has_experts,
     router_logits_collected,
     sharded_experts,
@@ -80,11 +79,6 @@ def parallelize(
             " (GPTConfig(moe=MoEConfig(...)) for meshlight's GPT) or stacked experts as Hugging Face's MoE models"
             " have them, or ep=1."
         )
-    if layout.tp > 1 and expert_layers(module):
-        raise NotImplementedError(
-            f"{layout.describe()}: MoE layers under tensor parallelism are not supported yet; use tp=1 and split"
-            " the experts with ep instead."
-        )
     if layout.tp > 1 and stacked_experts(module):
         _check_stacked_experts_under_tp(module, layout, tensor_parallel.sequence_parallel)
     if is_data_parallel(module):
@@ -104,7 +98,7 @@ def parallelize(
         if later_stage and options.sequence_parallel:
             sequence_share_input(module, mesh["tp"])
     if moe_layers:
-        apply_expert_parallel(module, mesh, layout.ep)
+        apply_expert_parallel(module, mesh, layout.ep, sequence_parallel=tensor_parallel.sequence_parallel)
     # Recomputation runs inside the compiled block, where the compiler sees what it recomputes — unless the blocks
     # hold FSDP units of their own (the modules mixed precision keeps in fp32), whose hooks dynamo does not trace:
     # a break inside the recomputed region would run the whole block eagerly, so there the compiled pieces run

@@ -1,0 +1,102 @@
+"""MoE layers under tensor parallelism: attention is split as in any block, and the experts take one of two layouts.
+
+- ``"split"`` (Megatron-Core's expert tensor parallelism): each expert is split over the tp ranks as a dense MLP is
+  — ``w1``/``w3`` by columns, ``w2`` by rows — and every rank runs each routed token through its slice of the hidden
+  width; the output is a partial sum over tp. Expert parallelism, if any, splits the experts over data ranks as well.
+- ``"fold"`` (Megatron-Core's parallel folding): the tp ranks hold different experts — expert parallelism spans
+  them — and each tp rank sends its part of the tokens to the experts; the output is again a sum over tp, each rank
+  contributing its tokens' rows.
+
+Either way every tp rank routes the whole tokens (under sequence parallelism the shares are all-gathered first), so
+capacity and the balancing losses are counted per whole sequence, as on one device, and every tp rank routes alike.
+Gradients: the tokens' are summed over tp (all-reduce, or reduce-scatter back to the shares); the router's reach it
+divided by tp (they are the same on every rank), and its gate weights' gradient — a partial sum, each rank having
+used them on its part of the work — is summed before it reaches the router, whose weight therefore gets the same
+whole gradient on every tp rank and stays a plain replicated parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import Placement, Shard
+
+from meshlight.nn.experts import Router, Routing, scale_gradient
+from meshlight.parallel.collectives import all_gather_along, reduce_scatter_along, sum_in_backward, sum_in_forward
+
+__all__ = [
+    "EXPERT_LAYOUTS", "ExpertLayout", "ExpertTensorParallel", "check_expert_split", "local_slice", "split_placements",
+]
+
+ExpertLayout = Literal["split", "fold"]
+#: How a MoE layer's experts sit on the tp ranks (see the module's docstring).
+EXPERT_LAYOUTS: tuple[ExpertLayout, ...] = ("split", "fold")
+
+
+class ExpertTensorParallel:
+    """What a :class:`~meshlight.nn.MoE` layer does differently on the ranks of tp ``group``: set as its
+    ``tensor_parallel``. ``sequence_parallel``: the layer receives, and must return, this rank's share of the sequence
+    (dimension −2); otherwise the whole tokens, the same on every rank. ``fold``: this rank dispatches only its part of
+    the token assignments (the tp ranks hold different experts); otherwise every assignment, to its slice of every
+    expert."""
+
+    def __init__(self, group: dist.ProcessGroup, *, sequence_parallel: bool, fold: bool) -> None:
+        self.group, self.sequence_parallel, self.fold = group, sequence_parallel, fold
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def whole(self, x: Tensor) -> Tensor:
+        """The whole tokens; in backward each rank's partial gradient is summed (and cut back to its share)."""
+        if self.sequence_parallel:
+            return all_gather_along(x, x.dim() - 2, self.group)
+        return sum_in_backward(x, self.group)
+
+    def route(self, router: Router, tokens: Tensor) -> Routing:
+        """``router``'s choice for the whole ``tokens``: the same on every rank; what reaches ``tokens`` from it is
+        divided by tp (:meth:`whole` sums it), and the gate weights' partial gradients are summed."""
+        routing = router(scale_gradient(tokens, 1.0 / self.size))
+        return routing._replace(weights=sum_in_backward(routing.weights, self.group))
+
+    def own_slots(self, slots: Tensor, total: int) -> Tensor:
+        """The assignment ``slots`` (of ``total``, token-major) this rank sends to the experts: all of them when the
+        experts are split; its contiguous part of the tokens' when they are folded."""
+        if not self.fold:
+            return slots
+        return slots[slots * self.size // total == self.rank]
+
+    def share(self, out: Tensor) -> Tensor:
+        """The layer's output summed over the ranks' parts: this rank's share of it under sequence parallelism."""
+        if self.sequence_parallel:
+            return reduce_scatter_along(out, out.dim() - 2, self.group)
+        return sum_in_forward(out, self.group)
+
+
+def split_placements(name: str, ep: int) -> list[Placement]:
+    """The placements of expert weight ``name`` (``w1``, ``w2``, ``w3``: ``[E, in, out]``) over the mesh
+    ``(ep, tp)`` (``(tp,)`` when ``ep == 1``) under the ``"split"`` layout: hidden columns of ``w1``/``w3``, hidden rows
+    of ``w2``."""
+    tp_placement = Shard(1) if name == "w2" else Shard(2)
+    return [Shard(0), tp_placement] if ep > 1 else [tp_placement]
+
+
+def check_expert_split(hidden_dim: int, tp: int) -> None:
+    """The ``"split"`` layout needs each expert's hidden width divisible by ``tp``."""
+    if hidden_dim % tp:
+        valid = [d for d in range(1, hidden_dim + 1) if hidden_dim % d == 0 and d <= 64]
+        raise ValueError(
+            f"The experts' hidden size {hidden_dim} is not divisible by tp={tp}: experts='split' splits each expert's"
+            f" hidden width over the tp ranks. Choose tp in {valid}, or experts='fold' (whole experts, spread over"
+            " the tp ranks by expert parallelism)."
+        )
+
+
+def local_slice(weight: Tensor, coordinates: list[tuple[int, int]], placements: list[Placement]) -> Tensor:
+    """This rank's block of ``weight`` under ``placements``, at mesh ``coordinates`` ``(rank, size)`` per mesh dim."""
+    block = weight
+    for (rank, size), placement in zip(coordinates, placements):
+        assert isinstance(placement, Shard)
+        step = block.shape[placement.dim] // size
+        block = block.narrow(placement.dim, rank * step, step)
+    return block.clone()
+
