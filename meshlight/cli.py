@@ -115,6 +115,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         planner.add_argument(f"--{size}", type=int, help=f"fix {size} instead of planning it")
     planner.add_argument("--cp", type=int, help="fix cp (the ranks each sequence is split over) instead of planning"
                                                 f" it; planned for sequences longer than {LONG_SEQUENCE} tokens")
+    planner.add_argument("--expert-layout", choices=("split", "fold"),
+                         help="fix where an MoE model's experts sit under tp: split over the tp ranks, or folded into"
+                              " ep (ep spanning the tp ranks); default: both are planned")
     planner.add_argument("--schedule", choices=list(SCHEDULES), help="fix the pipeline schedule")
     planner.add_argument("--virtual-stages", type=int, help="fix the pipeline stages per rank")
     planner.add_argument("--microbatches", type=int, help="fix the microbatches of a pipelined replica's batch")
@@ -157,7 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     global_batch = args.global_batch if args.global_batch is not None else max(TOKENS_PER_STEP // model.seq_len, 1)
     fixed = {k: v for k, v in dict(dp=args.dp, pp=args.pp, tp=args.tp, ep=args.ep, zero=args.zero, cp=args.cp,
                                    schedule=args.schedule, virtual_stages=args.virtual_stages,
-                                   microbatches=args.microbatches,
+                                   microbatches=args.microbatches, experts=args.expert_layout,
                                    recompute=None if args.recompute is None else args.recompute == "yes").items()
              if v is not None}
     try:

@@ -99,6 +99,7 @@ class Candidate:
     peak_flops: float
     host_bytes: float = 0.0  # what the Offload callback keeps in host memory for this device
     host_limit: float = math.inf
+    experts: str = "split"  # under tp, MoE experts split over the tp ranks or folded (ep spanning them)
 
     @property
     def memory_bytes(self) -> float:
@@ -125,10 +126,16 @@ class Candidate:
         return self.dp, self.pp, self.tp, self.ep, self.cp
 
     @property
+    def folded(self) -> bool:
+        """Whether expert parallelism spans the tp ranks (the experts whole on each)."""
+        return self.experts == "fold" and self.tp > 1 and self.ep > 1
+
+    @property
     def sizes(self) -> str:
-        """``dp=… pp=… tp=…`` (and ``cp=…`` when sequences are split, ``ep=…`` when experts are)."""
+        """``dp=… pp=… tp=…`` (and ``cp=…`` when sequences are split, ``ep=…`` when experts are, ``(folded)`` when
+        ep spans the tp ranks)."""
         return (f"dp={self.dp} pp={self.pp} tp={self.tp}" + (f" cp={self.cp}" if self.cp > 1 else "")
-                + (f" ep={self.ep}" if self.ep > 1 else ""))
+                + (f" ep={self.ep}" if self.ep > 1 else "") + (" (folded)" if self.folded else ""))
 
     def describe(self) -> str:
         parts = [self.sizes, f"zero={self.zero}"]
@@ -145,7 +152,7 @@ class Candidate:
         """Arguments of :class:`~meshlight.strategies.Hybrid3DStrategy` for this layout."""
         return dict(dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, cp=self.cp, zero=self.zero,
                     schedule=self.schedule, microbatches=self.microbatches if self.pp > 1 else None,
-                    virtual_stages=self.virtual_stages)
+                    virtual_stages=self.virtual_stages, experts="fold" if self.folded else "split")
 
 
 def precision_bytes(precision: str, param_dtype: Optional[torch.dtype] = None) -> dict[str, float]:
@@ -167,9 +174,11 @@ def precision_bytes(precision: str, param_dtype: Optional[torch.dtype] = None) -
 def estimate(
     model: ModelSpec, hw: Hardware, world: int, global_batch: int, dp: int, pp: int, tp: int, ep: int, zero: int,
     microbatches: int, virtual_stages: int, recompute: bool, schedule: Optional[str] = None, cp: int = 1,
+    experts: str = "split",
 ) -> Candidate:
     """Per-rank memory and step time of one layout (see the module docstring for the model). ``schedule``
-    default: 1F1B, interleaved with more than one virtual stage. ``cp``: ranks each sequence is split over."""
+    default: 1F1B, interleaved with more than one virtual stage. ``cp``: ranks each sequence is split over.
+    ``experts``: under tp, MoE experts split over the tp ranks (``"split"``) or whole, ep spanning them (``"fold"``)."""
     schedule = schedule or _schedule_of(virtual_stages)
     s, h = model.seq_len, model.hidden
     local = s / cp  # tokens of each sequence on this rank
@@ -180,12 +189,15 @@ def estimate(
     stage_share = layers_per_stage / model.layers
     ends = max(model.embedding_params, model.head_params) if pp > 1 else model.embedding_params + model.head_params
     dense = (model.block_params * stage_share + ends) / tp
-    experts = model.expert_params * stage_share / (tp * ep)
+    folded = experts == "fold" and tp > 1 and ep > 1
+    # folded, whole experts over ep ranks that span tp: the ranks holding the same ones are data·tp/ep
+    experts_shard = model.expert_params * stage_share / (ep if folded else tp * ep)
+    expert_data = data * tp // ep if folded else data // ep
     # ZeRO-3 without pipelining keeps the root unit (embedding and head) gathered from forward to backward
     root = model.embedding_params + model.head_params if pp == 1 else 0
     block = model.block_params / model.layers / tp
     model_state = (model_state_bytes(dense, data, zero, hw, pipelined=pp > 1, block=block, root=root / tp)
-                   + model_state_bytes(experts, data // ep, zero, hw, pipelined=pp > 1))
+                   + model_state_bytes(experts_shard, expert_data, zero, hw, pipelined=pp > 1))
     # --- activations of the first stage: micro-batches in flight × layers × per-layer bytes
     # bytes per saved value, where ActivationCompression keeps some blocks' in fewer (never more) bytes
     compressed = hw.compressed_activations
@@ -204,7 +216,7 @@ def estimate(
     offloaded = hw.offload_activations
     activations = per_layer * layers_per_stage * in_flight * (1 - offloaded) + (2 * per_layer if offloaded else 0.0)
     # in host memory: the offloaded activations, and what optimizer offload keeps there
-    host_state = host_state_bytes(dense, data, zero, hw) + host_state_bytes(experts, data // ep, zero, hw)
+    host_state = host_state_bytes(dense, data, zero, hw) + host_state_bytes(experts_shard, expert_data, zero, hw)
     host = per_layer * layers_per_stage * in_flight * offloaded + host_state
     if recompute:  # one layer's full activations during its recomputation
         activations += layer_activations
@@ -226,8 +238,8 @@ def estimate(
     if pp > 1:  # activations forward and gradients back, and the schedule's actions, per microbatch and stage
         actions = 2 * microbatches * virtual_stages
         p2p = actions * (activation / tp / _bandwidth(hw, 2, world // pp) + 2 * hw.latency)
-    grad_bytes = (dense + experts) * hw.state_bytes * hw.gradient_compression
-    param_bytes = (dense + experts) * hw.param_bytes
+    grad_bytes = (dense + experts_shard) * hw.state_bytes * hw.gradient_compression
+    param_bytes = (dense + experts_shard) * hw.param_bytes
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * microbatches}[zero]
     reductions = microbatches if zero >= 2 and pp == 1 else 1  # pipeline schedules reduce once per step
     kept_root = microbatches * root / tp * hw.param_bytes if zero == 3 else 0.0  # not gathered again in backward
@@ -240,9 +252,12 @@ def estimate(
     dp_exposed = max(0.0, dp_time - compute * 2 / 3) + dp_time / max(layers_per_stage, 1)
     ep_time = 0.0
     if ep > 1:
-        routed = s * micro_batch * model.top_k * h * hw.activation_bytes * (ep - 1) / ep
+        # every tp rank routes the whole tokens; split, each sends all of them (to its slice of the experts), folded
+        # each sends its 1/tp part, over ep ranks adjacent to it
+        routed = local * micro_batch * model.top_k * h * hw.activation_bytes * (ep - 1) / ep / (tp if folded else 1)
         exchanges = 5 * model.moe_layers / pp * microbatches  # counts, then tokens out and back, both directions
-        ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / _bandwidth(hw, ep, tp)
+        link = _bandwidth(hw, ep, 1 if folded else tp)
+        ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / link
     host_time = _host_time(model, hw, world, compute, recompute,
                            moved=per_layer * layers_per_stage * microbatches * offloaded,
                            shard=host_state,
@@ -253,7 +268,7 @@ def estimate(
              "ep": ep_time, "host": host_time}
     return Candidate(dp, pp, tp, ep, cp, zero, microbatches, virtual_stages, recompute, schedule, model_state,
                      activations, hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(),
-                     hw.peak_flops, host, hw.host_memory * MEMORY_HEADROOM)
+                     hw.peak_flops, host, hw.host_memory * MEMORY_HEADROOM, "fold" if folded else "split")
 
 
 def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, pipelined: bool = False,

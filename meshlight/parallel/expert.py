@@ -104,34 +104,45 @@ def expert_data_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:
     return mesh[same_experts_axis(shard)]
 
 
-def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, *, sequence_parallel: bool = False) -> None:
+def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, *, sequence_parallel: bool = False,
+                          fold: bool = False) -> None:
     """Split every MoE layer's experts over the mesh's ``ep`` axis in place (when ``ep > 1``) and, under tensor
-    parallelism, each expert over ``tp`` (:mod:`meshlight.parallel.expert_tensor`; ``sequence_parallel``: the layers
-    run on shares of the sequence); and tell every MoE layer the data-parallel group its expert loads add up over (for
-    balancing and telemetry)."""
+    parallelism, each expert over ``tp`` — or, with ``fold``, the experts over ``ep`` ranks that span the tp ranks too
+    (:mod:`meshlight.parallel.expert_tensor`; ``sequence_parallel``: the layers run on shares of the sequence); and
+    tell every MoE layer the data-parallel group its expert loads add up over (for balancing and telemetry)."""
     layers = expert_layers(module)
     data_group = axis(mesh, "dp_cp" if mesh["cp"].size() > 1 else "dp").get_group()  # every rank's own tokens
     tp = mesh["tp"].size()
+    fold = fold and tp > 1
     for layer in layers:
         layer.data_parallel_group = data_group
         if tp > 1:
-            check_expert_split(layer.experts.w1.shape[-1], tp)
+            if not fold:
+                check_expert_split(layer.experts.w1.shape[-1], tp)
             layer.tensor_parallel = ExpertTensorParallel(mesh["tp"].get_group(), sequence_parallel=sequence_parallel,
-                                                         fold=False)
+                                                         fold=fold)
     if ep == 1 and tp == 1:
         return
-    split_mesh = mesh["ep", "tp"] if ep > 1 and tp > 1 else mesh["ep" if ep > 1 else "tp"]
     for layer in layers:
-        placements = (functools.partial(split_placements, ep=ep) if tp > 1 else lambda name: [Shard(0)])
+        _check_experts_divide(layer.num_experts, ep, tp if fold else 1)
+    split_over_tp = tp > 1 and not fold
+    split_mesh = mesh["ep", "tp"] if ep > 1 and split_over_tp else mesh["tp" if split_over_tp else "ep"]
+    placements = functools.partial(split_placements, ep=ep) if split_over_tp else _over_experts
+    for layer in layers:
         if _split(layer.experts, layer.num_experts, split_mesh, placements) and ep > 1:
-            layer.experts.gradient_scale = 1.0 / ep
+            # each expert sees the tokens of ep data ranks (of ep / tp when the ep ranks span the tp ranks)
+            layer.experts.gradient_scale = (tp if fold else 1) / ep
             layer.dispatcher = AllToAllDispatcher(mesh["ep"].get_group(), layer.num_experts // ep)
     if ep == 1:
         return
     ep_mesh = mesh["ep"]
     for experts in stacked_experts(module):
-        if _split(experts, experts.num_experts, ep_mesh, lambda name: [Shard(0)]):
+        if _split(experts, experts.num_experts, ep_mesh, _over_experts):
             StackedExpertsParallel(experts, ep_mesh.get_group())
+
+
+def _over_experts(name: str) -> list[Placement]:
+    return [Shard(0)]
 
 
 def _split(experts: nn.Module, num_experts: int, mesh: DeviceMesh,
@@ -140,13 +151,7 @@ def _split(experts: nn.Module, num_experts: int, mesh: DeviceMesh,
     ``ep``, and under tensor parallelism each expert over ``tp``), this rank keeping its block; False where they
     already are."""
     names = mesh.mesh_dim_names or ()
-    ep = mesh.size(names.index("ep")) if "ep" in names else 1
-    if num_experts % ep:
-        valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-        raise ValueError(
-            f"num_experts={num_experts} is not divisible by ep={ep}: each rank must hold the same number"
-            f" of experts. Choose ep in {valid} that also divides the data-parallel size."
-        )
+    _check_experts_divide(num_experts, mesh.size(names.index("ep")) if "ep" in names else 1)
     if any(isinstance(p, DTensor) for p in experts.parameters(recurse=False)):
         return False
     coordinates = [(mesh.get_local_rank(dim), mesh.size(dim)) for dim in range(mesh.ndim)]
@@ -155,6 +160,17 @@ def _split(experts: nn.Module, num_experts: int, mesh: DeviceMesh,
         sharded = DTensor.from_local(shard, mesh, placements(name), run_check=False)
         setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     return True
+
+
+def _check_experts_divide(num_experts: int, ep: int, folded_over: int = 1) -> None:
+    """Each of the ``ep`` ranks must hold the same number of experts (``folded_over``: the tp size ep spans too)."""
+    if num_experts % ep:
+        valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0 and d % folded_over == 0]
+        folded = f", a multiple of tp={folded_over} (experts='fold')" if folded_over > 1 else ""
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by ep={ep}: each rank must hold the same number"
+            f" of experts. Choose ep in {valid} that also divides the data-parallel size{folded}."
+        )
 
 
 class AllToAllDispatcher:

@@ -44,9 +44,13 @@ class ParallelLayout:
     optimizer state, 2 also gradients, 3 also parameters. Sharding happens over ``dp_shard``;
     ``dp_replicate`` keeps full copies (plain DDP, or the replicate half of hybrid sharding).
     Expert parallelism borrows ranks from data parallelism: ``ep`` divides ``dp_shard`` (``dp_replicate``
-    with ``zero=0``, where nothing is sharded). ``cp`` splits each sequence over that many ranks
-    (:mod:`meshlight.parallel.context`); they hold the same weights, so gradients are reduced and ZeRO shards over
-    ``dp × cp``.
+    with ``zero=0``, where nothing is sharded). Under tensor parallelism ``experts`` says where MoE layers' experts
+    sit (:mod:`meshlight.parallel.expert_tensor`): ``"split"``, each expert over the tp ranks; ``"fold"``, whole
+    experts, expert parallelism spanning the tp ranks too (``ep`` = tp × the data ranks it borrows); ``"auto"``
+    (resolved here): folded where ``ep`` is a multiple of ``tp`` — each token then crosses the all-to-all once and
+    the experts' matmuls stay whole, as Megatron-Core advises —, else split. ``cp`` splits
+    each sequence over that many ranks (:mod:`meshlight.parallel.context`); they hold the same weights, so gradients
+    are reduced and ZeRO shards over ``dp × cp``.
     """
 
     dp_replicate: int = 1
@@ -56,6 +60,7 @@ class ParallelLayout:
     ep: int = 1
     zero: int = 0
     cp: int = 1
+    experts: str = "auto"
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -66,12 +71,43 @@ class ParallelLayout:
                 f"dp_shard={self.dp_shard} shards nothing with zero=0: set zero to 1, 2 or 3, or move those ranks to"
                 f" dp_replicate={self.dp_replicate * self.dp_shard}."
             )
+        if self.experts not in ("auto", "split", "fold"):
+            raise ValueError(f"experts={self.experts!r}: choose 'split' (each expert split over the tp ranks), 'fold'"
+                             " (whole experts, expert parallelism spanning the tp ranks) or 'auto'.")
+        if self.experts == "auto":
+            folds = self.tp > 1 and self.ep > 1 and self.ep % self.tp == 0 and self.cp == 1
+            object.__setattr__(self, "experts", "fold" if folds else "split")
+        if self.folded:
+            self._check_fold()
         borrowed = getattr(self, self.expert_axis)
-        if borrowed % self.ep:
+        if borrowed % self.ep_data:
+            folded = f" × tp={self.tp}" if self.folded else ""
             raise ValueError(
-                f"ep={self.ep} does not divide {self.expert_axis}={borrowed}: expert parallelism borrows its ranks"
-                f" from data parallelism; choose ep in {_divisors(borrowed)}."
+                f"ep={self.ep} does not divide {self.expert_axis}={borrowed}{folded}: expert parallelism borrows its"
+                f" ranks from data parallelism{' and the tp ranks' if folded else ''}; choose ep in"
+                f" {[d * (self.tp if self.folded else 1) for d in _divisors(borrowed)]}."
             )
+
+    def _check_fold(self) -> None:
+        valid = [self.tp * d for d in _divisors(getattr(self, self.expert_axis))]
+        if self.ep % self.tp:
+            raise ValueError(
+                f"ep={self.ep} cannot fold over tp={self.tp}: experts='fold' spreads the experts over the tp ranks and"
+                f" data ranks, so ep must be a multiple of tp; choose ep in {valid}, or experts='split'."
+            )
+        if self.cp > 1:
+            raise ValueError(f"experts='fold' with cp={self.cp} is not supported: use experts='split' under context"
+                             " parallelism.")
+
+    @property
+    def folded(self) -> bool:
+        """Whether expert parallelism spans the tp ranks (``experts="fold"`` under tensor parallelism)."""
+        return self.experts == "fold" and self.tp > 1
+
+    @property
+    def ep_data(self) -> int:
+        """The data ranks expert parallelism borrows: ``ep``, or ``ep / tp`` when folded over the tp ranks."""
+        return self.ep // self.tp if self.folded else self.ep
 
     @property
     def dp(self) -> int:
@@ -99,6 +135,7 @@ class ParallelLayout:
         ep: int = 1,
         zero: int = 0,
         cp: int = 1,
+        experts: str = "auto",
     ) -> ParallelLayout:
         """Resolve one ``"auto"`` data-parallel size from ``world_size`` and check the product.
 
@@ -121,7 +158,7 @@ class ParallelLayout:
                     f" {_fix_hint(world_size, pp, tp, cp)}"
                 )
             dp_sizes[auto[0]] = world_size // used
-        layout = cls(**dp_sizes, pp=pp, tp=tp, ep=ep, zero=zero, cp=cp)
+        layout = cls(**dp_sizes, pp=pp, tp=tp, ep=ep, zero=zero, cp=cp, experts=experts)
         layout.check_world(world_size)
         return layout
 
@@ -140,7 +177,8 @@ class ParallelLayout:
         parts = [f"replicate {self.dp_replicate} × shard {self.dp_shard}"] if hybrid else []
         parts.append(f"ZeRO-{self.zero}" if self.zero else "DDP")
         context = f" · cp={self.cp}" if self.cp > 1 else ""
-        return f"dp={self.dp} ({', '.join(parts)}) · pp={self.pp} · tp={self.tp} · ep={self.ep}{context}"
+        folded = " (folded over tp)" if self.folded and self.ep > 1 else ""
+        return f"dp={self.dp} ({', '.join(parts)}) · pp={self.pp} · tp={self.tp} · ep={self.ep}{folded}{context}"
 
 
 def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
@@ -155,15 +193,19 @@ def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     """
     layout.check_world(dist.get_world_size())
     sizes = {name: getattr(layout, name) for name in MESH_AXES}
+    # folded over tp, the ep ranks are those of an "ep_data" axis cut from the data axis × the tp axis
+    ep_axis = "ep_data" if layout.folded else "ep"
     if layout.ep > 1:
         borrowed, outer = layout.expert_axis, same_experts_axis(layout.expert_axis)
-        split = {outer: sizes[borrowed] // layout.ep, "ep": layout.ep}
+        split = {outer: sizes[borrowed] // layout.ep_data, ep_axis: layout.ep_data}
         sizes = {k: v for name, size in sizes.items()
                  for k, v in (split.items() if name == borrowed else [(name, size)])}
     names = tuple(sizes)  # pp first, then the data axes, cp and tp last
     mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=names)
     if layout.ep > 1:
-        mesh[outer, "ep"]._flatten(layout.expert_axis)
+        mesh[outer, ep_axis]._flatten(layout.expert_axis)
+        if layout.folded:
+            mesh[ep_axis, "tp"]._flatten("ep")
     mesh[names[1:-2]]._flatten("dp")
     mesh[names[1:]]._flatten("stage")
     if layout.cp > 1:

@@ -98,7 +98,8 @@ def parallelize(
         if later_stage and options.sequence_parallel:
             sequence_share_input(module, mesh["tp"])
     if moe_layers:
-        apply_expert_parallel(module, mesh, layout.ep, sequence_parallel=tensor_parallel.sequence_parallel)
+        apply_expert_parallel(module, mesh, layout.ep, sequence_parallel=tensor_parallel.sequence_parallel,
+                              fold=layout.folded)
     # Recomputation runs inside the compiled block, where the compiler sees what it recomputes — unless the blocks
     # hold FSDP units of their own (the modules mixed precision keeps in fp32), whose hooks dynamo does not trace:
     # a break inside the recomputed region would run the whole block eagerly, so there the compiled pieces run

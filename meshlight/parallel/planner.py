@@ -89,13 +89,15 @@ def plan(
     schedule: Optional[str] = None,
     virtual_stages: Optional[int] = None,
     microbatches: Optional[int] = None,
+    experts: Optional[str] = None,
 ) -> list[Candidate]:
     """Every valid candidate for ``world`` devices, highest throughput first, those that fit in memory before
     those that do not. The batch is ``global_batch`` sequences per optimizer step, or ``local_batch`` per data
     replica (as a LightningModule's DataLoader gives it: the global batch then grows with dp). Sizes given are
     kept fixed, and so are, for pipelined candidates, the ``schedule``, ``virtual_stages`` and ``microbatches``
     given (otherwise 1F1B or Interleaved1F1B with 2 virtual stages, and the best microbatch count). ``cp`` not given
-    is planned for sequences longer than :data:`LONG_SEQUENCE`, else 1."""
+    is planned for sequences longer than :data:`LONG_SEQUENCE`, else 1. ``experts``: under tp, an MoE model's experts
+    ``"split"`` over the tp ranks or ``"fold"``-ed into ep (None: both are planned)."""
     if (global_batch is None) == (local_batch is None):
         raise ValueError("Give exactly one of global_batch and local_batch.")
     _check_request(world, global_batch, local_batch, schedule, dp=dp, pp=pp, tp=tp, ep=ep, zero=zero, cp=cp,
@@ -104,7 +106,7 @@ def plan(
     candidates = [
         estimate(model, hardware, world, global_batch or local_batch * layout[0], *layout)
         for layout in _layouts(model, hardware, world, global_batch, local_batch, dp, pp, tp, ep, cp, zero, recompute,
-                               pipelines)
+                               pipelines, experts)
     ]
     if not candidates:
         message = _no_layout_message(model, hardware, world, global_batch, local_batch, pipelines, dp, pp, tp, ep, cp)
@@ -219,39 +221,52 @@ def same_devices_hint(
 
 
 def best_per_layout(candidates: Iterable[Candidate]) -> list[Candidate]:
-    """The best candidate of each (dp, pp, tp, ep, cp), in the order given."""
+    """The best candidate of each (dp, pp, tp, ep, cp) and expert layout, in the order given."""
     seen: dict[tuple[int, ...], Candidate] = {}
     for candidate in candidates:
-        seen.setdefault(candidate.layout, candidate)
+        seen.setdefault((*candidate.layout, candidate.folded), candidate)
     return list(seen.values())
 
 
 def _layouts(
     model: ModelSpec, hw: Hardware, world: int, global_batch: Optional[int], local_batch: Optional[int],
     dp: Optional[int], pp: Optional[int], tp: Optional[int], ep: Optional[int], cp: Optional[int],
-    zero: Optional[int], recompute: Optional[bool], pipelines: _Pipelines,
+    zero: Optional[int], recompute: Optional[bool], pipelines: _Pipelines, experts: Optional[str] = None,
 ) -> Iterable[tuple[Any, ...]]:
-    """(dp, pp, tp, ep, zero, microbatches, virtual stages, recompute, schedule, cp) of every valid candidate."""
+    """(dp, pp, tp, ep, zero, microbatches, virtual stages, recompute, schedule, cp, experts) of every valid
+    candidate."""
     for t, p, c in itertools.product(_divisors(world), repeat=3):
         d = world // (t * p * c) if world % (t * p * c) == 0 else 0
         fixed = all(given is None or given == size for given, size in ((tp, t), (pp, p), (dp, d), (cp, c)))
-        if not (d and fixed and p <= model.layers and _tp_fits(model, hw, t, given=tp is not None)
+        if not (d and fixed and p <= model.layers and _tp_fits(model, hw, t)
                 and _cp_fits(model, t, c, given=cp is not None)):
             continue
         if global_batch is not None and global_batch % d:
             continue
         replica_batch = local_batch if global_batch is None else global_batch // d
-        experts = [e for e in _divisors(d) if model.experts % e == 0] if model.experts else [1]
-        for e, z, (s, v), r in itertools.product(
-            experts if ep is None else [ep], (0, 1, 2, 3) if zero is None else [zero],
+        for (e, x), z, (s, v), r in itertools.product(
+            _expert_layouts(model, d, t, c, ep, experts), (0, 1, 2, 3) if zero is None else [zero],
             pipelines.schedules if p > 1 else [("1f1b", 1)], (False, True) if recompute is None else [recompute],
         ):
-            if p * v > model.layers or (model.experts and (model.experts % e or d % e or t > 1 and e > 1)):
+            if p * v > model.layers:
                 continue
             # without pipelining, microbatches are gradient accumulation: the trainer's when it gives the batch
             accumulate = p == 1 and local_batch is not None
             for m in [1] if accumulate else pipelines.microbatch_choices(replica_batch, p, v):
-                yield d, p, t, e, z, m, v, r, s, c
+                yield d, p, t, e, z, m, v, r, s, c, x
+
+
+def _expert_layouts(model: ModelSpec, dp: int, tp: int, cp: int, ep: Optional[int],
+                    experts: Optional[str]) -> list[tuple[int, str]]:
+    """(ep, experts) of an MoE model's candidates on ``dp`` data ranks and ``tp`` tensor ranks: ep borrowed from the
+    data ranks with each expert split over tp (``"split"``, which needs the expert width divisible by tp), or ep
+    spanning the tp ranks too with whole experts (``"fold"``, ep = tp × a divisor of dp; not under cp); ``ep`` and
+    ``experts`` given are kept. A dense model: (1, "split")."""
+    if not model.experts:
+        return [(1, "split")]
+    split = [(e, "split") for e in _divisors(dp) if tp == 1 or model.ffn_hidden % tp == 0]
+    fold = [(tp * e, "fold") for e in _divisors(dp) if tp > 1 and cp == 1]
+    return [(e, x) for e, x in split + fold if model.experts % e == 0 and ep in (None, e) and experts in (None, x)]
 
 
 @dataclass(frozen=True)
@@ -280,14 +295,13 @@ def _pipeline_choices(schedule: Optional[str], virtual_stages: Optional[int],
     return _Pipelines(tuple(choices), microbatches)
 
 
-def _tp_fits(model: ModelSpec, hw: Hardware, tp: int, *, given: bool = False) -> bool:
-    """Whether ``tp`` splits the model's heads and MLP within a node. An MoE model is planned without tp unless tp is
-    given: under tp its experts are kept whole on every tp rank (a Hugging Face model's own; meshlight's MoE layers
-    are refused), with ep=1, which the cost model does not price."""
+def _tp_fits(model: ModelSpec, hw: Hardware, tp: int) -> bool:
+    """Whether ``tp`` splits the model's heads (and a dense MLP) within a node. An MoE model's experts are split over
+    tp or folded into ep (:func:`_expert_layouts`)."""
     if tp == 1:
         return True
-    return (hw.devices_per_node % tp == 0 and (given or not model.experts) and model.heads % tp == 0
-            and model.kv_heads % tp == 0 and model.ffn_hidden % tp == 0)
+    return (hw.devices_per_node % tp == 0 and model.heads % tp == 0 and model.kv_heads % tp == 0
+            and (model.experts or model.ffn_hidden % tp == 0))
 
 
 def _cp_fits(model: ModelSpec, tp: int, cp: int, *, given: bool = False) -> bool:
@@ -417,10 +431,11 @@ def format_plan(candidates: Sequence[Candidate], top: int = 5) -> str:
     """A short table of the best layouts with their estimates, and why the winner won."""
     rows = shown_layouts(candidates, top)
     host = any(c.host_bytes for c in rows)  # offloading: what each device keeps in host memory too
-    lines = [f"{'layout':<56} {'memory/rank':>12}" + (f" {'host/rank':>12}" if host else "")
+    width = max([56, *(len(c.describe()) for c in rows)])
+    lines = [f"{'layout':<{width}} {'memory/rank':>12}" + (f" {'host/rank':>12}" if host else "")
              + f" {'step':>10} {'tokens/s/dev':>13} {'MFU':>6}  {'fits':>4}"]
     for c in rows:
-        lines.append(f"{c.describe():<56} {_format_bytes(c.memory_bytes):>12}"
+        lines.append(f"{c.describe():<{width}} {_format_bytes(c.memory_bytes):>12}"
                      + (f" {_format_bytes(c.host_bytes):>12}" if host else "")
                      + f" {c.step_time * 1e3:>8.1f}ms {c.tokens_per_second_per_device:>13,.0f} {c.mfu:>6.1%}"
                        f"  {'yes' if c.fits else 'no':>4}")

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from meshlight.parallel.activation_compression import ActivationCompressionPolicy
 from meshlight.parallel.blocks import BlockSelection, repeated_blocks
 from meshlight.parallel.dtensors import has_dtensor_parameters
-from meshlight.parallel.expert import has_experts
+from meshlight.parallel.expert import expert_layers, has_experts, stacked_experts
 from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, _fix_hint, data_sizes
 from meshlight.parallel.offload import OffloadPolicy, apart_from_host
 from meshlight.parallel.pipeline import default_virtual_stages
@@ -59,6 +59,9 @@ class Hybrid3DStrategy(MeshStrategy):
     Args:
         dp: data-parallel size; ``"auto"``: what the world leaves after ``pp × cp × tp`` (or the planner's choice).
         pp: pipeline stages; tp: tensor-parallel size; ep: expert-parallel size (borrowed from dp).
+        experts: under tp, where MoE layers' experts sit: ``"split"`` over the tp ranks or ``"fold"``-ed into ep
+            (see :class:`MeshStrategy`); ``None``: the planner's choice (with every size given: folded where ``ep`` is
+            a multiple of ``tp``).
         cp: context-parallel size: each sequence split over that many ranks (see
             :class:`~meshlight.strategies.ContextParallelStrategy`). Default 1: not split; ``None``: the planner's
             choice, which splits only sequences longer than 8,192 tokens.
@@ -99,6 +102,7 @@ class Hybrid3DStrategy(MeshStrategy):
         zero: Optional[int] = None,
         *,
         cp: int = 1,
+        experts: Optional[str] = None,
         schedule: Optional[str] = None,
         microbatches: Optional[int] = None,
         virtual_stages: Optional[int] = None,
@@ -114,6 +118,7 @@ class Hybrid3DStrategy(MeshStrategy):
             if value is not None:
                 _check_zero(value) if name == "zero" else _check_size(name, value)
         self._planning = any(v is None for k, v in self._requested.items() if k != "dp")
+        self._experts_given = experts
         self._hardware, self._seq_len = hardware, seq_len
         self._schedule_given, self._virtual_given = schedule, virtual_stages
         self._keep_gathered = keep_gathered_inputs
@@ -125,7 +130,7 @@ class Hybrid3DStrategy(MeshStrategy):
         schedule = schedule or "1f1b"
         zero = 1 if zero is None else zero
         super().__init__(**data_sizes(dp, zero), pp=pp or 1, tp=tp or 1, ep=ep or 1, zero=zero, cp=cp or 1,
-                         schedule=schedule, microbatches=microbatches,
+                         experts=experts or "auto", schedule=schedule, microbatches=microbatches,
                          virtual_stages=_virtual_stages(schedule, pp or 1, virtual_stages),
                          sequence_parallel=sequence_parallel, keep_gathered_inputs=keep_gathered_inputs is True,
                          **kwargs)
@@ -170,7 +175,8 @@ class Hybrid3DStrategy(MeshStrategy):
         try:
             model = self._model_spec()
             self.plan = plan(model, hardware, self.world_size, local_batch=batch, dp=layout.dp, pp=layout.pp,
-                             tp=layout.tp, ep=layout.ep, cp=layout.cp, zero=layout.zero, **options)
+                             tp=layout.tp, ep=layout.ep, cp=layout.cp, zero=layout.zero, experts=layout.experts,
+                             **options)
         except PlanError:
             return
         if not self.plan[0].fits:
@@ -275,7 +281,7 @@ class Hybrid3DStrategy(MeshStrategy):
             return
         kept = estimate(model.replace(keep_gathered_inputs=True), hardware, self.world_size,
                         best.tokens_per_step // model.seq_len, best.dp, best.pp, best.tp, best.ep, best.zero,
-                        best.microbatches, best.virtual_stages, recompute, best.schedule, best.cp)
+                        best.microbatches, best.virtual_stages, recompute, best.schedule, best.cp, best.experts)
         self.tensor_parallel = self.tensor_parallel.replace(keep_gathered_inputs=kept.fits)
         rank_zero_info("Sequence-parallel projection inputs: "
                        + ("kept whole for backward (the layout fits with them)." if kept.fits else
@@ -295,6 +301,12 @@ class Hybrid3DStrategy(MeshStrategy):
                 rank_zero_info(f"Planning with tp=1: tensor parallelism cannot split this model ({error})")
         if self._requested["ep"] is None and not has_experts(self.lightning_module):
             fixed["ep"] = 1
+        if stacked_experts(self.lightning_module) and not expert_layers(self.lightning_module):
+            # a model's own experts are kept whole on every tp rank, and not split over ep as well
+            if self._requested["tp"] is None:
+                fixed["tp"] = 1
+            elif self._requested["tp"] > 1:
+                fixed["ep"] = 1
         return fixed
 
     def _choose_layout(self) -> None:
@@ -313,7 +325,8 @@ class Hybrid3DStrategy(MeshStrategy):
         if unknown:
             batch = _least_batch(requested.get("pp"), fixed.get("schedule"), fixed.get("virtual_stages"),
                                  fixed.get("microbatches"))
-        self.plan = plan(model, hardware, self.world_size, local_batch=batch, **requested, **fixed)
+        self.plan = plan(model, hardware, self.world_size, local_batch=batch, **requested, **fixed,
+                         experts=self._experts_given)
         rank_zero_info(f"meshlight layout planner, {self.world_size} × {hardware.name}, {model.name}:\n"
                        + format_plan(self.plan) + (f"\n{_unknown_batch_notice(batch)}" if unknown else ""))
         best = self.plan[0]
@@ -325,7 +338,7 @@ class Hybrid3DStrategy(MeshStrategy):
                             f"{explain(self.plan)} {more}")
         self._settle(model, hardware, best)
         self._sizes.update(data_sizes(best.dp, best.zero), pp=best.pp, tp=best.tp, ep=best.ep, zero=best.zero,
-                           cp=best.cp)
+                           cp=best.cp, experts=best.strategy_arguments()["experts"])
         options = self._pipeline_options
         schedule = self._schedule_given or best.schedule
         self._pipeline_options = PipelineOptions(

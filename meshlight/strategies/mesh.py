@@ -61,6 +61,10 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
 
     Args:
         dp_replicate, dp_shard, pp, tp, ep, zero, cp: the :class:`~meshlight.parallel.ParallelLayout`.
+        experts: under tensor parallelism, where MoE layers' experts sit: ``"split"`` (each expert's hidden width
+            split over the tp ranks; any ``ep``) or ``"fold"`` (whole experts; expert parallelism spans the tp ranks,
+            ``ep`` a multiple of ``tp``); ``"auto"``: folded where ``ep`` is a multiple of ``tp``, else split. See
+            :mod:`meshlight.parallel.expert_tensor`.
         cp_attention: under context parallelism (``cp > 1``), how attention sees the whole sequence:
             ``"allgather"`` (K/V all-gathered; any device) or ``"ring"`` (torch's ring attention; CUDA). See
             :mod:`meshlight.parallel.context`.
@@ -102,6 +106,7 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         ep: int = 1,
         zero: int = 0,
         cp: int = 1,
+        experts: str = "auto",
         cp_attention: str = "allgather",
         tp_plan: Optional[Mapping[str, Union[str, ParallelStyle]]] = None,
         sequence_parallel: bool = True,
@@ -126,7 +131,7 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._sizes: dict[str, Any] = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp, tp=tp, ep=ep, zero=zero,
-                                           cp=cp)
+                                           cp=cp, experts=experts)
         if cp_attention not in ATTENTION_METHODS:
             raise ValueError(f"cp_attention={cp_attention!r}: choose one of {list(ATTENTION_METHODS)}.")
         self.cp_attention = cp_attention

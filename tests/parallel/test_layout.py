@@ -70,10 +70,13 @@ def test_layout_is_frozen():
     [
         (dict(dp_replicate=2, dp_shard=2, pp=2, tp=2, zero=1), MESH_AXES, [0, 2, 4, 6], list(range(8))),
         # experts borrow from replicas without ZeRO, from shards with it: that axis is built as e<axis> × ep
-        (dict(dp_replicate=4, pp=2, tp=2, ep=2), ("pp", "edp_replicate", "ep", "dp_shard", "cp", "tp"),
-         [0, 2, 4, 6], list(range(8))),
-        (dict(dp_replicate=2, dp_shard=4, tp=2, ep=4, zero=3), ("pp", "dp_replicate", "edp_shard", "ep", "cp", "tp"),
-         list(range(0, 16, 2)), list(range(16))),
+        (dict(dp_replicate=4, pp=2, tp=2, ep=2, experts="split"), ("pp", "edp_replicate", "ep", "dp_shard", "cp",
+                                                                     "tp"), [0, 2, 4, 6], list(range(8))),
+        (dict(dp_replicate=2, dp_shard=4, tp=2, ep=4, zero=3, experts="split"),
+         ("pp", "dp_replicate", "edp_shard", "ep", "cp", "tp"), list(range(0, 16, 2)), list(range(16))),
+        # experts folded over tp: the data axis gives ep / tp ranks (ep_data), and ep is ep_data × tp
+        (dict(dp_replicate=2, dp_shard=4, tp=2, ep=4, zero=3), ("pp", "dp_replicate", "edp_shard", "ep_data", "cp",
+                                                                "tp"), list(range(0, 16, 2)), list(range(16))),
         # context parallelism: cp between the data axes and tp; a replica's ranks read the same data
         (dict(dp_replicate=2, pp=2, cp=2, tp=2), MESH_AXES, [0, 4], list(range(8))),
         (dict(dp_shard=4, cp=2, tp=2, ep=2, zero=1), ("pp", "dp_replicate", "edp_shard", "ep", "cp", "tp"),
@@ -91,6 +94,29 @@ def test_the_mesh_has_the_layouts_axes_pp_outermost_and_tp_innermost(sizes, name
     assert mesh.mesh_dim_names == names
     assert axis(mesh, "dp").mesh.tolist() == dp and axis(mesh, "stage").mesh.tolist() == stage
     assert axis(mesh, "tp").mesh.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(("sizes", "ep", "same_experts", "describe"), [
+    # auto: folded where ep is a multiple of tp — ep spans the tp ranks, then the data ranks
+    (dict(dp_shard=4, tp=2, ep=4, zero=1), [0, 1, 2, 3], [0, 4], "ep=4 (folded over tp)"),
+    (dict(dp_shard=4, tp=2, ep=2, zero=1), [0, 1], [0, 2, 4, 6], "ep=2 (folded over tp)"),
+    # split: ep over the data ranks, each expert over tp
+    (dict(dp_shard=4, tp=2, ep=2, zero=1, experts="split"), [0, 2], [0, 4], "ep=2"),
+    (dict(dp_shard=4, tp=4, ep=2, zero=1), [0, 4], [0, 8], "ep=2"),  # ep not a multiple of tp: split
+])
+def test_experts_fold_over_tp_where_ep_is_a_multiple_of_it_unless_split_is_asked(sizes, ep, same_experts, describe):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshlight.parallel.expert import expert_data_mesh
+    from meshlight.parallel.layout import axis, build_device_mesh
+
+    dist.init_process_group("fake", rank=0, world_size=16 if sizes["tp"] == 4 else 8, store=FakeStore())
+    layout = ParallelLayout(**sizes)
+    mesh = build_device_mesh(layout, "cpu")
+    assert axis(mesh, "ep").mesh.tolist() == ep
+    assert expert_data_mesh(mesh, 1).mesh.tolist() == same_experts
+    assert layout.describe().endswith(describe)
 
 
 def test_context_parallel_ranks_join_the_data_parallel_reductions():

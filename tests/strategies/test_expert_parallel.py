@@ -1,6 +1,7 @@
 """Expert parallelism reproduces single-process training: MoE GPT-tiny with 8 experts, top-2 and top-1,
 dropless and with a capacity factor, expert bias, ep = 2 and 4, ep=2 on 4 processes (dp=4), ZeRO 0/1/3,
-gradient accumulation and clipping, and a Llama-shaped module with meshlight.nn.MoE — losses and final
+gradient accumulation and clipping, and a Llama-shaped module with meshlight.nn.MoE; and under tensor parallelism
+(tp=2 on 2 processes, tp=2 × ep=2 on 4 with the experts split over tp and folded) — losses and final
 weights within 1e-4 over 20 steps, and the same expert loads. A checkpoint saved under ep=2 × ZeRO-3 loads
 exactly under ep=4 and in one process; bad layouts fail on every rank before training."""
 
@@ -17,6 +18,10 @@ from tests.strategies.workers import moe_worker
 WORKER = Path(moe_worker.__file__)
 RUNS = [(world, run) for world in (2, 4) for run in moe_worker.runs(world)]
 IDS = [f"{world}proc-ep{r[0]}-zero{r[1]}-{r[2]}-{r[3]}" for world, r in RUNS]
+
+
+TENSOR_RUNS = [(world, run) for world in (2, 4) for run in moe_worker.tensor_runs(world)]
+TENSOR_IDS = [f"{world}proc-{r[0]}-tp{r[1]}-ep{r[2]}-{r[3]}-zero{r[4]}-{r[5]}" for world, r in TENSOR_RUNS]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +52,15 @@ def test_expert_parallel_matches_single_process_training(distributed, controls, 
     assert_parity(result, control)
     # Expert loads are summed over all data-parallel ranks: the same counts as the single process saw.
     assert result["loads"].keys() == control["loads"].keys()
+    for name, expected in control["loads"].items():
+        torch.testing.assert_close(torch.tensor(result["loads"][name]), torch.tensor(expected), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("world", "run"), TENSOR_RUNS, ids=TENSOR_IDS)
+def test_moe_under_tensor_parallelism_matches_single_process_training(distributed, controls, world, run):
+    # every tp rank routes the whole sequence: capacity drops the same assignments and the loads are the same counts
+    result, control = distributed[world][run], controls[(run[5], "adamw")]
+    assert_parity(result, control)
     for name, expected in control["loads"].items():
         torch.testing.assert_close(torch.tensor(result["loads"][name]), torch.tensor(expected), rtol=1e-4, atol=1e-6)
 
@@ -86,6 +100,14 @@ BAD_INPUT = {
     "ep not dividing the data-parallel size": "ep=3 does not divide dp_shard=4: expert parallelism borrows its ranks"
                                               " from data parallelism; choose ep in [1, 2, 4]",
     "no MoE layers": "ep=2, but the model has no experts to split",
+    "expert hidden size not divisible by tp": "The experts' hidden size 33 is not divisible by tp=2: experts='split'"
+                                              " splits each expert's hidden width over the tp ranks. Choose tp in"
+                                              " [1, 3, 11, 33], or experts='fold'",
+    "a layout that cannot fold": "ep=3 cannot fold over tp=2: experts='fold' spreads the experts over the tp ranks"
+                                 " and data ranks, so ep must be a multiple of tp; choose ep in [2, 4]",
+    "folded experts not divisible by ep": "num_experts=6 is not divisible by ep=4: each rank must hold the same number"
+                                          " of experts. Choose ep in [2, 6] that also divides the data-parallel size,"
+                                          " a multiple of tp=2 (experts='fold')",
 }
 
 

@@ -6,7 +6,9 @@ under pp=2 × tp=2 with sequence parallelism, and a Llama with modules outside i
 describes (sequence parallelism then covers the blocks only) under pp=2 × tp=2 ZeRO-3; a grouped-query Llama whose
 attention keeps only head_dim (the planner reads its heads as tensor parallelism does) under dp=2 × pp=2 × tp=2 on 8
 and pp=2 × tp=2 ZeRO-3 on 4; a GPT with a vocabulary tp does not divide (61) and its embedding tied to the head
-across the first and last stage under pp=2 × tp=2; and torchmetrics and a loss left a DTensor under pp=2 × tp=2."""
+across the first and last stage under pp=2 × tp=2; an 8-expert MoE GPT under dp=2 × pp=2 × tp=2 × ep=2 (top-1 and
+top-2, dropless and with a capacity factor; experts split over tp, and folded); and torchmetrics and a loss left a
+DTensor under pp=2 × tp=2."""
 
 from pathlib import Path
 
@@ -38,7 +40,8 @@ def distributed(tmp_path_factory) -> dict:
     return results
 
 
-IDS = [f"dp{r[0]}-pp{r[1]}-tp{r[2]}-ep{r[3]}-zero{r[4]}-{r[5]}-{r[6]}" for _, r in RUNS]
+IDS = [f"dp{r[0]}-pp{r[1]}-tp{r[2]}-ep{r[3]}-zero{r[4]}-{r[5]}-{r[6]}" + "".join(f"-{e}" for e in r[7:])
+       for _, r in RUNS]
 
 
 @pytest.mark.parametrize(("world", "run"), RUNS, ids=IDS)

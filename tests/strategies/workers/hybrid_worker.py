@@ -6,7 +6,8 @@ every stage (rotary tables: the GPT with rotary positions, the user-written Llam
 tensor parallelism leaves whole); and a 4-block grouped-query Llama whose attention keeps only ``head_dim`` (its head
 counts read from the projections' widths, by the planner as by tensor parallelism) under dp=2 × pp=2 × tp=2 on 8 and
 pp=2 × tp=2 ZeRO-3 on 4, the sizes left out planned; on 8 also the GPT with biases (GPTConfig's default) at the
-examples' learning rate.
+examples' learning rate, and an 8-expert MoE GPT under dp=2 × pp=2 × tp=2 × ep=2 with every routing (top-1, top-2,
+dropless, capacity), its experts split over tp and folded.
 """
 
 import functools
@@ -26,6 +27,7 @@ from meshlight.models import GPTConfig
 from meshlight.nn import MoEConfig
 from tests.strategies.llama import LitLlama
 from tests.strategies.parity import Recorder, train
+from tests.strategies.workers import moe_worker
 
 SCHEDULES = ("1f1b", "interleaved1f1b")
 
@@ -50,7 +52,9 @@ MODELS = {"gpt4": gpt4, "moe": moe_gpt4, "gpt4-rotary": functools.partial(gpt4, 
           # a vocabulary tp=2 does not divide, the embedding tied to the head across the first and last stage
           "gpt4-tied-vocab61": functools.partial(gpt4, vocab_size=61, tie_embeddings=True),
           # a bias in every Linear and norm (GPTConfig's default), at the examples' learning rate
-          "gpt4-bias": functools.partial(gpt4, bias=True)}
+          "gpt4-bias": functools.partial(gpt4, bias=True),
+          # GPT-tiny with 8 experts per block: each routing, dropless and with a capacity factor
+          **{f"moe8-{routing}": moe_worker.factory(routing) for routing in moe_worker.ROUTINGS}}
 
 
 class Counting(LitGPT):
@@ -105,6 +109,10 @@ def runs(world: int) -> list[tuple[int, int, int, Optional[int], Optional[int], 
                 (1, 2, 2, None, 3, "1f1b", "llama-head-dim"))
     if world == 8:
         grid.append((2, 2, 2, 1, 1, "interleaved1f1b", "gpt4-bias"))
+        # dp=2 × pp=2 × tp=2 × ep=2: experts split over tp (ep over the data ranks), and folded (ep over the tp ranks)
+        zeros = (1, 3, 0, 1)
+        grid += [(2, 2, 2, 2, zero, "1f1b", f"moe8-{routing}") for routing, zero in zip(moe_worker.ROUTINGS, zeros)]
+        grid += [(2, 2, 2, 2, 1, "1f1b", f"moe8-{routing}", "fold") for routing in ("top2", "top1-capacity")]
     if world == 4:
         grid += [(2, 2, 1, 2, 1, "1f1b", "moe"), (1, 2, 2, 1, 1, "interleaved1f1b", "gpt4-rotary"),
                  (1, 2, 2, 1, 1, "1f1b", "llama-gated"), (1, 2, 2, 1, 3, "1f1b", "llama-outside"),
@@ -116,13 +124,14 @@ if __name__ == "__main__":
     out, world = sys.argv[1], int(sys.argv[2])
     results = {}
     for run in runs(world):
-        dp, pp, tp, ep, zero, schedule, model = run
+        dp, pp, tp, ep, zero, schedule, model, *experts = run
         # Two microbatches (one per stage) halve the run time against four; the schedules themselves are tested
         # with 4 and 8 in test_pipeline.py.
         # ZeRO-1 runs leave keeping the projections' gathered inputs to the planner (they fit: kept); the others
         # gather them again in backward
         strategy = ml.Hybrid3DStrategy(dp=dp, pp=pp, tp=tp, ep=ep, zero=zero, schedule=schedule, microbatches=2,
-                                       keep_gathered_inputs="auto" if zero == 1 else False)
+                                       keep_gathered_inputs="auto" if zero == 1 else False,
+                                       experts=experts[0] if experts else "split")
         result = train("adamw", strategy, devices=world, data_parallel=dp, model=MODELS[model])
         result.pop("module")
         results[run] = {**result, "keep_gathered_inputs": strategy.keep_gathered_inputs}

@@ -1,6 +1,7 @@
 """torchrun worker: expert-parallel parity runs (ep = 2 and 4; ZeRO 0, 1, 3; top-1 and top-2; dropless and with a
-capacity factor; expert bias; accumulation and clipping; a Llama-shaped module with meshlight.nn.MoE), a
-checkpoint saved under ep=2 × ZeRO-3 and loaded under ep=4, and bad input that must fail on every rank."""
+capacity factor; expert bias; accumulation and clipping; a Llama-shaped module with meshlight.nn.MoE), MoE under tensor
+parallelism (tp=2 on 2 processes; tp=2 × ep=2 on 4, experts split over tp and folded), a checkpoint saved under ep=2 ×
+ZeRO-3 and loaded under ep=4, and bad input that must fail on every rank."""
 
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 from meshlight.nn import MoE, MoEConfig
+from meshlight.parallel.layout import data_sizes
 from tests.strategies.llama import LitLlama
 from tests.strategies.parity import full_weights, make_data, train
 
@@ -53,6 +55,26 @@ def runs(world: int) -> list[tuple[int, int, str, str]]:
     return grid
 
 
+ROUTINGS = ("top2", "top1", "top2-capacity", "top1-capacity")
+
+
+def tensor_runs(world: int) -> list[tuple[str, int, int, str, int, str]]:
+    """MoE under tensor parallelism: (strategy, tp, ep, experts, zero, model) for this world size; dp = world / tp.
+    On 2: TensorParallelStrategy(tp=2) (sequence parallel, and once without); on 4: tp=2 × ep=2, each expert split
+    over tp, and folded (ep spanning the tp ranks), under DDP, ZeRO-1 and ZeRO-3."""
+    if world == 2:
+        return [("tp", 2, 1, "split", 1, model) for model in ROUTINGS] + [("tp-no-sp", 2, 1, "split", 1, "top2")]
+    zeros = dict(zip(ROUTINGS, (0, 1, 3, 1)))
+    return [("mesh", 2, 2, experts, zeros[model], model) for experts in ("split", "fold") for model in ROUTINGS]
+
+
+def tensor_strategy(run: tuple[str, int, int, str, int, str]) -> ml.MeshStrategy:
+    kind, tp, ep, experts, zero, _ = run
+    if kind.startswith("tp"):
+        return ml.TensorParallelStrategy(tp=tp, zero=zero, sequence_parallel=kind == "tp")
+    return ml.MeshStrategy(**data_sizes("auto", zero), tp=tp, ep=ep, zero=zero, experts=experts)
+
+
 CHECKPOINTED = (2, 3, "bias", "adamw")  # on 4 processes: saved, then loaded under ep=4 × ZeRO-1
 
 
@@ -76,6 +98,11 @@ BAD_INPUT = {  # name -> (strategy arguments, model) on 4 processes
     "experts not divisible by ep": (dict(ep=4), lambda: LitGPT(GPTConfig.tiny(moe=MoEConfig(num_experts=6)))),
     "ep not dividing the data-parallel size": (dict(ep=3), lambda: LitGPT(GPTConfig.tiny(moe=MoEConfig()))),
     "no MoE layers": (dict(ep=2), lambda: LitGPT(GPTConfig.tiny())),
+    "expert hidden size not divisible by tp": (
+        dict(ep=1, tp=2), lambda: LitGPT(GPTConfig.tiny(moe=MoEConfig(num_experts=4, hidden_dim=33)))),
+    "a layout that cannot fold": (dict(ep=3, tp=2, experts="fold"), lambda: LitGPT(GPTConfig.tiny(moe=MoEConfig()))),
+    "folded experts not divisible by ep": (
+        dict(ep=4, tp=2, experts="fold"), lambda: LitGPT(GPTConfig.tiny(moe=MoEConfig(num_experts=6)))),
 }
 
 
@@ -100,6 +127,11 @@ if __name__ == "__main__":
         checkpoint = out / "moe.ckpt" if world == 4 and run == CHECKPOINTED else None
         result = train(variant, ml.MoEStrategy(ep=ep, zero=zero), devices=world, model=factory(model),
                        save_to=checkpoint)
+        result["loads"] = expert_loads(result.pop("module"))
+        results[run] = result
+    for run in tensor_runs(world):
+        result = train("adamw", tensor_strategy(run), devices=world, data_parallel=world // run[1],
+                       model=factory(run[5]))
         result["loads"] = expert_loads(result.pop("module"))
         results[run] = result
     if world == 4:
