@@ -44,6 +44,7 @@ from torch.utils.hooks import RemovableHandle
 from meshlight.nn.experts import GroupedExperts, Router, Routing
 
 if TYPE_CHECKING:
+    from meshlight.parallel.context import SequenceShares
     from meshlight.parallel.expert_tensor import ExpertTensorParallel
 
 __all__ = ["ExpertLoad", "MoE", "MoEConfig", "MoEUpdates", "attach_moe_updates"]
@@ -192,6 +193,9 @@ class MoE(nn.Module):
         # Set by tensor parallelism (meshlight.parallel.expert_tensor.ExpertTensorParallel): the whole tokens on every
         # tp rank, the router's gradients made whole, this rank's part of the expert work, the output's partial sums.
         self.tensor_parallel: Optional[ExpertTensorParallel] = None
+        # Set by context parallelism (meshlight.parallel.context.SequenceShares): each sequence's tokens spread over
+        # ranks, whose routing is gathered to count capacity and balance per whole sequence.
+        self.sequence_split: Optional[SequenceShares] = None
         self.data_parallel_group: Optional[dist.ProcessGroup] = None
         self.aux_gradient_scale = 1.0
         self.last_step: Optional[ExpertLoad] = None
@@ -239,10 +243,16 @@ class MoE(nn.Module):
         return max(self.config.min_capacity, math.ceil(even_share * self.config.capacity_factor))
 
     def _capacity_mask(self, routing: Routing, seq_len: int) -> Tensor:
-        """``[N, k]``: which assignments fit their expert's capacity in their sequence, highest scores first."""
+        """``[N, k]``: which assignments fit their expert's capacity in their sequence, highest scores first (the whole
+        sequence's, where context parallelism spreads it over ranks)."""
         k, num_experts = self.top_k, self.num_experts
-        experts = routing.experts.reshape(-1, seq_len * k)
-        scores = routing.scores.gather(-1, routing.experts).detach().reshape(-1, seq_len * k)
+        experts = routing.experts.view(-1, seq_len, k)
+        scores = routing.scores.gather(-1, routing.experts).detach().view(-1, seq_len, k)
+        split = self._split()
+        if split is not None:
+            experts, scores = split.whole(experts), split.whole(scores)
+            seq_len = experts.shape[1]
+        experts, scores = experts.reshape(-1, seq_len * k), scores.reshape(-1, seq_len * k)
         # Sort each sequence's assignments by expert, and within an expert by score (ties: position).
         by_score = scores.argsort(dim=-1, descending=True, stable=True)
         order = by_score.gather(-1, experts.gather(-1, by_score).argsort(dim=-1, stable=True))
@@ -253,7 +263,14 @@ class MoE(nn.Module):
         rank_in_expert = torch.arange(seq_len * k, device=experts.device) - starts
         keep = torch.empty_like(rank_in_expert, dtype=torch.bool)
         keep.scatter_(-1, order, rank_in_expert < self.capacity(seq_len))
+        if split is not None:
+            keep = split.local(keep.view(-1, seq_len, k))
         return keep.view(-1, k)
+
+    def _split(self) -> Optional[SequenceShares]:
+        """The ranks sharing each sequence, while more than one does."""
+        split = self.sequence_split
+        return split if split is not None and split.count > 1 else None
 
     def _dispatch_and_combine(self, tokens: Tensor, routing: Routing, keep: Optional[Tensor]) -> Tensor:
         num_tokens, k = routing.experts.shape
@@ -271,13 +288,18 @@ class MoE(nn.Module):
 
     def _balance_losses(self, routing: Routing, seq_len: int) -> tuple[Tensor, Tensor]:
         """Load-balancing loss per sequence ``E·Σ_e f_e·P_e`` (f: share of the sequence's assignments, P: mean
-        score share), averaged over sequences; and the z-loss ``mean(logsumexp(logits)²)``."""
+        score share), averaged over sequences; and the z-loss ``mean(logsumexp(logits)²)``. Under context parallelism
+        f counts the whole sequence and P this rank's tokens: the ranks' mean is the whole sequence's loss, and each
+        rank's gradient cp times its part, as context parallelism weighs the training loss."""
         scores = routing.scores
         probs = scores if self.config.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         experts = routing.experts.reshape(-1, seq_len * self.top_k)
         counts = torch.zeros(experts.shape[0], self.num_experts, device=scores.device)
         counts.scatter_add_(-1, experts, torch.ones_like(experts, dtype=counts.dtype))
-        share = counts / (seq_len * self.top_k)
+        split = self._split()
+        if split is not None:  # the whole sequence's shares; the mean score stays this rank's tokens' (see below)
+            counts = split.summed(counts)
+        share = counts / counts.sum(-1, keepdim=True).clamp_min(1)
         mean_prob = probs.view(-1, seq_len, self.num_experts).mean(1)
         aux = self.num_experts * (share * mean_prob).sum(-1).mean()
         z = torch.logsumexp(routing.logits, dim=-1).square().mean()

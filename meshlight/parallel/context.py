@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ __all__ = [
     "ContextParallel",
     "ContextParallelError",
     "LocalBatch",
+    "SequenceShares",
     "balanced_positions",
     "check_sequence_length",
     "gathered_kv_attention",
@@ -331,7 +331,8 @@ class ContextParallel:
                 self._unchecked[id(module)] = name
         for hf in _hugging_face_models(model):
             self._prepare_hf(hf)
-        _check_experts(model)
+        for layer in expert_layers(model):  # capacity and balancing counted over the whole sequence
+            layer.sequence_split = SequenceShares(self)
 
     def _prepare_hf(self, model: nn.Module) -> None:
         config = model.config
@@ -485,24 +486,30 @@ class ContextParallel:
         return args, kwargs
 
 
-def _check_experts(model: nn.Module) -> None:
-    """meshlight's MoE layers count a capacity and a balancing loss per sequence: under cp each rank sees its share
-    of every sequence. A capacity would drop other tokens than in one process: refused. The balancing loss still
-    balances, computed on each share: said once."""
-    layers = expert_layers(model)
-    capped = [layer for layer in layers if layer.config.capacity_factor is not None]
-    if capped:
-        raise ContextParallelError(
-            f"{type(capped[0]).__name__} layers with capacity_factor={capped[0].config.capacity_factor} count each"
-            " expert's capacity per sequence, and under context parallelism every rank holds a share of each"
-            " sequence, so other tokens would be dropped than on one device. Use capacity_factor=None (dropless),"
-            " or train with cp=1."
-        )
-    if any(layer.config.aux_loss_coeff or layer.config.z_loss_coeff for layer in layers):
-        warnings.warn(
-            "Under context parallelism each rank computes its MoE layers' balancing losses on its share of every"
-            " sequence (two chunks of it), not on the whole sequence: they balance as before, but are not the"
-            " one-device values.", stacklevel=3)
+class SequenceShares:
+    """What a :class:`~meshlight.nn.MoE` layer needs under context parallelism to count its capacity and balancing
+    loss per whole sequence, as on one device (set as its ``sequence_split``): while a cp step runs, each rank holds
+    ``count`` shares of every sequence; :meth:`whole` gathers a per-token tensor ``[batch, local, ...]`` of every rank
+    into global order, :meth:`local` cuts a whole one to this rank's positions, :meth:`summed` adds over the ranks."""
+
+    def __init__(self, cp: ContextParallel) -> None:
+        self.cp = cp
+
+    @property
+    def count(self) -> int:
+        return self.cp.size if self.cp.local is not None else 1
+
+    def whole(self, tensor: Tensor) -> Tensor:
+        gathered = all_gather_along(tensor.contiguous(), 1, self.cp.group)
+        return gathered.index_select(1, _global_order(self.cp.size, tensor.shape[1] // 2, tensor.device))
+
+    def local(self, tensor: Tensor) -> Tensor:
+        return tensor.index_select(1, balanced_positions(tensor.shape[1], self.cp.size, self.cp.rank, tensor.device))
+
+    def summed(self, tensor: Tensor) -> Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out, group=self.cp.group)
+        return out
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Optional[Tensor]:

@@ -3,8 +3,10 @@ and cp=4, cp=2 × tp=2, cp=2 × pp=2, cp=2 × dp=2 with ZeRO-3, and ``strategy="
 positions, looked up with ``arange``), a Llama-shaped model whose rotary tables are buffers sliced by its input's
 length, and Hugging Face's Llama (positions given as ``position_ids``, attention through its config); at cp=2 also
 GPT with rotary positions and grouped-query attention, Hugging Face's GPT-2, litgpt's GPT (its rotary cache sliced
-by length) and Hugging Face's Llama trained on its own loss from dict ``labels``; and cp=2 × ep=2 (experts borrowing
-data ranks, under ZeRO-1 and DDP) on the Llama with a dropless MoE in every block. The addition data scores only the
+by length) and Hugging Face's Llama trained on its own loss from dict ``labels``; and the Llama with an MoE in every
+block, its capacity and balancing loss counted over the whole sequence's ranks: cp=2 and cp=2 × ep=2 (experts borrowing
+data ranks, ZeRO-1) with a capacity factor, cp=2 × ep=2 under DDP dropless, and cp=2 × tp=2 (each expert split over
+tp) with a capacity factor. The addition data scores only the
 last tokens of each sequence, so the ranks' shares hold different numbers of scored tokens: the loss is weighted by
 them. Validation logs the whole sequences' loss. What cp cannot split is refused before any optimizer step, naming
 the module and the fix."""
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshlight.parallel.expert import expert_layers
 from tests.launch import torchrun
 from tests.strategies.parity import assert_parity, train
 from tests.strategies.workers import context_worker
@@ -45,6 +48,12 @@ def test_context_parallelism_matches_single_process_training(distributed, contro
     assert_parity(distributed[world][run], controls[run[1]])
 
 
+def test_the_capacity_runs_drop_assignments(controls):
+    # parity with a capacity factor means something only if the whole sequence's count dropped some
+    layers = expert_layers(controls["llama-moe-capacity"]["module"])
+    assert layers and all(layer.last_step.dropped_fraction > 0 for layer in layers)
+
+
 def test_validation_logs_the_whole_sequences_loss(distributed):
     whole = context_worker.validation()
     assert abs(distributed[2]["validation"] - whole) <= 1e-5 * whole
@@ -56,8 +65,6 @@ def test_validation_logs_the_whole_sequences_loss(distributed):
     ("manual-attention", r"Block `model.layers.0` \(TransformerBlock\) ran no scaled_dot_product_attention.*"
                          r"attn_implementation='sdpa'"),
     ("labels-made-in-step", r"LlamaForCausalLM is given labels that did not come in the batch.*under 'labels'"),
-    ("moe-capacity", r"MoE layers with capacity_factor=1.0 count each expert's capacity per sequence.*"
-                     r"capacity_factor=None"),
 ])
 def test_what_context_parallelism_cannot_split_is_refused_naming_it(distributed, case, message):
     assert distributed[2]["refusals"][case].startswith("ContextParallelError: ")

@@ -73,11 +73,11 @@ EXTRA_MODELS: dict[str, Callable[[], pl.LightningModule]] = {
 }
 
 def lit_llama_moe(**moe: Any) -> LitLlama:
-    """The Llama with a dropless top-2 MoE of 4 experts in every block, its balancing loss off (computed on each
-    rank's share of a sequence, it is not one process's under cp) unless ``moe`` sets options."""
+    """The Llama with a top-2 MoE of 4 experts in every block (dropless, the balancing loss on, unless ``moe`` sets
+    options): under cp each layer counts its capacity and balancing loss over the whole sequence's ranks."""
     module = LitLlama(experts=4, seq=SEQ)
     for layer in expert_layers(module):
-        layer.config = dataclasses.replace(layer.config, **{"aux_loss_coeff": 0.0, **moe})
+        layer.config = dataclasses.replace(layer.config, **moe)
     return module
 
 
@@ -98,14 +98,20 @@ EXPERT_LAYOUTS = ("cp2xep2-zero1", "cp2xep2-ddp")
 def runs(world: int) -> list[tuple[str, str]]:
     """(layout, model) for this world size."""
     grid = [(layout, model) for layout in LAYOUTS[world] if layout not in EXPERT_LAYOUTS for model in MODELS]
-    grid += [(layout, "llama-moe") for layout in LAYOUTS[world] if layout in EXPERT_LAYOUTS]
     if world == 2:
-        grid += [("cp2", model) for model in EXTRA_MODELS]
+        grid += [("cp2", model) for model in EXTRA_MODELS] + [("cp2", "llama-moe-capacity")]
+    else:  # experts split over data ranks, and under tp (each expert split over it), with a capacity factor
+        grid += [("cp2xep2-zero1", "llama-moe-capacity"), ("cp2xep2-ddp", "llama-moe"),
+                 ("cp2xtp2", "llama-moe-capacity")]
     return grid
 
 
+MOE_MODELS = {"llama-moe": lit_llama_moe,
+              "llama-moe-capacity": functools.partial(lit_llama_moe, capacity_factor=1.0, min_capacity=1)}
+
+
 def model_factory(name: str) -> Callable[[], pl.LightningModule]:
-    return {**MODELS, **EXTRA_MODELS, "llama-moe": lit_llama_moe}[name]
+    return {**MODELS, **EXTRA_MODELS, **MOE_MODELS}[name]
 
 
 def validation(strategy: Any = None) -> float:
@@ -125,7 +131,6 @@ def refusals() -> dict[str, str]:
         "mask": (functools.partial(LlamaAttendingWith, _sliding_window), 8),
         "manual-attention": (functools.partial(LlamaAttendingWith, _written_out), 8),
         "labels-made-in-step": (functools.partial(LitLlamaLabels, in_step=True), 8),
-        "moe-capacity": (functools.partial(lit_llama_moe, capacity_factor=1.0), 8),
     }
     for name, (factory, multiple) in cases.items():
         try:
