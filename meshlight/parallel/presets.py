@@ -41,10 +41,11 @@ class ModelSpec:
     positions: int = 0  # rows of a learned position embedding (0: rotary, or none)
     #: tensor parallelism's ``keep_gathered_inputs``: the projections' gathered inputs stay whole for backward
     keep_gathered_inputs: bool = False
+    head_size: int = 0  # width of one attention head where it is not hidden / heads (Qwen3's 128 at hidden 2048)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     @property
     def moe_layers(self) -> int:
@@ -139,7 +140,8 @@ class ModelSpec:
         return cls(layers=shape.blocks, hidden=shape.hidden, heads=heads, kv_heads=shape.kv_heads or heads,
                    ffn_hidden=shape.mlp_width, vocab=shape.vocab, seq_len=seq_len or 2048, experts=shape.experts,
                    top_k=shape.top_k, moe_every=max(shape.blocks // shape.moe_layers, 1) if shape.moe_layers else 1,
-                   name=name)
+                   name=name, head_size=shape.head_dim if shape.head_dim and shape.head_dim * heads != shape.hidden
+                   else 0)
 
     def replace(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)

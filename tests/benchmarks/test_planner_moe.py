@@ -1,0 +1,43 @@
+"""The planner against published MoE runs its constants were not set from (``benchmarks/planner_moe.py``): each
+run's predicted throughput for its published layout within 25% of the published figure. Runs that miss are strict
+xfails naming the measured ratio and why."""
+
+import sys
+
+import pytest
+
+from tests.launch import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmark's imports of planner.py and common.py
+try:
+    import planner_moe
+    import run_all  # RESULTS.md's sections
+finally:
+    sys.path.remove(str(REPO / "benchmarks"))
+
+_FINE_GRAINED = ("{ratio}: a fine-grained MoE ({experts} experts of width {width}, top-{k}) that Megatron-Bridge ran"
+                 " at {mfu} of the bf16 peak; the planner prices every matmul at half the peak whatever its size and"
+                 " the tokens' permutation and router as free, so it predicts {planned}")
+#: model -> why the planner misses it by more than 25% (predicted ÷ published, as measured)
+MISSES = {
+    "qwen3-30b-a3b": _FINE_GRAINED.format(ratio="3.04", experts=128, width=768, k=8, mfu="12% (FP8)", planned="31%"),
+    "gpt-oss-120b": _FINE_GRAINED.format(ratio="1.75", experts=128, width=2880, k=4, mfu="15%", planned="38%"),
+}
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict:
+    return {run.model: row for run, row in zip(planner_moe.RUNS, planner_moe.rows())}
+
+
+@pytest.mark.parametrize("run", [
+    pytest.param(run, id=run.model, marks=[pytest.mark.xfail(strict=True, reason=MISSES[run.model])]
+                 if run.model in MISSES else []) for run in planner_moe.RUNS])
+def test_the_planner_predicts_published_moe_runs_within_25_percent(rows, run):
+    assert rows[run.model]["ratio"] == pytest.approx(1, abs=0.25), rows[run.model]["predicted_config"]
+
+
+def test_the_section_says_how_many_runs_are_within_25_percent(rows):
+    section = run_all.planner_moe_section(list(rows.values()))
+    assert f"Within 25%: {len(planner_moe.RUNS) - len(MISSES)} of {len(planner_moe.RUNS)}." in section
+    assert all(row["published_layout"]["ep"] > 1 for row in rows.values())
