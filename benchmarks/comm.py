@@ -22,7 +22,10 @@ Expert parallelism (ep = N, ``MoEStrategy``; every block's MLP a mixture of 8 to
 the dispatch and the combine all_to_all each move T·k·D·(ep−1)/ep elements forward and the same backward
 (T tokens per rank, k = top_k, D = dim; the (ep−1)/ep share leaves the rank when routing is uniform), so
 theory = layers · 4 · T·k·D·(ep−1)/ep · 4 bytes. Measured: every all_to_all a rank issues in the step (the
-token exchanges of forward and backward, and the small exchange of per-expert counts), bytes to other ranks.
+token exchanges of forward and backward, and the small exchange of per-expert counts), bytes to other ranks. On 4
+processes also tp=2 × ep=2 (dp=2): every tp rank routes its replica's whole tokens; with each expert split over tp
+each tp rank sends all T of them (to its slices of the experts: tp times the bytes for the same tokens), folded over
+the tp ranks each sends its T/tp.
 
     python benchmarks/comm.py [--nprocs 2 4]      # prints JSON
 """
@@ -116,10 +119,12 @@ def worker() -> None:
             "step_ratio": step / step_theory, "by_collective": traffic_by_blocks[4].summary(),
         })
     results.append(expert_parallel_row(world, step_traffic))
+    if world == 4:  # tp=2 × ep=2: each expert split over tp, and experts folded over the tp ranks
+        results += [expert_parallel_row(world, step_traffic, tp=2, experts=experts) for experts in ("split", "fold")]
     report(results)
 
 
-def expert_parallel_row(world: int, step_traffic: object) -> dict:
+def expert_parallel_row(world: int, step_traffic: object, tp: int = 1, experts: str = "split") -> dict:
     import lightning.pytorch as pl
     from common import bench_config
 
@@ -129,12 +134,19 @@ def expert_parallel_row(world: int, step_traffic: object) -> dict:
 
     pl.seed_everything(0, verbose=False)
     config = bench_config().replace(moe=MoEConfig(num_experts=8, top_k=2))
-    traffic = step_traffic(LitGPT(config), ml.MoEStrategy(ep=world, zero=1))
+    ep = world if tp == 1 else 2
+    strategy = ml.MoEStrategy(ep=ep, zero=1, tp=tp, experts=experts)
+    traffic = step_traffic(LitGPT(config), strategy)
     all_to_all = traffic.summary().get("all_to_all", {"calls": 0, "bytes_sent": 0.0})
-    tokens = BATCH * SEQ
-    theory = config.n_layers * 4 * tokens * config.moe.top_k * config.dim * (world - 1) / world * 4
+    # every tp rank routes its replica's whole tokens; split, each sends all of them to its slices of the experts,
+    # folded, its 1/tp part
+    tokens = BATCH * SEQ // (tp if experts == "fold" else 1)
+    theory = config.n_layers * 4 * tokens * config.moe.top_k * config.dim * (ep - 1) / ep * 4
+    layout = f"ep={ep}" if tp == 1 else f"tp={tp} × ep={ep}, " + (
+        "experts folded over tp" if experts == "fold" else "each expert split over tp")
     return {
-        "strategy": "moe", "world": world, "ep": world, "moe_layers": config.n_layers, "tokens_per_rank": tokens,
+        "strategy": "moe", "layout": layout, "world": world, "ep": ep, "tp": tp, "experts": experts,
+        "moe_layers": config.n_layers, "tokens_per_rank": tokens,
         "top_k": config.moe.top_k, "all_to_all_bytes": all_to_all["bytes_sent"],
         "all_to_all_calls": all_to_all["calls"], "theory_bytes": theory, "ratio": all_to_all["bytes_sent"] / theory,
         "by_collective": traffic.summary(),

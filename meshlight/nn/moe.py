@@ -15,11 +15,12 @@ In the order a token meets it:
   results back; here it calls the experts directly. Expert parallelism
   (:mod:`meshlight.parallel.expert`) installs an all-to-all one; tensor parallelism
   (:mod:`meshlight.parallel.expert_tensor`) splits each expert over the tp ranks or folds the experts across them.
-- **Balancing**: the Switch/GShard auxiliary loss ``E·Σ_e f_e·P_e`` (per sequence, averaged), the router
-  z-loss ``mean(logsumexp(logits)²)``, and aux-loss-free expert bias moved against each expert's load
-  after every optimizer step (the step's own load, ready for the next forward; by a fixed step or in
-  proportion to the load's error). The losses reach the router's gradient through autograd — the training
-  loss needs no change — and are reported with the expert load in :attr:`MoE.last_step`.
+- **Balancing**: the Switch/GShard auxiliary loss ``E·Σ_e f_e·P_e`` (per sequence by default, or with ``f`` over
+  every data-parallel rank's micro-batch), the router z-loss ``mean(logsumexp(logits)²)``, and aux-loss-free
+  expert bias moved against each expert's load after every optimizer step (the step's own load, ready for the
+  next forward; in proportion to the load's error by default, or by a fixed step). The losses reach the router's
+  gradient through autograd — the training loss needs no change — and are reported with the expert load in
+  :attr:`MoE.last_step`.
 - **After each optimizer step**: :func:`attach_moe_updates` puts a hook on the optimizer that finishes the step
   of its MoE layers (load summed over data-parallel ranks, ``last_step``, expert bias). meshlight's strategies
   and :class:`~meshlight.callbacks.ExpertLoadMonitor` call it; a plain PyTorch loop calls it once.
@@ -68,9 +69,10 @@ class MoEConfig:
     min_capacity: int = 4
     aux_loss_coeff: float = 1e-2
     z_loss_coeff: float = 0.0
-    expert_bias_rate: float = 0.0
-    expert_bias_update: Literal["sign", "proportional"] = "sign"
+    expert_bias_rate: float = 1e-2
+    expert_bias_update: Literal["sign", "proportional"] = "proportional"
     grouped_mm: Optional[bool] = None
+    balance: Literal["sequence", "global"] = "sequence"
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 1:
@@ -92,6 +94,9 @@ class MoEConfig:
         for name in ("aux_loss_coeff", "z_loss_coeff", "expert_bias_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 turns it off).")
+        if self.balance not in ("global", "sequence"):
+            raise ValueError(f"balance={self.balance!r}; choose 'sequence' (the aux loss per sequence, averaged) or"
+                             " 'global' (from the expert counts of every data-parallel rank's micro-batch).")
         if self.expert_bias_update not in ("sign", "proportional"):
             raise ValueError(f"expert_bias_update={self.expert_bias_update!r}; choose 'sign' (DeepSeek-V3) or"
                              " 'proportional'.")
@@ -140,16 +145,24 @@ class MoE(nn.Module):
             ``max(min_capacity, ceil(T·top_k/E · capacity_factor))`` of the T tokens of each sequence
             (the last-but-one input dimension; a 2-D input is one sequence), dropping the lowest scores.
         aux_loss_coeff: weight of the load-balancing loss (0 = off).
+        balance: what the load-balancing loss ``E·Σ_e f_e·P_e`` balances. ``"sequence"`` (default): each
+            sequence's, averaged (GShard's groups, DeepSeek-V3's sequence-wise loss): the same in every layout,
+            pipeline microbatches included. ``"global"``: the expert shares ``f`` of the whole micro-batch of every
+            data-parallel rank (counts all-reduced over the data-parallel group, as Megatron-Core's
+            ``global_aux_loss`` does over its batch); under pipeline parallelism each pipeline microbatch's (one
+            process matches it with the same batches).
         z_loss_coeff: weight of the router z-loss (0 = off).
         expert_bias_rate: aux-loss-free balancing — after each optimizer step every expert's bias moves
-            against its load in that step (0 = off; DeepSeek-V3 uses 1e-3). Use it with
-            ``score="sigmoid"``, as DeepSeek-V3 does: softmax scores of an untrained router differ across
-            tokens by less than one bias step, so each step moves whole batches between experts.
-        expert_bias_update: how far the bias moves. ``"sign"`` (DeepSeek-V3, Megatron-Core, torchtitan): by
-            ``expert_bias_rate`` whatever the load's error, so near balance the biases keep stepping by the
-            full rate. ``"proportional"``: by ``expert_bias_rate · (mean − load) / mean``, the full rate for an
-            idle expert and less the nearer an expert is to its even share (overloaded experts may move
-            more: twice the rate at three times the mean load).
+            against its load in that step (0 = off; DeepSeek-V3 uses 1e-3 with the sign rule). The defaults —
+            this bias at 1e-2, moved proportionally, beside the aux loss — keep the demo's experts within
+            1.2× of an even load on every seed tried (``benchmarks/RESULTS.md``; the aux loss alone does not).
+        expert_bias_update: how far the bias moves. ``"proportional"`` (default): by
+            ``expert_bias_rate · (mean − load) / mean``, the full rate for an idle expert and less the nearer an
+            expert is to its even share (overloaded experts may move more: twice the rate at three times the mean
+            load), so the biases settle instead of stepping past balance. ``"sign"`` (DeepSeek-V3, Megatron-Core,
+            torchtitan): by ``expert_bias_rate`` whatever the load's error; use it with ``score="sigmoid"``, as
+            DeepSeek-V3 does: softmax scores of an untrained router differ across tokens by less than one bias
+            step, so each full step moves whole batches between experts.
         grouped_mm: use ``torch._grouped_mm`` (None: where it runs), or a loop over experts (False).
         init_std: standard deviation of the initial weights.
 
@@ -173,9 +186,10 @@ class MoE(nn.Module):
         min_capacity: int = 4,
         aux_loss_coeff: float = 1e-2,
         z_loss_coeff: float = 0.0,
-        expert_bias_rate: float = 0.0,
-        expert_bias_update: Literal["sign", "proportional"] = "sign",
+        expert_bias_rate: float = 1e-2,
+        expert_bias_update: Literal["sign", "proportional"] = "proportional",
         grouped_mm: Optional[bool] = None,
+        balance: Literal["sequence", "global"] = "sequence",
         init_std: float = 0.02,
     ) -> None:
         super().__init__()
@@ -183,7 +197,7 @@ class MoE(nn.Module):
             raise ValueError(f"activation={activation!r}; choose 'swiglu' or 'gelu'.")
         self.config = MoEConfig(
             num_experts, top_k, hidden_dim, score, normalize_top_k, capacity_factor, min_capacity,
-            aux_loss_coeff, z_loss_coeff, expert_bias_rate, expert_bias_update, grouped_mm,
+            aux_loss_coeff, z_loss_coeff, expert_bias_rate, expert_bias_update, grouped_mm, balance,
         )
         self.num_experts, self.top_k, self.init_std = num_experts, top_k, init_std
         self.router = Router(dim, num_experts, top_k, score, self.config.normalizes)
@@ -293,6 +307,9 @@ class MoE(nn.Module):
         rank's gradient cp times its part, as context parallelism weighs the training loss."""
         scores = routing.scores
         probs = scores if self.config.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        z = torch.logsumexp(routing.logits, dim=-1).square().mean()
+        if self.config.balance == "global":
+            return self._global_balance_loss(routing.experts, probs), z
         experts = routing.experts.reshape(-1, seq_len * self.top_k)
         counts = torch.zeros(experts.shape[0], self.num_experts, device=scores.device)
         counts.scatter_add_(-1, experts, torch.ones_like(experts, dtype=counts.dtype))
@@ -302,8 +319,18 @@ class MoE(nn.Module):
         share = counts / counts.sum(-1, keepdim=True).clamp_min(1)
         mean_prob = probs.view(-1, seq_len, self.num_experts).mean(1)
         aux = self.num_experts * (share * mean_prob).sum(-1).mean()
-        z = torch.logsumexp(routing.logits, dim=-1).square().mean()
         return aux, z
+
+    def _global_balance_loss(self, experts: Tensor, probs: Tensor) -> Tensor:
+        """``E·Σ_e f_e·P_e`` with ``f`` the shares of every data-parallel rank's assignments in this forward and ``P``
+        this rank's tokens' mean score: averaged over the ranks (as their gradients are), the loss of their whole
+        micro-batch."""
+        counts = torch.bincount(experts.flatten(), minlength=self.num_experts).to(probs.dtype)
+        group = self.data_parallel_group
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+        share = counts / counts.sum().clamp_min(1)
+        return self.num_experts * (share * probs.mean(0)).sum()
 
     def _record(self, routing: Routing, keep: Optional[Tensor], aux: Tensor, z: Tensor) -> None:
         if self.config.expert_bias_rate > 0 and not self._warned_unattached and (

@@ -10,6 +10,9 @@ An expert's gradient collects the tokens of ``ep`` data ranks, while data parall
 ``dp / ep`` replicas of it; :class:`~meshlight.nn.experts.GroupedExperts` scales it by ``1/ep`` so that the
 result is the gradient of the mean loss over all data ranks, as for dense weights.
 
+Under tensor parallelism each expert is also split over the tp ranks (a DTensor on ``(ep, tp)``), or the experts are
+folded over them: ``ep`` then spans the tp ranks too (:mod:`meshlight.parallel.expert_tensor`).
+
 Models that bring their own MoE blocks are split the same way where their experts are *stacked* — one module whose
 weights are ``[num_experts, …]`` and whose ``forward(hidden_states, top_k_index, top_k_weights)`` runs the tokens'
 chosen experts (Hugging Face's Mixtral, Qwen3-MoE, …): the model's own router decides, the tokens travel, and the

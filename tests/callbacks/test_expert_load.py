@@ -151,7 +151,8 @@ def test_models_without_moe_layers_log_nothing(tmp_path):
 
 def biased_moe_gpt() -> LitGPT:
     config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=2,
-                            moe=MoEConfig(num_experts=4, score="sigmoid", aux_loss_coeff=0.0, expert_bias_rate=0.01),
+                            moe=MoEConfig(num_experts=4, score="sigmoid", aux_loss_coeff=0.0, expert_bias_rate=0.01,
+                                          expert_bias_update="sign"),
                             moe_every=2)
     return LitGPT(config)
 

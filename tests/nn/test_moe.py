@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim import optimizer as torch_optimizer
+from torch.overrides import TorchFunctionMode
 
 import meshlight
 from meshlight.nn import MoE, MoEConfig, attach_moe_updates, grouped_matmul
@@ -65,6 +66,32 @@ def test_grouped_gemm_and_the_loop_agree_exactly_forward_and_backward():
         assert torch.equal(a, b)
 
 
+def test_a_forward_issues_the_same_torch_calls_whatever_the_number_of_experts():
+    # tokens sorted by expert with one argsort, each weight one grouped GEMM over every expert, results put back with
+    # one index_copy: no Python loop over experts (torch's CPU grouped GEMM loops inside its kernel; CUDA's does not)
+    class Calls(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    issued = {}
+    for num_experts in (4, 64):
+        torch.manual_seed(0)
+        moe = MoE(16, 32, num_experts, top_k=2, capacity_factor=1.0)
+        x = torch.randn(2, 24, 16)
+        with Calls() as calls:
+            out = moe(x)
+        issued[num_experts] = calls.names
+        keep = moe._capacity_mask(moe.router(x.reshape(-1, 16)), 24)
+        torch.testing.assert_close(out, reference(moe, x, keep))
+    assert issued[4] == issued[64]
+    assert issued[4].count("_grouped_mm") == 3  # w1, w3, w2
+
+
 def hand_picked_router(moe: MoE, preferences: list[list[float]]) -> Tensor:
     """Inputs whose router logits are exactly ``preferences`` (identity gate; dim = num_experts)."""
     with torch.no_grad():
@@ -115,6 +142,17 @@ def test_aux_loss_on_a_balanced_sigmoid_example_is_one():
     assert aux.item() == pytest.approx(1.0)
 
 
+def test_global_balance_counts_the_whole_batch_and_per_sequence_balance_each_sequence():
+    # Sequence 0: both tokens to expert 0; sequence 1: both to expert 1 — each sequence is all on one expert, the batch
+    # is balanced. Scores [0.75, 0.25] and [0.25, 0.75]: P over the batch = [0.5, 0.5].
+    logits = [[math.log(3), 0.0], [math.log(3), 0.0], [0.0, math.log(3)], [0.0, math.log(3)]]
+    for balance, expected in (("global", 1.0), ("sequence", 1.5)):  # sequence: 2 · 0.75 in each
+        moe = MoE(2, 4, 2, top_k=1, balance=balance)
+        routing = moe.router(hand_picked_router(moe, logits))
+        aux, _ = moe._balance_losses(routing, seq_len=2)
+        assert aux.item() == pytest.approx(expected), balance
+
+
 @pytest.mark.parametrize(("aux", "z"), [(0.1, 0.0), (0.0, 0.01), (0.1, 0.01)])
 def test_balancing_losses_reach_the_router_as_if_added_to_the_loss(aux, z):
     torch.manual_seed(0)
@@ -145,7 +183,7 @@ def test_aux_gradient_scale_scales_only_the_balancing_gradient():
 
 
 def test_expert_bias_moves_against_the_load_before_each_optimizer_step_and_only_changes_choices():
-    moe = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, aux_loss_coeff=0.0)
+    moe = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, expert_bias_update="sign", aux_loss_coeff=0.0)
     optimizer = torch.optim.SGD(moe.parameters(), lr=0.0)
     attach_moe_updates(optimizer, moe)
     x = hand_picked_router(moe, [[1.0, 0, 0, 0]] * 3 + [[0, 1.0, 0, 0]])  # loads 3, 1, 0, 0; mean 1
@@ -161,7 +199,7 @@ def test_expert_bias_moves_against_the_load_before_each_optimizer_step_and_only_
 
 
 def test_proportional_expert_bias_moves_by_the_loads_error_relative_to_the_mean():
-    moe = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, expert_bias_update="proportional", aux_loss_coeff=0.0)
+    moe = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, aux_loss_coeff=0.0)  # proportional: the default
     optimizer = torch.optim.SGD(moe.parameters(), lr=0.0)
     attach_moe_updates(optimizer, moe)
     x = hand_picked_router(moe, [[1.0, 0, 0, 0]] * 5 + [[0, 1.0, 0, 0]] * 2 + [[0, 0, 1.0, 0]])  # 5, 2, 1, 0; mean 2
@@ -195,7 +233,7 @@ class TwoMoEs(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.dense = nn.Linear(4, 4)
-        self.sign = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, aux_loss_coeff=0.0)
+        self.sign = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, expert_bias_update="sign", aux_loss_coeff=0.0)
         self.proportional = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, expert_bias_update="proportional",
                                 aux_loss_coeff=0.0)
 
@@ -250,7 +288,7 @@ def test_importing_meshlight_hooks_no_optimizer_and_dense_models_get_no_hook():
 
 
 def test_attaching_twice_registers_one_hook_and_remove_takes_it_off():
-    moe = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, aux_loss_coeff=0.0)
+    moe = MoE(4, 8, 4, top_k=1, expert_bias_rate=0.1, expert_bias_update="sign", aux_loss_coeff=0.0)
     optimizer = torch.optim.SGD(moe.parameters(), lr=0.0)
     updates = attach_moe_updates(optimizer, moe)
     assert attach_moe_updates(optimizer, nn.Sequential(moe)) is updates
@@ -282,7 +320,7 @@ def test_training_a_biased_layer_no_optimizer_updates_warns_once_naming_the_fix(
         optimizer = torch.optim.SGD(attached.parameters(), lr=0.1)
         attach_moe_updates(optimizer, attached)
         attached(x)  # attached: silent
-        MoE(4, 8, 4)(x)  # no bias to move: silent (last_step stays None until attached)
+        MoE(4, 8, 4, expert_bias_rate=0.0)(x)  # no bias to move: silent (last_step stays None until attached)
         with torch.no_grad():
             MoE(4, 8, 4, expert_bias_rate=0.1)(x)  # not training: silent
     del optimizer  # a layer whose optimizer is gone is not updated either

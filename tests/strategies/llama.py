@@ -99,7 +99,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention_norm, self.attention = RMSNorm(DIM), Attention(qk_norm, head_dim_only)
         self.ffn_norm = RMSNorm(DIM)
-        self.feed_forward = MoE(DIM, HIDDEN // 2, experts, top_k=2) if experts else FeedForward()
+        # (no expert bias: see tests/strategies/parity.py's WITHOUT_EXPERT_BIAS)
+        self.feed_forward = MoE(DIM, HIDDEN // 2, experts, top_k=2, expert_bias_rate=0.0) if experts else FeedForward()
         self.gate = nn.Linear(DIM, 1) if gated else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -15,13 +15,13 @@ import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 from meshlight.nn import MoEConfig
-from tests.strategies.parity import train
+from tests.strategies.parity import WITHOUT_EXPERT_BIAS, train
 
 DTYPES = ("fp32", "fp64")
 
 
 def biased_gpt(layers: int = 2, experts: int = 0, dtype: str = "fp32") -> LitGPT:
-    moe = MoEConfig(num_experts=experts, aux_loss_coeff=0.0) if experts else None
+    moe = MoEConfig(num_experts=experts, aux_loss_coeff=0.0, **WITHOUT_EXPERT_BIAS) if experts else None
     config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=layers,
                             bias=True, moe=moe)
     module = LitGPT(config, lr=3e-3, warmup_steps=2)

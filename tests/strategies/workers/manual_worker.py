@@ -13,7 +13,7 @@ import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 from meshlight.nn import MoEConfig
-from tests.strategies.parity import make_model, train
+from tests.strategies.parity import WITHOUT_EXPERT_BIAS, make_model, train
 
 WORLD = 4
 
@@ -40,7 +40,7 @@ def model(moe: bool = False, cls: type[LitGPT] = LitGPT) -> LitGPT:
     config = make_model("adamw").config
     if moe:
         config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=2,
-                                bias=False, moe=MoEConfig(num_experts=8))
+                                bias=False, moe=MoEConfig(num_experts=8, **WITHOUT_EXPERT_BIAS))
     return cls(config, lr=1e-2, warmup_steps=2)
 
 

@@ -1,7 +1,8 @@
 """torchrun worker: expert-parallel parity runs (ep = 2 and 4; ZeRO 0, 1, 3; top-1 and top-2; dropless and with a
-capacity factor; expert bias; accumulation and clipping; a Llama-shaped module with meshlight.nn.MoE), MoE under tensor
-parallelism (tp=2 on 2 processes; tp=2 × ep=2 on 4, experts split over tp and folded), a checkpoint saved under ep=2 ×
-ZeRO-3 and loaded under ep=4, and bad input that must fail on every rank."""
+capacity factor; expert bias; the aux loss over the data-parallel batch; accumulation and clipping; a Llama-shaped
+module with meshlight.nn.MoE), MoE under tensor parallelism (tp=2 on 2 processes; tp=2 × ep=2 on 4, experts split
+over tp and folded), a checkpoint saved under ep=2 × ZeRO-3 and loaded under ep=4, and bad input that must fail on
+every rank."""
 
 import sys
 from pathlib import Path
@@ -17,27 +18,28 @@ from meshlight.models import GPTConfig
 from meshlight.nn import MoE, MoEConfig
 from meshlight.parallel.layout import data_sizes
 from tests.strategies.llama import LitLlama
-from tests.strategies.parity import full_weights, make_data, train
+from tests.strategies.parity import WITHOUT_EXPERT_BIAS, full_weights, make_data, train
 
 EXPERTS = 8
-MODELS: dict[str, dict[str, Any]] = {  # MoE options of GPT-tiny's two MoE blocks
+MODELS: dict[str, dict[str, Any]] = {  # MoE options of GPT-tiny's two MoE blocks (over WITHOUT_EXPERT_BIAS)
     "top2": {},
     "top1": {"top_k": 1},
     "top2-capacity": {"capacity_factor": 1.0, "min_capacity": 1},
     "top1-capacity": {"top_k": 1, "capacity_factor": 1.0, "min_capacity": 1},
-    "bias": {"aux_loss_coeff": 0.0, "expert_bias_rate": 1e-2},
+    "bias": {"aux_loss_coeff": 0.0, "expert_bias_rate": 1e-2},  # the expert bias alone, moved proportionally
     "sigmoid-zloss": {"score": "sigmoid", "z_loss_coeff": 1e-3},
+    "top2-global": {"balance": "global"},  # the aux loss from the counts of every data-parallel rank's micro-batch
 }
 
 
-def factory(model: str):  # noqa: ANN201 - a model factory for `train`
+def factory(model: str, **moe: Any):  # noqa: ANN201 - a model factory for `train` (``moe``: more MoE options)
     if model == "llama":
         # lr 3e-3: at 1e-2 this model's routers collapse onto a few experts within 20 steps; the router rows of
         # experts that get no tokens then see only the aux loss's ~1e-9 gradients, which Adam turns into full
         # steps, amplifying the rounding of another summation order to ~2e-4 (all other rows stay ~1e-6).
         return lambda: LitLlama(lr=3e-3, experts=EXPERTS)
     config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=2, bias=False,
-                            moe=MoEConfig(num_experts=EXPERTS, **MODELS[model]))
+                            moe=MoEConfig(num_experts=EXPERTS, **{**WITHOUT_EXPERT_BIAS, **MODELS[model], **moe}))
     return lambda: LitGPT(config, lr=1e-2, warmup_steps=2)
 
 
@@ -52,6 +54,7 @@ def runs(world: int) -> list[tuple[int, int, str, str]]:
     grid += [(2, 1, model, "adamw") for model in ("top2", "top1", "top2-capacity", "top1-capacity")]
     grid += [(2, 3, model, "adamw") for model in ("top2", "top2-capacity", "bias")]
     grid += [(2, 0, "top2", "adamw"), (4, 3, "top2", "adamw"), (2, 1, "top2", "clip")]
+    grid += [(4, 1, "top2-global", "accumulate")]
     return grid
 
 
