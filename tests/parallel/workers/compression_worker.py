@@ -30,7 +30,7 @@ from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 from meshlight.nn import MoEConfig
 from meshlight.parallel import GradientCompression
-from tests.strategies.parity import train
+from tests.strategies.parity import WITHOUT_EXPERT_BIAS, train
 from tests.strategies.workers.moe_worker import EXPERTS
 
 WORLD = 2
@@ -65,7 +65,7 @@ def moe_model() -> LitGPT:
     """GPT-tiny with MoE blocks at the learning rate of 3e-3: at 1e-2 (the MoE parity runs') routing is chaotic
     enough that bf16's rounding moves a token to another expert by step 3, and the curves part."""
     config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_layers=2, bias=False,
-                            moe=MoEConfig(num_experts=EXPERTS))
+                            moe=MoEConfig(num_experts=EXPERTS, **WITHOUT_EXPERT_BIAS))
     return LitGPT(config, lr=3e-3, warmup_steps=2)
 
 
