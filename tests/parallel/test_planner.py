@@ -410,3 +410,25 @@ def test_command_line_plans_a_model_given_by_its_shape_as_it_plans_the_same_pres
         with pytest.raises(SystemExit):
             main(["plan", *argv, "--gpus", "8"])
         assert message in capsys.readouterr().err
+
+
+def test_an_moe_model_is_planned_with_tp_its_experts_split_over_it_or_folded_into_ep():
+    model, h100 = MODELS["mixtral-8x7b"], HARDWARE["h100"]
+    with_tp = [c for c in plan(model, h100, 64, 1024) if c.tp > 1 and c.ep > 1]
+    assert {c.experts for c in with_tp} == {"split", "fold"}
+    assert all(c.ep % c.tp == 0 for c in with_tp if c.folded) and all(c.dp % c.ep == 0 for c in with_tp if not c.folded)
+    assert {c.experts for c in plan(model, h100, 64, 1024, experts="split")} == {"split"}
+    # the same sizes both ways: folded, each tp rank sends its 1/tp of the tokens, and holds twice the expert shards
+    split, fold = (estimate(model, h100, 64, 1024, 32, 1, 2, 8, 1, 32, 1, False, experts=x) for x in ("split", "fold"))
+    assert fold.times["ep"] < split.times["ep"] and fold.model_state_bytes > split.model_state_bytes
+    assert fold.describe().startswith("dp=32 pp=1 tp=2 ep=8 (folded)")
+    assert fold.strategy_arguments()["experts"] == "fold"
+
+
+def test_meshlight_plan_lists_folded_moe_layouts_and_fixes_the_expert_layout_asked(capsys):
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--tp", "2", "--top", "8"]) == 0
+    assert "ep=8 (folded)" in capsys.readouterr().out
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--tp", "2", "--ep", "8", "--expert-layout",
+                 "split", "--json", "--top", "3"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all(row["experts"] == "split" and row["ep"] == 8 and "folded" not in row["layout"] for row in rows)

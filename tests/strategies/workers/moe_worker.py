@@ -67,8 +67,9 @@ def tensor_runs(world: int) -> list[tuple[str, int, int, str, int, str]]:
     over tp, and folded (ep spanning the tp ranks), under DDP, ZeRO-1 and ZeRO-3."""
     if world == 2:
         return [("tp", 2, 1, "split", 1, model) for model in ROUTINGS] + [("tp-no-sp", 2, 1, "split", 1, "top2")]
-    zeros = dict(zip(ROUTINGS, (0, 1, 3, 1)))
-    return [("mesh", 2, 2, experts, zeros[model], model) for experts in ("split", "fold") for model in ROUTINGS]
+    # every routing once, each layout with top-1 and top-2, dropless and with a capacity factor
+    return [("mesh", 2, 2, "split", 0, "top2"), ("mesh", 2, 2, "split", 3, "top1-capacity"),
+            ("mesh", 2, 2, "fold", 1, "top1"), ("mesh", 2, 2, "fold", 3, "top2-capacity")]
 
 
 def tensor_strategy(run: tuple[str, int, int, str, int, str]) -> ml.MeshStrategy:
