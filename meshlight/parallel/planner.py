@@ -263,7 +263,7 @@ def _expert_layouts(model: ModelSpec, dp: int, tp: int, cp: int, ep: Optional[in
     spanning the tp ranks too with whole experts (``"fold"``, ep = tp × a divisor of dp; not under cp); ``ep`` and
     ``experts`` given are kept. A dense model: (1, "split")."""
     if not model.experts:
-        return [(1, "split")]
+        return [(1, "split")] if ep in (None, 1) else []
     split = [(e, "split") for e in _divisors(dp) if tp == 1 or model.ffn_hidden % tp == 0]
     fold = [(tp * e, "fold") for e in _divisors(dp) if tp > 1 and cp == 1]
     return [(e, x) for e, x in split + fold if model.experts % e == 0 and ep in (None, e) and experts in (None, x)]
@@ -296,12 +296,13 @@ def _pipeline_choices(schedule: Optional[str], virtual_stages: Optional[int],
 
 
 def _tp_fits(model: ModelSpec, hw: Hardware, tp: int) -> bool:
-    """Whether ``tp`` splits the model's heads (and a dense MLP) within a node. An MoE model's experts are split over
-    tp or folded into ep (:func:`_expert_layouts`)."""
+    """Whether ``tp`` splits the model's heads (and its dense MLPs) within a node. An MoE model's experts are split
+    over tp or folded into ep (:func:`_expert_layouts`)."""
     if tp == 1:
         return True
+    dense_mlps = not model.experts or model.moe_every > 1
     return (hw.devices_per_node % tp == 0 and model.heads % tp == 0 and model.kv_heads % tp == 0
-            and (model.experts or model.ffn_hidden % tp == 0))
+            and not (dense_mlps and model.ffn_hidden % tp))
 
 
 def _cp_fits(model: ModelSpec, tp: int, cp: int, *, given: bool = False) -> bool:
@@ -355,7 +356,9 @@ def _no_layout_message(model: ModelSpec, hw: Hardware, world: int, global_batch:
     if pipelines.microbatches is not None:
         hints.append(f"microbatches={pipelines.microbatches} must divide a pipelined replica's batch")
     if model.experts:
-        hints.append(f"ep must divide experts={model.experts} and dp")
+        hints.append(f"ep must divide experts={model.experts} and dp (folded over tp: ep = tp × a divisor of dp)")
+    elif ep is not None and ep > 1:
+        hints = [f"ep={ep} splits experts, and {model.name} has none: leave ep out (or 1)"]
     message = (f"No layout of {world} devices{' with ' + given if given else ''} suits {model.name}: "
                + "; ".join(hints) + ".")
 

@@ -432,3 +432,8 @@ def test_meshlight_plan_lists_folded_moe_layouts_and_fixes_the_expert_layout_ask
                  "split", "--json", "--top", "3"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows and all(row["experts"] == "split" and row["ep"] == 8 and "folded" not in row["layout"] for row in rows)
+
+
+def test_ep_given_for_a_dense_model_is_refused_saying_it_has_no_experts():
+    with pytest.raises(PlanError, match=r"ep=2 splits experts, and Llama 3 8B has none: leave ep out"):
+        plan(MODELS["llama3-8b"], HARDWARE["h100"], 8, 64, ep=2)
