@@ -60,8 +60,8 @@ class Hybrid3DStrategy(MeshStrategy):
         dp: data-parallel size; ``"auto"``: what the world leaves after ``pp × cp × tp`` (or the planner's choice).
         pp: pipeline stages; tp: tensor-parallel size; ep: expert-parallel size (borrowed from dp).
         experts: under tp, where MoE layers' experts sit: ``"split"`` over the tp ranks or ``"fold"``-ed into ep
-            (see :class:`MeshStrategy`); ``None``: the planner's choice (with every size given: folded where ``ep`` is
-            a multiple of ``tp``).
+            (see :class:`MeshStrategy`); ``None`` or ``"auto"``: the planner's choice (with every size given: folded
+            where ``ep`` is a multiple of ``tp``).
         cp: context-parallel size: each sequence split over that many ranks (see
             :class:`~meshlight.strategies.ContextParallelStrategy`). Default 1: not split; ``None``: the planner's
             choice, which splits only sequences longer than 8,192 tokens.
@@ -118,7 +118,7 @@ class Hybrid3DStrategy(MeshStrategy):
             if value is not None:
                 _check_zero(value) if name == "zero" else _check_size(name, value)
         self._planning = any(v is None for k, v in self._requested.items() if k != "dp")
-        self._experts_given = experts
+        self._experts_given = None if experts == "auto" else experts  # "auto": the planner's choice too
         self._hardware, self._seq_len = hardware, seq_len
         self._schedule_given, self._virtual_given = schedule, virtual_stages
         self._keep_gathered = keep_gathered_inputs

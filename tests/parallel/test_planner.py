@@ -437,3 +437,11 @@ def test_meshlight_plan_lists_folded_moe_layouts_and_fixes_the_expert_layout_ask
 def test_ep_given_for_a_dense_model_is_refused_saying_it_has_no_experts():
     with pytest.raises(PlanError, match=r"ep=2 splits experts, and Llama 3 8B has none: leave ep out"):
         plan(MODELS["llama3-8b"], HARDWARE["h100"], 8, 64, ep=2)
+
+
+def test_hybrid_3d_leaves_the_expert_layout_to_the_planner_unless_one_is_named():
+    import meshlight as ml
+
+    assert ml.Hybrid3DStrategy(experts="auto")._experts_given is None
+    assert ml.Hybrid3DStrategy()._experts_given is None
+    assert ml.Hybrid3DStrategy(experts="fold")._experts_given == "fold"
