@@ -9,6 +9,7 @@ Lightning and meshlight once: same environment variables, failure handling and e
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import select
@@ -17,9 +18,19 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
+def benchmark_modules(*names: str) -> list[ModuleType]:
+    """The scripts ``benchmarks/<name>.py`` as modules (with what they import from that folder at their top)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return [importlib.import_module(name) for name in names]
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+
 ENVIRONMENT = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
 
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.launch import REPO
+from tests.launch import REPO, benchmark_modules
 
 
 def test_cp4_saves_at_most_035_of_the_whole_sequences_bytes_per_rank():
@@ -23,11 +23,9 @@ def test_cp4_saves_at_most_035_of_the_whole_sequences_bytes_per_rank():
 
 def test_the_recorded_cuda_run_matched_the_whole_sequence_with_both_attention_methods():
     # benchmarks/gpu_context_parallel.json: what `benchmarks/context_parallel.py --gpu` printed on a lent H200
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import run_all
-    from common import GPU_CONTEXT
+    run_all, common = benchmark_modules("run_all", "common")
 
-    recorded = json.loads(GPU_CONTEXT.read_text())["gpu"]
+    recorded = json.loads(common.GPU_CONTEXT.read_text())["gpu"]
     for method in ("allgather", "ring"):
         compared = recorded[f"{method}_vs_whole"]
         assert compared["loss_rel"] <= 1e-5 and compared["grad_norm_rel"] <= 1e-5

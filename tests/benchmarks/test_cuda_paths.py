@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from tests.launch import REPO
+from tests.launch import REPO, benchmark_modules
 
 
 def test_the_script_runs_on_cpu_and_the_recorded_cuda_runs_format():
@@ -13,11 +13,9 @@ def test_the_script_runs_on_cpu_and_the_recorded_cuda_runs_format():
                           check=True, capture_output=True, text=True, timeout=300)
     (fp32,) = json.loads(done.stdout)["runs"]
     assert fp32["run"] == "fp32" and fp32["steps_taken"] == 6
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import run_all
-    from common import GPU_CUDA_PATHS
+    run_all, common = benchmark_modules("run_all", "common")
 
-    recorded = json.loads(GPU_CUDA_PATHS.read_text())
+    recorded = json.loads(common.GPU_CUDA_PATHS.read_text())
     runs = {row["run"]: row for row in recorded["runs"]}
     assert runs["fp16"]["max_relative_loss_difference"] <= 2e-2  # fp16 tracks fp32
     assert runs["offload optimizer"]["max_relative_loss_difference"] <= 1e-5  # the same arithmetic, moved

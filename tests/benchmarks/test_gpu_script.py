@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from tests.launch import REPO
+from tests.launch import REPO, benchmark_modules
 
 
 def test_gpu_benchmark_runs_every_variant_and_formats(tmp_path):
@@ -22,11 +22,7 @@ def test_gpu_benchmark_runs_every_variant_and_formats(tmp_path):
     assert speed["command"] == f"python benchmarks/gpu.py --smoke --section speed --out {out}"
     assert memory["command"] == f"python benchmarks/gpu.py --smoke --section memory --out {out}"
     assert result["ratios"]["meshlight / plain fsdp2"] > 0
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import run_all
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    (run_all,) = benchmark_modules("run_all")
     section = run_all.gpu_section(result)
     assert "| meshlight recompute |" in section and "| meshlight / plain fsdp2 |" in section
     threads = memory["variants"]["meshlight offload optimizer"]["host_threads"]  # what the host stepped on
@@ -34,11 +30,7 @@ def test_gpu_benchmark_runs_every_variant_and_formats(tmp_path):
 
 
 def test_gpu_benchmark_merges_only_sections_of_the_same_setup(tmp_path, capsys):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import gpu
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    (gpu,) = benchmark_modules("gpu")
     setup = {"device": "NVIDIA H100", "torch": "2.13.0", "model": {"params": 10, "seq": 2048}}
     out = tmp_path / "gpu.json"
     assert gpu.earlier_summary(out, setup) == {}

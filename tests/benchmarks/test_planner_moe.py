@@ -2,18 +2,11 @@
 run's predicted throughput for its published layout within 25% of the published figure. Runs that miss are strict
 xfails naming the measured ratio and why."""
 
-import sys
-
 import pytest
 
-from tests.launch import REPO
+from tests.launch import benchmark_modules
 
-sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmark's imports of planner.py and common.py
-try:
-    import planner_moe
-    import run_all  # RESULTS.md's sections
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+planner_moe, run_all = benchmark_modules("planner_moe", "run_all")  # run_all: RESULTS.md's sections
 
 _FINE_GRAINED = ("{ratio}: a fine-grained MoE ({experts} experts of width {width}, top-{k}) that Megatron-Bridge ran"
                  " at {mfu} of the bf16 peak; the planner prices every matmul at half the peak whatever its size and"

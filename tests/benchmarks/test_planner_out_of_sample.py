@@ -3,20 +3,12 @@
 figure, and where the run tuned its layout for speed, that layout among the planner's three best. Runs that miss
 are strict xfails naming the measured ratio."""
 
-import sys
-
 import pytest
 
-from tests.launch import REPO
+from meshlight.parallel.planner import HARDWARE
+from tests.launch import benchmark_modules
 
-sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmark's imports of common.py
-try:
-    import planner as planner_benchmark
-    import run_all  # RESULTS.md's sections
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
-
-from meshlight.parallel.planner import HARDWARE  # noqa: E402
+planner_benchmark, run_all = benchmark_modules("planner", "run_all")  # run_all: RESULTS.md's sections
 
 _SMALL = ("compute-bound: the planner's FLOP count leaves out the tied LM head's matmul (counted, the ratio is"
           " {head}), and it prices every matmul at half the dense peak whatever the width, where llm-foundry's run"
