@@ -391,8 +391,8 @@ def _left_whole(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any], hi
 def _unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> Iterator[tuple[str, nn.Module]]:
     """The blocks' modules outside every column→row group, planned module (a style given to a parent covers its
     children; a role names one module: ``replicate`` on a container reaches its Linears through
-    :func:`_left_whole`) and MoE layer (not split by tensor parallelism: refused with a message of their own, in
-    parallelize.py)."""
+    :func:`_left_whole`) and MoE layer (split, or folded, by :mod:`meshlight.parallel.expert_tensor` instead of a
+    plan)."""
     covered = (*_colwise_parents(plan), *(name for name, role in plan.items() if isinstance(role, ParallelStyle)))
     for block_name, block in blocks:
         experts = [_join(block_name, n) for n, m in block.named_modules() if isinstance(m, MoE)]
