@@ -1,6 +1,6 @@
 """A decoder-only transformer (GPT-2 / Llama shapes) written to be split, sharded and pipelined.
 
-The contract every meshlight parallelism relies on (README, "Pipeline parallelism"):
+The contract every meshlight parallelism relies on (docs/guides/pipeline.md):
 
 - ``forward`` is a chain: ``embed → blocks[0] → … → blocks[-1] → norm → head``; each top-level piece's
   output is the next one's first input, so a pipeline stage is this same forward with the pieces it does

@@ -1,7 +1,7 @@
 """Pipeline parallelism: how a model is split into stages, where each stage runs, and the
 ``torch.distributed.pipelining`` schedules.
 
-The model contract (README, "Pipeline parallelism"): the *pipelined module* owns its blocks in a
+The model contract (docs/guides/pipeline.md): the *pipelined module* owns its blocks in a
 ``ModuleList``/``ModuleDict``, each block's output the next one's first input. The pieces with parameters
 registered before the blocks (embeddings) belong to the first stage, those after (norm, head) to the last. The
 *model root* — the module the step calls, holding every parameter — may sit above it with *heads* beside it
@@ -111,7 +111,7 @@ def find_pipelined_module(root: nn.Module) -> tuple[str, nn.Module, str]:
                 return name, module, child_name
     raise PipelineError(
         f"{type(root).__name__} has no blocks in an nn.ModuleList or nn.ModuleDict, which pipeline parallelism"
-        " splits into stages. Keep the transformer layers in one (see README, 'Pipeline parallelism')."
+        " splits into stages. Keep the transformer layers in one (see docs/guides/pipeline.md)."
     )
 
 

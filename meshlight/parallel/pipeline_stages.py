@@ -307,8 +307,8 @@ def check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pla
         raise PipelineError(
             f"{name}.forward is not a chain of its blocks {blocks[0]} … {blocks[-1]}: run with the blocks passing their"
             f" input through, it failed after {done[-1] if done else 'no block'!r} with {type(error).__name__}:"
-            f" {error}. An operation between blocks is not a piece of its own: move it into them (see README,"
-            " 'Pipeline parallelism')."
+            f" {error}. An operation between blocks is not a piece of its own: move it into them (see"
+            " docs/guides/pipeline.md)."
         ) from error
     order = [piece for piece, _ in received]
     early = [piece for piece in order if piece in place.heads]
@@ -321,14 +321,14 @@ def check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pla
     if order != pieces:
         raise PipelineError(
             f"{name}.forward is not a chain of its blocks: it calls {order} but pipelining needs {pieces}, each once"
-            " and in order (see README, 'Pipeline parallelism')."
+            " and in order (see docs/guides/pipeline.md)."
         )
     for (_, before), (piece, value) in zip(received, received[1:]):
         if value is not before:
             raise PipelineError(
                 f"{name}.forward is not a chain: {piece} does not receive the previous piece's output as its first"
                 " argument (an operation between blocks, or an input from before the blocks reused after them)."
-                " Move such operations into the blocks (see README, 'Pipeline parallelism')."
+                " Move such operations into the blocks (see docs/guides/pipeline.md)."
             )
 
 
