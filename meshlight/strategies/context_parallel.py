@@ -29,7 +29,9 @@ class ContextParallelStrategy(MeshStrategy):
     strategy_name = "cp"
 
     def __init__(self, cp: Any = "auto", *, zero: int = 1, attention: str = "allgather", **kwargs: Any) -> None:
-        super().__init__(**data_sizes("auto", zero), cp=1 if cp == "auto" else cp, zero=zero,
+        sizes = data_sizes("auto", zero)  # by name: LightningCLI reads the keywords a subclass passes on
+        super().__init__(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard"],
+                         cp=1 if cp == "auto" else cp, zero=zero,
                          cp_attention=attention, **kwargs)
         self._auto_cp = cp == "auto"
 

@@ -27,8 +27,9 @@ class MoEStrategy(MeshStrategy):
     strategy_name = "moe"
 
     def __init__(self, ep: Union[int, Literal["auto"]] = "auto", *, zero: int = 1, **kwargs: Any) -> None:
-        data_parallel = data_sizes("auto", zero)
-        super().__init__(**data_parallel, ep=1 if ep == "auto" else ep, zero=zero, **kwargs)
+        sizes = data_sizes("auto", zero)  # by name: LightningCLI reads the keywords a subclass passes on
+        super().__init__(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard"],
+                         ep=1 if ep == "auto" else ep, zero=zero, **kwargs)
         self._auto_ep = ep == "auto"
 
     def set_world_ranks(self) -> None:

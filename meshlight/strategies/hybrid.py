@@ -129,7 +129,9 @@ class Hybrid3DStrategy(MeshStrategy):
         self.hardware: Optional[Hardware] = None  # the device it assumed, with the run's precision
         schedule = schedule or "1f1b"
         zero = 1 if zero is None else zero
-        super().__init__(**data_sizes(dp, zero), pp=pp or 1, tp=tp or 1, ep=ep or 1, zero=zero, cp=cp or 1,
+        sizes = data_sizes(dp, zero)  # by name: LightningCLI reads the keywords a subclass passes on
+        super().__init__(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard"],
+                         pp=pp or 1, tp=tp or 1, ep=ep or 1, zero=zero, cp=cp or 1,
                          experts=experts or "auto", schedule=schedule, microbatches=microbatches,
                          virtual_stages=_virtual_stages(schedule, pp or 1, virtual_stages),
                          sequence_parallel=sequence_parallel, keep_gathered_inputs=keep_gathered_inputs is True,

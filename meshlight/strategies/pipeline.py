@@ -43,9 +43,10 @@ class PipelineStrategy(MeshStrategy):
         zero: int = 1,
         **kwargs: Any,
     ) -> None:
-        data_parallel = data_sizes("auto", zero)
+        sizes = data_sizes("auto", zero)  # by name: LightningCLI reads the keywords a subclass passes on
         virtual_stages = virtual_stages or default_virtual_stages(schedule)
-        super().__init__(**data_parallel, pp=1 if pp == "auto" else pp, zero=zero, schedule=schedule,
+        super().__init__(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard"],
+                         pp=1 if pp == "auto" else pp, zero=zero, schedule=schedule,
                          microbatches=microbatches, virtual_stages=virtual_stages, split=split, **kwargs)
         self._auto_pp = pp == "auto"
 

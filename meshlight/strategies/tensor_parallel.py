@@ -44,8 +44,9 @@ class TensorParallelStrategy(MeshStrategy):
         zero: int = 1,
         **kwargs: Any,
     ) -> None:
-        data_parallel = data_sizes("auto", zero)
-        super().__init__(**data_parallel, tp=1 if tp == "auto" else tp, zero=zero, tp_plan=plan,
+        sizes = data_sizes("auto", zero)  # by name: LightningCLI reads the keywords a subclass passes on
+        super().__init__(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard"],
+                         tp=1 if tp == "auto" else tp, zero=zero, tp_plan=plan,
                          sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, **kwargs)
         self._auto_tp = tp == "auto"
 
