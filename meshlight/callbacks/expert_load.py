@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
+from meshlight.callbacks.figures import can_draw, figure_image, load_heatmap_figure
 from meshlight.nn.moe import ExpertLoad, MoE, attach_moe_updates
 from meshlight.strategies.lightning_internals import should_update_logs
 
@@ -30,7 +31,7 @@ class ExpertLoadMonitor(Callback):
     and identical on every rank (under pipelining, gathered from every stage). Every
     ``heatmap_every_n_steps``, each layer's load over the last ``heatmap_window`` steps goes to TensorBoard as
     an image: one row per expert, one column per step, red above an even share, blue below (full colour at 2×
-    and ½×).
+    and ½×) — with axes, a colour bar and the layer's name with matplotlib (``pip install meshlight[plots]``).
 
     Before each training batch every layer's ``aux_gradient_scale`` is set to ``1 / accumulate_grad_batches``,
     the factor Lightning applies to the loss, so gradient accumulation does not strengthen the balancing.
@@ -76,12 +77,16 @@ class ExpertLoadMonitor(Callback):
                 values.update({f"expert_{i}": share for i, share in enumerate(load.fraction.tolist())})
             pl_module.log_dict({f"moe/{name}/{key}": value for key, value in values.items()}, on_step=True,
                                on_epoch=False)
-        if step % self.heatmap_every_n_steps == 0:
-            for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger):
-                    for name, history in self.history.items():
-                        # Lightning files this batch's scalars under step - 1 (its count before this step).
-                        logger.experiment.add_image(f"moe/{name}/load", load_heatmap(history), step - 1)
+        tensorboards = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+        if step % self.heatmap_every_n_steps == 0 and tensorboards:
+            for name, history in self.history.items():
+                # Lightning files this batch's scalars under step - 1 (its count before this step).
+                if can_draw():
+                    image, layout = figure_image(load_heatmap_figure(history, layer=name, last_step=step - 1)), "HWC"
+                else:
+                    image, layout = load_heatmap(history), "CHW"
+                for logger in tensorboards:
+                    logger.experiment.add_image(f"moe/{name}/load", image, step - 1, dataformats=layout)
 
 
 def load_heatmap(history: list[Tensor], cell: int = 8) -> Tensor:

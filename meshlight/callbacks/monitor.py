@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils._pytree import tree_leaves
 
+from meshlight.callbacks.figures import can_draw, figure_image, timeline_figure
 from meshlight.callbacks.pipeline_timeline import pipeline_bubble, render_timeline
 from meshlight.strategies.hybrid import Hybrid3DStrategy
 from meshlight.strategies.mesh import MeshStrategy
@@ -116,17 +118,25 @@ class TrainingMonitor(Callback):
         trainer.strategy.barrier()  # the step ends when the last rank is done
         seconds = time.perf_counter() - self._timeline_started
         start = self._timeline_started
-        events = [(kind, stage, begin - start, end - start) for kind, stage, begin, end in pipeline.timeline]
+        events = [(kind, stage, microbatch, begin - start, end - start)
+                  for kind, stage, microbatch, begin, end in pipeline.timeline]
         pipeline.timeline = None
         ranks = [None] * trainer.world_size
         dist.all_gather_object(ranks, events)
-        loggers = _tensorboards(trainer)
+        bubble = pipeline_bubble(ranks, seconds)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics({"pipeline/bubble": pipeline_bubble(ranks, seconds)}, step=self.timeline_step)
-        for logger in loggers:
-            logger.experiment.add_image("pipeline/timeline", render_timeline(ranks, seconds), self.timeline_step,
-                                        dataformats="HWC")
+                logger.log_metrics({"pipeline/bubble": bubble}, step=self.timeline_step)
+        loggers = _tensorboards(trainer)
+        if loggers:
+            if can_draw():
+                image = figure_image(timeline_figure(ranks, seconds, step=self.timeline_step, bubble=bubble,
+                                                     schedule=pipeline.schedule_name))
+            else:
+                image = render_timeline(ranks, seconds)
+                rank_zero_info("meshlight: pip install meshlight[plots] (matplotlib) labels the pipeline timeline.")
+            for logger in loggers:
+                logger.experiment.add_image("pipeline/timeline", image, self.timeline_step, dataformats="HWC")
 
 
 class ProfileSteps(Callback):

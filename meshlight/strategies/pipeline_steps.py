@@ -182,7 +182,7 @@ class PipelineSteps:
         self._chunks: list[Any] = []
         #: while a list: each stage compute call is appended as (kind "F"/"B"/"W", stage, start, end) in
         #: ``time.perf_counter`` seconds (TrainingMonitor's pipeline timeline)
-        self.timeline: Optional[list[tuple[str, int, float, float]]] = None
+        self.timeline: Optional[list[tuple[str, int, Optional[int], float, float]]] = None
         # Built now so that a microbatch count the schedule cannot run fails before training.
         self._schedule(training=True, signature=None)
 
@@ -318,18 +318,21 @@ class PipelineSteps:
         return self._schedules[key]
 
     def _time_compute(self, stage: PipelineStage) -> None:
-        """Record ``stage``'s compute calls in :attr:`timeline` while it is a list."""
+        """Record ``stage``'s compute calls in :attr:`timeline` while it is a list: kind, stage, microbatch (the
+        chunk id torch's stage methods take first), start and end."""
+        chunk_ids = {"F": "fwd_chunk_id", "B": "bwd_chunk_id", "W": "bwd_chunk_id"}
         for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"), ("W", "backward_weight_one_chunk")):
             method = getattr(stage, name)
 
             def timed(*args: Any, _method: Callable[..., Any] = method, _kind: str = kind, **kwargs: Any) -> Any:
                 if self.timeline is None:
                     return _method(*args, **kwargs)
+                microbatch = args[0] if args else kwargs.get(chunk_ids[_kind])
                 start = time.perf_counter()
                 try:
                     return _method(*args, **kwargs)
                 finally:
-                    self.timeline.append((_kind, stage.stage_index, start, time.perf_counter()))
+                    self.timeline.append((_kind, stage.stage_index, microbatch, start, time.perf_counter()))
 
             setattr(stage, name, timed)
 

@@ -107,8 +107,8 @@ def test_a_heatmap_per_layer_every_n_steps(run):
     _, _, events = run
     images = events.Images("moe/model.blocks.1.mlp/load")
     assert [image.step + 1 for image in images] == [4, 8]  # filed like the scalars
-    # 4 experts × 8 px rows; the second image covers the 8 steps so far, 8 px each.
-    assert (images[-1].height, images[-1].width) == (32, 64)
+    # the labelled figure (tests/callbacks/test_figures.py); its cells are the bare heatmap's
+    assert images[-1].width == 768 and images[-1].height > 100
 
 
 def test_statistics_are_those_of_the_step_just_taken(run):

@@ -72,17 +72,15 @@ def test_rank_zero_tensorboard_shows_the_pipeline_timeline(out):
     import numpy as np
     from PIL import Image
 
-    from meshlight.callbacks.pipeline_timeline import COLORS
+    from meshlight.callbacks.pipeline_timeline import COLORS, IDLE
 
     events = EventAccumulator(str(out / "tb" / "version_0"), size_guidance={"images": 0})
     events.Reload()
     (timeline,) = events.Images("pipeline/timeline")
     image = np.asarray(Image.open(io.BytesIO(timeline.encoded_image_string)).convert("RGB"))
-    assert timeline.step == 2 and image.shape == (2 * 30 + 6, 960, 3)  # one row per rank
-    rows = [image[6 + 30 * rank + 12] for rank in range(2)]  # the middle line of each rank's row
-    for row in rows:  # 1F1B on 2 stages: both ranks ran forward and backward chunks, and idled in between
-        colors = {tuple(pixel) for pixel in row}
-        assert {COLORS["F"], COLORS["B"]} <= colors and (236, 236, 236) in colors
+    assert timeline.step == 2 and image.shape[1] == 960  # the labelled figure (tests/callbacks/test_figures.py)
+    # 1F1B on 2 stages: the ranks ran forward and backward chunks, and idled in between
+    assert {COLORS["F"], COLORS["B"], IDLE} <= {tuple(pixel) for pixel in image.reshape(-1, 3)}
     (bubble,) = events.Scalars("pipeline/bubble")
     assert 0.0 < bubble.value < 1.0
 
