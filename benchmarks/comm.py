@@ -49,13 +49,14 @@ def worker() -> None:
 
     import lightning.pytorch as pl
     import torch
-    from common import bench_config, measuring_trainer_options
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     import meshlight as ml
     from meshlight.demos import LitGPT, RandomTokensDataModule
     from meshlight.parallel import CollectiveTraffic, repeated_blocks
+
+    from common import bench_config, measuring_trainer_options
 
     class ZeroRedundancyGPT(LitGPT):
         def configure_optimizers(self):  # noqa: ANN202
@@ -126,11 +127,12 @@ def worker() -> None:
 
 def expert_parallel_row(world: int, step_traffic: object, tp: int = 1, experts: str = "split") -> dict:
     import lightning.pytorch as pl
-    from common import bench_config
 
     import meshlight as ml
     from meshlight.demos import LitGPT
     from meshlight.nn import MoEConfig
+
+    from common import bench_config
 
     pl.seed_everything(0, verbose=False)
     config = bench_config().replace(moe=MoEConfig(num_experts=8, top_k=2))

@@ -40,12 +40,13 @@ REDUCTIONS = ("all_reduce", "reduce_scatter")
 
 def traffic_worker() -> list[dict[str, Any]]:
     import lightning.pytorch as pl
-    from common import bench_config, measuring_trainer_options
     from lightning.pytorch.callbacks import Callback
 
     import meshlight as ml
     from meshlight.demos import LitGPT, RandomTokensDataModule
     from meshlight.parallel import CollectiveTraffic, GradientCompression
+
+    from common import bench_config, measuring_trainer_options
 
     class StepTraffic(Callback):
         """Counts the collectives of optimizer step ``MEASURED_STEP``, all its micro-batches."""
@@ -145,11 +146,12 @@ def convergence_worker(name: str, powersgd_rank: str, powersgd_start: str, seed:
 
 def activations() -> list[dict[str, Any]]:
     import torch
-    from common import bench_config
     from torch.autograd.graph import saved_tensors_hooks
 
     from meshlight.models import GPT
     from meshlight.parallel.activation_compression import ActivationCompressionPolicy, apply_activation_compression
+
+    from common import bench_config
 
     def saved_bytes(dtype: Any) -> tuple[int, int]:
         """Bytes saved outside compressed blocks (the compressor's hooks see those inside), and inside: compressed."""

@@ -31,12 +31,13 @@ def worker() -> None:
     import os
 
     import lightning.pytorch as pl
-    from common import bench_config, measuring_trainer_options, model_state_bytes
     from lightning.pytorch.callbacks import Callback
 
     import meshlight as ml
     from meshlight.demos import LitGPT, RandomTokensDataModule
     from meshlight.parallel.tensor_plan import derive_plan
+
+    from common import bench_config, measuring_trainer_options, model_state_bytes
 
     class StateProbe(Callback):
         def __init__(self, moment: str) -> None:

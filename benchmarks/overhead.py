@@ -183,7 +183,6 @@ def worker(name: str, rotations: int, steps: int, only: tuple[str, ...] = ()) ->
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
-    from common import measuring_trainer_options
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy as LightningDDP
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -199,6 +198,8 @@ def worker(name: str, rotations: int, steps: int, only: tuple[str, ...] = ()) ->
     from meshlight.demos.lit_gpt import _warmup_cosine
     from meshlight.models import GPTConfig
     from meshlight.nn import MoEConfig
+
+    from common import measuring_trainer_options
 
     strategy = "ddp" if name == "loop" else name  # the engines; "loop" measures them on a tiny model
     moe = MoEConfig(num_experts=4) if strategy == "moe" else None

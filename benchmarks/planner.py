@@ -157,7 +157,6 @@ def worker() -> None:
     import lightning.pytorch as pl
     import torch
     import torch.distributed as dist
-    from common import measuring_trainer_options, model_state_bytes, report
     from lightning.pytorch.callbacks import Callback
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
@@ -166,6 +165,8 @@ def worker() -> None:
     from meshlight.demos import AdditionDataModule, LitGPT
     from meshlight.models import GPTConfig
     from meshlight.parallel.planner import HARDWARE, estimate, model_spec_of, precision_bytes
+
+    from common import measuring_trainer_options, model_state_bytes, report
 
     class Probe(Callback):
         """Peak model-state bytes inside the schedule of step 2, sampled before every module's forward (when

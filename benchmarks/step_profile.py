@@ -22,12 +22,13 @@ def worker() -> None:
 
     import lightning.pytorch as pl
     import torch
-    from common import measuring_trainer_options
     from lightning.pytorch.callbacks import Callback
 
     import meshlight as ml
     from meshlight.demos import LitGPT, RandomTokensDataModule
     from meshlight.models import GPTConfig
+
+    from common import measuring_trainer_options
 
     world = int(os.environ["WORLD_SIZE"])
     config = GPTConfig(vocab_size=256, max_seq_len=128, n_layers=4, n_heads=8, dim=192)

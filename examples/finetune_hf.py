@@ -98,24 +98,26 @@ class LitCausalLM(pl.LightningModule):
     def forward(self, inputs: Tensor) -> Tensor:
         return self.model(input_ids=inputs).logits
 
-    def _step(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    def _step(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """The loss, the logits and the targets in the model's token ids. Under tensor parallelism the training
+        logits are a DTensor sharded over the vocabulary, which F.cross_entropy takes as it is (loss parallelism);
+        in validation they are whole."""
         inputs, targets = batch
-        scored = targets != IGNORE_INDEX
-        targets = torch.where(scored, self.symbols[targets.clamp_min(0)], IGNORE_INDEX)
+        targets = torch.where(targets != IGNORE_INDEX, self.symbols[targets.clamp_min(0)], IGNORE_INDEX)
         logits = self(self.symbols[inputs]).float()
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-        right = (logits.argmax(-1) == targets) | ~scored
-        return loss, right.all(dim=1).float().mean()
+        return loss, logits, targets
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss, _ = self._step(batch)
+        loss, _, _ = self._step(batch)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        loss, accuracy = self._step(batch)
+        loss, logits, targets = self._step(batch)
+        right = (logits.argmax(-1) == targets) | (targets == IGNORE_INDEX)
         self.log("val/loss", loss, sync_dist=True)
-        self.log("val/answer_accuracy", accuracy, prog_bar=True, sync_dist=True)
+        self.log("val/answer_accuracy", right.all(dim=1).float().mean(), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -33,6 +32,8 @@ from meshlight.models import GPTConfig
 from meshlight.nn import MoEConfig
 from meshlight.strategies import resolve_strategy
 
+from common import add_run_arguments, make_trainer
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,21 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dp", type=int, help="3d sizes; default on CPU dp=2, pp=2, tp=2, on GPUs the planner's")
     parser.add_argument("--pp", type=int)
     parser.add_argument("--tp", type=int)
-    parser.add_argument("--devices", type=int,
-                        help="processes (CPU) or GPUs per node (default: dp·pp·tp for 3d on CPU, else 2; all GPUs)")
-    parser.add_argument("--num-nodes", type=int, default=1)
-    parser.add_argument("--accelerator", default="auto", help="cpu, gpu or auto (default)")
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default: 2)")
-    parser.add_argument("--dim", type=int, default=128, help="hidden size (default: 128)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
+    add_run_arguments(parser, out="runs/train_gpt", dim=128, max_steps=500, batch_size=64,
+                      devices_help="dp·pp·tp for 3d on CPU, else 2; all GPUs")
     parser.add_argument("--experts", type=int, default=0, help="mixture-of-experts feed-forwards (default: 0, dense)")
     parser.add_argument("--digits", type=int, default=2, help="digits per operand (default: 2)")
-    parser.add_argument("--max-steps", type=int, default=500)
-    parser.add_argument("--batch-size", type=int, default=64, help="per data-parallel rank (default: 64)")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--val-every", type=int, default=100, help="validate every N training steps")
-    parser.add_argument("--out", type=Path, default=Path("runs/train_gpt"), help="logs and checkpoints")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--grad-compression", choices=("bf16", "fp16", "powersgd"),
                         help="gradients compressed in the data-parallel reductions (powersgd: --strategy ddp)")
     parser.add_argument("--compress-activations", choices=("bf16", "fp8_e4m3"),
@@ -105,18 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     first, last = args.profile_steps or (0, -1)
     profile = [ProfileSteps(steps=range(first, last + 1))] if args.profile_steps else []
     compressed = [ActivationCompression(args.compress_activations)] if args.compress_activations else []
-    trainer = ml.Trainer(
-        strategy=strategy,
-        devices=args.devices,
-        num_nodes=args.num_nodes,
-        accelerator=args.accelerator,
-        max_steps=args.max_steps,
-        val_check_interval=args.val_every,
-        check_val_every_n_epoch=None,
-        log_every_n_steps=10,
-        default_root_dir=args.out,
-        callbacks=[checkpoint, TrainingMonitor(), *profile, *compressed],  # + tokens/s, MFU, step time, memory, layout
-    )
+    # TrainingMonitor: tokens/s, MFU, step time, memory, the layout
+    trainer = make_trainer(args, strategy, args.devices,
+                           callbacks=[checkpoint, TrainingMonitor(), *profile, *compressed])
     start = time.perf_counter()
     trainer.fit(model, data)
     if trainer.is_global_zero:

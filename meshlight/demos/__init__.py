@@ -1,6 +1,6 @@
 """Deterministic synthetic data and a ready LightningModule for examples, tests and benchmarks."""
 
-from meshlight.demos.data import AdditionDataModule, RandomTokensDataModule, SequenceDataModule
+from meshlight.demos.data import AdditionDataModule, CopyDataModule, RandomTokensDataModule, SequenceDataModule
 from meshlight.demos.lit_gpt import LitGPT
 
-__all__ = ["AdditionDataModule", "LitGPT", "RandomTokensDataModule", "SequenceDataModule"]
+__all__ = ["AdditionDataModule", "CopyDataModule", "LitGPT", "RandomTokensDataModule", "SequenceDataModule"]

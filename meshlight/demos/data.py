@@ -121,6 +121,42 @@ class AdditionDataModule(SequenceDataModule):
         return prompt + "".join(self.SYMBOLS[int(t)] for t in reversed(digits))
 
 
+class CopyDataModule(SequenceDataModule):
+    """Copy a random sequence: ``^ x1 … xn x1 … xn`` — the copy can be predicted only by attending ``n`` tokens
+    back, the long-range dependency that context parallelism splits over ranks (a model learns it with an
+    induction head: find the earlier occurrence of the current token, predict what followed it).
+
+    ``seq_len`` (even) is the model's input length, ``n = seq_len / 2``. Only the copy after its first token is
+    scored, so the answer accuracy is exact match of the copied tokens. The vocabulary has 63 random symbols and
+    the start symbol ``^``: 64, even shards under every tp.
+    """
+
+    vocab_size = 64
+
+    def __init__(
+        self,
+        seq_len: int = 1024,
+        *,
+        batch_size: int = 8,
+        train_size: int = 4096,
+        val_size: int = 64,
+        seed: int = 0,
+    ) -> None:
+        if seq_len < 4 or seq_len % 2:
+            raise ValueError(f"seq_len={seq_len}: give an even length of at least 4 (a sequence and its copy).")
+        super().__init__(batch_size=batch_size, train_size=train_size, val_size=val_size, seed=seed)
+        self.seq_len = seq_len
+
+    def generate(self, num_samples: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        n = self.seq_len // 2
+        start = torch.full((num_samples, 1), self.vocab_size - 1)
+        sequence = torch.randint(0, self.vocab_size - 1, (num_samples, n), generator=generator)
+        tokens = torch.cat([start, sequence, sequence], dim=1)
+        inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+        targets[:, : n + 1] = IGNORE_INDEX  # the random half, and the copy's first token (nothing announces it)
+        return inputs, targets
+
+
 class RandomTokensDataModule(SequenceDataModule):
     """Uniformly random token sequences for next-token prediction: throughput and parity, not learning."""
 

@@ -8,7 +8,9 @@ listing. HTML comments right above a block's fence (invisible on the rendered pa
 
 Python blocks run after the preamble the guides promise (docs/getting-started.md, "The snippets in these
 guides"): each block as a script of its own when it trains (calls ``fit``), the others together in one process,
-each in a fresh namespace. Bash blocks run in ``bash -e`` with the virtual environment's commands on the PATH.
+each in a fresh namespace. Bash blocks run in ``bash -e`` from the repository's root, as the guides' commands
+are written, with the virtual environment's commands on the PATH and ``$DOCS_TMP`` a fresh folder. YAML blocks
+must parse.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-LANGUAGES = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "text": None}
+LANGUAGES = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "yaml": "yaml", "text": None}
 
 PREAMBLE = '''\
 import lightning as L
@@ -67,7 +69,7 @@ class Block:
 
     @property
     def kind(self) -> str | None:
-        """'python', 'bash' or None (not code); KeyError for a language the test does not know."""
+        """'python', 'bash', 'yaml' or None (not code); KeyError for a language the test does not know."""
         return LANGUAGES[self.language]
 
     @property
