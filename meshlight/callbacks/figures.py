@@ -2,7 +2,7 @@
 
 They need matplotlib (``pip install meshlight[plots]``); without it the callbacks fall back to unlabelled
 images (:func:`~meshlight.callbacks.pipeline_timeline.render_timeline`,
-:func:`~meshlight.callbacks.expert_load.load_heatmap`) and say once how to get these. Figures are drawn on
+:func:`~meshlight.callbacks.expert_load.load_heatmap`); TrainingMonitor says how to get these. Figures are drawn on
 matplotlib's Agg canvas directly, never through pyplot: no global state, no display needed.
 """
 
@@ -88,8 +88,7 @@ def timeline_figure(ranks: Sequence[Sequence[Event]], step_seconds: float, *, st
     axes.set_title(title, fontsize=10)
     handles = [Patch(color=_rgb(COLORS[kind]), label=KIND_NAMES[kind]) for kind in "FBW" if kind in kinds_seen]
     handles.append(Patch(color=_rgb(IDLE), label="idle (waiting for another stage)"))
-    axes.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(ranks) < 3 else -0.2),
-                ncol=len(handles), fontsize=8, frameon=False)
+    figure.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, frameon=False)
     return figure
 
 

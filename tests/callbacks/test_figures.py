@@ -29,7 +29,7 @@ def test_timeline_names_ranks_stages_time_kinds_and_microbatches():
     assert "ms" in axes.get_xlabel() and axes.get_xlim() == pytest.approx((0, 16))
     title = axes.get_title()
     assert "optimizer step 5" in title and "1f1b" in title and f"{bubble:.0%}" in title
-    legend = [text.get_text() for text in axes.get_legend().get_texts()]
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
     assert legend == ["forward", "backward", "idle (waiting for another stage)"]
     assert sorted(text.get_text() for text in axes.texts) == ["0", "0", "0", "0", "1", "1", "1", "1"]
     image = figure_image(figure)
