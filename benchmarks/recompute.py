@@ -2,11 +2,11 @@
 backward (distinct storages autograd holds when the forward ends, parameters excluded) and forward+backward
 time, without and with recomputation of every block (``ActivationCheckpointing()``) and of every second block.
 
-Interleaved rounds in one process, each running every variant once in rotating order: the median step of each
-variant, and its time ÷ no recomputation as the median over rounds of that ratio within a round (paired in time,
-so drift cancels), with the lowest and highest round's.
+Interleaved rounds in one process, each running every variant ``--steps`` times in rotating order: the median
+step of each variant, and its time ÷ no recomputation as the median over rounds of that ratio within a round (the
+variants' mean steps, paired in time, so drift cancels), with the lowest and highest round's.
 
-    python benchmarks/recompute.py [--seq 128] [--batch 1] [--rounds 3]      # prints JSON
+    python benchmarks/recompute.py [--seq 128] [--batch 1] [--rounds 3] [--steps 1]      # prints JSON
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=1, help="steps of each variant per round (their mean counts)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -68,8 +69,11 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(models)[round_ % len(models):] + list(models)[: round_ % len(models)]
         for name in order:
-            seconds, saved[name] = step(models[name])
-            times[name].append(seconds)
+            seconds = []
+            for _ in range(args.steps):
+                elapsed, saved[name] = step(models[name])
+                seconds.append(elapsed)
+            times[name].append(statistics.fmean(seconds))
     base_bytes = saved["none"]
     rows = []
     for name in models:
@@ -77,7 +81,7 @@ def main() -> None:
         rows.append({"recompute": name, "activation_bytes": saved[name], "activation_ratio": saved[name] / base_bytes,
                      "step_seconds": statistics.median(times[name]), "time_ratio": statistics.median(ratios),
                      "time_ratio_range": [min(ratios), max(ratios)]})
-    print(json.dumps({"model": "GPT-2 small (124M)", "seq": args.seq, "batch": args.batch,
+    print(json.dumps({"model": "GPT-2 small (124M)", "seq": args.seq, "batch": args.batch, "steps": args.steps,
                       "threads": torch.get_num_threads(), "rows": rows}, indent=1))
 
 

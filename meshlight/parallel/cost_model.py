@@ -21,8 +21,8 @@
   What the ``Offload`` callback moves out (optimizer state with the master shards and their gradients, the
   offloaded activations) must fit the device's share of host memory, as the rest must fit the device.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak for the run's matmuls
-  (:attr:`Hardware.compute_flops`: 16-bit, or fp32 as torch's float32 matmul precision runs it; recomputation
-  adds a forward), stretched by the pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives
+  (:attr:`Hardware.compute_flops`: 16-bit, or fp32 as torch's float32 matmul precision runs it; a head tied to the
+  embedding counted, :meth:`ModelSpec.executed_flops_per_token`; recomputation adds a forward), stretched by the pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives
   of the activations per layer and micro-batch, 6 with recomputation) not overlapped; pipeline p2p; data
   parallel traffic (2·P, 3·P for ZeRO-3 less the root unit — embedding and head, kept gathered from forward to
   backward without pipelining — parameters gathered again for every micro-batch under ZeRO-3 and,
@@ -224,7 +224,8 @@ def estimate(
     activations += 2 * local * micro_batch * model.vocab * 4 / tp
     # --- time
     tokens = global_batch * s
-    flops = tokens * (model.flops_per_token() + (model.recompute_flops_per_token() if recompute else 0)) / world
+    recomputed = model.recompute_flops_per_token() if recompute else 0
+    flops = tokens * (model.executed_flops_per_token() + recomputed) / world
     compute = flops / (hw.compute_flops * ACHIEVABLE_FRACTION)
     bubble = compute * (pp - 1) / (microbatches * virtual_stages) if pp > 1 else 0.0
     activation = local * micro_batch * h * hw.activation_bytes
@@ -324,8 +325,8 @@ def _host_time(model: ModelSpec, hw: Hardware, world: int, compute: float, recom
     if not moved and not shard:
         return 0.0
     master = shard / 4
-    forward_share = model.flops_per_token() / 3 / (
-        model.flops_per_token() + (model.recompute_flops_per_token() if recompute else 0.0))
+    forward_share = model.executed_flops_per_token() / 3 / (
+        model.executed_flops_per_token() + (model.recompute_flops_per_token() if recompute else 0.0))
     forward = max(moved, gathers * master) / hw.host_bandwidth
     backward = max(moved + regathers * (master - kept / 4), master) / hw.host_bandwidth
     accumulating = (reductions - 1) * master / hw.host_bandwidth

@@ -118,6 +118,11 @@ class ModelSpec:
         """Training FLOPs per token, the PaLM/torchtitan MFU convention (as :meth:`GPT.flops_per_token`)."""
         return 6 * self.active_params + 12 * self.layers * self.heads * self.head_dim * self.seq_len
 
+    def executed_flops_per_token(self) -> float:
+        """What a training step computes per token: :meth:`flops_per_token`, whose convention leaves out a head tied
+        to the token embedding (its weight is the embedding's), plus that head's matmul, which runs all the same."""
+        return self.flops_per_token() + (6 * self.vocab * self.hidden if self.tie_embeddings else 0)
+
     def recompute_flops_per_token(self) -> float:
         """The forward again, with full activation recomputation."""
         return 2 * self.active_params + 4 * self.layers * self.heads * self.head_dim * self.seq_len
