@@ -22,8 +22,9 @@
   offloaded activations) must fit the device's share of host memory, as the rest must fit the device.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak for the run's matmuls
   (:attr:`Hardware.compute_flops`: 16-bit, or fp32 as torch's float32 matmul precision runs it; a head tied to the
-  embedding counted, :meth:`ModelSpec.executed_flops_per_token`; recomputation adds a forward), stretched by the pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives
-  of the activations per layer and micro-batch, 6 with recomputation) not overlapped; pipeline p2p; data
+  embedding counted, :meth:`ModelSpec.executed_flops_per_token`; recomputation adds a forward), stretched by the
+  pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives of the activations per layer and
+  micro-batch, 6 with recomputation) not overlapped; pipeline p2p; data
   parallel traffic (2·P, 3·P for ZeRO-3 less the root unit — embedding and head, kept gathered from forward to
   backward without pipelining — parameters gathered again for every micro-batch under ZeRO-3 and,
   without pipelining, gradients reduce-scattered per micro-batch under ZeRO-2) overlapped with backward compute

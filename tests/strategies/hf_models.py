@@ -11,17 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS = 16, 64, 8, 4, 128, 4
+VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS = 16, 64, 8, 4, 128, 2
+#: layers of the ``-deep`` models: an interleaved pipeline of 2 ranks × 2 virtual stages needs a layer for each
+DEEP_LAYERS = 4
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "litgpt")
 MOE_FAMILIES = ("mixtral", "qwen3_moe")  # 4 experts, top-2, in every layer
 
 
-def hf_config(family: str, vocab: int = VOCAB) -> Any:
-    """A tiny config of ``family``: 4 layers, no dropout; GQA (8 query, 4 key/value heads) and an untied head, except
-    GPT-2 (8 heads, its head tied to the token embedding)."""
+def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
+    """A tiny config of ``family``: ``layers`` layers, no dropout; GQA (8 query, 4 key/value heads) and an untied
+    head, except GPT-2 (8 heads, its head tied to the token embedding)."""
     import transformers
 
-    common = dict(vocab_size=vocab, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=LAYERS,
+    common = dict(vocab_size=vocab, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=layers,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
                   tie_word_embeddings=False, attention_dropout=0.0, use_cache=False)
     if family == "llama":
@@ -33,11 +35,11 @@ def hf_config(family: str, vocab: int = VOCAB) -> Any:
     if family == "qwen3":  # QK-norm, an explicit head_dim
         return transformers.Qwen3Config(**common, head_dim=DIM // HEADS)
     if family == "gpt2":  # Conv1D, a fused q|k|v, learned positions, the head tied to the token embedding
-        return transformers.GPT2Config(vocab_size=vocab, n_embd=DIM, n_layer=LAYERS, n_head=HEADS, n_inner=HIDDEN,
+        return transformers.GPT2Config(vocab_size=vocab, n_embd=DIM, n_layer=layers, n_head=HEADS, n_inner=HIDDEN,
                                        n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                        use_cache=False)
     if family == "gpt_neox":  # a fused q|k|v held head by head, which its published tensor-parallel plan says
-        return transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=LAYERS,
+        return transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers,
                                           num_attention_heads=HEADS, intermediate_size=HIDDEN, use_cache=False,
                                           max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0)
     moe = dict(num_experts_per_tok=2, output_router_logits=False)
@@ -49,12 +51,12 @@ def hf_config(family: str, vocab: int = VOCAB) -> Any:
     raise ValueError(f"family={family!r}: choose one of {FAMILIES + MOE_FAMILIES}")
 
 
-def litgpt_model(vocab: int = VOCAB) -> Any:
+def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS) -> Any:
     """litgpt's GPT in a Llama configuration: a fused q|k|v for grouped queries, RMSNorm, SwiGLU, rotary."""
     from litgpt.config import Config
     from litgpt.model import GPT
 
-    return GPT(Config(n_layer=LAYERS, n_head=HEADS, n_query_groups=KV_HEADS, n_embd=DIM, vocab_size=vocab,
+    return GPT(Config(n_layer=layers, n_head=HEADS, n_query_groups=KV_HEADS, n_embd=DIM, vocab_size=vocab,
                       padded_vocab_size=vocab, block_size=64, bias=False, norm_class_name="RMSNorm",
                       mlp_class_name="LLaMAMLP", intermediate_size=HIDDEN, rotary_percentage=1.0,
                       parallel_residual=False))
@@ -76,7 +78,7 @@ class LitCausalLM(pl.LightningModule):
     sample."""
 
     def __init__(self, family: str, lr: float = 1e-2, optimizer: str = "adamw", vocab: int = VOCAB,
-                 aux_loss: float = 0.0, data_shards: int = 1) -> None:
+                 aux_loss: float = 0.0, data_shards: int = 1, layers: int = LAYERS) -> None:
         super().__init__()
         import transformers
 
@@ -84,9 +86,9 @@ class LitCausalLM(pl.LightningModule):
         self.aux_loss, self.data_shards = aux_loss, data_shards
         torch.manual_seed(0)
         if family == "litgpt":
-            self.model = litgpt_model(vocab)
+            self.model = litgpt_model(vocab, layers)
         else:
-            config = hf_config(family, vocab)
+            config = hf_config(family, vocab, layers)
             if aux_loss:
                 config.output_router_logits, config.router_aux_loss_coef = True, aux_loss
             self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -125,11 +127,14 @@ class LitCausalLM(pl.LightningModule):
 
 def lit_causal_lm(name: str, data_shards: int = 1) -> LitCausalLM:
     """The parity model called ``name``: a family (``"llama"``), a family with a vocabulary of its own
-    (``"llama-vocab61"``), or an MoE family with its load-balancing loss on (``"mixtral-aux"``: coefficient 0.02),
-    with the family's :func:`training_options`; ``data_shards``: see :class:`LitCausalLM`."""
+    (``"llama-vocab61"``), an MoE family with its load-balancing loss on (``"mixtral-aux"``: coefficient 0.02), or a
+    family with :data:`DEEP_LAYERS` layers (``"llama-deep"``), with the family's :func:`training_options`;
+    ``data_shards``: see :class:`LitCausalLM`."""
+    deep = name.endswith("-deep")
+    name = name.removesuffix("-deep")
     name, _, vocab = name.partition("-vocab")
     family, aux, _ = name.partition("-aux")
     # with the load-balancing loss, AdamW at 1e-2 leaves float noise at 1.1e-4 in some weights; at 3e-3 it stays below
     options = {"lr": 3e-3} if aux else training_options(family)
     return LitCausalLM(family, **options, vocab=int(vocab or VOCAB), aux_loss=0.02 if aux else 0.0,
-                       data_shards=data_shards)
+                       data_shards=data_shards, layers=DEEP_LAYERS if deep else LAYERS)

@@ -28,15 +28,17 @@ LAYOUTS = {
     "ddp": (lambda: "ddp", 2, 2, FAMILIES),
     "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, FAMILIES),
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1, FAMILIES),
+    # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models)
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
-                                                    microbatches=4), 2, 1, FAMILIES),
-    "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=4), 8, 2, FAMILIES),
-    "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=4), 8, 2, MOE_FAMILIES),
+                                                    microbatches=4), 2, 1, tuple(f"{f}-deep" for f in FAMILIES)),
+    # one microbatch per stage: the schedules' microbatch counts are tested in test_pipeline.py
+    "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=2), 8, 2, FAMILIES),
+    "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=2), 8, 2, MOE_FAMILIES),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
     "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2)
     "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2, (*MOE_FAMILIES, "mixtral-aux", "qwen3_moe-aux")),
-    "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=4), 4, 2, MOE_FAMILIES),
+    "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=2), 4, 2, MOE_FAMILIES),
 }
 
 

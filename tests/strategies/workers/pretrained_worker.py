@@ -34,7 +34,7 @@ LAYOUTS = {
     "zero3-meta": (lambda: ml.ZeroStrategy(stage=3), 2, 2),
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1),
     "pp2": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1),
-    "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=4), 8, 2),
+    "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=2), 8, 2),
 }
 #: the tokens the exported models' logits are compared on
 PROBE = torch.arange(32).reshape(2, 16) % 16
