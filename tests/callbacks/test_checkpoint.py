@@ -411,9 +411,8 @@ def resharded(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("reshard")
     worker = Path(reshard_worker.__file__)
-    for kill in ("kill", "kill-dropout"):
-        killed = torchrun(worker, 8, kill, str(root), timeout=600, check=False)
-        assert killed.returncode != 0, "the 3-D run was meant to be killed after step 12"
+    killed = torchrun(worker, 8, "kill", str(root), timeout=600, check=False)
+    assert killed.returncode != 0, "the 3-D run was meant to be killed after step 12"
     started = time.monotonic()
     torchrun(worker, 8, "term", str(root), str(root / "term.pt"), timeout=300)  # before: hung until killed
     term_seconds = time.monotonic() - started
@@ -432,18 +431,12 @@ def resharded(tmp_path_factory) -> dict:
     return results
 
 
-def test_resume_after_sigkill_reproduces_every_loss_bitwise_under_dp2_pp2_tp2(resharded):
-    full, resumed = resharded["3d"]["losses"], resharded["3d"]["resumed"]
-    first = min(resumed)  # from step 10, or step 5 if step 10's background write was still in flight
-    assert first in (6, 11) and sorted(resumed) == list(range(first, 21)), sorted(resumed)
-    assert {step: full[step] for step in resumed} == resumed  # exact float equality
-
-
 def test_resume_after_sigkill_with_dropout_reproduces_every_loss_bitwise_under_dp2_pp2_tp2(resharded):
     # every random stream — data ranks', pipeline stages', and the tp ranks' own inside the blocks under sequence
-    # parallelism — continues where the uninterrupted run had it
+    # parallelism — continues where the uninterrupted run had it (the run is killed with dropout on only: a resume
+    # exact with every stream in use is exact without; the SIGTERM and requeue resumes below are dropout-free)
     full, resumed = resharded["3d"]["dropout losses"], resharded["3d"]["dropout resumed"]
-    first = min(resumed)
+    first = min(resumed)  # from step 10, or step 5 if step 10's background write was still in flight
     assert first in (6, 11) and sorted(resumed) == list(range(first, 21)), sorted(resumed)
     assert {step: full[step] for step in resumed} == resumed  # exact float equality
     assert full != resharded["3d"]["losses"]  # dropout was on

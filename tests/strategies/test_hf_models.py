@@ -3,9 +3,9 @@ Qwen2 (q/k/v biases), Qwen3 (QK-norm, an explicit head_dim) and GPT-2 (Conv1D, a
 its head tied to the token embedding), and litgpt's GPT (a fused q|k|v for grouped queries, its blocks in a
 ModuleDict namespace the root's forward runs) — matches one process's training within 1e-4 over 20 steps, under
 tensor (+ sequence) parallelism, data parallelism, pipeline parallelism (1F1B and interleaved, the LM head beside the
-module holding the layers) and all three; and Mixtral and Qwen3-MoE under expert parallelism, with and without
-pipelining, and under tensor parallelism (their attention split), also with dp and pp. One launch per process
-count."""
+module holding the layers) and (Llama, Qwen3, GPT-2 and litgpt) all three; and Mixtral and Qwen3-MoE under expert
+parallelism, with and without pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also with
+dp and pp. One launch per process count."""
 
 from pathlib import Path
 
@@ -47,7 +47,7 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     """tp2: tensor parallelism with sequence parallelism on 2 processes (the fused q|k|v of GPT-2 and litgpt split
     part by part; GPT-2 also with a vocabulary of 61, split 31 + 30); ddp and zero3: 2 data replicas; pp2-*: two
     pipeline stages (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence parallel) on 8 processes (3d-moe:
-    the MoE models, ep=1, their routers and experts whole on each tp rank);
+    Qwen3-MoE, ep=1, its routers and experts whole on each tp rank);
     tp2-loss-parallel: a vocabulary of 61, which tp=2 splits 31 + 30, the logits left split for the loss;
     3d-planned: Hybrid3DStrategy() with no sizes, planned from each config; ep2 and
     dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (ep2 also with their

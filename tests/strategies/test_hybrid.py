@@ -1,6 +1,6 @@
 """Hybrid 3-D parallelism reproduces single-process training: (dp, pp, tp) = (1, 2, 2) and (2, 2, 1) on 4
 processes and (2, 2, 2) on 8, each with ZeRO-1 and ZeRO-3 and under 1F1B and Interleaved1F1B (4-block GPT; two
-runs per layout, on 8 the ZeRO-1 one with biases), and an MoE GPT under
+runs per layout, on 8 the ZeRO-1 one with biases and the ZeRO-3 one the head_dim Llama below), and an MoE GPT under
 dp=2 × pp=2 × ep=2, and strategy="3d" with no sizes on 4 processes — logged losses and final weights within 1e-4
 over 20 steps; models that read the sequence length on every pipeline stage (rotary GPT, a user-written Llama)
 under pp=2 × tp=2 with sequence parallelism, and a Llama with modules outside its blocks that no tensor-parallel role

@@ -1,7 +1,7 @@
-"""Pipeline parallelism reproduces single-process training inside Lightning's own loop: every schedule
-torch 2.13 runs, pp = 2 and 4, microbatches 4 and 8, pp=2 × dp=2 (DDP, ZeRO-1/2/3),
-accumulate_grad_batches=2 and gradient clipping by the norm over all stages — logged losses and final weights
-of an 8-block GPT within 1e-4 over 20 steps."""
+"""Pipeline parallelism reproduces single-process training inside Lightning's own loop: every schedule torch 2.13
+runs, pp = 2 and 4, microbatches 4 and 8 (at pp=4, 8 for DualPipeV and InterleavedZeroBubble), pp=2 × dp=2 (DDP,
+ZeRO-1/2/3), accumulate_grad_batches=2 and gradient clipping by the norm over all stages — logged losses and final
+weights of an 8-block GPT within 1e-4 over 20 steps."""
 
 from pathlib import Path
 

@@ -1,9 +1,8 @@
 """torchrun worker: 3-D training under (dp, pp, tp) = (2, 2, 2) resumes exactly after a SIGKILL and after a
 SIGTERM, and its checkpoint resumes under other layouts.
 
-    kill DIR            8 processes: train under "3d" with asynchronous checkpoints every 5 steps into DIR/killed;
-                        every rank SIGKILLs itself right after step 12
-    kill-dropout DIR    the same with dropout 0.1, into DIR/killed-dropout
+    kill DIR            8 processes: train under "3d" with dropout 0.1 and asynchronous checkpoints every 5 steps
+                        into DIR/killed; every rank SIGKILLs itself right after step 12
     term DIR OUT        8 processes: the same into DIR/term, but rank 5 alone sends itself SIGTERM as the batch of
                         step 7 starts; then validate, rank 5 sending itself SIGTERM as validation batch 7 (of 28)
                         starts; rank 0 writes each rank's (exception raised, global step or validation batch then)
@@ -12,17 +11,18 @@ SIGTERM, and its checkpoint resumes under other layouts.
                         sends itself SIGUSR1 as the batch of step 7 starts; default_root_dir DIR/requeue, no
                         checkpoint callback. Rank 0 writes each rank's (exception raised, global step then)
     save DIR OUT        8 processes: train 20 steps uninterrupted (synchronous checkpoints every 5 steps, all
-                        kept, into DIR/full), then fit(ckpt_path="last") from DIR/killed and from DIR/term to step
-                        20; then, as the requeued SLURM job, fit without ckpt_path in DIR/requeue. Rank 0 writes
-                        the full weights at step 10, the uninterrupted losses and those of the steps resumed after
-                        the SIGKILL, the SIGTERM and the requeue
+                        kept, into DIR/full), then fit(ckpt_path="last") from DIR/term to step 20; then, as the
+                        requeued SLURM job, fit without ckpt_path in DIR/requeue; then 20 steps uninterrupted with
+                        dropout and fit(ckpt_path="last") from DIR/killed. Rank 0 writes the full weights at step
+                        10, the uninterrupted losses (with and without dropout) and those of the steps resumed after
+                        the SIGTERM, the requeue and the SIGKILL
     resume DIR OUT NAME resume DIR/full's step-10 checkpoint under NAME (ddp, zero3 or single) to step 15; rank 0
                         writes the full weights right after loading and the losses of steps 11–15
 
-Epochs are 8 steps long (as in resume_worker), so step 10 is mid-epoch. Dropout is off: the losses of a run
+Epochs are 8 steps long (as in resume_worker), so step 10 is mid-epoch. Dropout is off — the losses of a run
 resumed under another layout are compared with the 3-D run's, and every layout draws its own dropout masks — except
-in "kill-dropout" (as "kill", into DIR/killed-dropout, dropout 0.1), whose resume "save" also runs and compares with
-an uninterrupted run with dropout.
+in the killed run and the uninterrupted one it is compared with: with every random stream in use, a resume that is
+exact with dropout is exact without it (the SIGTERM and requeue resumes, dropout-free, check that too).
 """
 
 import os
@@ -144,11 +144,8 @@ def train(name: str, checkpoint: DistributedCheckpoint = None, *, stop_after: in
 
 def main(mode: str, directory: Path, out: str = "", name: str = "3d") -> None:
     if mode == "kill":
-        train("3d", DistributedCheckpoint(directory / "killed", every_n_train_steps=EVERY, keep_last_k=2), kill=True)
-        return
-    if mode == "kill-dropout":
-        train("3d", DistributedCheckpoint(directory / "killed-dropout", every_n_train_steps=EVERY, keep_last_k=2),
-              kill=True, dropout=DROPOUT)
+        train("3d", DistributedCheckpoint(directory / "killed", every_n_train_steps=EVERY, keep_last_k=2), kill=True,
+              dropout=DROPOUT)
         return
     if mode == "term":
         term, validated = SignalAt(), SignalAt()
@@ -178,8 +175,6 @@ def main(mode: str, directory: Path, out: str = "", name: str = "3d") -> None:
     elif mode == "save":
         losses, weights = train("3d", DistributedCheckpoint(directory / "full", every_n_train_steps=EVERY,
                                                             save_top_k=-1, async_save=False))
-        resumed, _ = train("3d", DistributedCheckpoint(directory / "killed", every_n_train_steps=EVERY, keep_last_k=2),
-                           ckpt_path="last")
         after_term, _ = train("3d", DistributedCheckpoint(directory / "term", every_n_train_steps=EVERY),
                               ckpt_path="last")
         with slurm_job(directory):
@@ -187,9 +182,9 @@ def main(mode: str, directory: Path, out: str = "", name: str = "3d") -> None:
         # with dropout: every random stream (data ranks', pipeline stages', tensor ranks' under sequence
         # parallelism) continues where the uninterrupted run had it
         dropped, _ = train("3d", dropout=DROPOUT)
-        resumed_dropped, _ = train("3d", DistributedCheckpoint(directory / "killed-dropout", every_n_train_steps=EVERY,
+        resumed_dropped, _ = train("3d", DistributedCheckpoint(directory / "killed", every_n_train_steps=EVERY,
                                                                keep_last_k=2), ckpt_path="last", dropout=DROPOUT)
-        result = {"weights": weights, "losses": losses, "resumed": resumed, "resumed_after_term": after_term,
+        result = {"weights": weights, "losses": losses, "resumed_after_term": after_term,
                   "resumed_after_requeue": after_requeue, "dropout losses": dropped,
                   "dropout resumed": resumed_dropped}
     else:

@@ -42,14 +42,16 @@ MODELS = {"gpt": (lit_gpt, None), "gpt-tied": (functools.partial(lit_gpt, tie_em
 
 
 def runs(world: int) -> list[tuple[str, str, bool, str]]:
-    """(layout, model, sequence_parallel, variant) for this world size: on 2 every model, with and without sequence
-    parallelism (the tied and nanoGPT models with it); on 4 (a run there costs about twice one on 2) tp=4 where the
-    split widths change — the plain GPT both ways, the Llama and its gate with sequence parallelism — and tp=2 × dp=2
-    once for each way of composing with data parallelism: the GPT, tied, nanoGPT and QK-norm Llama with sequence
-    parallelism, the Llama without, and clipping and Adafactor over 2-D shards."""
+    """(layout, model, sequence_parallel, variant) for this world size: on 2 every model with sequence parallelism,
+    and without it the GPT and the automatically planned Llama (what sequence parallelism adds to a plan is what
+    differs from model to model: the dict plan, the gate, the QK-norm, the modules outside the blocks); on 4 (a run
+    there costs about twice one on 2) tp=4 where the split widths change — the plain GPT both ways, the Llama and
+    its gate with sequence parallelism — and tp=2 × dp=2 once for each way of composing with data parallelism: the
+    GPT, tied, nanoGPT and QK-norm Llama with sequence parallelism, the Llama without, and clipping and Adafactor
+    over 2-D shards."""
     if world == 2:
         grid = [("tp2", model, sp, "adamw") for model in MODELS for sp in (True, False)
-                if model != "llama-configure-model" and (model not in ("gpt-tied", "nanogpt") or sp)]
+                if model != "llama-configure-model" and (model in ("gpt", "llama-auto") or sp)]
         # sequence parallelism is the user's business here; their plan has none
         grid.append(("tp2", "llama-configure-model", False, "adamw"))
         # norms left plain beside DTensor weights, nothing sharding them over data ranks: multi-tensor AdamW
