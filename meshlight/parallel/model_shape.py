@@ -49,7 +49,10 @@ class ModelShapeError(ValueError):
 class ModelShape:
     """A decoder-only transformer's shape as its structure tells it. ``heads``, ``kv_heads`` and ``head_dim`` are
     None where no attention module names its head count or ``head_dim``; ``mlp_width`` is the widest projection
-    out of the hidden state that is not the hidden size (the experts' width where that is wider)."""
+    out of the hidden state that is not the hidden size (the experts' width where that is wider); ``gated_mlp``:
+    two projections read the hidden state into that width (SwiGLU's gate and up), not one (GPT-2's), None where no
+    Linear does (experts stacked as parameters); ``tied_head``: the LM head's weight is the token embedding's (one
+    parameter)."""
 
     blocks: int
     hidden: int
@@ -61,6 +64,8 @@ class ModelShape:
     experts: int = 0
     top_k: int = 1
     moe_layers: int = 0
+    gated_mlp: Optional[bool] = None
+    tied_head: bool = False
 
 
 def model_shape(module: nn.Module) -> ModelShape:
@@ -81,12 +86,14 @@ def model_shape(module: nn.Module) -> ModelShape:
     widths = [width[1] for m in blocks[0].modules()
               if (width := linear_widths(m)) and width[0] == hidden and width[1] != hidden]
     widths += [moe.config.hidden_dim for moe in moes[:1]]
+    mlp_width = max(widths, default=4 * hidden)
     return ModelShape(
         blocks=len(blocks), hidden=hidden, heads=heads, kv_heads=kv_heads,
         head_dim=(head_dim_of(attention) or hidden // heads) if attention else None,
-        mlp_width=max(widths, default=4 * hidden),
+        mlp_width=mlp_width, gated_mlp=mlp_gated(blocks, hidden, mlp_width),
         vocab=max((m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)), default=0),
         experts=moes[0].num_experts if moes else 0, top_k=moes[0].top_k if moes else 1, moe_layers=len(moes),
+        tied_head=head_tied(module),
     )
 
 
@@ -111,9 +118,26 @@ def config_shape(module: nn.Module) -> Optional[ModelShape]:
             head_dim=stated("head_dim", "head_size", default=hidden // heads), mlp_width=mlp_width,
             vocab=stated("padded_vocab_size", "vocab_size", default=0), experts=experts,
             top_k=stated("num_experts_per_tok", "n_expert_per_token", default=1) if experts else 1,
-            moe_layers=layers if experts else 0,
+            moe_layers=layers if experts else 0, tied_head=head_tied(module),
+            gated_mlp=mlp_gated(repeated_blocks(module), hidden, mlp_width),
         )
     return None
+
+
+def mlp_gated(blocks: Sequence[nn.Module], hidden: int, width: int) -> Optional[bool]:
+    """Whether the first of ``blocks`` reads the ``hidden`` state into the MLP's ``width`` by two projections (a
+    gate and up: SwiGLU's three matrices) or by one (GPT-2's two); None where none does (no blocks, experts stacked
+    as parameters, a fused gate|up)."""
+    readers = [m for m in blocks[:1] for m in m.modules() if linear_widths(m) == (hidden, width)]
+    return len(readers) > 1 if readers else None
+
+
+def head_tied(module: nn.Module) -> bool:
+    """Whether a linear projection of ``module`` (its LM head) holds an Embedding's weight as its own: the parameter
+    itself, as ``tie_word_embeddings`` and ``head.weight = embedding.weight`` leave it (a config's flag is not read:
+    the structure is what trains)."""
+    tables = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    return any(id(m.weight) in tables for m in module.modules() if isinstance(m, nn.Linear))
 
 
 def _stated(config: object, *names: str, default: Optional[int] = None) -> Optional[int]:

@@ -140,13 +140,14 @@ class ModelSpec:
     @classmethod
     def from_shape(cls, shape: ModelShape, seq_len: Optional[int] = None, name: str = "model") -> ModelSpec:
         """The planner's view of a shape read from a model's structure (:func:`~meshlight.parallel.model_shape.
-        model_shape`); heads 64 wide where no attention names its head count or ``head_dim``."""
+        model_shape`); heads 64 wide where no attention names its head count or ``head_dim``, SwiGLU where the
+        structure does not show the MLP's projections."""
         heads = shape.heads or max(shape.hidden // 64, 1)
         return cls(layers=shape.blocks, hidden=shape.hidden, heads=heads, kv_heads=shape.kv_heads or heads,
                    ffn_hidden=shape.mlp_width, vocab=shape.vocab, seq_len=seq_len or 2048, experts=shape.experts,
                    top_k=shape.top_k, moe_every=max(shape.blocks // shape.moe_layers, 1) if shape.moe_layers else 1,
-                   name=name, head_size=shape.head_dim if shape.head_dim and shape.head_dim * heads != shape.hidden
-                   else 0)
+                   tie_embeddings=shape.tied_head, swiglu=shape.gated_mlp is not False, name=name,
+                   head_size=shape.head_dim if shape.head_dim and shape.head_dim * heads != shape.hidden else 0)
 
     def replace(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)
