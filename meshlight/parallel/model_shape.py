@@ -128,7 +128,7 @@ def mlp_gated(blocks: Sequence[nn.Module], hidden: int, width: int) -> Optional[
     """Whether the first of ``blocks`` reads the ``hidden`` state into the MLP's ``width`` by two projections (a
     gate and up: SwiGLU's three matrices) or by one (GPT-2's two); None where none does (no blocks, experts stacked
     as parameters, a fused gate|up)."""
-    readers = [m for m in blocks[:1] for m in m.modules() if linear_widths(m) == (hidden, width)]
+    readers = [m for block in blocks[:1] for m in block.modules() if linear_widths(m) == (hidden, width)]
     return len(readers) > 1 if readers else None
 
 
