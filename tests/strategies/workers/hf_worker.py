@@ -33,7 +33,7 @@ LAYOUTS = {
                                                     microbatches=4), 2, 1, tuple(f"{f}-deep" for f in FAMILIES)),
     # one microbatch per stage: the schedules' microbatch counts are tested in test_pipeline.py
     # on 8 processes a run costs ~18 s (about 9 runs on 2): the families whose structure the 3-D split meets
-    # differently — Llama's (as Mistral's and Qwen2's, which add q/k/v biases tp=2 and pp=2 cover), QK-norm with an
+    # differently — Llama's (Mistral's is the same; Qwen2 adds q/k/v biases, which tp=2 and pp=2 cover), QK-norm with an
     # explicit head_dim, GPT-2's Conv1D and head tied across the first and last stage, litgpt's fused grouped q|k|v —
     # and one MoE family (Mixtral's block is kept whole on each tp rank as Qwen3-MoE's is)
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=2), 8, 2, ("llama", "qwen3", "gpt2", "litgpt")),

@@ -22,13 +22,13 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 RUNS = [(s, v) for s in STRATEGIES for v in ("adamw", "accumulate", "clip")]
 RUNS += [(s, v) for s in ("zero1", "zero3") for v in ("sgd", "adafactor")]
 RUNS += [("hsdp", "adamw"), ("own fsdp", "adamw")]
+MEASURED_STEP = 3  # after lazy initialization
 
 
 def runs(world: int) -> list[tuple[str, str]]:
     """On 2 processes every run; on 4 those whose traffic and optimizer-state shares are measured (they change with
     the world size), HSDP's and the model's own sharding: the optimizers and clipping are 2 processes' concern."""
     return RUNS if world == 2 else [run for run in RUNS if run[1] in ("adamw", "accumulate")]
-MEASURED_STEP = 3  # after lazy initialization
 
 
 class OwnShardingGPT(LitGPT):

@@ -1,6 +1,6 @@
 """torchrun worker: pipeline parity runs — every schedule, pp = world (2 or 4), microbatches 4 and 8 (on 4: 8 for
-two schedules) — and
-pp=2 × dp=2 (DDP, ZeRO-1/2/3) on 4 processes. A configuration the schedule cannot run is recorded with its error."""
+two schedules) — and pp=2 × dp=2 (DDP, ZeRO-1/2/3) on 4 processes. A configuration the schedule cannot run is
+recorded with its error."""
 
 import sys
 
@@ -23,7 +23,7 @@ def gpt8() -> LitGPT:
 
 def runs(world: int) -> list[tuple[int, int, int, str, int, str]]:
     """(pp, dp, zero, schedule, microbatches, variant) for this world size."""
-    # microbatches 4 and 8 for every schedule on 2 stages; on 4 (a run costs about 2.5 there) 8 only where the
+    # microbatches 4 and 8 for every schedule on 2 stages; on 4 (a run costs about 2.5 of those on 2) 8 only where the
     # schedule needs them (DualPipeV: as many as stages, and its V of two stages per rank) or where its order over
     # 8 virtual stages differs most (InterleavedZeroBubble)
     grid = [(world, 1, 1, schedule, m, "adamw") for schedule in SCHEDULES for m in (4, 8)
