@@ -25,6 +25,7 @@ import copy
 import functools
 import inspect
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from meshlight.nn.experts import GroupedExperts, local_weight
 from meshlight.nn.moe import MoE
+from meshlight.parallel.collectives import sum_in_backward, sum_in_forward
 from meshlight.parallel.expert_tensor import ExpertTensorParallel, check_expert_split, local_slice, split_placements
 from meshlight.parallel.layout import DATA_AXES, axis, hybrid_mesh, same_experts_axis
 
@@ -139,9 +141,12 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, *, seque
     if ep == 1:
         return
     ep_mesh = mesh["ep"]
+    # folded, without sequence parallelism: the tp ranks hold the same tokens, and each sends its part of them
+    same_tokens = mesh["tp"].get_group() if fold and not sequence_parallel else None
     for experts in stacked_experts(module):
         if _split(experts, experts.num_experts, ep_mesh, _over_experts):
-            StackedExpertsParallel(experts, ep_mesh.get_group())
+            StackedExpertsParallel(experts, ep_mesh.get_group(), data_ranks=ep // tp if fold else ep,
+                                   same_tokens=same_tokens)
 
 
 def _over_experts(name: str) -> list[Placement]:
@@ -211,24 +216,38 @@ class StackedExpertsParallel:
     ranks of ``group``: installed as the module's ``forward``. Each (token, choice) pair travels to the rank holding
     its expert (:class:`AllToAllDispatcher`), where the module's own forward runs this rank's experts on what
     arrives, with weight 1; the results come back and are weighted there, where the router's weights (and their
-    gradient) stay. The experts' gradients are scaled by ``1/ep``, as :class:`GroupedExperts`' are."""
+    gradient) stay. ``data_ranks``: the data ranks among ``group``'s (fewer where ``group`` spans tp ranks too, folded
+    over them): each expert sees the tokens of that many, and its gradient is scaled by their inverse, as
+    :class:`GroupedExperts`' are. ``same_tokens``: a tp group whose ranks hold the same tokens (folded without
+    sequence parallelism) — each then sends its contiguous part of the pairs, the outputs are summed over it, and the
+    gradients of the tokens and the router's weights, each rank's partial, are summed in backward."""
 
-    def __init__(self, experts: nn.Module, group: dist.ProcessGroup) -> None:
+    def __init__(self, experts: nn.Module, group: dist.ProcessGroup, *, data_ranks: Optional[int] = None,
+                 same_tokens: Optional[dist.ProcessGroup] = None) -> None:
         self.experts = experts
         self.ranks = dist.get_world_size(group)
+        self.gradient_scale = 1.0 / (data_ranks or self.ranks)
+        self.same_tokens = same_tokens
         self.num_experts = experts.num_experts
         self.dispatcher = AllToAllDispatcher(group, self.num_experts // self.ranks)
         experts.forward = self
 
     def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        choices = top_k_index.reshape(-1)
+        pairs = torch.arange(top_k_index.numel(), device=hidden_states.device)  # token-major
+        if self.same_tokens is not None:
+            hidden_states = sum_in_backward(hidden_states, self.same_tokens)
+            top_k_weights = sum_in_backward(top_k_weights, self.same_tokens)
+            size, rank = dist.get_world_size(self.same_tokens), dist.get_rank(self.same_tokens)
+            pairs = pairs[pairs * size // len(pairs) == rank]
+        choices = top_k_index.reshape(-1)[pairs]
         order = choices.argsort(stable=True)
-        tokens = torch.arange(len(hidden_states), device=hidden_states.device).repeat_interleave(
-            top_k_index.shape[-1])[order]
+        pairs = pairs[order]
+        tokens = pairs // top_k_index.shape[-1]
         counts = torch.bincount(choices, minlength=self.num_experts)
         out = self.dispatcher(hidden_states[tokens], counts, self._local_experts)
-        weighted = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
-        return torch.zeros_like(hidden_states).index_add(0, tokens, weighted.to(hidden_states.dtype))
+        weighted = out * top_k_weights.reshape(-1)[pairs, None].to(out.dtype)
+        out = torch.zeros_like(hidden_states).index_add(0, tokens, weighted.to(hidden_states.dtype))
+        return out if self.same_tokens is None else sum_in_forward(out, self.same_tokens)
 
     def _local_experts(self, rows: Tensor, counts: Tensor) -> Tensor:
         """The module's own forward on this rank's experts: ``rows`` grouped by local expert, ``counts`` of each. It
@@ -237,7 +256,7 @@ class StackedExpertsParallel:
         local = copy.copy(self.experts)
         local._parameters = {}
         for name, param in self.experts.named_parameters(recurse=False):
-            object.__setattr__(local, name, local_weight(param, 1.0 / self.ranks))
+            object.__setattr__(local, name, local_weight(param, self.gradient_scale))
         object.__setattr__(local, "num_experts", len(counts))
         index = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts, output_size=len(rows))
         ones = torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)

@@ -89,7 +89,7 @@ class ParallelLayout:
             )
 
     def _check_fold(self) -> None:
-        valid = [self.tp * d for d in _divisors(getattr(self, self.expert_axis))]
+        valid = self.folded_ep_choices()
         if self.ep % self.tp:
             raise ValueError(
                 f"ep={self.ep} cannot fold over tp={self.tp}: experts='fold' spreads the experts over the tp ranks and"
@@ -98,6 +98,10 @@ class ParallelLayout:
         if self.cp > 1:
             raise ValueError(f"experts='fold' with cp={self.cp} is not supported: use experts='split' under context"
                              " parallelism.")
+
+    def folded_ep_choices(self) -> list[int]:
+        """The ep sizes that fold over this layout's tp ranks: tp × a divisor of the data ranks ep borrows."""
+        return [self.tp * d for d in _divisors(getattr(self, self.expert_axis))]
 
     @property
     def folded(self) -> bool:

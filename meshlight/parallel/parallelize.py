@@ -24,6 +24,7 @@ from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import (
     apply_expert_parallel,
     has_experts,
+    is_stacked_experts,
     router_logits_collected,
     sharded_experts,
     stacked_experts,
@@ -90,6 +91,9 @@ def parallelize(
         options = tensor_parallel
         plan = plan if plan is not None else model_plan(module, options.plan)
         validate_plan(module, plan, layout.tp, layout.world_size, sequence_parallel=options.sequence_parallel)
+        if layout.folded:  # a model's own experts stay plain here: expert parallelism spreads them over the tp ranks
+            stacked = {name for name, m in module.named_modules() if is_stacked_experts(m)}
+            plan = {name: role for name, role in plan.items() if name not in stacked}
         if sequence_region == "auto":
             sequence_region = find_sequence_region(module, plan) if options.sequence_parallel else None
         apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=options.sequence_parallel,
@@ -130,14 +134,16 @@ def parallelize(
 
 def _check_stacked_experts_under_tp(module: nn.Module, layout: ParallelLayout, sequence_parallel: bool) -> None:
     """A model's own MoE blocks (Hugging Face's stacked experts) under tensor parallelism: attention is split, and
-    the router and experts are kept whole on every tp rank (on its share of the tokens under sequence parallelism,
-    their gradients summed over the shares). Refused: their split over ep as well, and — under sequence
-    parallelism — the model's load-balancing loss, which its router logits would give for this rank's share of the
-    sequence only (the loss is not linear in the tokens)."""
-    if layout.ep > 1:
+    the router and experts are kept whole (on this rank's share of the tokens under sequence parallelism): with
+    ``ep=1`` on every tp rank, their gradients summed over the shares; with ``ep`` folded over the tp ranks
+    (``experts="fold"``), spread over them. Refused: each expert split over tp (``experts="split"`` with ``ep > 1``),
+    and — under sequence parallelism — the model's load-balancing loss, which its router logits would give for this
+    rank's share of the sequence only (the loss is not linear in the tokens)."""
+    if layout.ep > 1 and not layout.folded:
         raise NotImplementedError(
-            f"{layout.describe()}: under tensor parallelism a model's own experts are kept whole on every tp rank;"
-            " splitting them over ep as well is not supported yet. Use ep=1 with tp, or tp=1 with ep."
+            f"{layout.describe()}: a model's own stacked experts are not split over the tp ranks"
+            " (experts='split'); fold expert parallelism over them instead: experts='fold' with ep in"
+            f" {layout.folded_ep_choices()}, or ep=1 (the experts whole on every tp rank)."
         )
     if sequence_parallel and router_logits_collected(module):
         raise NotImplementedError(

@@ -290,10 +290,11 @@ class Hybrid3DStrategy(MeshStrategy):
                           f"gathered again in backward (kept whole: {kept.memory_bytes / 2**30:.1f} GiB of"
                           f" {kept.memory_limit / 2**30:.1f} GiB usable)."))
 
-    def _unsplittable(self) -> dict[str, int]:
+    def _unsplittable(self) -> dict[str, Any]:
         """Sizes the engines cannot give this model, fixed at 1 for the planner where not requested: tp where no
         tensor-parallel plan splits its blocks (fused projections), ep where it has no experts expert parallelism
-        splits (experts its config counts, in modules it cannot split)."""
+        splits (experts its config counts, in modules it cannot split); and a model's own stacked experts, which
+        are never split over tp: tp=1 unless requested, and under a requested tp ``experts="fold"`` (or ep=1)."""
         fixed = {}
         if self._requested["tp"] is None and not has_dtensor_parameters(self.lightning_module):
             try:
@@ -304,11 +305,12 @@ class Hybrid3DStrategy(MeshStrategy):
         if self._requested["ep"] is None and not has_experts(self.lightning_module):
             fixed["ep"] = 1
         if stacked_experts(self.lightning_module) and not expert_layers(self.lightning_module):
-            # a model's own experts are kept whole on every tp rank, and not split over ep as well
+            # a model's own experts are kept whole: on every tp rank (ep=1), which the cost model does not price, or
+            # spread over the tp ranks by ep folded over them; never split over tp
             if self._requested["tp"] is None:
                 fixed["tp"] = 1
-            elif self._requested["tp"] > 1:
-                fixed["ep"] = 1
+            elif self._requested["tp"] > 1 and self._requested["ep"] != 1 and self._experts_given is None:
+                fixed["experts"] = "fold"
         return fixed
 
     def _choose_layout(self) -> None:
@@ -321,14 +323,14 @@ class Hybrid3DStrategy(MeshStrategy):
             example = ", ".join(f"{k}={v!r}" for k, v in sizes.items() if k != "cp" or v != 1)
             raise PlanError(f"{error} For example: Hybrid3DStrategy({example}).") from None
         requested.update(self._unsplittable())
+        experts = requested.pop("experts", self._experts_given)
         fixed = {k: v for k, v in self._run_options().items() if v is not None}
         batch = _replica_batch(self.lightning_module)
         unknown = batch is None
         if unknown:
             batch = _least_batch(requested.get("pp"), fixed.get("schedule"), fixed.get("virtual_stages"),
                                  fixed.get("microbatches"))
-        self.plan = plan(model, hardware, self.world_size, local_batch=batch, **requested, **fixed,
-                         experts=self._experts_given)
+        self.plan = plan(model, hardware, self.world_size, local_batch=batch, **requested, **fixed, experts=experts)
         rank_zero_info(f"meshlight layout planner, {self.world_size} × {hardware.name}, {model.name}:\n"
                        + format_plan(self.plan) + (f"\n{_unknown_batch_notice(batch)}" if unknown else ""))
         best = self.plan[0]

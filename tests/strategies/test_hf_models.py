@@ -14,7 +14,7 @@ import torch
 
 from tests.launch import torchrun
 from tests.strategies import parity
-from tests.strategies.hf_models import lit_causal_lm
+from tests.strategies.hf_models import MOE_FAMILIES, lit_causal_lm
 from tests.strategies.workers import hf_worker
 
 WORKER = Path(hf_worker.__file__)
@@ -47,7 +47,8 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     """tp2: tensor parallelism with sequence parallelism on 2 processes (the fused q|k|v of GPT-2 and litgpt split
     part by part; GPT-2 also with a vocabulary of 61, split 31 + 30); ddp and zero3: 2 data replicas; pp2-*: two
     pipeline stages (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence parallel) on 8 processes (3d-moe:
-    Qwen3-MoE, ep=1, its routers and experts whole on each tp rank);
+    Qwen3-MoE, ep=1, its routers and experts whole on each tp rank); dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over
+    the tp and data ranks (each rank one whole expert), with sequence parallelism and (Mixtral) without;
     tp2-loss-parallel: a vocabulary of 61, which tp=2 splits 31 + 30, the logits left split for the loss;
     3d-planned: Hybrid3DStrategy() with no sizes, planned from each config; ep2 and
     dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (ep2 also with their
@@ -55,6 +56,9 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     result = torch.load(runs / f"{layout}-{model}.pt", weights_only=False)
     assert len(result["losses"]) == parity.STEPS
     parity.assert_parity(result, controls[model])
+    if model.split("-")[0] in MOE_FAMILIES and layout != "3d-planned":  # 4 experts: over 2 or 4 ranks, or whole
+        ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1
+        assert result["local_experts"] and set(result["local_experts"]) == {4 // ep}, result["local_experts"]
 
 
 def test_a_head_tied_across_pipeline_stages_is_checkpointed_and_resharded_exactly(runs):
@@ -82,15 +86,18 @@ def test_the_load_balancing_loss_is_in_the_loss_under_expert_parallelism(runs, f
 
 
 def test_a_models_own_experts_under_tensor_parallelism_refuse_what_they_cannot_do():
-    """Under tp a model's own experts are kept whole on every tp rank: splitting them over ep as well is refused, and
-    so is the model's load-balancing loss under sequence parallelism (its router logits would cover this rank's share
-    of the sequence), each naming the way out."""
+    """Under tp a model's own experts are kept whole, on every tp rank or spread over them by expert parallelism
+    folded over them: splitting each over tp (experts="split" with ep) is refused, and so is the model's
+    load-balancing loss under sequence parallelism (its router logits would cover this rank's share of the
+    sequence), each naming the way out."""
     from meshlight.parallel.layout import ParallelLayout
     from meshlight.parallel.parallelize import parallelize
 
     module = lit_causal_lm("mixtral")
-    with pytest.raises(NotImplementedError, match=r"splitting them over ep as well is not supported yet. Use ep=1"):
-        parallelize(module, ParallelLayout(dp_replicate=2, tp=2, ep=2), mesh=None)
+    with pytest.raises(NotImplementedError, match=r"not split over the tp ranks \(experts='split'\); fold expert"
+                                                  r" parallelism over them instead: experts='fold' with ep in \[2,"
+                                                  r" 4\], or ep=1"):
+        parallelize(module, ParallelLayout(dp_replicate=2, tp=2, ep=2, experts="split"), mesh=None)
     aux = lit_causal_lm("mixtral-aux")
     with pytest.raises(NotImplementedError, match=r"output_router_logits=True\) from its router logits, which under"
                                                   r" sequence parallelism cover this rank's share"):

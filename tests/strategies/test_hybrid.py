@@ -194,6 +194,20 @@ def test_the_planner_leaves_out_tensor_parallelism_for_a_model_no_plan_splits(ca
             " fused projection (model.transformer.h.0.attn.c_attn)") in caplog.text
 
 
+def test_the_planner_keeps_a_models_own_experts_whole_folding_them_over_a_given_tp():
+    pytest.importorskip("transformers")
+    from tests.strategies.hf_models import lit_causal_lm
+
+    # Mixtral's stacked experts are never split over tp: tp stays 1 unless given, and under a given tp expert
+    # parallelism folds over the tp ranks (or is 1, the experts whole on each); experts given are the user's
+    for arguments, fixed in (({}, {"tp": 1}), ({"tp": 2}, {"experts": "fold"}), ({"tp": 2, "ep": 1}, {}),
+                             ({"tp": 2, "experts": "split"}, {})):
+        strategy = ml.Hybrid3DStrategy(**arguments)
+        ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
+        strategy.connect(lit_causal_lm("mixtral"))
+        assert strategy._unsplittable() == fixed, arguments
+
+
 def _fit_on_one_process(strategy, callbacks=(), batch_size=4, **trainer_options):
     from meshlight.demos import AdditionDataModule, LitGPT
 

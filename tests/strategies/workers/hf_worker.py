@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import meshlight as ml
+from meshlight.parallel.expert import StackedExpertsParallel, stacked_experts
 from tests.strategies import parity
 from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, lit_causal_lm
 
@@ -43,6 +44,11 @@ LAYOUTS = {
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2)
     "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2, (*MOE_FAMILIES, "mixtral-aux", "qwen3_moe-aux")),
     "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=2), 4, 2, MOE_FAMILIES),
+    # expert parallelism folded over tp=2 and 2 data ranks: each of the 4 ranks holds one whole expert; with
+    # sequence parallelism each tp rank sends its share of the tokens, without it its part of the (same) tokens
+    "dp2-tp2-ep4": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4), 4, 2, MOE_FAMILIES),
+    "dp2-tp2-ep4-no-sp": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4, sequence_parallel=False), 4, 2,
+                          ("mixtral",)),
 }
 
 
@@ -64,6 +70,12 @@ def reshard_tied(out: Path) -> None:
         torch.save(results, out / "reshard-tied.pt")
 
 
+def local_experts(module: torch.nn.Module) -> list[int]:
+    """The experts each of the model's own MoE blocks runs on this rank (all of them where not split over ep)."""
+    return [forward.num_experts // forward.ranks if isinstance(forward := experts.forward, StackedExpertsParallel)
+            else experts.num_experts for experts in stacked_experts(module)]
+
+
 def main(out: Path, layouts: list[str]) -> None:
     for layout in layouts:
         if layout == "reshard-tied":
@@ -74,7 +86,7 @@ def main(out: Path, layouts: list[str]) -> None:
         for family in models:
             result = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas,
                                   model=lambda family=family: lit_causal_lm(family))
-            result.pop("module")
+            result["local_experts"] = local_experts(result.pop("module"))
             if torch.distributed.get_rank() == 0:
                 torch.save(result, out / f"{layout}-{family}.pt")
 
