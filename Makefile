@@ -22,8 +22,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/train_gpt.py
 
 # Two workers: the suite is CPU-bound and a launch's ranks leave about a sixth of two cores idle, a single-process
-# test half; each test file runs whole on one worker, so the launches a file's tests share run once, and a launch of
-# more than 2 ranks waits for the other worker's launch to end (tests/launch.py).
+# test half; each test file runs whole on one worker, so the launches a file's tests share run once.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile

@@ -9,8 +9,6 @@ Lightning and meshlight once: same environment variables, failure handling and e
 from __future__ import annotations
 
 import atexit
-import fcntl
-import hashlib
 import importlib
 import json
 import os
@@ -19,8 +17,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
@@ -43,44 +39,21 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nprocs`` gloo processes (restarting them all up to ``max_restarts`` times when one
     fails, as ``torchrun --max-restarts`` does); on failure (when ``check``) fail with the tail of its output."""
-    with _cores_for(nprocs):
-        result = _launch(script, nprocs, list(args), timeout, max_restarts)
+    if max_restarts:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+            f"--max-restarts={max_restarts}", str(script), *args,
+        ]
+        result = subprocess.run(command, cwd=REPO, env={**os.environ, **ENVIRONMENT}, capture_output=True,
+                                text=True, timeout=timeout)
+    else:
+        result = _FORK_SERVER.run(script, nprocs, list(args), timeout)
     if check and result.returncode != 0:
         raise AssertionError(
             f"{script.name} on {nprocs} processes exited with {result.returncode}:\n"
             f"{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
         )
     return result
-
-
-#: Held around each launch by every pytest worker of this checkout (``make test`` runs two: pytest-xdist)
-LAUNCH_LOCK = Path(tempfile.gettempdir()) / f"meshlight-launch-{hashlib.sha1(str(REPO).encode()).hexdigest()[:12]}.lock"
-
-
-@contextmanager
-def _cores_for(nprocs: int) -> Iterator[None]:
-    """A launch of more than 2 ranks runs while no other launch does (an exclusive lock); 2-rank launches may run
-    beside each other (a shared one). On 2 cores two 8-rank launches at once take more than twice as long as one
-    (a 20-step 3-D run: 26 s alone, 57 and 60 s side by side; their collectives wait for 16 processes to be
-    scheduled), while a launch beside single-process tests fills the core its ranks leave idle."""
-    with open(LAUNCH_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if nprocs > 2 else fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _launch(script: Path, nprocs: int, args: list[str], timeout: float, max_restarts: int
-            ) -> subprocess.CompletedProcess:
-    if max_restarts:
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
-            f"--max-restarts={max_restarts}", str(script), *args,
-        ]
-        return subprocess.run(command, cwd=REPO, env={**os.environ, **ENVIRONMENT}, capture_output=True, text=True,
-                              timeout=timeout)
-    return _FORK_SERVER.run(script, nprocs, args, timeout)
 
 
 class ForkServer:
