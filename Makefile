@@ -21,11 +21,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/train_gpt.py
 
-# Two workers: the suite is CPU-bound and a launch's ranks leave about a sixth of two cores idle, a single-process
-# test half; each test file runs whole on one worker, so the launches a file's tests share run once.
-TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
