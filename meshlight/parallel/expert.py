@@ -37,7 +37,13 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from meshlight.nn.experts import GroupedExperts, local_weight
 from meshlight.nn.moe import MoE
 from meshlight.parallel.collectives import sum_in_backward, sum_in_forward
-from meshlight.parallel.expert_tensor import ExpertTensorParallel, check_expert_split, local_slice, split_placements
+from meshlight.parallel.expert_tensor import (
+    ExpertTensorParallel,
+    check_expert_split,
+    contiguous_part,
+    local_slice,
+    split_placements,
+)
 from meshlight.parallel.layout import DATA_AXES, axis, hybrid_mesh, same_experts_axis
 
 __all__ = [
@@ -131,12 +137,13 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, *, seque
     for layer in layers:
         _check_experts_divide(layer.num_experts, ep, tp if fold else 1)
     split_over_tp = tp > 1 and not fold
+    data_ranks = ep // tp if fold else ep  # the data ranks whose tokens each expert sees
     split_mesh = mesh["ep", "tp"] if ep > 1 and split_over_tp else mesh["tp" if split_over_tp else "ep"]
     placements = functools.partial(split_placements, ep=ep) if split_over_tp else _over_experts
     for layer in layers:
         if _split(layer.experts, layer.num_experts, split_mesh, placements) and ep > 1:
             # each expert sees the tokens of ep data ranks (of ep / tp when the ep ranks span the tp ranks)
-            layer.experts.gradient_scale = (tp if fold else 1) / ep
+            layer.experts.gradient_scale = 1.0 / data_ranks
             layer.dispatcher = AllToAllDispatcher(mesh["ep"].get_group(), layer.num_experts // ep)
     if ep == 1:
         return
@@ -145,8 +152,7 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, *, seque
     same_tokens = mesh["tp"].get_group() if fold and not sequence_parallel else None
     for experts in stacked_experts(module):
         if _split(experts, experts.num_experts, ep_mesh, _over_experts):
-            StackedExpertsParallel(experts, ep_mesh.get_group(), data_ranks=ep // tp if fold else ep,
-                                   same_tokens=same_tokens)
+            StackedExpertsParallel(experts, ep_mesh.get_group(), data_ranks=data_ranks, same_tokens=same_tokens)
 
 
 def _over_experts(name: str) -> list[Placement]:
@@ -222,11 +228,11 @@ class StackedExpertsParallel:
     sequence parallelism) — each then sends its contiguous part of the pairs, the outputs are summed over it, and the
     gradients of the tokens and the router's weights, each rank's partial, are summed in backward."""
 
-    def __init__(self, experts: nn.Module, group: dist.ProcessGroup, *, data_ranks: Optional[int] = None,
+    def __init__(self, experts: nn.Module, group: dist.ProcessGroup, *, data_ranks: int,
                  same_tokens: Optional[dist.ProcessGroup] = None) -> None:
         self.experts = experts
         self.ranks = dist.get_world_size(group)
-        self.gradient_scale = 1.0 / (data_ranks or self.ranks)
+        self.gradient_scale = 1.0 / data_ranks
         self.same_tokens = same_tokens
         self.num_experts = experts.num_experts
         self.dispatcher = AllToAllDispatcher(group, self.num_experts // self.ranks)
@@ -237,8 +243,7 @@ class StackedExpertsParallel:
         if self.same_tokens is not None:
             hidden_states = sum_in_backward(hidden_states, self.same_tokens)
             top_k_weights = sum_in_backward(top_k_weights, self.same_tokens)
-            size, rank = dist.get_world_size(self.same_tokens), dist.get_rank(self.same_tokens)
-            pairs = pairs[pairs * size // len(pairs) == rank]
+            pairs = contiguous_part(pairs, len(pairs), self.same_tokens)
         choices = top_k_index.reshape(-1)[pairs]
         order = choices.argsort(stable=True)
         pairs = pairs[order]

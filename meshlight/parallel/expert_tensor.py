@@ -27,7 +27,8 @@ from meshlight.nn.experts import Router, Routing, scale_gradient
 from meshlight.parallel.collectives import all_gather_along, reduce_scatter_along, sum_in_backward, sum_in_forward
 
 __all__ = [
-    "EXPERT_LAYOUTS", "ExpertLayout", "ExpertTensorParallel", "check_expert_split", "local_slice", "split_placements",
+    "EXPERT_LAYOUTS", "ExpertLayout", "ExpertTensorParallel", "check_expert_split", "contiguous_part", "local_slice",
+    "split_placements",
 ]
 
 ExpertLayout = Literal["split", "fold"]
@@ -63,13 +64,18 @@ class ExpertTensorParallel:
         experts are split; its contiguous part of the tokens' when they are folded."""
         if not self.fold:
             return slots
-        return slots[slots * self.size // total == self.rank]
+        return contiguous_part(slots, total, self.group)
 
     def share(self, out: Tensor) -> Tensor:
         """The layer's output summed over the ranks' parts: this rank's share of it under sequence parallelism."""
         if self.sequence_parallel:
             return reduce_scatter_along(out, out.dim() - 2, self.group)
         return sum_in_forward(out, self.group)
+
+
+def contiguous_part(slots: Tensor, total: int, group: dist.ProcessGroup) -> Tensor:
+    """The ``slots`` (indices among ``total``) in this rank's contiguous part of ``range(total)`` over ``group``."""
+    return slots[slots * dist.get_world_size(group) // max(total, 1) == dist.get_rank(group)]
 
 
 def split_placements(name: str, ep: int) -> list[Placement]:
