@@ -32,8 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_map
 
-from meshlight.parallel.dtensors import has_dtensor_parameters
+from meshlight.parallel.dtensors import from_blocks, has_dtensor_parameters, in_blocks
 from meshlight.parallel.integrity import CHECKSUMS_FILENAME, checksummed_writer, damaged_files
 from meshlight.parallel.random_state import from_weights_only_form, weights_only_form
 
@@ -106,6 +107,7 @@ def save_checkpoint(
     checkpoint = dict(checkpoint)
     shards = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
     shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+    shards = tree_map(in_blocks, shards)
     if writer is not None:
         writer.wait()  # one checkpoint in flight: staging memory stays bounded by one copy of the state
     fs, root = fsspec.core.url_to_fs(str(path))
@@ -282,13 +284,16 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _read(state: dict[str, Any], path: PathLike, *, no_dist: bool = False) -> None:
-    """``dcp.load`` in place, a damaged shard reported as a :class:`CheckpointError` naming the checkpoint."""
+def _read(state: dict[str, Any], path: PathLike, *, no_dist: bool = False) -> dict[str, Any]:
+    """``dcp.load``: ``state`` as read (its tensors in place), a damaged shard reported as a :class:`CheckpointError`
+    naming the checkpoint."""
     try:
         with warnings.catch_warnings():
             # DCP warns that it "assumes" one process even when told so (no_dist=True): here that is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(state, storage_reader=_storage(path), no_dist=no_dist)
+            readable = tree_map(in_blocks, state)
+            dcp.load(readable, storage_reader=_storage(path), no_dist=no_dist)
+            return tree_map(from_blocks, state, readable)
     except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
         failures = getattr(error, "failures", None)  # rank -> the exception it raised
         rank, cause = next(iter(failures.items())) if failures else (_rank(), error)
@@ -361,7 +366,7 @@ def load_checkpoint(
     model_state = get_model_state_dict(module)
     loadable = _check_names(expected_names or set(model_state), keys.get(MODEL_KEY, set()), strict, path)
     model_state = _select(model_state, loadable)
-    _read({MODEL_KEY: model_state}, path)
+    model_state = _read({MODEL_KEY: model_state}, path)[MODEL_KEY]
     set_model_state_dict(module, model_state, options=StateDictOptions(strict=False))
     for i, optimizer in enumerate(optimizers):
         name = f"optimizer_{i}"
@@ -372,7 +377,7 @@ def load_checkpoint(
             )
         with _without_empty_groups(optimizer):
             state = get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_STATE)
-            _read({name: state}, path)
+            state = _read({name: state}, path)[name]
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=OPTIMIZER_STATE)
     return load_metadata(path, weights_only=weights_only)
 
@@ -412,7 +417,7 @@ def load_model_weights(module: nn.Module, path: PathLike, *, strict: bool = True
     """
     state = get_model_state_dict(module) if _is_distributed(module) else module.state_dict()
     state = _select(state, _check_names(set(state), checkpoint_keys(path).get(MODEL_KEY, set()), strict, path))
-    _read({MODEL_KEY: state}, path, no_dist=not dist.is_initialized())
+    state = _read({MODEL_KEY: state}, path, no_dist=not dist.is_initialized())[MODEL_KEY]
     if _is_distributed(module):
         set_model_state_dict(module, state, options=StateDictOptions(strict=False))
     else:
@@ -448,8 +453,7 @@ def read_model_weights(path: PathLike) -> dict[str, torch.Tensor]:
     stored = _storage(path).read_metadata().state_dict_metadata
     state = {key.partition(".")[2]: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in stored.items() if key.startswith(MODEL_KEY + ".") and hasattr(meta, "size")}
-    _read({MODEL_KEY: state}, path, no_dist=True)
-    return state
+    return _read({MODEL_KEY: state}, path, no_dist=True)[MODEL_KEY]
 
 
 def checkpoint_keys(path: PathLike) -> dict[str, set[str]]:

@@ -4,12 +4,17 @@ earlier transform). Imports nothing of meshlight's, so that every mechanism can 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["DTensorSpec", "as_dtensor_like", "dtensor_spec", "has_dtensor_parameters", "local_tensor"]
+__all__ = [
+    "DTensorSpec", "as_dtensor_like", "dtensor_spec", "from_blocks", "has_dtensor_parameters", "in_blocks",
+    "local_tensor",
+]
 
 #: what makes a local tensor a DTensor again: mesh, placements, global shape and stride
 DTensorSpec = tuple[Any, Any, Any, tuple[int, ...]]
@@ -40,3 +45,30 @@ def as_dtensor_like(local: Tensor, spec: Optional[DTensorSpec]) -> Tensor:
         return local
     mesh, placements, shape, stride = spec
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def in_blocks(value: Any) -> Any:
+    """``value`` as distributed checkpointing can record it: a DTensor split part by part over a mesh dimension
+    (``_StridedShard``: a fused weight whose parts are each split, as the gate and up projections of stacked experts
+    under tensor parallelism) redistributed to the plain ``Shard`` of that dimension — DCP describes each rank's part
+    as one block of the whole tensor, which a strided part is not; anything else as it is (FSDP2's ``_StridedShard``
+    under a tensor-parallel ``Shard`` of the same dimension leaves each rank one block)."""
+    if not isinstance(value, DTensor):
+        return value
+    placements, sizes = value.placements, value.device_mesh.shape
+    parted = [i for i, p in enumerate(placements) if isinstance(p, _StridedShard) and p.split_factor != math.prod(
+        sizes[j] for j in range(i + 1, len(placements))
+        if isinstance(placements[j], Shard) and not isinstance(placements[j], _StridedShard)
+        and placements[j].dim == p.dim)]
+    if not parted:
+        return value
+    return value.redistribute(placements=[Shard(p.dim) if i in parted else p for i, p in enumerate(placements)])
+
+
+def from_blocks(target: Any, read: Any) -> Any:
+    """``target`` with what was read into :func:`in_blocks`' form of it, ``read``; where that is ``target`` itself,
+    or not a DTensor (a value distributed checkpointing replaced), ``read``."""
+    if not isinstance(target, DTensor) or read is target:
+        return read
+    target.to_local().copy_(read.redistribute(placements=target.placements).to_local())
+    return target

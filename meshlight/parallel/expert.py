@@ -22,7 +22,6 @@ module's own forward runs this rank's experts on what arrives (:class:`StackedEx
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 from collections.abc import Callable
 from typing import Optional
@@ -36,13 +35,13 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from meshlight.nn.experts import GroupedExperts, local_weight
 from meshlight.nn.moe import MoE
-from meshlight.parallel.collectives import sum_in_backward, sum_in_forward
 from meshlight.parallel.expert_tensor import (
     ExpertTensorParallel,
     check_expert_split,
-    contiguous_part,
+    grouped_split,
     local_slice,
     split_placements,
+    stacked_split_placements,
 )
 from meshlight.parallel.layout import DATA_AXES, axis, hybrid_mesh, same_experts_axis
 
@@ -92,11 +91,11 @@ def router_logits_collected(module: nn.Module) -> bool:
 
 def sharded_experts(module: nn.Module) -> list[nn.Module]:
     """The expert modules whose weights are split over ``ep`` (data parallelism treats them apart)."""
-    ours = [layer.experts for layer in expert_layers(module) if isinstance(layer.experts.w1, DTensor)
-            and "ep" in (layer.experts.w1.device_mesh.mesh_dim_names or ())]  # split over tp alone: dense weights
-    # split over ep: sharded; kept whole on every tp rank (replicated DTensors), they are data parallel with the rest
-    return ours + [m for m in stacked_experts(module) if isinstance(weight := next(m.parameters()), DTensor)
-                   and any(isinstance(p, Shard) for p in weight.placements)]
+    # split over tp alone (DTensors on the tp mesh) or kept whole on every tp rank (replicated DTensors), they are
+    # data parallel with the rest, as dense tensor-parallel weights are
+    experts = [layer.experts for layer in expert_layers(module)] + stacked_experts(module)
+    return [m for m in experts if isinstance(weight := next(m.parameters()), DTensor)
+            and "ep" in (weight.device_mesh.mesh_dim_names or ())]
 
 
 def expert_data_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:
@@ -139,20 +138,44 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, *, seque
     split_over_tp = tp > 1 and not fold
     data_ranks = ep // tp if fold else ep  # the data ranks whose tokens each expert sees
     split_mesh = mesh["ep", "tp"] if ep > 1 and split_over_tp else mesh["tp" if split_over_tp else "ep"]
-    placements = functools.partial(split_placements, ep=ep) if split_over_tp else _over_experts
+    placements = _split_over(grouped_split, ep) if split_over_tp else _over_experts
     for layer in layers:
         if _split(layer.experts, layer.num_experts, split_mesh, placements) and ep > 1:
             # each expert sees the tokens of ep data ranks (of ep / tp when the ep ranks span the tp ranks)
             layer.experts.gradient_scale = 1.0 / data_ranks
             layer.dispatcher = AllToAllDispatcher(mesh["ep"].get_group(), layer.num_experts // ep)
-    if ep == 1:
-        return
-    ep_mesh = mesh["ep"]
-    # folded, without sequence parallelism: the tp ranks hold the same tokens, and each sends its part of them
-    same_tokens = mesh["tp"].get_group() if fold and not sequence_parallel else None
     for experts in stacked_experts(module):
-        if _split(experts, experts.num_experts, ep_mesh, _over_experts):
-            StackedExpertsParallel(experts, ep_mesh.get_group(), data_ranks=data_ranks, same_tokens=same_tokens)
+        _split_stacked(experts, mesh, ep, sequence_parallel=sequence_parallel, fold=fold, data_ranks=data_ranks)
+
+
+def _split_stacked(experts: nn.Module, mesh: DeviceMesh, ep: int, *, sequence_parallel: bool, fold: bool,
+                   data_ranks: int) -> None:
+    """Split a model's own stacked experts: over ``ep`` (folded over the tp ranks, or over data ranks alone), and
+    under tensor parallelism (not folded) each expert over tp where its weights are in the layout
+    :func:`~meshlight.parallel.expert_tensor.stacked_split_placements` knows — else, with ``ep=1``, they stay whole
+    on every tp rank, as the tensor-parallel plan left them."""
+    tp_group = mesh["tp"].get_group()
+    tp_split = stacked_split_placements(experts) if mesh["tp"].size() > 1 and not fold else None
+    if tp_split is not None:
+        check_expert_split(experts.intermediate_dim, mesh["tp"].size())
+        split_mesh, placements = mesh["ep", "tp"] if ep > 1 else mesh["tp"], _split_over(tp_split, ep)
+        tensor_parallel = ExpertTensorParallel(tp_group, sequence_parallel=sequence_parallel, fold=False)
+    elif ep > 1:
+        split_mesh, placements = mesh["ep"], _over_experts
+        # folded, without sequence parallelism: the tp ranks hold the same tokens, and each sends its part of them
+        same_tokens = fold and not sequence_parallel
+        tensor_parallel = ExpertTensorParallel(tp_group, sequence_parallel=False, fold=True) if same_tokens else None
+    else:
+        return
+    if _split(experts, experts.num_experts, split_mesh, placements):
+        StackedExpertsParallel(experts, mesh["ep"].get_group() if ep > 1 else None, data_ranks=data_ranks,
+                               tensor_parallel=tensor_parallel)
+
+
+def _split_over(tp_placement: Callable[[str], Placement], ep: int) -> Callable[[str], list[Placement]]:
+    """Weight name → its placements over ``(ep, tp)`` (``(tp,)`` with ``ep=1``), each expert split by
+    ``tp_placement``."""
+    return lambda name: split_placements(tp_placement(name), ep)
 
 
 def _over_experts(name: str) -> list[Placement]:
@@ -218,41 +241,48 @@ _STACKED_SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
 
 
 class StackedExpertsParallel:
-    """Expert parallelism for a stacked-experts module (:func:`stacked_experts`) whose weights are split over the
-    ranks of ``group``: installed as the module's ``forward``. Each (token, choice) pair travels to the rank holding
-    its expert (:class:`AllToAllDispatcher`), where the module's own forward runs this rank's experts on what
-    arrives, with weight 1; the results come back and are weighted there, where the router's weights (and their
-    gradient) stay. ``data_ranks``: the data ranks among ``group``'s (fewer where ``group`` spans tp ranks too, folded
-    over them): each expert sees the tokens of that many, and its gradient is scaled by their inverse, as
-    :class:`GroupedExperts`' are. ``same_tokens``: a tp group whose ranks hold the same tokens (folded without
-    sequence parallelism) — each then sends its contiguous part of the pairs, the outputs are summed over it, and the
-    gradients of the tokens and the router's weights, each rank's partial, are summed in backward."""
+    """A stacked-experts module (:func:`stacked_experts`) whose weights are split over ranks: installed as the
+    module's ``forward``. Under expert parallelism (``group``: the ranks the experts are split over) each (token,
+    choice) pair travels to the rank holding its expert (:class:`AllToAllDispatcher`), where the module's own forward
+    runs this rank's experts on what arrives, with weight 1; the results come back and are weighted there, where the
+    router's weights (and their gradient) stay. ``data_ranks``: the data ranks among ``group``'s (fewer where
+    ``group`` spans tp ranks too, folded over them): each expert sees the tokens of that many, and its gradient is
+    scaled by their inverse, as :class:`GroupedExperts`' are. ``tensor_parallel``: what the tp ranks do around that
+    (:class:`~meshlight.parallel.expert_tensor.ExpertTensorParallel`) where they hold the same tokens or each expert
+    is split over them — the whole tokens go through this rank's slice of every expert, or (folded) each rank sends
+    its part of the pairs; the outputs are summed over tp, and the gradients of the tokens and the router's weights,
+    each rank's partial, in backward."""
 
-    def __init__(self, experts: nn.Module, group: dist.ProcessGroup, *, data_ranks: int,
-                 same_tokens: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, experts: nn.Module, group: Optional[dist.ProcessGroup], *, data_ranks: int,
+                 tensor_parallel: Optional[ExpertTensorParallel] = None) -> None:
         self.experts = experts
-        self.ranks = dist.get_world_size(group)
+        self.ranks = dist.get_world_size(group) if group is not None else 1
         self.gradient_scale = 1.0 / data_ranks
-        self.same_tokens = same_tokens
+        self.tensor_parallel = tensor_parallel
         self.num_experts = experts.num_experts
-        self.dispatcher = AllToAllDispatcher(group, self.num_experts // self.ranks)
+        self.dispatcher = AllToAllDispatcher(group, self.num_experts // self.ranks) if group is not None else None
         experts.forward = self
 
     def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        tp = self.tensor_parallel
+        if tp is not None:
+            hidden_states, top_k_index, top_k_weights = (tp.whole(x) for x in (hidden_states, top_k_index,
+                                                                                top_k_weights))
         pairs = torch.arange(top_k_index.numel(), device=hidden_states.device)  # token-major
-        if self.same_tokens is not None:
-            hidden_states = sum_in_backward(hidden_states, self.same_tokens)
-            top_k_weights = sum_in_backward(top_k_weights, self.same_tokens)
-            pairs = contiguous_part(pairs, len(pairs), self.same_tokens)
+        if tp is not None:
+            pairs = tp.own_slots(pairs, len(pairs))
         choices = top_k_index.reshape(-1)[pairs]
         order = choices.argsort(stable=True)
         pairs = pairs[order]
         tokens = pairs // top_k_index.shape[-1]
         counts = torch.bincount(choices, minlength=self.num_experts)
-        out = self.dispatcher(hidden_states[tokens], counts, self._local_experts)
+        if self.dispatcher is not None:
+            out = self.dispatcher(hidden_states[tokens], counts, self._local_experts)
+        else:
+            out = self._local_experts(hidden_states[tokens], counts)
         weighted = out * top_k_weights.reshape(-1)[pairs, None].to(out.dtype)
         out = torch.zeros_like(hidden_states).index_add(0, tokens, weighted.to(hidden_states.dtype))
-        return out if self.same_tokens is None else sum_in_forward(out, self.same_tokens)
+        return out if tp is None else tp.share(out)
 
     def _local_experts(self, rows: Tensor, counts: Tensor) -> Tensor:
         """The module's own forward on this rank's experts: ``rows`` grouped by local expert, ``counts`` of each. It

@@ -17,18 +17,20 @@ whole gradient on every tp rank and stays a plain replicated parameter.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, Optional
 
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshlight.nn.experts import Router, Routing, scale_gradient
 from meshlight.parallel.collectives import all_gather_along, reduce_scatter_along, sum_in_backward, sum_in_forward
 
 __all__ = [
-    "EXPERT_LAYOUTS", "ExpertLayout", "ExpertTensorParallel", "check_expert_split", "contiguous_part", "local_slice",
-    "split_placements",
+    "EXPERT_LAYOUTS", "ExpertLayout", "ExpertTensorParallel", "check_expert_split", "contiguous_part", "grouped_split",
+    "local_slice", "split_placements", "stacked_split_placements",
 ]
 
 ExpertLayout = Literal["split", "fold"]
@@ -78,12 +80,30 @@ def contiguous_part(slots: Tensor, total: int, group: dist.ProcessGroup) -> Tens
     return slots[slots * dist.get_world_size(group) // max(total, 1) == dist.get_rank(group)]
 
 
-def split_placements(name: str, ep: int) -> list[Placement]:
-    """The placements of expert weight ``name`` (``w1``, ``w2``, ``w3``: ``[E, in, out]``) over the mesh
-    ``(ep, tp)`` (``(tp,)`` when ``ep == 1``) under the ``"split"`` layout: hidden columns of ``w1``/``w3``, hidden rows
-    of ``w2``."""
-    tp_placement = Shard(1) if name == "w2" else Shard(2)
+def grouped_split(name: str) -> Placement:
+    """The tp placement of :class:`~meshlight.nn.experts.GroupedExperts`' weight ``name`` (``w1``, ``w2``, ``w3``:
+    ``[E, in, out]``) under the ``"split"`` layout: hidden columns of ``w1``/``w3``, hidden rows of ``w2``."""
+    return Shard(1) if name == "w2" else Shard(2)
+
+
+def split_placements(tp_placement: Placement, ep: int) -> list[Placement]:
+    """An expert weight's placements over the mesh ``(ep, tp)`` (``(tp,)`` when ``ep == 1``) under the ``"split"``
+    layout: the experts over ``ep``, each expert's ``tp_placement``."""
     return [Shard(0), tp_placement] if ep > 1 else [tp_placement]
+
+
+def stacked_split_placements(experts: nn.Module) -> Optional[Callable[[str], Placement]]:
+    """How a model's own stacked experts (Hugging Face's) split over tp under ``"split"``, weight name → its tp
+    placement: ``None`` where their weights are not in the layout most of Hugging Face's MoE models share — a fused
+    ``gate_up_proj`` ``[E, 2·I, H]`` (the gate's rows, then the up projection's, which the forward chunks in two) and
+    ``down_proj`` ``[E, H, I]``. The fused weight is split part by part (``_StridedShard``: each rank holds its rows of
+    the gate and of the up projection, which its forward's chunk separates again), ``down_proj`` by its columns."""
+    width, hidden = getattr(experts, "intermediate_dim", None), getattr(experts, "hidden_dim", None)
+    shapes = {name: tuple(param.shape[1:]) for name, param in experts.named_parameters(recurse=False)}
+    if not isinstance(width, int) or shapes != {"gate_up_proj": (2 * width, hidden), "down_proj": (hidden, width)}:
+        return None
+    tp_placements = {"gate_up_proj": _StridedShard(1, split_factor=2), "down_proj": Shard(2)}
+    return tp_placements.__getitem__
 
 
 def check_expert_split(hidden_dim: int, tp: int) -> None:
@@ -101,6 +121,11 @@ def local_slice(weight: Tensor, coordinates: list[tuple[int, int]], placements: 
     """This rank's block of ``weight`` under ``placements``, at mesh ``coordinates`` ``(rank, size)`` per mesh dim."""
     block = weight
     for (rank, size), placement in zip(coordinates, placements):
+        if isinstance(placement, _StridedShard):  # this rank's part of each of split_factor consecutive parts
+            parts = block.unflatten(placement.dim, (placement.split_factor, -1))
+            step = parts.shape[placement.dim + 1] // size
+            block = parts.narrow(placement.dim + 1, rank * step, step).flatten(placement.dim, placement.dim + 1)
+            continue
         assert isinstance(placement, Shard)
         step = block.shape[placement.dim] // size
         block = block.narrow(placement.dim, rank * step, step)

@@ -29,6 +29,7 @@ from meshlight.parallel.expert import (
     sharded_experts,
     stacked_experts,
 )
+from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.layout import ParallelLayout, axis
 from meshlight.parallel.offload import apply_activation_offload
 from meshlight.parallel.recompute import apply_recompute
@@ -91,9 +92,10 @@ def parallelize(
         options = tensor_parallel
         plan = plan if plan is not None else model_plan(module, options.plan)
         validate_plan(module, plan, layout.tp, layout.world_size, sequence_parallel=options.sequence_parallel)
-        if layout.folded:  # a model's own experts stay plain here: expert parallelism spreads them over the tp ranks
-            stacked = {name for name, m in module.named_modules() if is_stacked_experts(m)}
-            plan = {name: role for name, role in plan.items() if name not in stacked}
+        # a model's own experts stay plain here where expert parallelism spreads them over the tp ranks (folded) or
+        # splits each over them
+        split = {name for name, m in module.named_modules() if is_stacked_experts(m) and _split_over_tp(m, layout)}
+        plan = {name: role for name, role in plan.items() if name not in split}
         if sequence_region == "auto":
             sequence_region = find_sequence_region(module, plan) if options.sequence_parallel else None
         apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=options.sequence_parallel,
@@ -132,17 +134,26 @@ def parallelize(
                                grad_compression=grad_compression)
 
 
+def _split_over_tp(experts: nn.Module, layout: ParallelLayout) -> bool:
+    """Whether a model's own stacked ``experts`` are spread over the tp ranks (folded) or each split over them (in
+    a layout :func:`~meshlight.parallel.expert_tensor.stacked_split_placements` knows), rather than kept whole."""
+    return layout.folded or stacked_split_placements(experts) is not None
+
+
 def _check_stacked_experts_under_tp(module: nn.Module, layout: ParallelLayout, sequence_parallel: bool) -> None:
-    """A model's own MoE blocks (Hugging Face's stacked experts) under tensor parallelism: attention is split, and
-    the router and experts are kept whole (on this rank's share of the tokens under sequence parallelism): with
-    ``ep=1`` on every tp rank, their gradients summed over the shares; with ``ep`` folded over the tp ranks
-    (``experts="fold"``), spread over them. Refused: each expert split over tp (``experts="split"`` with ``ep > 1``),
-    and — under sequence parallelism — the model's load-balancing loss, which its router logits would give for this
-    rank's share of the sequence only (the loss is not linear in the tokens)."""
-    if layout.ep > 1 and not layout.folded:
+    """A model's own MoE blocks (Hugging Face's stacked experts) under tensor parallelism: attention is split, the
+    router kept whole (on this rank's share of the tokens under sequence parallelism), and the experts each split over
+    the tp ranks (``experts="split"``, in the layout most of Hugging Face's MoE models share), or spread over them by
+    ``ep`` folded over them (``experts="fold"``); experts in another layout are kept whole on every tp rank with
+    ``ep=1``. Refused: such experts with ``ep > 1`` not folded, and — under sequence parallelism — the model's
+    load-balancing loss, which its router logits would give for this rank's share of the sequence only (the loss is
+    not linear in the tokens)."""
+    unsplit = [name for name, m in module.named_modules() if is_stacked_experts(m) and not _split_over_tp(m, layout)]
+    if layout.ep > 1 and unsplit:
         raise NotImplementedError(
-            f"{layout.describe()}: a model's own stacked experts are not split over the tp ranks"
-            " (experts='split'); fold expert parallelism over them instead: experts='fold' with ep in"
+            f"{layout.describe()}: {unsplit[0]}'s weights are not in the layout meshlight splits over the tp ranks"
+            " (experts='split': a fused gate_up_proj [experts, 2 × intermediate, hidden] and down_proj [experts,"
+            " hidden, intermediate]); fold expert parallelism over them instead: experts='fold' with ep in"
             f" {layout.folded_ep_choices()}, or ep=1 (the experts whole on every tp rank)."
         )
     if sequence_parallel and router_logits_collected(module):

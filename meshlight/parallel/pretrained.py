@@ -5,10 +5,13 @@ layout, each rank reading only what it holds, and written from a checkpoint of a
 ``self.model``) with the files' keys, checks every shape against the whole tensor's, and lets DCP's
 ``HuggingFaceStorageReader`` read, for each parameter, the rectangle of the stored tensor this rank holds: a
 tensor-parallel or ZeRO shard, a pipeline stage's parameters only. Every layout meshlight makes stores its shards as
-such rectangles — a fused q|k|v too (:mod:`meshlight.parallel.tensor`), and uneven vocabulary shards — so no load
-planner of its own is needed. A weight tied to another that the files hold once (GPT-2's head, Hugging Face's
-``all_tied_weights_keys``) is read from its partner's key, and a later pipeline stage's copy of it too.
-Non-persistent buffers (rotary tables) are not in the state and are left as the model computed them.
+such rectangles — a fused q|k|v too (:mod:`meshlight.parallel.tensor`), and uneven vocabulary shards — or is read
+as rectangles and redistributed (stacked experts' fused gate|up, split part by part over tp:
+:func:`~meshlight.parallel.dtensors.in_blocks`), so no load planner of its own is needed. A weight tied to another
+that the files hold once (GPT-2's head, Hugging Face's ``all_tied_weights_keys``) is read from its partner's key, and
+a later pipeline stage's copy of it too. Stacked experts the files hold one by one (Mixtral's and Qwen-MoE's files)
+are read part by part (:mod:`meshlight.parallel.expert_files`). Non-persistent buffers (rotary tables) are not in the
+state and are left as the model computed them.
 
 :func:`export_pretrained` reads a meshlight checkpoint in one process (the code path ``meshlight consolidate``
 uses), keeps the names under the prefix without it, and writes safetensors shards with their index, and the model's
@@ -43,6 +46,8 @@ from meshlight.models.hf_layout import (
     llama_name,
     rotary_order,
 )
+from meshlight.parallel.dtensors import from_blocks, in_blocks
+from meshlight.parallel.expert_files import file_names, per_expert_sources, read_per_expert
 
 __all__ = [
     "CONFIGS_KEY", "GPT_CONFIGS_KEY", "LoadReport", "PretrainedWeightsError", "export_pretrained", "load_pretrained",
@@ -86,7 +91,7 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
     state = get_model_state_dict(module) if distributed else module.state_dict()
     aliases = _tied_keys(module, prefix)
     gpt = _meshlight_gpt(module, prefix)
-    report, reads, copies, wrong, orders = LoadReport(), {}, [], [], {}
+    report, reads, copies, wrong, orders, per_expert = LoadReport(), {}, [], [], {}, {}
     for name, tensor in state.items():
         if not name.startswith(prefix):
             continue
@@ -96,7 +101,12 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
             order = rotary_order(name, tensor.shape[0], gpt.head_dim)
             if order is not None:
                 orders[key] = torch.argsort(order)
-        source = key if key in stored else aliases.get(key)
+        source = next((name for name in file_names(key) if name in stored), aliases.get(key))
+        if source not in stored and (experts := per_expert_sources(key, tuple(tensor.shape), stored)):
+            per_expert[key] = (tensor, experts)  # stacked experts the files hold one by one
+            report.cast.update(_cast(stored[experts[0][0]][1], tensor.dtype))
+            report.loaded.append(key)
+            continue
         if source not in stored:
             report.missing.append(key)
             continue
@@ -108,10 +118,9 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
             copies.append((reads[source], tensor))
         else:
             reads[source] = tensor
-        if dtype != tensor.dtype:
-            report.cast.add((str(dtype).removeprefix("torch."), str(tensor.dtype).removeprefix("torch.")))
+        report.cast.update(_cast(dtype, tensor.dtype))
         report.loaded.append(key)
-    taken = set(reads)
+    taken = set(reads) | {k for _, experts in per_expert.values() for row in experts for k in row}
     if distributed:  # a pipeline stage holds some names; the files' keys are taken by the whole model's
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (taken, report.missing, wrong))
@@ -127,6 +136,7 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
         )
     _check(folder, wrong, report, strict)
     _read(folder, reads, distributed, orders)
+    read_per_expert(folder, {key: file for key, (_, _, file) in stored.items()}, per_expert)
     for loaded, copy in copies:
         if copy is not loaded:
             copy.detach().copy_(loaded.detach())
@@ -184,6 +194,11 @@ def _check(folder: Path, wrong: list[str], report: LoadReport, strict: bool) -> 
         )
 
 
+def _cast(stored: torch.dtype, model: torch.dtype) -> set[tuple[str, str]]:
+    """The (stored, parameter) dtype pair a load casts between, if they differ."""
+    return {(str(stored).removeprefix("torch."), str(model).removeprefix("torch."))} if stored != model else set()
+
+
 def _listed(keys: list[str], limit: int = 8) -> str:
     return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
@@ -191,10 +206,13 @@ def _listed(keys: list[str], limit: int = 8) -> str:
 def _read(folder: Path, reads: dict[str, torch.Tensor], distributed: bool, orders: dict[str, torch.Tensor]) -> None:
     """Each rank reads, of each stored tensor, the part its state holds (DCP with Hugging Face's storage); row ``r``
     of a tensor in ``orders`` from the file's row ``orders[key][r]``."""
+    readable = {key: in_blocks(tensor) for key, tensor in reads.items()}  # a fused weight split part by part
     try:
-        dcp.load(reads, storage_reader=_reader(str(folder), orders), no_dist=not distributed)
+        dcp.load(readable, storage_reader=_reader(str(folder), orders), no_dist=not distributed)
     except Exception as error:  # DCP wraps a rank's failure; the safetensors error names what broke
         raise PretrainedWeightsError(f"Reading the weights in {str(folder)!r} failed: {error}") from error
+    for key, tensor in reads.items():
+        from_blocks(tensor, readable[key])
 
 
 def _reader(folder: str, orders: dict[str, torch.Tensor]) -> Any:

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 from meshlight.parallel.activation_compression import ActivationCompressionPolicy
 from meshlight.parallel.blocks import BlockSelection, repeated_blocks
 from meshlight.parallel.dtensors import has_dtensor_parameters
-from meshlight.parallel.expert import expert_layers, has_experts, stacked_experts
+from meshlight.parallel.expert import has_experts, stacked_experts
+from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, _fix_hint, data_sizes
 from meshlight.parallel.offload import OffloadPolicy, apart_from_host
 from meshlight.parallel.pipeline import default_virtual_stages
@@ -293,8 +294,9 @@ class Hybrid3DStrategy(MeshStrategy):
     def _unsplittable(self) -> dict[str, Any]:
         """Sizes the engines cannot give this model, fixed at 1 for the planner where not requested: tp where no
         tensor-parallel plan splits its blocks (fused projections), ep where it has no experts expert parallelism
-        splits (experts its config counts, in modules it cannot split); and a model's own stacked experts, which
-        are never split over tp: tp=1 unless requested, and under a requested tp ``experts="fold"`` (or ep=1)."""
+        splits (experts its config counts, in modules it cannot split); and a model's own stacked experts in a
+        layout that cannot be split over tp: tp=1 unless requested, and under a requested tp ``experts="fold"`` (or
+        ep=1)."""
         fixed = {}
         if self._requested["tp"] is None and not has_dtensor_parameters(self.lightning_module):
             try:
@@ -304,9 +306,9 @@ class Hybrid3DStrategy(MeshStrategy):
                 rank_zero_info(f"Planning with tp=1: tensor parallelism cannot split this model ({error})")
         if self._requested["ep"] is None and not has_experts(self.lightning_module):
             fixed["ep"] = 1
-        if stacked_experts(self.lightning_module) and not expert_layers(self.lightning_module):
-            # a model's own experts are kept whole: on every tp rank (ep=1), which the cost model does not price, or
-            # spread over the tp ranks by ep folded over them; never split over tp
+        if any(stacked_split_placements(m) is None for m in stacked_experts(self.lightning_module)):
+            # experts split over tp only in a layout meshlight knows; others are kept whole: on every tp rank (ep=1),
+            # which the cost model does not price, or spread over the tp ranks by ep folded over them
             if self._requested["tp"] is None:
                 fixed["tp"] = 1
             elif self._requested["tp"] > 1 and self._requested["ep"] != 1 and self._experts_given is None:

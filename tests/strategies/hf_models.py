@@ -138,3 +138,14 @@ def lit_causal_lm(name: str, data_shards: int = 1) -> LitCausalLM:
     options = {"lr": 3e-3} if aux else training_options(family)
     return LitCausalLM(family, **options, vocab=int(vocab or VOCAB), aux_loss=0.02 if aux else 0.0,
                        data_shards=data_shards, layers=DEEP_LAYERS if deep else LAYERS)
+
+
+def experts_in_another_layout(module: LitCausalLM) -> LitCausalLM:
+    """``module`` with its stacked experts' weights stored transposed (``gate_up_proj`` ``[E, H, 2·I]``, as GPT-OSS
+    stores it): a layout meshlight does not split over tp. For refusals and the planner only: it does not run."""
+    from meshlight.parallel.expert import stacked_experts
+
+    for experts in stacked_experts(module):
+        for name, param in list(experts.named_parameters(recurse=False)):
+            setattr(experts, name, torch.nn.Parameter(param.detach().transpose(1, 2).contiguous()))
+    return module

@@ -75,8 +75,8 @@ def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel:
 
     ``data_parallel``: ranks reading different data (default: all); ``model``: a factory replacing GPT-tiny;
     ``save_to``: a checkpoint path written after training; ``ckpt_path``: one to resume from; ``callbacks`` and
-    ``trainer_args``: added to the Trainer's (``max_steps`` replacing ``STEPS``); ``pad_to_multiple_of``: the
-    sequences' length is padded to a multiple of it (12 tokens unpadded).
+    ``trainer_args``: added to the Trainer's (replacing ``max_steps=STEPS``, ``enable_checkpointing=False``);
+    ``pad_to_multiple_of``: the sequences' length is padded to a multiple of it (12 tokens unpadded).
     """
     pl.seed_everything(SEED, verbose=False)
     world = devices
@@ -85,9 +85,8 @@ def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel:
     recorder = Recorder()
     trainer = ml.Trainer(
         strategy=strategy, devices=devices, accelerator="cpu", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, callbacks=[recorder, *callbacks],
-        **{"max_steps": STEPS, **VARIANTS[variant][1], **trainer_args},
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[recorder, *callbacks],
+        **{"max_steps": STEPS, "enable_checkpointing": False, **VARIANTS[variant][1], **trainer_args},
     )
     if strategy == "auto":  # the single-process control reads the distributed permutation
         data.setup()

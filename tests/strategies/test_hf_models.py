@@ -14,7 +14,7 @@ import torch
 
 from tests.launch import torchrun
 from tests.strategies import parity
-from tests.strategies.hf_models import MOE_FAMILIES, lit_causal_lm
+from tests.strategies.hf_models import MOE_FAMILIES, experts_in_another_layout, lit_causal_lm
 from tests.strategies.workers import hf_worker
 
 WORKER = Path(hf_worker.__file__)
@@ -37,7 +37,8 @@ def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hf")
     for world in (2, 4, 8):
         layouts = [name for name, (_, devices, _, _) in hf_worker.LAYOUTS.items() if devices == world]
-        torchrun(WORKER, world, str(out), *layouts, *(["reshard-tied"] if world == 2 else []), timeout=1200)
+        extras = {2: ["reshard-tied"], 4: ["resume-split"]}.get(world, [])
+        torchrun(WORKER, world, str(out), *layouts, *extras, timeout=1200)
     return out
 
 
@@ -58,7 +59,9 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     parity.assert_parity(result, controls[model])
     if model.split("-")[0] in MOE_FAMILIES and layout != "3d-planned":  # 4 experts: over 2 or 4 ranks, or whole
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1
-        assert result["local_experts"] and set(result["local_experts"]) == {4 // ep}, result["local_experts"]
+        tp_parts = 2 if layout in ("tp2", "3d-moe") or "split" in layout else 1  # each expert split over tp=2
+        local = result["local_experts"]
+        assert local and set(local) == {(4 // ep, tp_parts)}, local
 
 
 def test_a_head_tied_across_pipeline_stages_is_checkpointed_and_resharded_exactly(runs):
@@ -85,18 +88,35 @@ def test_the_load_balancing_loss_is_in_the_loss_under_expert_parallelism(runs, f
     assert 1.5 < (with_aux[0] - without[0]) / 0.02 < 3.0
 
 
+def test_experts_split_part_by_part_over_tp_resume_exactly_and_load_under_other_layouts(runs):
+    """Mixtral under dp=2 × tp=2 × ep=2 with each expert split over tp — the fused gate|up part by part, which
+    distributed checkpointing records only as plain blocks of the whole weight (weights and AdamW's moments):
+    resumed from the checkpoint of step 10, the run ends on exactly the weights of the run not interrupted; resumed
+    under dp=2 × tp=2 × ep=4 (experts folded), its last 10 losses and its weights are within 1e-4 of it; and its last
+    checkpoint loads under ddp into exactly its weights."""
+    results = torch.load(runs / "resume-split.pt", weights_only=False)
+    whole = results["whole"]["weights"]
+    assert any(name.endswith("experts.gate_up_proj") for name in whole)
+    for other in ("resumed", "loaded"):
+        assert results[other].keys() == whole.keys()
+        assert all(torch.equal(results[other][name], whole[name]) for name in whole), other
+    second_half = {"losses": results["whole"]["losses"][parity.STEPS // 2:], "weights": whole}
+    parity.assert_parity(results["folded"], second_half)
+
+
 def test_a_models_own_experts_under_tensor_parallelism_refuse_what_they_cannot_do():
-    """Under tp a model's own experts are kept whole, on every tp rank or spread over them by expert parallelism
-    folded over them: splitting each over tp (experts="split" with ep) is refused, and so is the model's
-    load-balancing loss under sequence parallelism (its router logits would cover this rank's share of the
-    sequence), each naming the way out."""
+    """Under tp a model's own experts are split over the tp ranks where their weights are in the layout meshlight
+    knows, else kept whole (on every tp rank, or spread over them by expert parallelism folded over them): such
+    experts with experts="split" and ep > 1 are refused, and so is the model's load-balancing loss under sequence
+    parallelism (its router logits would cover this rank's share of the sequence), each naming the way out."""
     from meshlight.parallel.layout import ParallelLayout
     from meshlight.parallel.parallelize import parallelize
 
-    module = lit_causal_lm("mixtral")
-    with pytest.raises(NotImplementedError, match=r"not split over the tp ranks \(experts='split'\); fold expert"
-                                                  r" parallelism over them instead: experts='fold' with ep in \[2,"
-                                                  r" 4\], or ep=1"):
+    module = experts_in_another_layout(lit_causal_lm("mixtral"))
+    with pytest.raises(NotImplementedError, match=r"layers.0.mlp.experts's weights are not in the layout meshlight"
+                                                  r" splits over the tp ranks \(experts='split': a fused"
+                                                  r" gate_up_proj .*\); fold expert parallelism over them instead:"
+                                                  r" experts='fold' with ep in \[2, 4\], or ep=1"):
         parallelize(module, ParallelLayout(dp_replicate=2, tp=2, ep=2, experts="split"), mesh=None)
     aux = lit_causal_lm("mixtral-aux")
     with pytest.raises(NotImplementedError, match=r"output_router_logits=True\) from its router logits, which under"

@@ -194,17 +194,23 @@ def test_the_planner_leaves_out_tensor_parallelism_for_a_model_no_plan_splits(ca
             " fused projection (model.transformer.h.0.attn.c_attn)") in caplog.text
 
 
-def test_the_planner_keeps_a_models_own_experts_whole_folding_them_over_a_given_tp():
+def test_the_planner_splits_a_models_own_experts_over_tp_where_it_can_else_keeps_them_whole():
     pytest.importorskip("transformers")
-    from tests.strategies.hf_models import lit_causal_lm
+    from tests.strategies.hf_models import experts_in_another_layout, lit_causal_lm
 
-    # Mixtral's stacked experts are never split over tp: tp stays 1 unless given, and under a given tp expert
+    # Mixtral's stacked experts split over tp as meshlight's own do: the planner chooses freely
+    for arguments in ({}, {"tp": 2}, {"tp": 2, "ep": 1}):
+        strategy = ml.Hybrid3DStrategy(**arguments)
+        ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
+        strategy.connect(lit_causal_lm("mixtral"))
+        assert strategy._unsplittable() == {}, arguments
+    # experts in a layout it cannot split are kept whole: tp stays 1 unless given, and under a given tp expert
     # parallelism folds over the tp ranks (or is 1, the experts whole on each); experts given are the user's
     for arguments, fixed in (({}, {"tp": 1}), ({"tp": 2}, {"experts": "fold"}), ({"tp": 2, "ep": 1}, {}),
                              ({"tp": 2, "experts": "split"}, {})):
         strategy = ml.Hybrid3DStrategy(**arguments)
         ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
-        strategy.connect(lit_causal_lm("mixtral"))
+        strategy.connect(experts_in_another_layout(lit_causal_lm("mixtral")))
         assert strategy._unsplittable() == fixed, arguments
 
 

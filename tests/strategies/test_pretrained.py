@@ -22,7 +22,6 @@ from tests.strategies import parity  # noqa: E402
 from tests.strategies.hf_models import hf_config, lit_causal_lm  # noqa: E402
 from tests.strategies.workers import pretrained_worker  # noqa: E402
 from tests.strategies.workers.pretrained_worker import (  # noqa: E402
-    FAMILIES,
     GPT_LLAMA,
     LAYOUTS,
     PROBE,
@@ -31,6 +30,7 @@ from tests.strategies.workers.pretrained_worker import (  # noqa: E402
 )
 
 WORKER = Path(pretrained_worker.__file__)
+ALL_FAMILIES = sorted({family for layout in LAYOUTS for family in pretrained_worker.families(layout)})
 
 
 def save_pretrained(folder: Path, family: str, dtype: torch.dtype = torch.float32) -> Path:
@@ -50,7 +50,7 @@ def from_pretrained(folder: Path) -> transformers.PreTrainedModel:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("pretrained")
-    for family in FAMILIES:
+    for family in ALL_FAMILIES:
         save_pretrained(folder, family)
     return folder
 
@@ -61,7 +61,7 @@ def controls(folders) -> dict[str, dict]:
     test_a_gpt_loads_llama_weights_and_exports_as_a_llama_in_one_process shows): its losses and its trained model's
     logits on PROBE."""
     results = {}
-    for family in FAMILIES:
+    for family in ALL_FAMILIES:
         def model(family=family):
             module = model_of(family)
             if family != "gpt":

@@ -1,12 +1,14 @@
 """Hugging Face causal LMs of every dense family trained under each layout named, all in one launch (of the
 processes those layouts run on); rank 0 saves each run's losses and full final weights to
-``OUT/<layout>-<family>.pt`` (``reshard-tied``: see :func:`reshard_tied`).
+``OUT/<layout>-<family>.pt`` (the checks in :data:`EXTRAS`: see their functions).
 
     python tests/forkrun.py 2 tests/strategies/workers/hf_worker.py OUT tp2 ddp zero3 pp2-1f1b pp2-interleaved \
         reshard-tied
+    python tests/forkrun.py 4 tests/strategies/workers/hf_worker.py OUT dp2-tp2-ep2-split resume-split
     python tests/forkrun.py 8 tests/strategies/workers/hf_worker.py OUT 3d
 """
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 
 import meshlight as ml
+from meshlight.parallel.dtensors import local_tensor
 from meshlight.parallel.expert import StackedExpertsParallel, stacked_experts
 from tests.strategies import parity
 from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, lit_causal_lm
@@ -22,7 +25,8 @@ from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, lit_causal_lm
 LAYOUTS = {
     # GPT-2 also with a vocabulary tp does not divide (its head tied to the embedding, both split 31 + 30); GPT-NeoX's
     # fused q|k|v holds each head's q, k, v together, as its published plan says; the MoE models' attention split,
-    # their routers and experts kept whole on each rank, running on its share of the sequence
+    # their routers kept whole on each rank, running on its share of the sequence, and each expert split over tp (the
+    # fused gate|up part by part)
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "gpt2-vocab61", "gpt_neox", *MOE_FAMILIES)),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
@@ -36,7 +40,7 @@ LAYOUTS = {
     # on 8 processes a run costs ~18 s (about 9 runs on 2): the families whose structure the 3-D split meets
     # differently — Llama's (Mistral's is the same; Qwen2 adds q/k/v biases, which tp=2 and pp=2 cover), QK-norm with an
     # explicit head_dim, GPT-2's Conv1D and head tied across the first and last stage, litgpt's fused grouped q|k|v —
-    # and one MoE family (Mixtral's block is kept whole on each tp rank as Qwen3-MoE's is)
+    # and one MoE family (Mixtral's experts are split over tp as Qwen3-MoE's are)
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=2), 8, 2, ("llama", "qwen3", "gpt2", "litgpt")),
     "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=2), 8, 2, ("qwen3_moe",)),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
@@ -49,6 +53,11 @@ LAYOUTS = {
     "dp2-tp2-ep4": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4), 4, 2, MOE_FAMILIES),
     "dp2-tp2-ep4-no-sp": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4, sequence_parallel=False), 4, 2,
                           ("mixtral",)),
+    # each expert split over tp=2 (the fused gate|up part by part), the experts over ep=2 data ranks: each rank runs
+    # its half of 2 experts on the whole tokens of its tp group; without sequence parallelism under ZeRO-3 as well
+    "dp2-tp2-ep2-split": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split"), 4, 2, MOE_FAMILIES),
+    "dp2-tp2-ep2-split-no-sp-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split", zero=3,
+                                                                  sequence_parallel=False), 4, 2, ("mixtral",)),
 }
 
 
@@ -70,16 +79,46 @@ def reshard_tied(out: Path) -> None:
         torch.save(results, out / "reshard-tied.pt")
 
 
-def local_experts(module: torch.nn.Module) -> list[int]:
-    """The experts each of the model's own MoE blocks runs on this rank (all of them where not split over ep)."""
-    return [forward.num_experts // forward.ranks if isinstance(forward := experts.forward, StackedExpertsParallel)
-            else experts.num_experts for experts in stacked_experts(module)]
+def resume_split(out: Path) -> None:
+    """Mixtral trained under dp2-tp2-ep2-split, checkpointed halfway and at the end (the fused gate|up, split part by
+    part, is saved as plain blocks of the whole weight); runs resumed from halfway under the same layout and under
+    dp2-tp2-ep4 (experts folded); the final checkpoint loaded under ddp. Their results saved to ``resume-split.pt``:
+    ``whole`` and ``folded`` (losses and weights), ``resumed`` and ``loaded`` (weights)."""
+    from meshlight.callbacks import DistributedCheckpoint
+
+    strategy, devices, replicas, _ = LAYOUTS["dp2-tp2-ep2-split"]
+    model, folder = functools.partial(lit_causal_lm, "mixtral"), out / "split-checkpoints"
+    checkpoint = DistributedCheckpoint(folder, every_n_train_steps=parity.STEPS // 2, keep_last_k=2, async_save=False)
+    halfway, last = folder / f"step={parity.STEPS // 2:09d}", folder / f"step={parity.STEPS:09d}"
+    whole = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas, model=model,
+                         callbacks=[checkpoint], enable_checkpointing=True)
+    resumed = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas, model=model,
+                           ckpt_path=halfway)
+    folded = parity.train("adamw", strategy=LAYOUTS["dp2-tp2-ep4"][0](), devices=devices, data_parallel=replicas,
+                          model=model, ckpt_path=halfway)
+    module = model()
+    trainer = ml.Trainer(strategy="ddp", devices=devices, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.validate(module, parity.make_data(4), ckpt_path=last, verbose=False)
+    loaded = parity.full_weights(module)
+    if torch.distributed.get_rank() == 0:
+        runs = {"whole": whole, "folded": folded}
+        torch.save({**{name: {key: run[key] for key in ("losses", "weights")} for name, run in runs.items()},
+                    "resumed": resumed["weights"], "loaded": loaded}, out / "resume-split.pt")
+
+
+def local_experts(module: torch.nn.Module) -> list[tuple[int, int]]:
+    """For each of the model's own MoE blocks, the experts it runs on this rank (all of them where not split over
+    ep) and the parts tp splits each of them into (the whole ``down_proj``'s columns ÷ this rank's)."""
+    return [(forward.num_experts // forward.ranks if isinstance(forward := experts.forward, StackedExpertsParallel)
+             else experts.num_experts, experts.down_proj.shape[-1] // local_tensor(experts.down_proj).shape[-1])
+            for experts in stacked_experts(module)]
 
 
 def main(out: Path, layouts: list[str]) -> None:
     for layout in layouts:
-        if layout == "reshard-tied":
-            reshard_tied(out)
+        if layout in EXTRAS:
+            EXTRAS[layout](out)
             continue
         strategy, devices, replicas, models = LAYOUTS[layout]
         assert devices == int(os.environ["WORLD_SIZE"]), f"{layout} runs on {devices} processes"
@@ -90,6 +129,9 @@ def main(out: Path, layouts: list[str]) -> None:
             if torch.distributed.get_rank() == 0:
                 torch.save(result, out / f"{layout}-{family}.pt")
 
+
+#: checks beside the layouts' parity runs: name -> what runs it (on as many processes as its layouts)
+EXTRAS = {"reshard-tied": reshard_tied, "resume-split": resume_split}
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])

@@ -41,8 +41,11 @@ LAYOUTS = {
 def families(layout: str) -> tuple[str, ...]:
     """The families trained under ``layout``: every one, but on 8 processes (a run there costs ~9 on 2) GPT-2 (its
     head tied across the first and last stage, read from the embedding's key) and meshlight's GPT from a Llama folder
-    (HF Llama's weights load under 3d as GPT-2's do)."""
-    return ("gpt2", "gpt") if LAYOUTS[layout][1] == 8 else FAMILIES
+    (HF Llama's weights load under 3d as GPT-2's do); under zero3 and tp2 Mixtral too, whose files hold each expert
+    apart: ZeRO-3 splits the stacked experts by experts, tp each expert (the fused gate|up part by part)."""
+    if LAYOUTS[layout][1] == 8:
+        return ("gpt2", "gpt")
+    return (*FAMILIES, "mixtral") if layout in ("zero3", "tp2") else FAMILIES
 
 
 #: the tokens the exported models' logits are compared on
