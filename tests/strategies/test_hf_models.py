@@ -46,10 +46,12 @@ def runs(tmp_path_factory) -> Path:
                                                hf_worker.LAYOUTS.items() for model in models])
 def test_each_layout_matches_single_process_training(runs, controls, layout, model):
     """tp2: tensor parallelism with sequence parallelism on 2 processes (the fused q|k|v of GPT-2 and litgpt split
-    part by part; GPT-2 also with a vocabulary of 61, split 31 + 30); ddp and zero3: 2 data replicas; pp2-*: two
-    pipeline stages (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence parallel) on 8 processes (3d-moe:
-    Qwen3-MoE, ep=1, its routers and experts whole on each tp rank); dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over
-    the tp and data ranks (each rank one whole expert), with sequence parallelism and (Mixtral) without;
+    part by part; GPT-2 also with a vocabulary of 61, split 31 + 30; the MoE models' routers whole, each expert split
+    over tp, its fused gate|up part by part); ddp and zero3: 2 data replicas; pp2-*: two pipeline stages
+    (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence parallel) on 8 processes (3d-moe: Qwen3-MoE, ep=1,
+    each expert split over tp); dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over the tp and data ranks (each rank one
+    whole expert), with sequence parallelism and (Mixtral) without; dp2-tp2-ep2-split*: each expert split over tp=2
+    and the experts over ep=2 data ranks (Mixtral also without sequence parallelism, under ZeRO-3);
     tp2-loss-parallel: a vocabulary of 61, which tp=2 splits 31 + 30, the logits left split for the loss;
     3d-planned: Hybrid3DStrategy() with no sizes, planned from each config; ep2 and
     dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (ep2 also with their
