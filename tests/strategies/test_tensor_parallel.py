@@ -33,7 +33,8 @@ def controls() -> dict:
     out[("gpt", "clip")] = train("clip", model=tensor_worker.lit_gpt)
     adafactor_gpt = functools.partial(tensor_worker.lit_gpt, **VARIANTS["adafactor"][0])
     out[("gpt", "adafactor")] = train("adafactor", model=adafactor_gpt)
-    out[("gpt", "adamw-foreach")] = train("adamw-foreach", model=functools.partial(tensor_worker.lit_gpt, foreach=True))
+    for variant in ("adamw-foreach", "adamw-single"):
+        out[("gpt", variant)] = train(variant, model=functools.partial(tensor_worker.lit_gpt, **VARIANTS[variant][0]))
     return out
 
 

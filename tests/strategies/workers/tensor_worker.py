@@ -56,6 +56,8 @@ def runs(world: int) -> list[tuple[str, str, bool, str]]:
         grid.append(("tp2", "llama-configure-model", False, "adamw"))
         # norms left plain beside DTensor weights, nothing sharding them over data ranks: multi-tensor AdamW
         grid.append(("tp2", "gpt", False, "adamw-foreach"))
+        # DTensor parameters stepped one at a time, torch's default on CPU (parity runs otherwise step multi-tensor)
+        grid.append(("tp2", "gpt", True, "adamw-single"))
         return grid
     grid = [("tp4", "gpt", True, "adamw"), ("tp4", "gpt", False, "adamw"), ("tp4", "llama-auto", True, "adamw"),
             ("tp4", "llama-gated", True, "adamw")]
