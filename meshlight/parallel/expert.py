@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
@@ -31,16 +31,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Shard
 
-from meshlight.nn.experts import GroupedExperts, local_weight
+from meshlight.nn.experts import GroupedExperts, local_weight, scale_gradient
 from meshlight.nn.moe import MoE
 from meshlight.parallel.expert_tensor import (
     ExpertTensorParallel,
+    added_once,
     check_expert_split,
     grouped_split,
     local_slice,
     split_placements,
+    stacked_expert_width,
     stacked_split_placements,
 )
 from meshlight.parallel.layout import DATA_AXES, axis, hybrid_mesh, same_experts_axis
@@ -65,7 +67,9 @@ def expert_layers(module: nn.Module) -> list[MoE]:
 
 def stacked_experts(module: nn.Module) -> list[nn.Module]:
     """Expert modules of a model's own MoE blocks that expert parallelism splits: a ``num_experts`` attribute, every
-    weight ``[num_experts, …]``, and ``forward(hidden_states, top_k_index, top_k_weights)`` (Hugging Face's)."""
+    weight ``[num_experts, …]`` (matrices, and biases ``[num_experts, width]`` as GPT-OSS's), and
+    ``forward(hidden_states, top_k_index, top_k_weights)`` (Hugging Face's; GPT-OSS names the last two
+    ``router_indices, routing_weights``)."""
     return [m for m in module.modules() if is_stacked_experts(m)]
 
 
@@ -74,8 +78,8 @@ def is_stacked_experts(module: nn.Module) -> bool:
     count, weights = getattr(module, "num_experts", None), list(module.parameters(recurse=False))
     if not (isinstance(count, int) and count > 1 and weights):
         return False
-    stacked = all(w.dim() == 3 and w.shape[0] == count for w in weights)
-    return stacked and tuple(inspect.signature(type(module).forward).parameters)[1:4] == _STACKED_SIGNATURE
+    stacked = any(w.dim() == 3 for w in weights) and all(w.dim() in (2, 3) and w.shape[0] == count for w in weights)
+    return stacked and tuple(inspect.signature(type(module).forward).parameters)[1:4] in _STACKED_SIGNATURES
 
 
 def has_experts(module: nn.Module) -> bool:
@@ -157,7 +161,7 @@ def _split_stacked(experts: nn.Module, mesh: DeviceMesh, ep: int, *, sequence_pa
     tp_group = mesh["tp"].get_group()
     tp_split = stacked_split_placements(experts) if mesh["tp"].size() > 1 and not fold else None
     if tp_split is not None:
-        check_expert_split(experts.intermediate_dim, mesh["tp"].size())
+        check_expert_split(stacked_expert_width(experts), mesh["tp"].size())
         split_mesh, placements = mesh["ep", "tp"] if ep > 1 else mesh["tp"], _split_over(tp_split, ep)
         tensor_parallel = ExpertTensorParallel(tp_group, sequence_parallel=sequence_parallel, fold=False)
     elif ep > 1:
@@ -168,8 +172,9 @@ def _split_stacked(experts: nn.Module, mesh: DeviceMesh, ep: int, *, sequence_pa
     else:
         return
     if _split(experts, experts.num_experts, split_mesh, placements):
+        once = added_once(tp_split, [name for name, _ in experts.named_parameters(recurse=False)]) if tp_split else []
         StackedExpertsParallel(experts, mesh["ep"].get_group() if ep > 1 else None, data_ranks=data_ranks,
-                               tensor_parallel=tensor_parallel)
+                               tensor_parallel=tensor_parallel, added_once=once)
 
 
 def _split_over(tp_placement: Callable[[str], Placement], ep: int) -> Callable[[str], list[Placement]]:
@@ -237,7 +242,8 @@ class AllToAllDispatcher:
         return all_to_all_single_autograd(out, send_splits, receive_splits, self.group)
 
 
-_STACKED_SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
+_STACKED_SIGNATURES = (("hidden_states", "top_k_index", "top_k_weights"),
+                       ("hidden_states", "router_indices", "routing_weights"))
 
 
 class StackedExpertsParallel:
@@ -251,11 +257,13 @@ class StackedExpertsParallel:
     (:class:`~meshlight.parallel.expert_tensor.ExpertTensorParallel`) where they hold the same tokens or each expert
     is split over them — the whole tokens go through this rank's slice of every expert, or (folded) each rank sends
     its part of the pairs; the outputs are summed over tp, and the gradients of the tokens and the router's weights,
-    each rank's partial, in backward."""
+    each rank's partial, in backward. ``added_once``: weights each tp rank holds whole (each expert split over tp)
+    whose term the ranks' partial outputs add once — tp rank 0 adds it, the others add zeros (and the gradient, a
+    partial sum over tp, is rank 0's)."""
 
     def __init__(self, experts: nn.Module, group: Optional[dist.ProcessGroup], *, data_ranks: int,
-                 tensor_parallel: Optional[ExpertTensorParallel] = None) -> None:
-        self.experts = experts
+                 tensor_parallel: Optional[ExpertTensorParallel] = None, added_once: Sequence[str] = ()) -> None:
+        self.experts, self.added_once = experts, tuple(added_once)
         self.ranks = dist.get_world_size(group) if group is not None else 1
         self.gradient_scale = 1.0 / data_ranks
         self.tensor_parallel = tensor_parallel
@@ -291,7 +299,13 @@ class StackedExpertsParallel:
         local = copy.copy(self.experts)
         local._parameters = {}
         for name, param in self.experts.named_parameters(recurse=False):
-            object.__setattr__(local, name, local_weight(param, self.gradient_scale))
+            if name in self.added_once:
+                partial = [Partial() if p.is_replicate() else p for p in param.placements]
+                weight = scale_gradient(param.to_local(grad_placements=partial), self.gradient_scale)
+                weight = weight if self.tensor_parallel.rank == 0 else weight * 0  # a zero gradient, not none
+            else:
+                weight = local_weight(param, self.gradient_scale)
+            object.__setattr__(local, name, weight)
         object.__setattr__(local, "num_experts", len(counts))
         index = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts, output_size=len(rows))
         ones = torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)

@@ -22,15 +22,15 @@ from typing import Literal, Optional
 
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshlight.nn.experts import Router, Routing, scale_gradient
 from meshlight.parallel.collectives import all_gather_along, reduce_scatter_along, sum_in_backward, sum_in_forward
 
 __all__ = [
-    "EXPERT_LAYOUTS", "ExpertLayout", "ExpertTensorParallel", "check_expert_split", "contiguous_part", "grouped_split",
-    "local_slice", "split_placements", "stacked_split_placements",
+    "EXPERT_LAYOUTS", "ExpertLayout", "ExpertTensorParallel", "added_once", "check_expert_split", "contiguous_part",
+    "grouped_split", "local_slice", "split_placements", "stacked_expert_width", "stacked_split_placements",
 ]
 
 ExpertLayout = Literal["split", "fold"]
@@ -94,16 +94,51 @@ def split_placements(tp_placement: Placement, ep: int) -> list[Placement]:
 
 def stacked_split_placements(experts: nn.Module) -> Optional[Callable[[str], Placement]]:
     """How a model's own stacked experts (Hugging Face's) split over tp under ``"split"``, weight name → its tp
-    placement: ``None`` where their weights are not in the layout most of Hugging Face's MoE models share — a fused
-    ``gate_up_proj`` ``[E, 2·I, H]`` (the gate's rows, then the up projection's, which the forward chunks in two) and
-    ``down_proj`` ``[E, H, I]``. The fused weight is split part by part (``_StridedShard``: each rank holds its rows of
-    the gate and of the up projection, which its forward's chunk separates again), ``down_proj`` by its columns."""
-    width, hidden = getattr(experts, "intermediate_dim", None), getattr(experts, "hidden_dim", None)
+    placement: ``None`` where their weights are in neither layout meshlight knows (:func:`_stacked_layout`)."""
+    layout = _stacked_layout(experts)
+    return None if layout is None else layout[1].__getitem__
+
+
+def stacked_expert_width(experts: nn.Module) -> int:
+    """The hidden width of each of a model's own stacked experts that ``"split"`` divides over tp (their layout
+    known: :func:`stacked_split_placements`)."""
+    layout = _stacked_layout(experts)
+    assert layout is not None, f"{type(experts).__name__}'s layout is not one meshlight splits over tp"
+    return layout[0]
+
+
+def added_once(placements: Callable[[str], Placement], names: list[str]) -> list[str]:
+    """Of stacked experts' weights ``names`` split over tp by ``placements``, those each tp rank holds whole whose
+    term the ranks' partial outputs must add once (GPT-OSS's ``down_proj_bias``): the tp rank 0 adds it."""
+    return [name for name in names if isinstance(placements(name), Replicate)]
+
+
+def _stacked_layout(experts: nn.Module) -> Optional[tuple[int, dict[str, Placement]]]:
+    """The expert width and each weight's tp placement, for the two layouts of Hugging Face's MoE models:
+
+    - most of them: a fused ``gate_up_proj`` ``[E, 2·I, H]`` (the gate's rows, then the up projection's, which the
+      forward chunks in two) and ``down_proj`` ``[E, H, I]``. The fused weight is split part by part
+      (``_StridedShard``: each rank holds its rows of the gate and of the up projection, which its forward's chunk
+      separates again), ``down_proj`` by its columns;
+    - GPT-OSS's, which transformers marks ``is_transposed`` and not ``is_concatenated``: ``gate_up_proj``
+      ``[E, H, 2·I]`` with the gate's and the up projection's columns interleaved, biases ``gate_up_proj_bias``
+      ``[E, 2·I]`` and ``down_proj_bias`` ``[E, H]``, ``down_proj`` ``[E, I, H]``. A contiguous block of the fused
+      columns holds whole (gate, up) pairs: the fused weight and its bias are split by columns, ``down_proj`` by
+      rows, and ``down_proj_bias`` is held whole and added once (:func:`added_once`).
+
+    None for any other layout."""
     shapes = {name: tuple(param.shape[1:]) for name, param in experts.named_parameters(recurse=False)}
-    if not isinstance(width, int) or shapes != {"gate_up_proj": (2 * width, hidden), "down_proj": (hidden, width)}:
-        return None
-    tp_placements = {"gate_up_proj": _StridedShard(1, split_factor=2), "down_proj": Shard(2)}
-    return tp_placements.__getitem__
+    width, hidden = getattr(experts, "intermediate_dim", None), getattr(experts, "hidden_dim", None)
+    if isinstance(width, int) and shapes == {"gate_up_proj": (2 * width, hidden), "down_proj": (hidden, width)}:
+        return width, {"gate_up_proj": _StridedShard(1, split_factor=2), "down_proj": Shard(2)}
+    width, hidden = getattr(experts, "intermediate_size", None), getattr(experts, "hidden_size", None)
+    interleaved = getattr(experts, "is_transposed", None) is True and getattr(experts, "is_concatenated", None) is False
+    if interleaved and isinstance(width, int) and shapes == {
+            "gate_up_proj": (hidden, 2 * width), "gate_up_proj_bias": (2 * width,), "down_proj": (width, hidden),
+            "down_proj_bias": (hidden,)}:
+        return width, {"gate_up_proj": Shard(2), "gate_up_proj_bias": Shard(1), "down_proj": Shard(1),
+                       "down_proj_bias": Replicate()}
+    return None
 
 
 def check_expert_split(hidden_dim: int, tp: int) -> None:
@@ -125,6 +160,8 @@ def local_slice(weight: Tensor, coordinates: list[tuple[int, int]], placements: 
             parts = block.unflatten(placement.dim, (placement.split_factor, -1))
             step = parts.shape[placement.dim + 1] // size
             block = parts.narrow(placement.dim + 1, rank * step, step).flatten(placement.dim, placement.dim + 1)
+            continue
+        if isinstance(placement, Replicate):
             continue
         assert isinstance(placement, Shard)
         step = block.shape[placement.dim] // size

@@ -26,7 +26,8 @@ from meshlight.parallel.blocks import repeated_blocks
 __all__ = [
     "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "WIDTH_ATTRIBUTES", "ModelShape", "ModelShapeError",
     "attention_heads", "config_shape", "count_holder", "fused_parts", "head_counts", "head_dim_of", "hidden_size",
-    "is_transposed_linear", "linear_widths", "model_shape", "projection_heads", "projections",
+    "is_transposed_linear", "linear_widths", "model_shape", "per_head_parameters", "projection_heads",
+    "projections",
 ]
 
 #: Attribute names under which attention modules keep their head counts (tensor parallelism divides them by tp).
@@ -243,6 +244,14 @@ def projection_heads(module: nn.Module, names: Sequence[str]) -> dict[str, int]:
         return {}
     widths = {name: linear_widths(module.get_submodule(name)) for name in names}
     return {name: width[1] // head_dim for name, width in widths.items() if width and width[1] % head_dim == 0}
+
+
+def per_head_parameters(module: nn.Module, hidden: int) -> list[str]:
+    """Names of an attention ``module``'s own 1-D parameters holding one value per query head (GPT-OSS's attention
+    sinks): tensor parallelism splits them with the heads."""
+    heads = attention_heads(module, hidden)
+    return [name for name, param in module.named_parameters(recurse=False)
+            if heads and param.dim() == 1 and param.shape[0] == heads[0]]
 
 
 def attention_heads(module: nn.Module, hidden: int) -> Optional[tuple[int, int]]:

@@ -47,7 +47,7 @@ def split_stages(module: nn.Module, plan: StagePlan, stages: Sequence[int]) -> l
     blocks = getattr(module, plan.container)
     for name in (*plan.pre, *plan.post):
         if name not in mine:
-            setattr(module, name, PassThrough())
+            setattr(module, name, _stand_in(getattr(module, name)) if name in plan.pre else PassThrough())
     for key in (k for stage_keys in plan.blocks for k in stage_keys):
         if f"{plan.container}.{key}" not in mine:
             blocks[key if isinstance(blocks, nn.ModuleDict) else int(key)] = PassThrough()
@@ -187,6 +187,8 @@ class _ZerosLike(nn.Module):
 
 
 def _stand_in(piece: nn.Module) -> nn.Module:
+    if isinstance(piece, _ZerosLike):
+        return piece
     if isinstance(piece, nn.Embedding):
         return _ZerosLike(piece.embedding_dim, piece.weight.dtype)
     return PassThrough()
@@ -290,7 +292,10 @@ def check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pla
     container = root.get_submodule(container_name)
     keys = list(container.keys()) if isinstance(container, nn.ModuleDict) else [str(i) for i in range(len(container))]
     probed = [probes[f"{container_name}.{k}"] for k in keys]
-    replacements: dict[str, nn.Module] = {prefix + name: PassThrough() for name in plan.pre}
+    # an embedding's stand-in hands on zeros of its output's dtype, which what runs before the blocks may read (an
+    # eager attention mask takes its minimum)
+    replacements: dict[str, nn.Module] = {prefix + name: _stand_in(root.get_submodule(prefix + name))
+                                          for name in plan.pre}
     replacements.update({name: probes[name] for name in pieces[len(blocks):]})
     replacements.update({head: _Probe(head, received, stop=True) for head in place.heads})
     replacements[container_name] = (nn.ModuleDict(zip(keys, probed)) if isinstance(container, nn.ModuleDict)

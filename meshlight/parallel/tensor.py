@@ -70,7 +70,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from meshlight.parallel.model_shape import WIDTH_ATTRIBUTES, count_holder, head_counts, is_transposed_linear
+from meshlight.parallel.model_shape import (
+    WIDTH_ATTRIBUTES,
+    count_holder,
+    head_counts,
+    hidden_size,
+    is_transposed_linear,
+    per_head_parameters,
+)
 from meshlight.parallel.sequence_gather import register_sequence_gather
 from meshlight.parallel.tensor_plan import (
     TensorParallelError,
@@ -135,6 +142,9 @@ def apply_tensor_parallel(
             styles[name] = _Replicated(name, over="sequence")
         elif role == "replicate" and on_share:  # an MoE block's router and stacked experts
             styles[name] = _OnShareOfTokens()
+    hidden = hidden_size(modules[name] for name in blocks)
+    per_head = {parent: names for parent in _colwise_parents(plan)
+                if hidden and (names := per_head_parameters(modules[parent], hidden))}
     tied = _tied_parameters(model)
     parallelize_module(model, mesh, styles)
     _tie_again(model, tied)
@@ -142,6 +152,8 @@ def apply_tensor_parallel(
         register_sequence_gather(modules[parent], mesh, sequence_parallel=sequence_parallel,
                                  keep_gathered=keep_gathered_inputs)
         _name_while_running(modules[parent], _shown(parent), _divide_counts(modules[parent], tp))
+    for parent, names in per_head.items():  # after the gather has read the forward's signature
+        _split_by_head(modules[parent], names, mesh)
     if sequence_parallel:
         for name in blocks:
             modules[name].register_forward_pre_hook(_unwrap_share, prepend=True)
@@ -445,10 +457,20 @@ class _OnShareOfTokens(ParallelStyle):
         return module
 
 
+def _split_by_head(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
+    """An attention ``module``'s own parameters ``names``, one value per head (GPT-OSS's attention sinks), sharded
+    over tp as its heads are; its forward runs on a shallow copy holding this rank's values as plain tensors."""
+    _distribute_parameters(module, mesh, dict.fromkeys(names, Shard(0)), src_data_rank=0)
+    module.forward = functools.partial(_forward_on_local_weights, module, type(module).forward)
+
+
 def _forward_on_local_weights(module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """``forward`` on a shallow copy of ``module`` holding its own DTensor parameters as this rank's plain values:
+    the gradients of replicated ones are this rank's part of a sum, those of sharded ones its shard's."""
     local = copy.copy(module)
     for name, param in module.named_parameters(recurse=False):
-        object.__setattr__(local, name, param.to_local(grad_placements=[Partial()]))
+        replicated = all(p.is_replicate() for p in param.placements)
+        object.__setattr__(local, name, param.to_local(grad_placements=[Partial()] if replicated else None))
     return forward(local, *args, **kwargs)
 
 

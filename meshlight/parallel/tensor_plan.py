@@ -33,6 +33,7 @@ from meshlight.parallel.model_shape import (
     head_dim_of,
     hidden_size,
     linear_widths,
+    per_head_parameters,
     projection_heads,
     projections,
 )
@@ -438,6 +439,7 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
     would see only those) — and an attention group must say how many heads it has."""
     modules = dict(model.named_modules())
     blocks = {id(b) for b in repeated_blocks(model)}
+    hidden = hidden_size(repeated_blocks(model))
     owners = _colwise_parents(plan)
     for owner in owners:
         module = modules[owner]
@@ -460,18 +462,20 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
                 f" {', '.join(n.rpartition('.')[2] for n in group)} into a submodule of their own (e.g."
                 " `self.mlp = MLP(dim)` whose forward is `fc2(act(fc1(x)))`)."
             )
+        per_head = per_head_parameters(module, hidden) if hidden else []  # split with the heads
         stray = [f"{_shown(_join(owner, n, p))} {list(t.shape)}" for n, m in module.named_modules()
                  if (full := _join(owner, n)) not in group and plan.get(full) != "head_norm"
                  and not _within(full, nested)
-                 for p, t in m.named_parameters(recurse=False)]
+                 for p, t in m.named_parameters(recurse=False) if n or p not in per_head]
         if stray:
             raise TensorParallelError(
                 f"{_shown(owner) or _model_name(module)} holds the tensor-parallel group"
                 f" {', '.join(map(_shown, group))} and also the parameters {', '.join(stray[:4])}, which tensor"
                 " parallelism does not split: each rank computes 1/tp of the group's heads (or hidden units) and"
-                " would train them on those alone (a norm over all heads at once, a learned scale, attention sinks;"
-                " a norm as wide as one head is split). Splitting them is not supported yet: parallelize the module"
-                " yourself in configure_model(), or train without tensor parallelism (pp, ZeRO)."
+                " would train them on those alone (a norm over all heads at once, a learned scale; a norm as wide as"
+                " one head and a vector of one value per head, as attention sinks, are split). Splitting them is not"
+                " supported yet: parallelize the module yourself in configure_model(), or train without tensor"
+                " parallelism (pp, ZeRO)."
             )
         readers = {n: width[1] for n in group if plan[n] in COLUMN_ROLES and (width := linear_widths(modules[n]))}
         qkv = [n for n in readers if len(fused_projection(modules, plan, n) or ()) == 3]  # a fused q|k|v

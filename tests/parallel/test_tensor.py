@@ -365,12 +365,12 @@ def test_a_group_a_user_plan_leaves_out_is_refused_under_sequence_parallelism():
 
 
 class _QKNormAttention(_Attention):
-    def __init__(self, norm_width=8, sinks=False):
+    def __init__(self, norm_width=8, own=0):
         super().__init__()
         self.head_dim = 8
         self.q_norm, self.k_norm = nn.RMSNorm(norm_width), nn.RMSNorm(norm_width)
-        if sinks:
-            self.sinks = nn.Parameter(torch.zeros(4))
+        if own:  # a parameter of the attention's own: one value per head (4: attention sinks), or a temperature
+            self.sinks = nn.Parameter(torch.zeros(own))
 
 
 def test_a_norm_over_each_head_runs_on_the_ranks_heads_and_other_parameters_beside_a_group_are_refused():
@@ -378,10 +378,13 @@ def test_a_norm_over_each_head_runs_on_the_ranks_heads_and_other_parameters_besi
     plan = derive_plan(model)
     assert plan["blocks.0.attn.q_norm"] == plan["blocks.1.attn.k_norm"] == "head_norm"
     validate_plan(model, plan, 2, 2)
-    # a norm over all heads at once (each rank holds 1/tp of its width), attention sinks: trained on the rank's
+    # one value per head (GPT-OSS's attention sinks) is split with the heads (trained so in test_hf_models)
+    model = _model(attention=lambda: _QKNormAttention(own=4))
+    validate_plan(model, derive_plan(model), 2, 2)
+    # a norm over all heads at once (each rank holds 1/tp of its width), a learned temperature: trained on the rank's
     # heads alone, with or without sequence parallelism
     for attention, listed in [(lambda: _QKNormAttention(norm_width=32), r"blocks.0.attn.q_norm.weight \[32\]"),
-                              (lambda: _QKNormAttention(sinks=True), r"blocks.0.attn.sinks \[4\]")]:
+                              (lambda: _QKNormAttention(own=1), r"blocks.0.attn.sinks \[1\]")]:
         model = _model(attention=attention)
         for sequence_parallel in (True, False):
             with pytest.raises(TensorParallelError, match=r"blocks.0.attn holds the tensor-parallel group"

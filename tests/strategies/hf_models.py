@@ -15,7 +15,7 @@ VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS = 16, 64, 8, 4, 128, 2
 #: layers of the ``-deep`` models: an interleaved pipeline of 2 ranks × 2 virtual stages needs a layer for each
 DEEP_LAYERS = 4
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "litgpt")
-MOE_FAMILIES = ("mixtral", "qwen3_moe")  # 4 experts, top-2, in every layer
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")  # 4 experts, top-2, in every layer
 
 
 def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
@@ -48,6 +48,13 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
     if family == "qwen3_moe":  # top-k weights renormalized (norm_topk_prob), experts narrower than the hidden size
         return transformers.Qwen3MoeConfig(**common, **moe, num_experts=4, moe_intermediate_size=HIDDEN // 2,
                                            norm_topk_prob=True, head_dim=DIM // HEADS)
+    if family == "gpt_oss":  # attention sinks, sliding-window and full layers alternating, YaRN rotary, q/k/v/o and
+        # router biases; its stacked experts transposed ([E, H, 2·I], gate and up interleaved), with biases
+        yarn = dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=16,
+                    beta_fast=32.0, beta_slow=1.0, truncate=False)
+        return transformers.GptOssConfig(**common, **moe, head_dim=DIM // HEADS, num_local_experts=4,
+                                         sliding_window=4, rope_parameters=yarn,
+                                         layer_types=["sliding_attention", "full_attention"] * (layers // 2))
     raise ValueError(f"family={family!r}: choose one of {FAMILIES + MOE_FAMILIES}")
 
 
@@ -91,7 +98,9 @@ class LitCausalLM(pl.LightningModule):
             config = hf_config(family, vocab, layers)
             if aux_loss:
                 config.output_router_logits, config.router_aux_loss_coef = True, aux_loss
-            self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            # GPT-OSS's attention sinks: no sdpa kernel takes them
+            attention = "eager" if family == "gpt_oss" else "sdpa"
+            self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
 
     def forward(self, inputs: Tensor) -> Tensor:
         if self.family == "litgpt":
@@ -141,8 +150,9 @@ def lit_causal_lm(name: str, data_shards: int = 1) -> LitCausalLM:
 
 
 def experts_in_another_layout(module: LitCausalLM) -> LitCausalLM:
-    """``module`` with its stacked experts' weights stored transposed (``gate_up_proj`` ``[E, H, 2·I]``, as GPT-OSS
-    stores it): a layout meshlight does not split over tp. For refusals and the planner only: it does not run."""
+    """``module`` with its stacked experts' weights stored transposed (``gate_up_proj`` ``[E, H, 2·I]``, the gate and
+    up projection one after another, without GPT-OSS's biases and marks): a layout meshlight does not split over tp.
+    For refusals and the planner only: it does not run."""
     from meshlight.parallel.expert import stacked_experts
 
     for experts in stacked_experts(module):

@@ -3,9 +3,10 @@ Qwen2 (q/k/v biases), Qwen3 (QK-norm, an explicit head_dim) and GPT-2 (Conv1D, a
 its head tied to the token embedding), and litgpt's GPT (a fused q|k|v for grouped queries, its blocks in a
 ModuleDict namespace the root's forward runs) — matches one process's training within 1e-4 over 20 steps, under
 tensor (+ sequence) parallelism, data parallelism, pipeline parallelism (1F1B and interleaved, the LM head beside the
-module holding the layers) and (Llama, Qwen3, GPT-2 and litgpt) all three; and Mixtral and Qwen3-MoE under expert
-parallelism, with and without pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also with
-dp and pp. One launch per process count."""
+module holding the layers) and (Llama, Qwen3, GPT-2 and litgpt) all three; and Mixtral, Qwen3-MoE and GPT-OSS
+(attention sinks, sliding-window layers, experts stored transposed with biases) under expert parallelism, with and
+without pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also with dp and pp. One launch
+per process count."""
 
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def runs(tmp_path_factory) -> Path:
 def test_each_layout_matches_single_process_training(runs, controls, layout, model):
     """tp2: tensor parallelism with sequence parallelism on 2 processes (the fused q|k|v of GPT-2 and litgpt split
     part by part; GPT-2 also with a vocabulary of 61, split 31 + 30; the MoE models' routers whole, each expert split
-    over tp, its fused gate|up part by part); ddp and zero3: 2 data replicas; pp2-*: two pipeline stages
+    over tp, its fused gate|up part by part; GPT-OSS's sinks split with its heads, its transposed experts' interleaved
+    gate|up by columns, their output bias added once); ddp and zero3: 2 data replicas; pp2-*: two pipeline stages
     (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence parallel) on 8 processes (3d-moe: Qwen3-MoE, ep=1,
     each expert split over tp); dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over the tp and data ranks (each rank one
     whole expert), with sequence parallelism and (Mixtral) without; dp2-tp2-ep2-split*: each expert split over tp=2
@@ -59,7 +61,8 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     result = torch.load(runs / f"{layout}-{model}.pt", weights_only=False)
     assert len(result["losses"]) == parity.STEPS
     parity.assert_parity(result, controls[model])
-    if model.split("-")[0] in MOE_FAMILIES and layout != "3d-planned":  # 4 experts: over 2 or 4 ranks, or whole
+    family = model.split("-")[0]
+    if family in MOE_FAMILIES and layout != "3d-planned":  # 4 experts: over 2 or 4 ranks, or whole
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1
         tp_parts = 2 if layout in ("tp2", "3d-moe") or "split" in layout else 1  # each expert split over tp=2
         local = result["local_experts"]

@@ -198,12 +198,13 @@ def test_the_planner_splits_a_models_own_experts_over_tp_where_it_can_else_keeps
     pytest.importorskip("transformers")
     from tests.strategies.hf_models import experts_in_another_layout, lit_causal_lm
 
-    # Mixtral's stacked experts split over tp as meshlight's own do: the planner chooses freely
-    for arguments in ({}, {"tp": 2}, {"tp": 2, "ep": 1}):
-        strategy = ml.Hybrid3DStrategy(**arguments)
-        ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
-        strategy.connect(lit_causal_lm("mixtral"))
-        assert strategy._unsplittable() == {}, arguments
+    # Mixtral's and GPT-OSS's stacked experts split over tp as meshlight's own do: the planner chooses freely
+    for family in ("mixtral", "gpt_oss"):
+        for arguments in ({}, {"tp": 2}, {"tp": 2, "ep": 1}):
+            strategy = ml.Hybrid3DStrategy(**arguments)
+            ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
+            strategy.connect(lit_causal_lm(family))
+            assert strategy._unsplittable() == {}, (family, arguments)
     # experts in a layout it cannot split are kept whole: tp stays 1 unless given, and under a given tp expert
     # parallelism folds over the tp ranks (or is 1, the experts whole on each); experts given are the user's
     for arguments, fixed in (({}, {"tp": 1}), ({"tp": 2}, {"experts": "fold"}), ({"tp": 2, "ep": 1}, {}),

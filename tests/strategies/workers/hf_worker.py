@@ -24,9 +24,10 @@ from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, lit_causal_lm
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
     # GPT-2 also with a vocabulary tp does not divide (its head tied to the embedding, both split 31 + 30); GPT-NeoX's
-    # fused q|k|v holds each head's q, k, v together, as its published plan says; the MoE models' attention split,
-    # their routers kept whole on each rank, running on its share of the sequence, and each expert split over tp (the
-    # fused gate|up part by part)
+    # fused q|k|v holds each head's q, k, v together, as its published plan says; the MoE models' attention split
+    # (GPT-OSS's sinks with its heads), their routers kept whole on each rank, running on its share of the sequence,
+    # and each expert split over tp (the fused gate|up part by part; GPT-OSS's interleaved gate|up by columns, its
+    # output bias added once)
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "gpt2-vocab61", "gpt_neox", *MOE_FAMILIES)),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
@@ -109,9 +110,9 @@ def resume_split(out: Path) -> None:
 
 def local_experts(module: torch.nn.Module) -> list[tuple[int, int]]:
     """For each of the model's own MoE blocks, the experts it runs on this rank (all of them where not split over
-    ep) and the parts tp splits each of them into (the whole ``down_proj``'s columns ÷ this rank's)."""
+    ep) and the parts tp splits each of them into (one whole expert's ``down_proj`` ÷ this rank's slice of it)."""
     return [(forward.num_experts // forward.ranks if isinstance(forward := experts.forward, StackedExpertsParallel)
-             else experts.num_experts, experts.down_proj.shape[-1] // local_tensor(experts.down_proj).shape[-1])
+             else experts.num_experts, experts.down_proj[0].numel() // local_tensor(experts.down_proj)[0].numel())
             for experts in stacked_experts(module)]
 
 
