@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -216,27 +217,52 @@ def token_weighted_loss(loss: Tensor, tokens: Optional[Tensor], group: dist.Proc
 
 def gathered_kv_attention(
     query: Tensor, key: Tensor, value: Tensor, group: dist.ProcessGroup, *, scale: Optional[float] = None,
-    dropout_p: float = 0.0, enable_gqa: bool = False,
+    dropout_p: float = 0.0, enable_gqa: bool = False, window: Optional[int] = None, sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Causal attention of this rank's queries (``[batch, heads, 2·chunk, head_dim]``, chunks ``rank`` and
     ``2·cp−1−rank``) over the whole sequence's keys and values, all-gathered over ``group`` (backward
-    reduce-scatters their gradients). Each local chunk attends only to the keys up to its own end."""
+    reduce-scatters their gradients). Each local chunk attends only to the keys up to its own end. ``window``: each
+    query sees only the last ``window`` positions up to its own (Hugging Face's sliding window); ``sinks``: a learned
+    logit per head that joins each query's softmax and attends to nothing (GPT-OSS's attention sinks), computed as the
+    model's own eager attention computes it."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     chunk = query.shape[2] // 2
     keys, values = (_gather_sequence(t, group, chunk) for t in (key, value))
-    if enable_gqa and query.is_cuda:  # CUDA's kernels take as many K/V heads as query heads (else SDPA falls back
-        # to one that builds the whole score matrix); elsewhere K/V stay at their own heads
+    if (enable_gqa and query.is_cuda) or sinks is not None:  # CUDA's kernels take as many K/V heads as query heads
+        # (else SDPA falls back to one that builds the whole score matrix); elsewhere K/V stay at their own heads
         repeat = query.shape[1] // keys.shape[1]
         keys, values, enable_gqa = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1), False
     out = []
     for slot, index in enumerate((rank, 2 * cp - 1 - rank)):
         end = (index + 1) * chunk
-        # A causal mask aligned to the lower right: the chunk's i-th query sees keys up to index·chunk + i. CUDA's
-        # flash and efficient kernels apply it without building it; elsewhere SDPA builds it.
-        out.append(F.scaled_dot_product_attention(
-            query[:, :, slot * chunk:(slot + 1) * chunk], keys[:, :, :end], values[:, :, :end],
-            attn_mask=causal_lower_right(chunk, end), dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
+        queries, seen = query[:, :, slot * chunk:(slot + 1) * chunk], (keys[:, :, :end], values[:, :, :end])
+        if window is None and sinks is None:
+            # A causal mask aligned to the lower right: the chunk's i-th query sees keys up to index·chunk + i. CUDA's
+            # flash and efficient kernels apply it without building it; elsewhere SDPA builds it.
+            out.append(F.scaled_dot_product_attention(queries, *seen, attn_mask=causal_lower_right(chunk, end),
+                                                      dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
+            continue
+        positions = torch.arange(end - chunk, end, device=query.device)[:, None]
+        keys_seen = torch.arange(end, device=query.device)
+        visible = keys_seen <= positions
+        if window is not None:
+            visible &= keys_seen > positions - window
+        if sinks is None:
+            out.append(F.scaled_dot_product_attention(queries, *seen, attn_mask=visible, dropout_p=dropout_p,
+                                                      scale=scale, enable_gqa=enable_gqa))
+        else:
+            out.append(_attention_with_sinks(queries, *seen, visible, sinks, scale, dropout_p))
     return torch.cat(out, dim=2)
+
+
+def _attention_with_sinks(query: Tensor, key: Tensor, value: Tensor, visible: Tensor, sinks: Tensor,
+                          scale: Optional[float], dropout_p: float) -> Tensor:
+    """softmax over the visible keys' scores and each head's sink logit, the sink's share dropped, times the values."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = (query @ key.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    sink = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], 1).to(scores.dtype)
+    weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return F.dropout(weights, p=dropout_p).to(value.dtype) @ value
 
 
 def _gather_sequence(tensor: Tensor, group: dist.ProcessGroup, chunk: int) -> Tensor:
@@ -310,6 +336,7 @@ class ContextParallel:
         self._calls = 0
         self.computing = False  # inside :meth:`attention`: its own SDPA calls are not intercepted again
         self.hf_models: list[nn.Module] = []
+        self._hf_implementations: dict[int, Optional[str]] = {}  # id(config) -> the attention it had
         self.add_model(model)
 
     # ------------------------------------------------------------------------------------------ setup
@@ -344,6 +371,7 @@ class ContextParallel:
                 " attn_implementation='sdpa', or train with cp=1."
             )
         _register_hf_attention()
+        self._hf_implementations[id(config)] = implementation
         config._attn_implementation = HF_ATTENTION
         model.register_forward_pre_hook(self._hf_inputs, with_kwargs=True)
         self.hf_models.append(model)
@@ -400,8 +428,9 @@ class ContextParallel:
 
     def attention(self, query: Tensor, key: Tensor, value: Tensor, *, attn_mask: Optional[Tensor] = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-                  enable_gqa: bool = False) -> Tensor:
-        """``F.scaled_dot_product_attention`` over the whole sequence, for this rank's queries."""
+                  enable_gqa: bool = False, window: Optional[int] = None, sinks: Optional[Tensor] = None) -> Tensor:
+        """``F.scaled_dot_product_attention`` over the whole sequence, for this rank's queries (``window`` and
+        ``sinks``: see :func:`gathered_kv_attention`)."""
         assert self.local is not None
         where = f"`{self._names[-1]}`" if self._names else "the model"
         if attn_mask is not None or not is_causal:
@@ -424,10 +453,16 @@ class ContextParallel:
         self.computing = True
         try:
             if self.attention_method == "ring":
+                if window is not None or sinks is not None:
+                    raise ContextParallelError(
+                        f"{where} attends with {'a sliding window' if window is not None else 'attention sinks'},"
+                        " which torch's ring attention does not take: use attention='allgather'."
+                    )
                 out = ring_attention(query, key, value, self.mesh, scale=scale, dropout_p=dropout_p)
             else:
                 out = gathered_kv_attention(query, key, value, self.group, scale=scale, dropout_p=dropout_p,
-                                            enable_gqa=enable_gqa or query.shape[1] != key.shape[1])
+                                            enable_gqa=enable_gqa or query.shape[1] != key.shape[1], window=window,
+                                            sinks=sinks)
         finally:
             self.computing = False
         return as_dtensor_like(out, spec)
@@ -556,23 +591,28 @@ def _hugging_face_models(model: nn.Module) -> list[nn.Module]:
 
 def _hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                   dropout: float = 0.0, scaling: Optional[float] = None, **kwargs: Any) -> tuple[Tensor, None]:
-    """The ``"meshlight_cp"`` attention of Hugging Face models: their sdpa attention outside a cp step, the whole
-    sequence's inside one."""
+    """The ``"meshlight_cp"`` attention of Hugging Face models: outside a cp step the model's own eager attention
+    where it had that, else sdpa; the whole sequence's inside one."""
     cp: Optional[ContextParallel] = getattr(module, "_meshlight_cp", None)
     if cp is None or cp.local is None:
+        had = cp._hf_implementations.get(id(getattr(module, "config", None))) if cp is not None else None
+        own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if had == "eager" and callable(own):  # (GPT-OSS's sinks: sdpa would leave them out)
+            return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
+    unsupported = [name for name in ("softcap",) if kwargs.get(name) is not None]
     if unsupported or (attention_mask is not None and attention_mask.dim() == 4):
         what = f"{', '.join(unsupported)}" if unsupported else "a custom 4-D attention mask"
         raise ContextParallelError(
-            f"{type(module).__name__} attends with {what}: context parallelism splits plain causal attention over"
-            " whole sequences only. Train this model with cp=1."
+            f"{type(module).__name__} attends with {what}: context parallelism splits causal attention (with a"
+            " sliding window or attention sinks) over whole sequences only. Train this model with cp=1."
         )
     out = cp.attention(query, key, value, is_causal=True, scale=scaling,
-                       dropout_p=dropout if module.training else 0.0)
+                       dropout_p=dropout if module.training else 0.0, window=kwargs.get("sliding_window"),
+                       sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
 
 

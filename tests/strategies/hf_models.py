@@ -58,6 +58,12 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
     raise ValueError(f"family={family!r}: choose one of {FAMILIES + MOE_FAMILIES}")
 
 
+def attention_implementation(family: str) -> str:
+    """The attention a parity model of ``family`` (a config's ``model_type``) runs: sdpa, but eager for GPT-OSS, whose
+    attention sinks no sdpa kernel takes."""
+    return "eager" if family == "gpt_oss" else "sdpa"
+
+
 def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS) -> Any:
     """litgpt's GPT in a Llama configuration: a fused q|k|v for grouped queries, RMSNorm, SwiGLU, rotary."""
     from litgpt.config import Config
@@ -98,9 +104,8 @@ class LitCausalLM(pl.LightningModule):
             config = hf_config(family, vocab, layers)
             if aux_loss:
                 config.output_router_logits, config.router_aux_loss_coef = True, aux_loss
-            # GPT-OSS's attention sinks: no sdpa kernel takes them
-            attention = "eager" if family == "gpt_oss" else "sdpa"
-            self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+            self.model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation=attention_implementation(family))
 
     def forward(self, inputs: Tensor) -> Tensor:
         if self.family == "litgpt":

@@ -1,7 +1,8 @@
 """Hugging Face weights in and out: a ``save_pretrained`` folder loaded by ``PretrainedWeights`` under ZeRO-3 (also
-into a model built on the meta device), tp=2, pp=2 and dp=2 × pp=2 × tp=2 (GPT-2 and meshlight's GPT) trains as one
-process trained from ``from_pretrained`` does, and the checkpoint it leaves exports (``export_pretrained``) to a
-folder ``from_pretrained`` loads into that one-process run's trained model; mismatches and damaged files are named."""
+into a model built on the meta device), tp=2 (GPT-OSS too), pp=2 and dp=2 × pp=2 × tp=2 (GPT-2 and meshlight's GPT)
+trains as one process trained from ``from_pretrained`` does, and the checkpoint it leaves exports
+(``export_pretrained``) to a folder ``from_pretrained`` loads into that one-process run's trained model; mismatches
+and damaged files are named."""
 
 import json
 from pathlib import Path
@@ -25,6 +26,7 @@ from tests.strategies.workers.pretrained_worker import (  # noqa: E402
     GPT_LLAMA,
     LAYOUTS,
     PROBE,
+    from_pretrained,
     logits_of,
     model_of,
 )
@@ -41,10 +43,6 @@ def save_pretrained(folder: Path, family: str, dtype: torch.dtype = torch.float3
               else hf_config(family))
     transformers.AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(folder / family)
     return folder / family
-
-
-def from_pretrained(folder: Path) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """torchrun worker: context-parallel parity runs (cp alone, with tp, pp, ZeRO-3 data parallelism and expert
 parallelism, and by the name "cp") on meshlight's GPT, a Llama-shaped model that slices its rotary tables by its
-input's length, and Hugging Face's Llama; a validation loss; and the refusals of what cp cannot split."""
+input's length, and Hugging Face's Llama (and GPT-OSS); a validation loss; and the refusals of what cp cannot
+split."""
 
 from __future__ import annotations
 
@@ -70,6 +71,8 @@ EXTRA_MODELS: dict[str, Callable[[], pl.LightningModule]] = {
     "hf-llama-labels": LitLlamaLabels,
     "hf-gpt2": functools.partial(LitCausalLM, "gpt2", optimizer="sgd", lr=0.3),
     "litgpt": functools.partial(LitCausalLM, "litgpt"),  # its rotary cache sliced by length, SDPA with is_causal
+    # eager attention with sinks, sliding-window layers (4 tokens: across the chunks' edges), YaRN rotary, MoE
+    "hf-gpt-oss": functools.partial(LitCausalLM, "gpt_oss"),
 }
 
 def lit_llama_moe(**moe: Any) -> LitLlama:
@@ -102,7 +105,7 @@ def runs(world: int) -> list[tuple[str, str]]:
         grid += [("cp2", model) for model in EXTRA_MODELS] + [("cp2", "llama-moe-capacity")]
     else:  # experts split over data ranks, and under tp (each expert split over it), with a capacity factor
         grid += [("cp2xep2-zero1", "llama-moe-capacity"), ("cp2xep2-ddp", "llama-moe"),
-                 ("cp2xtp2", "llama-moe-capacity")]
+                 ("cp2xtp2", "llama-moe-capacity"), ("cp2xtp2", "hf-gpt-oss")]
     return grid
 
 

@@ -19,7 +19,7 @@ from meshlight.demos import LitGPT
 from meshlight.models import GPT, GPTConfig
 from meshlight.parallel.pretrained import export_pretrained
 from tests.strategies import parity
-from tests.strategies.hf_models import lit_causal_lm
+from tests.strategies.hf_models import attention_implementation, lit_causal_lm
 
 # GPT-2: Conv1D, a fused q|k|v split for tp, its head tied to the embedding; gpt: meshlight's GPT in a Llama
 # configuration, loading a Llama folder and exported as one (its q and k rows reordered for Llama's rotary channels)
@@ -42,10 +42,11 @@ def families(layout: str) -> tuple[str, ...]:
     """The families trained under ``layout``: every one, but on 8 processes (a run there costs ~9 on 2) GPT-2 (its
     head tied across the first and last stage, read from the embedding's key) and meshlight's GPT from a Llama folder
     (HF Llama's weights load under 3d as GPT-2's do); under zero3 and tp2 Mixtral too, whose files hold each expert
-    apart: ZeRO-3 splits the stacked experts by experts, tp each expert (the fused gate|up part by part)."""
+    apart: ZeRO-3 splits the stacked experts by experts, tp each expert (the fused gate|up part by part); under tp2
+    GPT-OSS as well (its sinks split with the heads, its transposed experts by columns and rows)."""
     if LAYOUTS[layout][1] == 8:
         return ("gpt2", "gpt")
-    return (*FAMILIES, "mixtral") if layout in ("zero3", "tp2") else FAMILIES
+    return {"zero3": (*FAMILIES, "mixtral"), "tp2": (*FAMILIES, "mixtral", "gpt_oss")}.get(layout, FAMILIES)
 
 
 #: the tokens the exported models' logits are compared on
@@ -63,7 +64,8 @@ def model_of(family: str, *, meta: bool = False) -> Any:
     def configure_model() -> None:
         with torch.device("meta"):
             module.model = (GPT(config) if family == "gpt" else
-                            transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
+                            transformers.AutoModelForCausalLM.from_config(
+                                config, attn_implementation=attention_implementation(family)))
 
     if meta:
         module.configure_model = configure_model
@@ -77,10 +79,17 @@ def logits_of(model: torch.nn.Module) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
-def exported_logits(folder: Path) -> torch.Tensor:
+def from_pretrained(folder: Path) -> Any:
+    """``from_pretrained`` of ``folder`` with the attention its family's parity model runs."""
     import transformers
 
-    return logits_of(transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa"))
+    family = transformers.AutoConfig.from_pretrained(str(folder)).model_type
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), attn_implementation=attention_implementation(family))
+
+
+def exported_logits(folder: Path) -> torch.Tensor:
+    return logits_of(from_pretrained(folder))
 
 
 def main(out: Path, folders: Path, layouts: list[str]) -> None:
