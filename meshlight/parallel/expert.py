@@ -158,17 +158,18 @@ def _split_stacked(experts: nn.Module, mesh: DeviceMesh, ep: int, *, sequence_pa
     under tensor parallelism (not folded) each expert over tp where its weights are in the layout
     :func:`~meshlight.parallel.expert_tensor.stacked_split_placements` knows — else, with ``ep=1``, they stay whole
     on every tp rank, as the tensor-parallel plan left them."""
-    tp_group = mesh["tp"].get_group()
     tp_split = stacked_split_placements(experts) if mesh["tp"].size() > 1 and not fold else None
     if tp_split is not None:
         check_expert_split(stacked_expert_width(experts), mesh["tp"].size())
         split_mesh, placements = mesh["ep", "tp"] if ep > 1 else mesh["tp"], _split_over(tp_split, ep)
-        tensor_parallel = ExpertTensorParallel(tp_group, sequence_parallel=sequence_parallel, fold=False)
+        tensor_parallel = ExpertTensorParallel(mesh["tp"].get_group(), sequence_parallel=sequence_parallel,
+                                               fold=False)
     elif ep > 1:
         split_mesh, placements = mesh["ep"], _over_experts
         # folded, without sequence parallelism: the tp ranks hold the same tokens, and each sends its part of them
         same_tokens = fold and not sequence_parallel
-        tensor_parallel = ExpertTensorParallel(tp_group, sequence_parallel=False, fold=True) if same_tokens else None
+        tensor_parallel = (ExpertTensorParallel(mesh["tp"].get_group(), sequence_parallel=False, fold=True)
+                           if same_tokens else None)
     else:
         return
     if _split(experts, experts.num_experts, split_mesh, placements):
