@@ -61,8 +61,7 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     result = torch.load(runs / f"{layout}-{model}.pt", weights_only=False)
     assert len(result["losses"]) == parity.STEPS
     parity.assert_parity(result, controls[model])
-    family = model.split("-")[0]
-    if family in MOE_FAMILIES and layout != "3d-planned":  # 4 experts: over 2 or 4 ranks, or whole
+    if model.split("-")[0] in MOE_FAMILIES and layout != "3d-planned":  # 4 experts: over 2 or 4 ranks, or whole
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1
         tp_parts = 2 if layout in ("tp2", "3d-moe") or "split" in layout else 1  # each expert split over tp=2
         local = result["local_experts"]
