@@ -520,10 +520,14 @@ def _stream_of_own(tp_rank: int) -> tuple[Any, Any]:
     saved: list[tuple[Tensor, Optional[list[Tensor]]]] = []
 
     def enter(module: nn.Module, args: tuple) -> None:
-        seed = int(torch.randint(2**62, (1,)).item())
-        devices = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        saved.append((torch.get_rng_state(), devices))
-        torch.manual_seed((seed * 65_537 + tp_rank) % 2**63)
+        seed = (int(torch.randint(2**62, (1,)).item()) * 65_537 + tp_rank) % 2**63
+        devices = torch.cuda.is_initialized()
+        saved.append((torch.get_rng_state(), torch.cuda.get_rng_state_all() if devices else None))
+        # the generators in use, not torch.manual_seed: on a host without CUDA that also queues a lazy seed for each
+        # accelerator kind torch knows, formatting the stack each time (224 µs a call here, 1.4 µs for the CPU's)
+        torch.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.manual_seed_all(seed)
 
     def leave(module: nn.Module, args: tuple, output: Any) -> None:
         if not saved:  # a pre-hook before ``enter`` raised
