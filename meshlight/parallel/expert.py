@@ -21,7 +21,6 @@ module's own forward runs this rank's experts on what arrives (:class:`StackedEx
 
 from __future__ import annotations
 
-import copy
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Optional
@@ -297,7 +296,9 @@ class StackedExpertsParallel:
         """The module's own forward on this rank's experts: ``rows`` grouped by local expert, ``counts`` of each. It
         runs on a shallow copy holding this rank's weights as plain tensors (and its expert count), without the
         module's hooks, which ran for the call being served."""
-        local = copy.copy(self.experts)
+        # not copy.copy: a module fully_shard or replicate wrapped rebuilds itself through its __init__ there
+        local = object.__new__(type(self.experts))
+        local.__dict__.update(self.experts.__dict__)
         local._parameters = {}
         for name, param in self.experts.named_parameters(recurse=False):
             if name in self.added_once:

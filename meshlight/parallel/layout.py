@@ -75,7 +75,7 @@ class ParallelLayout:
             raise ValueError(f"experts={self.experts!r}: choose 'split' (each expert split over the tp ranks), 'fold'"
                              " (whole experts, expert parallelism spanning the tp ranks) or 'auto'.")
         if self.experts == "auto":
-            folds = self.tp > 1 and self.ep > 1 and self.ep % self.tp == 0 and self.cp == 1
+            folds = self.tp > 1 and self.ep > 1 and self.ep % self.tp == 0
             object.__setattr__(self, "experts", "fold" if folds else "split")
         if self.folded:
             self._check_fold()
@@ -95,9 +95,6 @@ class ParallelLayout:
                 f"ep={self.ep} cannot fold over tp={self.tp}: experts='fold' spreads the experts over the tp ranks and"
                 f" data ranks, so ep must be a multiple of tp; choose ep in {valid}, or experts='split'."
             )
-        if self.cp > 1:
-            raise ValueError(f"experts='fold' with cp={self.cp} is not supported: use experts='split' under context"
-                             " parallelism.")
 
     def folded_ep_choices(self) -> list[int]:
         """The ep sizes that fold over this layout's tp ranks: tp × a divisor of the data ranks ep borrows."""
@@ -214,7 +211,7 @@ def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     mesh[names[1:]]._flatten("stage")
     if layout.cp > 1:
         mesh[names[1:-1]]._flatten("dp_cp")
-        shard = ("edp_shard", "ep") if layout.ep > 1 and layout.expert_axis == "dp_shard" else ("dp_shard",)
+        shard = ("edp_shard", ep_axis) if layout.ep > 1 and layout.expert_axis == "dp_shard" else ("dp_shard",)
         mesh[(*shard, "cp")]._flatten("dp_shard_cp")
         if layout.ep > 1:  # the ranks holding the same experts, with the cp ranks beside them
             outer = same_experts_axis(layout.expert_axis)

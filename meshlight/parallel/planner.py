@@ -245,7 +245,7 @@ def _layouts(
             continue
         replica_batch = local_batch if global_batch is None else global_batch // d
         for (e, x), z, (s, v), r in itertools.product(
-            _expert_layouts(model, d, t, c, ep, experts), (0, 1, 2, 3) if zero is None else [zero],
+            _expert_layouts(model, d, t, ep, experts), (0, 1, 2, 3) if zero is None else [zero],
             pipelines.schedules if p > 1 else [("1f1b", 1)], (False, True) if recompute is None else [recompute],
         ):
             if p * v > model.layers:
@@ -256,16 +256,16 @@ def _layouts(
                 yield d, p, t, e, z, m, v, r, s, c, x
 
 
-def _expert_layouts(model: ModelSpec, dp: int, tp: int, cp: int, ep: Optional[int],
+def _expert_layouts(model: ModelSpec, dp: int, tp: int, ep: Optional[int],
                     experts: Optional[str]) -> list[tuple[int, str]]:
     """(ep, experts) of an MoE model's candidates on ``dp`` data ranks and ``tp`` tensor ranks: ep borrowed from the
     data ranks with each expert split over tp (``"split"``, which needs the expert width divisible by tp), or ep
-    spanning the tp ranks too with whole experts (``"fold"``, ep = tp × a divisor of dp; not under cp); ``ep`` and
+    spanning the tp ranks too with whole experts (``"fold"``, ep = tp × a divisor of dp); ``ep`` and
     ``experts`` given are kept. A dense model: (1, "split")."""
     if not model.experts:
         return [(1, "split")] if ep in (None, 1) else []
     split = [(e, "split") for e in _divisors(dp) if tp == 1 or model.ffn_hidden % tp == 0]
-    fold = [(tp * e, "fold") for e in _divisors(dp) if tp > 1 and cp == 1]
+    fold = [(tp * e, "fold") for e in _divisors(dp) if tp > 1]
     return [(e, x) for e, x in split + fold if model.experts % e == 0 and ep in (None, e) and experts in (None, x)]
 
 

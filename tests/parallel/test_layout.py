@@ -79,7 +79,8 @@ def test_layout_is_frozen():
                                                                 "tp"), list(range(0, 16, 2)), list(range(16))),
         # context parallelism: cp between the data axes and tp; a replica's ranks read the same data
         (dict(dp_replicate=2, pp=2, cp=2, tp=2), MESH_AXES, [0, 4], list(range(8))),
-        (dict(dp_shard=4, cp=2, tp=2, ep=2, zero=1), ("pp", "dp_replicate", "edp_shard", "ep", "cp", "tp"),
+        (dict(dp_shard=4, cp=2, tp=2, ep=2, zero=1, experts="split"), ("pp", "dp_replicate", "edp_shard", "ep", "cp",
+                                                                        "tp"),
          [0, 4, 8, 12], list(range(16))),
     ],
 )
@@ -150,10 +151,31 @@ def test_under_context_parallelism_experts_are_data_parallel_over_their_cp_ranks
     from meshlight.parallel.layout import axis, build_device_mesh
 
     dist.init_process_group("fake", rank=0, world_size=16, store=FakeStore())
-    mesh = build_device_mesh(ParallelLayout(**sizes, cp=2, tp=2, ep=2, zero=zero), "cpu")
+    mesh = build_device_mesh(ParallelLayout(**sizes, cp=2, tp=2, ep=2, zero=zero, experts="split"), "cpu")
     assert axis(mesh, "ep").mesh.tolist() == [0, 4]
     assert expert_data_mesh(mesh, zero).mesh.tolist() == experts
     assert axis(mesh, "dp_cp").mesh.tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+
+
+@pytest.mark.parametrize(("zero", "sizes"), [(1, dict(dp_shard=4)), (3, dict(dp_shard=4)), (0, dict(dp_replicate=4))])
+def test_under_context_parallelism_experts_fold_over_tp_and_the_cp_ranks_hold_the_same_ones(zero, sizes):
+    # ep=4 folds over tp=2 by default under cp too: 2 data ranks × the 2 tp ranks, the cp ranks beside them
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshlight.parallel.data_parallel import data_parallel_mesh
+    from meshlight.parallel.expert import expert_data_mesh
+    from meshlight.parallel.layout import axis, build_device_mesh
+
+    dist.init_process_group("fake", rank=0, world_size=16, store=FakeStore())
+    layout = ParallelLayout(**sizes, cp=2, tp=2, ep=4, zero=zero)
+    mesh = build_device_mesh(layout, "cpu")  # with ZeRO the shards with the cp ranks flattened across ep_data
+    assert layout.describe().endswith("ep=4 (folded over tp) · cp=2")
+    assert axis(mesh, "ep").mesh.tolist() == [0, 1, 4, 5]
+    assert expert_data_mesh(mesh, zero).mesh.tolist() == [0, 2, 8, 10]
+    assert axis(mesh, "dp_cp").mesh.tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+    if zero:
+        assert data_parallel_mesh(mesh, zero).mesh.tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
 
 
 def test_context_parallel_sizes_count_in_the_world_and_are_described():

@@ -423,6 +423,10 @@ def test_an_moe_model_is_planned_with_tp_its_experts_split_over_it_or_folded_int
     assert fold.times["ep"] < split.times["ep"] and fold.model_state_bytes > split.model_state_bytes
     assert fold.describe().startswith("dp=32 pp=1 tp=2 ep=8 (folded)")
     assert fold.strategy_arguments()["experts"] == "fold"
+    # under context parallelism too (the cp ranks hold the same experts)
+    long = [c for c in plan(model.replace(seq_len=32768), h100, 64, 64, cp=2, tp=2) if c.folded]
+    assert long and all(c.cp == 2 and c.ep % c.tp == 0 for c in long)
+    assert long[0].strategy_arguments()["cp"] == 2
 
 
 def test_meshlight_plan_lists_folded_moe_layouts_and_fixes_the_expert_layout_asked(capsys):

@@ -6,8 +6,9 @@ GPT with rotary positions and grouped-query attention, Hugging Face's GPT-2, lit
 by length), Hugging Face's Llama trained on its own loss from dict ``labels`` and GPT-OSS (eager attention with sinks,
 sliding-window layers whose window crosses the chunks' edges; also at cp=2 × tp=2); and the Llama with an MoE in every
 block, its capacity and balancing loss counted over the whole sequence's ranks: cp=2 and cp=2 × ep=2 (experts borrowing
-data ranks, ZeRO-1) with a capacity factor, cp=2 × ep=2 under DDP dropless, and cp=2 × tp=2 (each expert split over
-tp) with a capacity factor. The addition data scores only the
+data ranks, ZeRO-1) with a capacity factor, cp=2 × ep=2 under DDP dropless, cp=2 × tp=2 with a capacity factor, each
+expert split over tp and (ZeRO-1) whole, ep=2 folded over the tp ranks; Hugging Face's stacked experts (GPT-OSS under
+cp=2 × ep=2 DDP, Mixtral folded under cp=2 × tp=2). The addition data scores only the
 last tokens of each sequence, so the ranks' shares hold different numbers of scored tokens: the loss is weighted by
 them. Validation logs the whole sequences' loss. What cp cannot split is refused before any optimizer step, naming
 the module and the fix."""
@@ -47,6 +48,12 @@ def distributed(tmp_path_factory) -> dict:
 @pytest.mark.parametrize(("world", "run"), RUNS, ids=[f"{w}proc-{layout}-{model}" for w, (layout, model) in RUNS])
 def test_context_parallelism_matches_single_process_training(distributed, controls, world, run):
     assert_parity(distributed[world][run], controls[run[1]])
+
+
+def test_the_folded_runs_spread_whole_experts_over_the_tp_ranks_beside_context_parallelism(distributed):
+    folded = {model: result["layout"] for (layout, model), result in distributed[4].items() if "fold" in layout}
+    assert set(folded) == {"llama-moe-capacity", "hf-mixtral"}
+    assert all(layout.folded and (layout.ep, layout.tp, layout.cp) == (2, 2, 2) for layout in folded.values())
 
 
 def test_the_capacity_runs_drop_assignments(controls):

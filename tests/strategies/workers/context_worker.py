@@ -93,9 +93,11 @@ LAYOUTS: dict[int, dict[str, tuple[Callable[[], Any], int]]] = {
         "cp2xdp2-zero3": (lambda: ml.ContextParallelStrategy(cp=2, zero=3), 2),
         # experts split over 2 data ranks (borrowed from the shards under ZeRO, the replicas under DDP)
         "cp2xep2-zero1": (lambda: ml.MeshStrategy(cp=2, dp_replicate=1, dp_shard=2, ep=2, zero=1), 2),
-        "cp2xep2-ddp": (lambda: ml.MeshStrategy(cp=2, dp_replicate=2, ep=2, zero=0), 2)},
+        "cp2xep2-ddp": (lambda: ml.MeshStrategy(cp=2, dp_replicate=2, ep=2, zero=0), 2),
+        # whole experts, expert parallelism spanning the 2 tp ranks (folded), the cp ranks holding the same ones
+        "cp2xtp2-fold-zero1": (lambda: ml.MeshStrategy(cp=2, tp=2, dp_shard=1, ep=2, zero=1, experts="fold"), 1)},
 }
-EXPERT_LAYOUTS = ("cp2xep2-zero1", "cp2xep2-ddp")
+EXPERT_LAYOUTS = ("cp2xep2-zero1", "cp2xep2-ddp", "cp2xtp2-fold-zero1")
 
 
 def runs(world: int) -> list[tuple[str, str]]:
@@ -103,14 +105,17 @@ def runs(world: int) -> list[tuple[str, str]]:
     grid = [(layout, model) for layout in LAYOUTS[world] if layout not in EXPERT_LAYOUTS for model in MODELS]
     if world == 2:
         grid += [("cp2", model) for model in EXTRA_MODELS] + [("cp2", "llama-moe-capacity")]
-    else:  # experts split over data ranks, and under tp (each expert split over it), with a capacity factor
-        grid += [("cp2xep2-zero1", "llama-moe-capacity"), ("cp2xep2-ddp", "llama-moe"),
-                 ("cp2xtp2", "llama-moe-capacity"), ("cp2xtp2", "hf-gpt-oss")]
+    else:  # experts split over data ranks, under tp (each expert split over it) and folded over tp, with a capacity
+        # factor; Hugging Face's stacked experts split over data ranks and folded
+        grid += [("cp2xep2-zero1", "llama-moe-capacity"), ("cp2xep2-ddp", "llama-moe"), ("cp2xep2-ddp", "hf-gpt-oss"),
+                 ("cp2xtp2", "llama-moe-capacity"), ("cp2xtp2", "hf-gpt-oss"),
+                 ("cp2xtp2-fold-zero1", "llama-moe-capacity"), ("cp2xtp2-fold-zero1", "hf-mixtral")]
     return grid
 
 
 MOE_MODELS = {"llama-moe": lit_llama_moe,
-              "llama-moe-capacity": functools.partial(lit_llama_moe, capacity_factor=1.0, min_capacity=1)}
+              "llama-moe-capacity": functools.partial(lit_llama_moe, capacity_factor=1.0, min_capacity=1),
+              "hf-mixtral": functools.partial(LitCausalLM, "mixtral")}
 
 
 def model_factory(name: str) -> Callable[[], pl.LightningModule]:
@@ -187,7 +192,7 @@ if __name__ == "__main__":
         strategy, dp = LAYOUTS[world][layout]
         result = train("adamw", strategy(), devices=world, data_parallel=dp, model=model_factory(model),
                        pad_to_multiple_of=SEQ)
-        result.pop("module")
+        result["layout"] = result.pop("module").trainer.strategy.layout
         results[(layout, model)] = result
     if world == 2 and not only:
         results["refusals"] = refusals()
