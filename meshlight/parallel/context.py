@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.collectives import all_gather_along
 from meshlight.parallel.dtensors import as_dtensor_like, dtensor_spec
-from meshlight.parallel.expert import expert_layers
+from meshlight.parallel.expert import expert_layers, gather_router_logits
 
 __all__ = [
     "ATTENTION_METHODS",
@@ -374,6 +374,8 @@ class ContextParallel:
         self._hf_implementations[id(config)] = implementation
         config._attn_implementation = HF_ATTENTION
         model.register_forward_pre_hook(self._hf_inputs, with_kwargs=True)
+        # its own MoE load-balancing loss (output_router_logits) over the whole sequence's routing
+        gather_router_logits(model, self.group, replicated_loss=False, split=lambda: self.local is not None)
         self.hf_models.append(model)
 
     # ------------------------------------------------------------------------------------------ a step

@@ -23,9 +23,9 @@ from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_modu
 from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import (
     apply_expert_parallel,
+    gather_router_logits,
     has_experts,
     is_stacked_experts,
-    router_logits_collected,
     sharded_experts,
     stacked_experts,
 )
@@ -82,7 +82,7 @@ def parallelize(
             " have them, or ep=1."
         )
     if layout.tp > 1 and stacked_experts(module):
-        _check_stacked_experts_under_tp(module, layout, tensor_parallel.sequence_parallel)
+        _check_stacked_experts_under_tp(module, layout)
     if is_data_parallel(module):
         return module
     # Every transform starts from the same weights on every rank (DDP would broadcast; FSDP and TP do not).
@@ -103,6 +103,8 @@ def parallelize(
                               sequence_region=sequence_region)
         if later_stage and options.sequence_parallel:
             sequence_share_input(module, mesh["tp"])
+        if options.sequence_parallel:  # a model's own load-balancing loss sees the whole sequence's routing
+            gather_router_logits(module, mesh["tp"].get_group(), replicated_loss=True)
     if moe_layers:
         apply_expert_parallel(module, mesh, layout.ep, sequence_parallel=tensor_parallel.sequence_parallel,
                               fold=layout.folded)
@@ -140,14 +142,12 @@ def _split_over_tp(experts: nn.Module, layout: ParallelLayout) -> bool:
     return layout.folded or stacked_split_placements(experts) is not None
 
 
-def _check_stacked_experts_under_tp(module: nn.Module, layout: ParallelLayout, sequence_parallel: bool) -> None:
+def _check_stacked_experts_under_tp(module: nn.Module, layout: ParallelLayout) -> None:
     """A model's own MoE blocks (Hugging Face's stacked experts) under tensor parallelism: attention is split, the
     router kept whole (on this rank's share of the tokens under sequence parallelism), and the experts each split over
     the tp ranks (``experts="split"``, in the layout most of Hugging Face's MoE models share, or GPT-OSS's), or spread
     over them by ``ep`` folded over them (``experts="fold"``); experts in another layout are kept whole on every tp
-    rank with ``ep=1``. Refused: such experts with ``ep > 1`` not folded, and — under sequence parallelism — the
-    model's load-balancing loss, which its router logits would give for this rank's share of the sequence only (the
-    loss is not linear in the tokens)."""
+    rank with ``ep=1``. Refused: such experts with ``ep > 1`` not folded."""
     unsplit = [name for name, m in module.named_modules() if is_stacked_experts(m) and not _split_over_tp(m, layout)]
     if layout.ep > 1 and unsplit:
         raise NotImplementedError(
@@ -156,10 +156,4 @@ def _check_stacked_experts_under_tp(module: nn.Module, layout: ParallelLayout, s
             " hidden, intermediate], or GPT-OSS's, transposed and with biases); fold expert parallelism over them"
             " instead: experts='fold' with ep in"
             f" {layout.folded_ep_choices()}, or ep=1 (the experts whole on every tp rank)."
-        )
-    if sequence_parallel and router_logits_collected(module):
-        raise NotImplementedError(
-            f"{layout.describe()}: the model computes its MoE load-balancing loss (config.output_router_logits=True)"
-            " from its router logits, which under sequence parallelism cover this rank's share of the sequence"
-            " only. Set output_router_logits=False, pass sequence_parallel=False, or train it with tp=1 (ep, dp)."
         )

@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS = 16, 64, 8, 4, 128, 2
 #: layers of the ``-deep`` models: an interleaved pipeline of 2 ranks × 2 virtual stages needs a layer for each
@@ -130,6 +131,8 @@ class LitCausalLM(pl.LightningModule):
         for inputs, targets in shards:
             output = self.model(input_ids=inputs)
             loss = F.cross_entropy(output.logits.flatten(0, -2).float(), targets.flatten())
+            if isinstance(loss, DTensor):  # under loss parallelism (tp), before meeting the plain load-balancing loss
+                loss = loss.full_tensor()
             losses.append(loss + self.aux_loss * output.aux_loss)
         return torch.stack(losses).mean()
 

@@ -3,7 +3,8 @@ and cp=4, cp=2 × tp=2, cp=2 × pp=2, cp=2 × dp=2 with ZeRO-3, and ``strategy="
 positions, looked up with ``arange``), a Llama-shaped model whose rotary tables are buffers sliced by its input's
 length, and Hugging Face's Llama (positions given as ``position_ids``, attention through its config); at cp=2 also
 GPT with rotary positions and grouped-query attention, Hugging Face's GPT-2, litgpt's GPT (its rotary cache sliced
-by length), Hugging Face's Llama trained on its own loss from dict ``labels`` and GPT-OSS (eager attention with sinks,
+by length), Hugging Face's Llama trained on its own loss from dict ``labels``, Mixtral with its load-balancing loss
+(over the whole sequence's router logits, gathered over the cp ranks) and GPT-OSS (eager attention with sinks,
 sliding-window layers whose window crosses the chunks' edges; also at cp=2 × tp=2); and the Llama with an MoE in every
 block, its capacity and balancing loss counted over the whole sequence's ranks: cp=2 and cp=2 × ep=2 (experts borrowing
 data ranks, ZeRO-1) with a capacity factor, cp=2 × ep=2 under DDP dropless, cp=2 × tp=2 with a capacity factor, each

@@ -20,7 +20,7 @@ import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 from meshlight.parallel.expert import expert_layers
-from tests.strategies.hf_models import LitCausalLM
+from tests.strategies.hf_models import LitCausalLM, lit_causal_lm
 from tests.strategies.llama import LitLlama
 from tests.strategies.parity import make_data, train
 
@@ -104,7 +104,7 @@ def runs(world: int) -> list[tuple[str, str]]:
     """(layout, model) for this world size."""
     grid = [(layout, model) for layout in LAYOUTS[world] if layout not in EXPERT_LAYOUTS for model in MODELS]
     if world == 2:
-        grid += [("cp2", model) for model in EXTRA_MODELS] + [("cp2", "llama-moe-capacity")]
+        grid += [("cp2", model) for model in EXTRA_MODELS] + [("cp2", "llama-moe-capacity"), ("cp2", "hf-mixtral-aux")]
     else:  # experts split over data ranks, under tp (each expert split over it) and folded over tp, with a capacity
         # factor; Hugging Face's stacked experts split over data ranks and folded
         grid += [("cp2xep2-zero1", "llama-moe-capacity"), ("cp2xep2-ddp", "llama-moe"), ("cp2xep2-ddp", "hf-gpt-oss"),
@@ -115,7 +115,9 @@ def runs(world: int) -> list[tuple[str, str]]:
 
 MOE_MODELS = {"llama-moe": lit_llama_moe,
               "llama-moe-capacity": functools.partial(lit_llama_moe, capacity_factor=1.0, min_capacity=1),
-              "hf-mixtral": functools.partial(LitCausalLM, "mixtral")}
+              "hf-mixtral": functools.partial(LitCausalLM, "mixtral"),
+              # its load-balancing loss, from the whole sequence's router logits (gathered over the cp ranks)
+              "hf-mixtral-aux": functools.partial(lit_causal_lm, "mixtral-aux")}
 
 
 def model_factory(name: str) -> Callable[[], pl.LightningModule]:
