@@ -56,6 +56,7 @@ __all__ = [
     "gather_router_logits",
     "has_experts",
     "is_stacked_experts",
+    "plain_language_model_loss",
     "router_logits_collected",
     "sharded_experts",
     "stacked_experts",
@@ -121,6 +122,25 @@ def gather_router_logits(module: nn.Module, group: dist.ProcessGroup, *, replica
 
     for model in {id(m.base_model): m.base_model for m in module.modules() if _collects_router_logits(m)}.values():
         model.register_forward_hook(hook)
+
+
+def plain_language_model_loss(module: nn.Module) -> None:
+    """Under loss parallelism the cross-entropy of vocabulary-sharded logits is a replicated DTensor. Hugging Face's
+    MoE models add their plain load-balancing loss to it inside their forward (given ``labels``, with
+    ``output_router_logits``), which would hand that plain scalar a DTensor gradient their loss function's backward
+    cannot take: their loss function returns the loss as a plain tensor instead. The logits stay sharded for it."""
+
+    def plain(loss_function: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def whole(*args: Any, **kwargs: Any) -> Tensor:
+            loss = loss_function(*args, **kwargs)
+            # a copy: the model adds to it in place
+            return loss.full_tensor().clone() if isinstance(loss, DTensor) else loss
+
+        return whole
+
+    for model in module.modules():
+        if _collects_router_logits(model) and hasattr(model, "loss_function"):
+            model.loss_function = plain(model.loss_function)
 
 
 def _collects_router_logits(module: nn.Module) -> bool:

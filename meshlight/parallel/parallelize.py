@@ -26,6 +26,7 @@ from meshlight.parallel.expert import (
     gather_router_logits,
     has_experts,
     is_stacked_experts,
+    plain_language_model_loss,
     sharded_experts,
     stacked_experts,
 )
@@ -105,6 +106,8 @@ def parallelize(
             sequence_share_input(module, mesh["tp"])
         if options.sequence_parallel:  # a model's own load-balancing loss sees the whole sequence's routing
             gather_router_logits(module, mesh["tp"].get_group(), replicated_loss=True)
+        if options.loss_parallel:
+            plain_language_model_loss(module)
     if moe_layers:
         apply_expert_parallel(module, mesh, layout.ep, sequence_parallel=tensor_parallel.sequence_parallel,
                               fold=layout.folded)

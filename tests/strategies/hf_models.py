@@ -92,12 +92,12 @@ class LitCausalLM(pl.LightningModule):
     sample."""
 
     def __init__(self, family: str, lr: float = 1e-2, optimizer: str = "adamw", vocab: int = VOCAB,
-                 aux_loss: float = 0.0, data_shards: int = 1, layers: int = LAYERS) -> None:
+                 aux_loss: float = 0.0, data_shards: int = 1, layers: int = LAYERS, own_loss: bool = False) -> None:
         super().__init__()
         import transformers
 
         self.family, self.lr, self.optimizer = family, lr, optimizer
-        self.aux_loss, self.data_shards = aux_loss, data_shards
+        self.aux_loss, self.data_shards, self.own_loss = aux_loss, data_shards, own_loss
         torch.manual_seed(0)
         if family == "litgpt":
             self.model = litgpt_model(vocab, layers)
@@ -122,13 +122,16 @@ class LitCausalLM(pl.LightningModule):
         self.log("val/loss", self._loss(batch), sync_dist=True)
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        if not self.aux_loss:
+        if not (self.aux_loss or self.own_loss):
             inputs, targets = batch
             return F.cross_entropy(self(inputs).flatten(0, -2).float(), targets.flatten())
         losses = []
         # rank r of a DistributedSampler reads every data_shards-th sample of the batch one process reads
         shards = [[part[r::self.data_shards] for part in batch] for r in range(self.data_shards)]
         for inputs, targets in shards:
+            if self.own_loss:  # the model's, from labels it shifts itself (the load-balancing loss added in it)
+                losses.append(self.model(input_ids=inputs, labels=unshifted(targets)).loss)
+                continue
             output = self.model(input_ids=inputs)
             loss = F.cross_entropy(output.logits.flatten(0, -2).float(), targets.flatten())
             if isinstance(loss, DTensor):  # under loss parallelism (tp), before meeting the plain load-balancing loss
@@ -142,19 +145,25 @@ class LitCausalLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+def unshifted(targets: Tensor) -> Tensor:
+    """Labels the model shifts by one into ``targets`` (the token after each position)."""
+    return torch.cat([torch.full_like(targets[:, :1], -100), targets[:, :-1]], dim=1)
+
+
 def lit_causal_lm(name: str, data_shards: int = 1) -> LitCausalLM:
     """The parity model called ``name``: a family (``"llama"``), a family with a vocabulary of its own
-    (``"llama-vocab61"``), an MoE family with its load-balancing loss on (``"mixtral-aux"``: coefficient 0.02), or a
-    family with :data:`DEEP_LAYERS` layers (``"llama-deep"``), with the family's :func:`training_options`;
-    ``data_shards``: see :class:`LitCausalLM`."""
+    (``"llama-vocab61"``), an MoE family with its load-balancing loss on (``"mixtral-aux"``: coefficient 0.02; the
+    model adding it to its own loss from labels: ``"mixtral-aux-labels"``), or a family with :data:`DEEP_LAYERS` layers
+    (``"llama-deep"``), with the family's :func:`training_options`; ``data_shards``: see :class:`LitCausalLM`."""
+    own_loss = name.endswith("-labels")
     deep = name.endswith("-deep")
-    name = name.removesuffix("-deep")
+    name = name.removesuffix("-labels").removesuffix("-deep")
     name, _, vocab = name.partition("-vocab")
     family, aux, _ = name.partition("-aux")
     # with the load-balancing loss, AdamW at 1e-2 leaves float noise at 1.1e-4 in some weights; at 3e-3 it stays below
     options = {"lr": 3e-3} if aux else training_options(family)
     return LitCausalLM(family, **options, vocab=int(vocab or VOCAB), aux_loss=0.02 if aux else 0.0,
-                       data_shards=data_shards, layers=DEEP_LAYERS if deep else LAYERS)
+                       data_shards=data_shards, layers=DEEP_LAYERS if deep else LAYERS, own_loss=own_loss)
 
 
 def experts_in_another_layout(module: LitCausalLM) -> LitCausalLM:

@@ -24,7 +24,7 @@ WORKER = Path(hf_worker.__file__)
 def control_of(layout: str, model: str) -> tuple[str, int]:
     """The control a layout's run of ``model`` is matched against: with the load-balancing loss on, one process
     computes it per data-parallel rank's part (ep2: 2 replicas; tp2: 1, over the whole sequence's routing)."""
-    return model, hf_worker.LAYOUTS[layout][2] if model.endswith("-aux") else 1
+    return model, hf_worker.LAYOUTS[layout][2] if "-aux" in model else 1
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,9 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     """tp2: tensor parallelism with sequence parallelism on 2 processes (the fused q|k|v of GPT-2 and litgpt split
     part by part; GPT-2 also with a vocabulary of 61, split 31 + 30; the MoE models' routers whole, each expert split
     over tp, its fused gate|up part by part; GPT-OSS's sinks split with its heads, its transposed experts' interleaved
-    gate|up by columns, their output bias added once); ddp and zero3: 2 data replicas; pp2-*: two pipeline stages
+    gate|up by columns, their output bias added once; Mixtral's load-balancing loss from the whole sequence's router
+    logits, added by the step to the loss-parallel language-model loss, or by the model to its own from labels); ddp
+    and zero3: 2 data replicas; pp2-*: two pipeline stages
     (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence parallel) on 8 processes (3d-moe: Qwen3-MoE, ep=1,
     each expert split over tp); dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over the tp and data ranks (each rank one
     whole expert), with sequence parallelism and (Mixtral) without; dp2-tp2-ep2-split*: each expert split over tp=2

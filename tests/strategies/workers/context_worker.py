@@ -20,7 +20,7 @@ import meshlight as ml
 from meshlight.demos import AdditionDataModule, LitGPT
 from meshlight.models import GPTConfig
 from meshlight.parallel.expert import expert_layers
-from tests.strategies.hf_models import LitCausalLM, lit_causal_lm
+from tests.strategies.hf_models import LitCausalLM, lit_causal_lm, unshifted
 from tests.strategies.llama import LitLlama
 from tests.strategies.parity import make_data, train
 
@@ -45,19 +45,14 @@ class LitLlamaLabels(LitCausalLM):
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         inputs, targets = batch
         return {"input_ids": inputs, "targets": targets} if self.in_step else {"input_ids": inputs,
-                                                                               "labels": _unshifted(targets)}
+                                                                               "labels": unshifted(targets)}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.in_step:
-            batch = {"input_ids": batch["input_ids"], "labels": _unshifted(batch["targets"])}
+            batch = {"input_ids": batch["input_ids"], "labels": unshifted(batch["targets"])}
         loss = self.model(**batch).loss
         self.log("train/loss", loss)
         return loss
-
-
-def _unshifted(targets: torch.Tensor) -> torch.Tensor:
-    """Labels the model shifts by one into ``targets`` (the token after each position)."""
-    return torch.cat([torch.full_like(targets[:, :1], -100), targets[:, :-1]], dim=1)
 
 
 # model name -> factory

@@ -28,9 +28,9 @@ LAYOUTS = {
     # (GPT-OSS's sinks with its heads), their routers kept whole on each rank, running on its share of the sequence,
     # and each expert split over tp (the fused gate|up part by part; GPT-OSS's interleaved gate|up by columns, its
     # output bias added once); Mixtral with its load-balancing loss, over the whole sequence's router logits (gathered
-    # from the shares)
+    # from the shares), added to the language-model loss by the step and (labels) by the model itself
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "gpt2-vocab61", "gpt_neox", *MOE_FAMILIES,
-                                                            "mixtral-aux")),
+                                                            "mixtral-aux", "mixtral-aux-labels")),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
     "ddp": (lambda: "ddp", 2, 2, FAMILIES),
