@@ -13,7 +13,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "DTensorSpec", "as_dtensor_like", "dtensor_spec", "from_blocks", "has_dtensor_parameters", "in_blocks",
-    "local_tensor",
+    "local_tensor", "shallow_copy",
 ]
 
 #: what makes a local tensor a DTensor again: mesh, placements, global shape and stride
@@ -23,6 +23,15 @@ DTensorSpec = tuple[Any, Any, Any, tuple[int, ...]]
 def local_tensor(tensor: Tensor) -> Tensor:
     """This rank's part of ``tensor``: a DTensor's local tensor, a plain tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def shallow_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` sharing its attributes, for a forward to run on with other (this rank's plain) tensors set
+    on it. Not ``copy.copy``: a module ``fully_shard`` or ``replicate`` wrapped rebuilds itself through ``__init__``
+    there."""
+    copied = object.__new__(type(module))
+    copied.__dict__.update(module.__dict__)
+    return copied
 
 
 def has_dtensor_parameters(module: nn.Module) -> bool:

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Shard
 from meshlight.nn.experts import GroupedExperts, local_weight, scale_gradient
 from meshlight.nn.moe import MoE
 from meshlight.parallel.collectives import all_gather_along
+from meshlight.parallel.dtensors import shallow_copy
 from meshlight.parallel.expert_tensor import (
     ExpertTensorParallel,
     added_once,
@@ -120,7 +121,7 @@ def gather_router_logits(module: nn.Module, group: dist.ProcessGroup, *, replica
         if logits and split():
             output.router_logits = tuple(whole(output, share) for share in logits)
 
-    for model in {id(m.base_model): m.base_model for m in module.modules() if _collects_router_logits(m)}.values():
+    for model in {id(m.base_model): m.base_model for m in module.modules() if _can_return_router_logits(m)}.values():
         model.register_forward_hook(hook)
 
 
@@ -139,11 +140,11 @@ def plain_language_model_loss(module: nn.Module) -> None:
         return whole
 
     for model in module.modules():
-        if _collects_router_logits(model) and hasattr(model, "loss_function"):
+        if _can_return_router_logits(model) and hasattr(model, "loss_function"):
             model.loss_function = plain(model.loss_function)
 
 
-def _collects_router_logits(module: nn.Module) -> bool:
+def _can_return_router_logits(module: nn.Module) -> bool:
     """A Hugging Face model whose base model can return its routers' logits."""
     config = getattr(module, "config", None)
     return hasattr(config, "output_router_logits") and isinstance(getattr(module, "base_model", None), nn.Module)
@@ -353,9 +354,7 @@ class StackedExpertsParallel:
         """The module's own forward on this rank's experts: ``rows`` grouped by local expert, ``counts`` of each. It
         runs on a shallow copy holding this rank's weights as plain tensors (and its expert count), without the
         module's hooks, which ran for the call being served."""
-        # not copy.copy: a module fully_shard or replicate wrapped rebuilds itself through its __init__ there
-        local = object.__new__(type(self.experts))
-        local.__dict__.update(self.experts.__dict__)
+        local = shallow_copy(self.experts)
         local._parameters = {}
         for name, param in self.experts.named_parameters(recurse=False):
             if name in self.added_once:

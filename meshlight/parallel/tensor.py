@@ -70,6 +70,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshlight.parallel.dtensors import shallow_copy
 from meshlight.parallel.model_shape import (
     WIDTH_ATTRIBUTES,
     count_holder,
@@ -467,7 +468,7 @@ def _split_by_head(module: nn.Module, names: list[str], mesh: DeviceMesh) -> Non
 def _forward_on_local_weights(module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
     """``forward`` on a shallow copy of ``module`` holding its own DTensor parameters as this rank's plain values:
     the gradients of replicated ones are this rank's part of a sum, those of sharded ones its shard's."""
-    local = copy.copy(module)
+    local = shallow_copy(module)
     for name, param in module.named_parameters(recurse=False):
         replicated = all(p.is_replicate() for p in param.placements)
         object.__setattr__(local, name, param.to_local(grad_placements=[Partial()] if replicated else None))
