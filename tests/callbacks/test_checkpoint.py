@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshlight.parallel.checkpoint import is_complete
 from tests.callbacks.workers import resume_worker
 from tests.launch import torchrun
 
@@ -26,7 +27,11 @@ def runs(tmp_path_factory) -> dict:
     names, world = list(resume_worker.STRATEGIES), resume_worker.WORLD
     for name in names:
         killed = torchrun(WORKER, world, "kill", str(root / "ckpt"), name, timeout=600, check=False)
-        assert killed.returncode != 0, f"{name}: the run was meant to be killed after step 12"
+        assert killed.returncode != 0 and resume_worker.KILLED in killed.stdout, (
+            f"{name}: the run was meant to be killed after step {resume_worker.KILL_AFTER}, and ended otherwise:\n"
+            f"{killed.stdout[-3000:]}\n{killed.stderr[-8000:]}")
+        left = {folder.name: is_complete(folder) for folder in sorted((root / "ckpt" / name).iterdir())}
+        assert left.get("step=000000005"), f"{name}: the kill left no complete step-5 checkpoint: {left}"
     torchrun(WORKER, world, "resume", str(root / "ckpt"), str(root / "resumed.pt"), *names, timeout=1200)
     runs = torch.load(root / "resumed.pt")
     return {name: (*runs[name], root / "ckpt" / name) for name in names}

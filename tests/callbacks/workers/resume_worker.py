@@ -42,6 +42,7 @@ from meshlight.nn import MoEConfig
 from tests.strategies.parity import full_weights
 
 GLOBAL_BATCH, STEPS_PER_EPOCH, MAX_STEPS, KILL_AFTER = 16, 8, 20, 12
+KILLED = f"SIGKILL after step {KILL_AFTER}"
 
 # name -> (strategy factory, experts), each on WORLD processes
 WORLD = 2
@@ -74,6 +75,7 @@ class Losses(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         self.losses[trainer.global_step] = float(trainer.callback_metrics["train/loss"])
         if self.kill and trainer.global_step == KILL_AFTER:
+            print(KILLED, flush=True)  # what the launch's output must show: killed here, not failed earlier
             os.kill(os.getpid(), signal.SIGKILL)
 
 
