@@ -9,10 +9,13 @@ the one all-reduce per factored moment, and with the two norms per parameter (of
 update) taken for all parameters at once; plain tensors still take torch's own path.
 
 Multi-tensor (``foreach``) and fused kernels refuse a list mixing DTensors and plain tensors ("got mixed
-torch.Tensor and DTensor"). Tensor parallelism without sequence parallelism (or a user plan) leaves norms and
-other small parameters plain, and where no FSDP wraps them (dp = 1, or DDP) a parameter group holds both kinds;
-on CUDA torch picks ``foreach`` by default, so a plain ``AdamW(model.parameters())`` would fail at its first step.
-:func:`adapt_optimizer` runs such groups with the per-parameter implementation instead.
+torch.Tensor and DTensor"). Tensor parallelism leaves norms and other small parameters plain, and where no FSDP
+wraps them (dp = 1, or DDP) a parameter group holds both kinds; on CUDA torch picks ``foreach`` by default, so a
+plain ``AdamW(model.parameters())`` would fail at its first step. torch's elementwise optimizers (Adam, AdamW, SGD,
+…) update each parameter from its own gradient and state and its group's hyper-parameters alone, so
+:func:`adapt_optimizer` has them step such a group as two — its DTensors, then its plain tensors — each with the
+kernels the group asks for (or torch's default), for the update only: the groups users, LR schedulers and
+checkpoints see stay as they were. Other optimizers step such groups one parameter at a time.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ def adapt_optimizer(optimizer: Optimizer) -> Optimizer:
         optimizer.__class__ = ShardedAdafactor
     mixed = [index for index, group in enumerate(optimizer.param_groups)
              if len({isinstance(p, DTensor) for p in group["params"]}) == 2]
+    if not mixed:
+        return optimizer
+    if isinstance(optimizer, ELEMENTWISE):
+        _step_mixed_groups_apart(optimizer)
+        return optimizer
     for index in mixed:
         group = optimizer.param_groups[index]
         asked = [flag for flag in ("foreach", "fused") if group.get(flag)]
@@ -75,9 +83,57 @@ def adapt_optimizer(optimizer: Optimizer) -> Optimizer:
                     group[flag] = False
 
     one_at_a_time()
-    if mixed:
-        optimizer.register_load_state_dict_post_hook(one_at_a_time)
+    optimizer.register_load_state_dict_post_hook(one_at_a_time)
     return optimizer
+
+
+#: torch's optimizers whose update of a parameter reads only its gradient, its state and its group's
+#: hyper-parameters (Adafactor too, but :class:`ShardedAdafactor` takes its DTensors apart itself)
+ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad,
+               torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop,
+               torch.optim.Adadelta)
+
+
+def _step_mixed_groups_apart(optimizer: Optimizer) -> None:
+    """While ``optimizer`` updates (after its closure, if any, has made the gradients: the closure still sees the
+    groups as they are), each group mixing DTensors and plain tensors is two groups, one of each; afterwards the
+    groups are the same objects as before. A pre-hook hands ``step`` a closure that splits them once the user's
+    returns; a post-hook puts them back, and a split left by an update that raised is put back before the next
+    step and before the state is read."""
+    whole: list[list[dict[str, Any]]] = []
+
+    def split() -> None:
+        whole.append(optimizer.param_groups)
+        optimizer.param_groups = [part for group in optimizer.param_groups for part in _apart(group)]
+
+    def join(*_: object) -> None:
+        if whole:
+            optimizer.param_groups = whole.pop()
+
+    def before_step(_: Optimizer, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        join()
+        closure = kwargs.pop("closure", args[1] if len(args) > 1 else None)
+
+        def splitting_closure() -> Any:
+            loss = closure() if closure is not None else None
+            split()
+            return loss
+
+        return args[:1], {**kwargs, "closure": splitting_closure}
+
+    optimizer.register_step_pre_hook(before_step)
+    optimizer.register_step_post_hook(join)
+    optimizer.register_state_dict_pre_hook(join)
+    optimizer.register_load_state_dict_pre_hook(join)
+
+
+def _apart(group: dict[str, Any]) -> list[dict[str, Any]]:
+    """``group`` itself where its parameters are all of one kind, else a copy holding its DTensors and one its plain
+    tensors (the same hyper-parameters)."""
+    kinds = [[p for p in group["params"] if isinstance(p, DTensor) is sharded] for sharded in (True, False)]
+    if not all(kinds):
+        return [group]
+    return [{**group, "params": params} for params in kinds]
 
 
 def _adafactor_steps(
