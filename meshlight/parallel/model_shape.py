@@ -67,6 +67,9 @@ class ModelShape:
     moe_layers: int = 0
     gated_mlp: Optional[bool] = None
     tied_head: bool = False
+    #: the width of what every token of an MoE layer runs beside its routed experts (Qwen2-MoE's shared expert,
+    #: DeepSeek's shared experts together), 0 for none; as the config states it
+    shared_mlp_width: int = 0
 
 
 def model_shape(module: nn.Module) -> ModelShape:
@@ -110,9 +113,10 @@ def config_shape(module: nn.Module) -> Optional[ModelShape]:
         heads = stated("num_attention_heads", "n_head")
         if not (layers and hidden and heads):
             continue
-        experts = stated("num_local_experts", "num_experts", "n_expert", default=0)
+        experts = stated("num_local_experts", "num_experts", "n_routed_experts", "n_expert", default=0)
         mlp_width = (stated("moe_intermediate_size") if experts else None) or stated(
             "intermediate_size", "n_inner", default=4 * hidden)
+        shared = stated("shared_expert_intermediate_size", default=stated("n_shared_experts", default=0) * mlp_width)
         return ModelShape(
             blocks=layers, hidden=hidden, heads=heads, kv_heads=stated("num_key_value_heads", "n_query_groups",
                                                                        default=heads),
@@ -121,15 +125,20 @@ def config_shape(module: nn.Module) -> Optional[ModelShape]:
             top_k=stated("num_experts_per_tok", "n_expert_per_token", default=1) if experts else 1,
             moe_layers=layers if experts else 0, tied_head=head_tied(module),
             gated_mlp=mlp_gated(repeated_blocks(module), hidden, mlp_width),
+            shared_mlp_width=shared if experts else 0,
         )
     return None
 
 
 def mlp_gated(blocks: Sequence[nn.Module], hidden: int, width: int) -> Optional[bool]:
     """Whether the first of ``blocks`` reads the ``hidden`` state into the MLP's ``width`` by two projections (a
-    gate and up: SwiGLU's three matrices) or by one (GPT-2's two); None where none does (no blocks, experts stacked
-    as parameters, a fused gate|up)."""
-    readers = [m for block in blocks[:1] for m in block.modules() if linear_widths(m) == (hidden, width)]
+    gate and up: SwiGLU's three matrices), or by one fused gate|up twice as wide beside the projection back (Phi-3's
+    ``gate_up_proj`` and ``down_proj``), or by one (GPT-2's two); None where none does (no blocks, experts stacked
+    as parameters)."""
+    parents = [m for block in blocks[:1] for m in block.modules()]
+    if any({(hidden, 2 * width), (width, hidden)} <= {linear_widths(c) for c in m.children()} for m in parents):
+        return True
+    readers = [m for m in parents if linear_widths(m) == (hidden, width)]
     return len(readers) > 1 if readers else None
 
 
@@ -233,6 +242,8 @@ def fused_parts(owner: nn.Module, width: int, written: int, hidden: int, *, kv: 
             return queries, keys, keys
         if kv and width == 2 * keys:
             return keys, keys
+    if heads and head_dim:  # attention whose counts explain neither: a q|k|v as wide as two halves is not a gate|up
+        return None
     return (written, written) if width == 2 * written else None
 
 
@@ -256,10 +267,14 @@ def per_head_parameters(module: nn.Module, hidden: int) -> list[str]:
 
 def attention_heads(module: nn.Module, hidden: int) -> Optional[tuple[int, int]]:
     """(heads, kv heads) of an attention ``module``: from its head-count attributes (kv heads: a name with ``kv`` or
-    ``key_value``; none: as many as heads), else from ``head_dim`` and the widths of its first two projections out
-    of the ``hidden`` state (q, then k). None where it names neither."""
+    ``key_value``; none: as many as heads; where it keeps only its kv heads, its query heads from its ``config``, as
+    Phi-3's attention does), else from ``head_dim`` and the widths of its first two projections out of the
+    ``hidden`` state (q, then k). None where it names neither."""
     counts = head_counts(module)
     kv_named = {a: v for a, v in counts.items() if "kv" in a or "key_value" in a or "groups" in a}
+    config = getattr(module, "config", None)
+    if counts and len(kv_named) == len(counts) and config is not None:  # its query heads counted in its config only
+        counts = {**{a: v for a, v in head_counts(config, own=True).items() if a not in kv_named}, **counts}
     derived = list(projection_heads(module, projections(module, hidden)[0]).values())
     heads = next((v for a, v in counts.items() if a not in kv_named), derived[0] if derived else None)
     if not heads:

@@ -42,6 +42,8 @@ class ModelSpec:
     #: tensor parallelism's ``keep_gathered_inputs``: the projections' gathered inputs stay whole for backward
     keep_gathered_inputs: bool = False
     head_size: int = 0  # width of one attention head where it is not hidden / heads (Qwen3's 128 at hidden 2048)
+    #: width of the dense MLP every token of an MoE layer runs beside its routed experts (a shared expert), 0: none
+    shared_ffn: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -77,14 +79,19 @@ class ModelSpec:
         return self.moe_layers * self.experts * self.mlp_params
 
     @property
+    def shared_expert_params(self) -> int:
+        """The shared experts' parameters in one MoE layer (dense: every token runs them)."""
+        return (3 if self.swiglu else 2) * self.hidden * self.shared_ffn
+
+    @property
     def block_params(self) -> int:
-        """Dense (non-expert) parameters of all blocks: attention, norms, dense MLPs and routers."""
+        """Dense (non-expert) parameters of all blocks: attention, norms, dense MLPs, routers and shared experts."""
         kv = self.kv_heads * self.head_dim
         attention = self.attention_params + (self.heads * self.head_dim + 2 * kv + self.hidden if self.bias else 0)
         mlp = self.mlp_params + ((2 if self.swiglu else 1) * self.ffn_hidden + self.hidden if self.bias else 0)
         dense_mlps = (self.layers - self.moe_layers) * mlp
         return self.layers * (attention + 2 * self.norm_params) + dense_mlps + self.moe_layers * (
-            self.hidden * self.experts)
+            self.hidden * self.experts + self.shared_expert_params)
 
     @property
     def params(self) -> int:
@@ -104,12 +111,14 @@ class ModelSpec:
         output (4·h, LayerNorm 2·h); q and the attention output (2·h), k and v (2·kv); and the MLP's hidden
         values — GELU's input and output (2·ffn), SwiGLU's two projections, their product's factors and the
         product (4·ffn); ``top_k`` of them in a MoE layer, beside each routed token's copy and its expert's
-        output (2·top_k·h; MoE layers are estimated, not measured). Flash attention keeps no score matrix; no
-        dropout. With ``keep_gathered_inputs`` the projections' inputs stay whole: 2·h, whatever tp."""
+        output (2·top_k·h), and a shared expert's (4·shared_ffn; MoE layers are estimated, not measured). Flash
+        attention keeps no score matrix; no dropout. With ``keep_gathered_inputs`` the projections' inputs stay
+        whole: 2·h, whatever tp."""
         kv = self.kv_heads * self.head_dim
-        mlp = (4 if self.swiglu else 2) * self.ffn_hidden
+        per_width = 4 if self.swiglu else 2
+        mlp = per_width * self.ffn_hidden
         moe_share = self.moe_layers / self.layers
-        mlp = mlp * (1 - moe_share) + (mlp + 2 * self.hidden) * self.top_k * moe_share
+        mlp = mlp * (1 - moe_share) + ((mlp + 2 * self.hidden) * self.top_k + per_width * self.shared_ffn) * moe_share
         norms = (4 if self.rmsnorm else 2) * self.hidden
         gathered = 2 * self.hidden * (1 - 1 / tp) if self.keep_gathered_inputs else 0.0
         return (norms + 4 * self.hidden + 2 * kv + mlp) / tp + gathered
@@ -147,7 +156,8 @@ class ModelSpec:
                    ffn_hidden=shape.mlp_width, vocab=shape.vocab, seq_len=seq_len or 2048, experts=shape.experts,
                    top_k=shape.top_k, moe_every=max(shape.blocks // shape.moe_layers, 1) if shape.moe_layers else 1,
                    tie_embeddings=shape.tied_head, swiglu=shape.gated_mlp is not False, name=name,
-                   head_size=shape.head_dim if shape.head_dim and shape.head_dim * heads != shape.hidden else 0)
+                   head_size=shape.head_dim if shape.head_dim and shape.head_dim * heads != shape.hidden else 0,
+                   shared_ffn=shape.shared_mlp_width)
 
     def replace(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshlight.parallel.dtensors import local_tensor
 
-__all__ = ["register_sequence_gather"]
+__all__ = ["register_sequence_gather", "sequence_share"]
 
 
 def register_sequence_gather(
@@ -39,7 +39,6 @@ def register_sequence_gather(
     the gradients of all the Linears reading it accumulate as one partial sum and are reduced once. Under sequence
     parallelism, what ``module``'s forward saves of it is kept as this rank's share and gathered again in backward,
     unless ``keep_gathered``."""
-    layout = Shard(1) if sequence_parallel else Replicate()
     regather = sequence_parallel and not keep_gathered
     scopes: list[Optional[_Scope]] = []  # one per call in flight, popped by the forward hook
 
@@ -50,6 +49,7 @@ def register_sequence_gather(
         by_name = not args and first in kwargs  # Hugging Face's decoder layers call attention with keywords
         value = kwargs[first] if by_name else args[0] if args else None
         if isinstance(value, Tensor):
+            layout = sequence_share(value) if sequence_parallel else Replicate()
             share = value if isinstance(value, DTensor) else DTensor.from_local(value, mesh, [layout], run_check=False)
             gathered = share.redistribute(mesh, [Replicate()])
             if regather and _hooks_apply(share):
@@ -80,8 +80,16 @@ def _first_parameter(module: nn.Module) -> Optional[str]:
     return parameters[0].name if parameters else None
 
 
+def sequence_share(tensor: Tensor) -> Shard:
+    """The placement of this rank's share of the sequence in ``tensor``: its second-to-last dimension —
+    ``[batch, sequence, hidden]``'s sequence, or the tokens of ``[tokens, hidden]``, which an MoE block's shared
+    expert reads flattened (any order of tokens suits a layer that acts on each alone, and the row-parallel
+    projection after it scatters each rank's own tokens back to it)."""
+    return Shard(tensor.ndim - 2)
+
+
 def _hooks_apply(share: DTensor) -> bool:
-    return (torch.is_grad_enabled() and share.requires_grad and tuple(share.placements) == (Shard(1),)
+    return (torch.is_grad_enabled() and share.requires_grad and tuple(share.placements) == (sequence_share(share),)
             and not torch.compiler.is_compiling()
             and torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is None)
 
@@ -107,8 +115,8 @@ class _Gathered:
         if self.full is None:
             share = self.outer[1](self.share) if self.outer else self.share
             with torch.no_grad():
-                sharded = DTensor.from_local(share, self.mesh, [Shard(1)], run_check=False, shape=self.shape,
-                                             stride=self.stride)
+                sharded = DTensor.from_local(share, self.mesh, [sequence_share(share)], run_check=False,
+                                             shape=self.shape, stride=self.stride)
                 self.full = sharded.redistribute(self.mesh, [Replicate()]).to_local()
         full = self.full
         self.unpacked += 1

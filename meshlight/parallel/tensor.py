@@ -71,6 +71,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshlight.parallel.dtensors import shallow_copy
+from meshlight.parallel.expert import is_stacked_experts
 from meshlight.parallel.model_shape import (
     WIDTH_ATTRIBUTES,
     count_holder,
@@ -79,7 +80,7 @@ from meshlight.parallel.model_shape import (
     is_transposed_linear,
     per_head_parameters,
 )
-from meshlight.parallel.sequence_gather import register_sequence_gather
+from meshlight.parallel.sequence_gather import register_sequence_gather, sequence_share
 from meshlight.parallel.tensor_plan import (
     TensorParallelError,
     _colwise_parents,
@@ -117,6 +118,8 @@ def apply_tensor_parallel(
     # with sequence parallelism, whether the modules outside the blocks run on this rank's share of the sequence
     shares_outside = sequence_parallel and sequence_region is None
     styles: dict[str, ParallelStyle] = {}
+    # MoE blocks that flatten the tokens for their stacked experts (and what else they hold: a shared expert's gate)
+    flattening = {name.rpartition(".")[0] for name, module in modules.items() if is_stacked_experts(module)}
     for name, role in plan.items():
         on_share = sequence_parallel if _within(name, blocks) else shares_outside
         if isinstance(role, ParallelStyle):
@@ -126,7 +129,7 @@ def apply_tensor_parallel(
         elif role == "colwise":
             styles[name] = _TransposedColwise() if is_transposed_linear(modules[name]) else ColwiseParallel()
         elif role == "rowwise":
-            rowwise = _TransposedRowwise if is_transposed_linear(modules[name]) else RowwiseParallel
+            rowwise = _TransposedRowwise if is_transposed_linear(modules[name]) else _Rowwise
             styles[name] = rowwise(output_layouts=Shard(1) if sequence_parallel else Replicate())
         elif role == "embedding":
             styles[name] = RowwiseParallel(input_layouts=Replicate(),
@@ -139,9 +142,10 @@ def apply_tensor_parallel(
             styles[name] = _Replicated(name, over="heads")
         elif role == "replicate" and on_share and isinstance(modules[name], nn.Embedding):
             styles[name] = _Replicated(name, over="whole")
-        elif role == "replicate" and on_share and isinstance(modules[name], nn.Linear):
+        elif role == "replicate" and on_share and isinstance(modules[name], nn.Linear) and (
+                name.rpartition(".")[0] not in flattening):
             styles[name] = _Replicated(name, over="sequence")
-        elif role == "replicate" and on_share:  # an MoE block's router and stacked experts
+        elif role == "replicate" and on_share:  # an MoE block's router, stacked experts and shared expert's gate
             styles[name] = _OnShareOfTokens()
     hidden = hidden_size(modules[name] for name in blocks)
     per_head = {parent: names for parent in _colwise_parents(plan)
@@ -191,7 +195,16 @@ def _divide_counts(module: nn.Module, tp: int) -> list[str]:
         setattr(holder, attribute, count // tp)
     for attribute, width in widths.items():
         setattr(module, attribute, width // tp)
-    return sorted([*counts, *widths])
+    divided = [*counts, *widths]
+    config = getattr(module, "config", None)
+    if counts and holder is module and config is not None and (in_config := head_counts(config, own=True)):
+        # counts of its own, and the whole model's config beside them, which its forward may read too (Phi-3's
+        # attention slices its fused q|k|v at config.num_attention_heads · head_dim): its copy holds this rank's
+        module.config = copy.copy(config)
+        for attribute, count in in_config.items():
+            setattr(module.config, attribute, count // tp)
+        divided += [f"config.{attribute}" for attribute in in_config]
+    return sorted(divided)
 
 
 def sequence_share_input(stage: nn.Module, mesh: DeviceMesh) -> None:
@@ -335,7 +348,20 @@ class _TransposedColwise(_Transposed, ColwiseParallel):
     placements = {"weight": Shard(1), "bias": Shard(0)}
 
 
-class _TransposedRowwise(_Transposed, RowwiseParallel):
+class _Rowwise(RowwiseParallel):
+    """Row-parallel; under sequence parallelism (``output_layouts=Shard(1)``) its output is reduce-scattered to this
+    rank's share of the sequence wherever that lies (:func:`sequence_share`): the sequence of ``[batch, sequence,
+    hidden]``, the tokens of the flattened ``[tokens, hidden]`` an MoE block's shared expert returns."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: tuple, use_local_output: bool, mod: nn.Module, outputs: DTensor,
+                           device_mesh: DeviceMesh) -> Tensor:
+        if output_layouts == (Shard(1),):
+            output_layouts = (sequence_share(outputs),)
+        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+class _TransposedRowwise(_Transposed, _Rowwise):
     placements = {"weight": Shard(0), "bias": Replicate()}
     desired_input_layouts = (Shard(-1),)
 

@@ -322,9 +322,11 @@ def published_roles(model: nn.Module) -> dict[str, str]:
     return {}
 
 
-#: Attention classes whose fused q|k|v holds its parts one after another (the forward splits it by their widths).
+#: Attention (and MLP) classes whose fused q|k|v (gate|up) holds its parts one after another (the forward splits it
+#: by their widths: Phi-3's q|k|v by the config's head counts, its gate|up by chunk(2)).
 PARTS_IN_ORDER = frozenset({
     "transformers.models.gpt2.modeling_gpt2.GPT2Attention", "litgpt.model.CausalSelfAttention",
+    "transformers.models.phi3.modeling_phi3.Phi3Attention", "transformers.models.phi3.modeling_phi3.Phi3MLP",
 })
 
 
@@ -336,10 +338,11 @@ def _fused_readers(modules: Mapping[str, nn.Module], group: str, readers: list[s
     Structure tells a fused projection's parts, not their order: GPT-2's and litgpt's q|k|v hold all of q, then
     all of k, then all of v, while GPT-NeoX and BLOOM hold each head's q, k, v together (plain column sharding suits
     those), and nothing in their modules tells the two apart (BLOOM keeps GPT-2's ``split_size`` and never uses
-    it). One after another is taken for the attention classes known to do so (:data:`PARTS_IN_ORDER`); head by
+    it). One after another is taken for the classes known to do so (:data:`PARTS_IN_ORDER`); head by
     head where the model's published plan (:func:`published_roles`) gives the projection Hugging Face's plain
-    ``colwise``. (Phi-3 publishes ``colwise_gather_output`` for its q|k|v: each rank gathers the whole output,
-    and its attention slices q by the config's head count, which meshlight's split does not fit: refused.) Other
+    ``colwise``. (Phi-3 publishes ``colwise_gather_output`` for its q|k|v and gate|up, each rank gathering the
+    whole output; its attention slices q by the config's head count, which the attention's own copy of the config
+    holds divided by tp: :func:`~meshlight.parallel.tensor.apply_tensor_parallel`.) Other
     fused projections — that order unknown, or parts the head counts do not explain (a reader wider than what the
     writer reads, a fused k|v by name) — would train a different model without an error: refused, naming the
     fix."""

@@ -25,10 +25,11 @@ def test_head_counts_come_from_attributes_or_from_head_dim_and_the_projections()
     assert (nano.heads, nano.kv_heads, nano.head_dim) == (4, 4, 8)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2", "litgpt"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2", "litgpt", "phi3"])
 def test_models_from_hugging_face_and_litgpt_read_as_their_configs_say(family):
     """Models we did not write: the shape their config states (GPT-2's Conv1D and litgpt's fused q|k|v hide the heads
-    from the structure), for the planner too."""
+    from the structure; Phi-3's fused gate|up is gated, though its q|k|v is as wide as the MLP), for the planner
+    too."""
     pytest.importorskip("transformers")
     from tests.strategies import hf_models
 
@@ -44,7 +45,7 @@ def test_models_from_hugging_face_and_litgpt_read_as_their_configs_say(family):
         hf_models.LAYERS, hf_models.HEADS, kv_heads, hf_models.HIDDEN, hf_models.VOCAB, not gpt2, gpt2)
 
 
-@pytest.mark.parametrize("family", ["llama", "litgpt", "gpt2", "nanogpt"])
+@pytest.mark.parametrize("family", ["llama", "litgpt", "gpt2", "nanogpt", "phi3"])
 def test_the_planner_counts_a_models_parameters_as_its_structure_holds_them(family):
     """A head tied to the token embedding is one weight, counted once, and GPT-2's MLP has two matrices, not
     SwiGLU's three (both were missed: GPT-2's tiny model was planned at 1.15× its parameters, now 0.93×). What the
@@ -115,3 +116,46 @@ def test_a_llama_keeping_only_head_dim_is_planned_with_its_heads_under_3d_sizes(
     with pytest.raises(TensorParallelError, match=r"tp=8 does not divide heads of model.layers.0.attention.wk=4;"
                                                   r" choose tp in \[1, 2, 4\]"):
         validate_plan(module, derive_plan(module), 8, 8)
+
+
+def test_an_attention_keeping_only_its_kv_heads_reads_its_query_heads_from_its_config():
+    """Phi-3's attention keeps num_key_value_heads and head_dim, its query count only in the config: its fused q|k|v
+    (128 wide: 8 query heads of 8, 4 key and 4 value heads) is those three parts, not two halves; an attention whose
+    counts explain neither is no fused gate|up either."""
+    from types import SimpleNamespace
+
+    from meshlight.parallel.model_shape import fused_parts
+
+    attention = nn.Module()
+    attention.qkv_proj, attention.o_proj = nn.Linear(64, 128), nn.Linear(64, 64)
+    attention.num_key_value_heads, attention.head_dim = 4, 8
+    attention.config = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4)
+    assert attention_heads(attention, 64) == (8, 4)
+    assert fused_parts(attention, 128, 64, 64) == (64, 32, 32)
+    attention.config = None  # 16 "heads" of 8 read from the fused width: the counts explain nothing
+    assert fused_parts(attention, 128, 64, 64) is None
+    mlp = nn.Module()
+    mlp.gate_up_proj, mlp.down_proj = nn.Linear(64, 256), nn.Linear(128, 64)
+    assert fused_parts(mlp, 256, 128, 64) == (128, 128)
+
+
+def test_a_shared_expert_is_counted_as_every_tokens_mlp_beside_the_routed_ones():
+    """Qwen2-MoE's shared expert (its width stated as shared_expert_intermediate_size) and DeepSeek's (n_shared_experts
+    of the routed experts' width): dense parameters and FLOPs every token pays, which the planner counted as none.
+    Qwen2-MoE's tiny model: within 0.3% (what the planner leaves out: q/k/v biases, the shared expert's gate)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.strategies import hf_models
+
+    module = hf_models.lit_causal_lm("qwen2_moe")
+    assert model_shape(module).shared_mlp_width == hf_models.HIDDEN
+    spec = model_spec_of(module)
+    assert spec.params == pytest.approx(sum(p.numel() for p in module.parameters()), rel=3e-3)
+    assert spec.active_params - spec.replace(shared_ffn=0).active_params == spec.moe_layers * 3 * spec.hidden * (
+        hf_models.HIDDEN)
+    deepseek = transformers.DeepseekV3Config(
+        vocab_size=16, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2,
+        n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, max_position_embeddings=64, pad_token_id=None, bos_token_id=0, eos_token_id=1)
+    shape = model_shape(transformers.AutoModelForCausalLM.from_config(deepseek))
+    assert (shape.experts, shape.mlp_width, shape.shared_mlp_width) == (4, 32, 64)

@@ -17,6 +17,9 @@ VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS = 16, 64, 8, 4, 128, 2
 DEEP_LAYERS = 4
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "litgpt")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")  # 4 experts, top-2, in every layer
+#: families whose structure only tensor parallelism meets differently: their parity runs are tp2's (Qwen2-MoE: 4
+#: experts, top-2, and a shared expert, in every layer)
+TP_FAMILIES = ("phi3", "qwen2_moe")
 
 
 def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
@@ -43,7 +46,12 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
         return transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers,
                                           num_attention_heads=HEADS, intermediate_size=HIDDEN, use_cache=False,
                                           max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0)
+    if family == "phi3":  # a fused q|k|v sliced by the config's head counts, a fused gate|up cut by chunk(2)
+        return transformers.Phi3Config(**common, pad_token_id=None, bos_token_id=0, eos_token_id=1)
     moe = dict(num_experts_per_tok=2, output_router_logits=False)
+    if family == "qwen2_moe":  # a shared expert (and its sigmoid gate) beside the routed ones, on the flattened tokens
+        return transformers.Qwen2MoeConfig(**common, **moe, num_experts=4, moe_intermediate_size=HIDDEN // 2,
+                                           shared_expert_intermediate_size=HIDDEN)
     if family == "mixtral":
         return transformers.MixtralConfig(**common, **moe, num_local_experts=4, router_jitter_noise=0.0)
     if family == "qwen3_moe":  # top-k weights renormalized (norm_topk_prob), experts narrower than the hidden size
@@ -56,7 +64,7 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
         return transformers.GptOssConfig(**common, **moe, head_dim=DIM // HEADS, num_local_experts=4,
                                          sliding_window=4, rope_parameters=yarn,
                                          layer_types=["sliding_attention", "full_attention"] * (layers // 2))
-    raise ValueError(f"family={family!r}: choose one of {FAMILIES + MOE_FAMILIES}")
+    raise ValueError(f"family={family!r}: choose one of {FAMILIES + MOE_FAMILIES + TP_FAMILIES}")
 
 
 def attention_implementation(family: str) -> str:

@@ -5,8 +5,9 @@ ModuleDict namespace the root's forward runs) — matches one process's training
 tensor (+ sequence) parallelism, data parallelism, pipeline parallelism (1F1B and interleaved, the LM head beside the
 module holding the layers) and (Llama, Qwen3, GPT-2 and litgpt) all three; and Mixtral, Qwen3-MoE and GPT-OSS
 (attention sinks, sliding-window layers, experts stored transposed with biases) under expert parallelism, with and
-without pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also with dp and pp. One launch
-per process count."""
+without pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also with dp and pp; Phi-3 (a
+fused q|k|v sliced by the config's head counts, a fused gate|up) and Qwen2-MoE (a shared expert beside the routed
+ones) under tensor parallelism. One launch per process count."""
 
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     result = torch.load(runs / f"{layout}-{model}.pt", weights_only=False)
     assert len(result["losses"]) == parity.STEPS
     parity.assert_parity(result, controls[control_of(layout, model)])
-    if model.split("-")[0] in MOE_FAMILIES and layout != "3d-planned":  # 4 experts: over 2 or 4 ranks, or whole
+    # 4 experts: over 2 or 4 ranks, or whole
+    if model.split("-")[0] in (*MOE_FAMILIES, "qwen2_moe") and layout != "3d-planned":
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1
         tp_parts = 2 if layout in ("tp2", "3d-moe") or "split" in layout else 1  # each expert split over tp=2
         local = result["local_experts"]

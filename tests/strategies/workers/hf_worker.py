@@ -19,7 +19,7 @@ import meshlight as ml
 from meshlight.parallel.dtensors import local_tensor
 from meshlight.parallel.expert import StackedExpertsParallel, stacked_experts
 from tests.strategies import parity
-from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, lit_causal_lm
+from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, TP_FAMILIES, lit_causal_lm
 
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
@@ -28,9 +28,11 @@ LAYOUTS = {
     # (GPT-OSS's sinks with its heads), their routers kept whole on each rank, running on its share of the sequence,
     # and each expert split over tp (the fused gate|up part by part; GPT-OSS's interleaved gate|up by columns, its
     # output bias added once); Mixtral with its load-balancing loss, over the whole sequence's router logits (gathered
-    # from the shares), added to the language-model loss by the step and (labels) by the model itself
+    # from the shares), added to the language-model loss by the step and (labels) by the model itself; Phi-3's fused
+    # q|k|v sliced by the config's head counts and its fused gate|up, and Qwen2-MoE's shared expert on the flattened
+    # tokens (its gate replicated beside the router)
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "gpt2-vocab61", "gpt_neox", *MOE_FAMILIES,
-                                                            "mixtral-aux", "mixtral-aux-labels")),
+                                                            "mixtral-aux", "mixtral-aux-labels", *TP_FAMILIES)),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
     "ddp": (lambda: "ddp", 2, 2, FAMILIES),
