@@ -74,7 +74,6 @@ from meshlight.parallel.dtensors import shallow_copy
 from meshlight.parallel.expert import is_stacked_experts
 from meshlight.parallel.model_shape import (
     WIDTH_ATTRIBUTES,
-    count_holder,
     head_counts,
     hidden_size,
     is_transposed_linear,
@@ -183,28 +182,22 @@ def apply_tensor_parallel(
 
 
 def _divide_counts(module: nn.Module, tp: int) -> list[str]:
-    """Give an attention ``module`` this rank's heads: divide its head counts by ``tp`` where it keeps them — in a
-    copy of its config for it alone where it reads them there (litgpt's) — and the widths it splits a fused
-    projection by (:data:`~meshlight.parallel.model_shape.WIDTH_ATTRIBUTES`). Returns the attributes divided."""
-    counts, holder = head_counts(module), count_holder(module)
-    if counts and holder is not module:
-        holder = copy.copy(holder)
-        module.config = holder
-    widths = {a: v for a in WIDTH_ATTRIBUTES if isinstance(v := getattr(module, a, None), int) and counts}
-    for attribute, count in counts.items():
-        setattr(holder, attribute, count // tp)
-    for attribute, width in widths.items():
-        setattr(module, attribute, width // tp)
-    divided = [*counts, *widths]
-    config = getattr(module, "config", None)
-    if counts and holder is module and config is not None and (in_config := head_counts(config, own=True)):
-        # counts of its own, and the whole model's config beside them, which its forward may read too (Phi-3's
-        # attention slices its fused q|k|v at config.num_attention_heads · head_dim): its copy holds this rank's
+    """Give an attention ``module`` this rank's heads: divide by ``tp`` the head counts it keeps, those of its config
+    — in a copy for it alone, as its forward may read them there (litgpt's reads them all there; Phi-3's slices its
+    fused q|k|v at ``config.num_attention_heads`` · head_dim) — and the widths it splits a fused projection by
+    (:data:`~meshlight.parallel.model_shape.WIDTH_ATTRIBUTES`). Returns the attributes divided."""
+    if not head_counts(module):  # not attention (or attention that keeps no count: nothing to divide)
+        return []
+    own, config = head_counts(module, own=True), getattr(module, "config", None)
+    in_config = head_counts(config, own=True) if config is not None else {}
+    if in_config:
         module.config = copy.copy(config)
-        for attribute, count in in_config.items():
-            setattr(module.config, attribute, count // tp)
-        divided += [f"config.{attribute}" for attribute in in_config]
-    return sorted(divided)
+    widths = {a: v for a in WIDTH_ATTRIBUTES if isinstance(v := getattr(module, a, None), int)}
+    for attribute, value in {**own, **widths}.items():
+        setattr(module, attribute, value // tp)
+    for attribute, value in in_config.items():
+        setattr(module.config, attribute, value // tp)
+    return sorted([*own, *widths, *(f"config.{attribute}" for attribute in in_config)])
 
 
 def sequence_share_input(stage: nn.Module, mesh: DeviceMesh) -> None:
