@@ -15,6 +15,8 @@ role              what it does
                   Megatron-LM's region; see below)
 ``head_norm``     a norm over each head inside attention (QK-norm): runs on this rank's heads, its weight a
                   replicated DTensor, so its gradient is the sum over the ranks' heads
+``colwise_norm``  a norm over a colwise projection's whole output (OLMo 2's q and k norms over all heads at once):
+                  its vectors sharded as that output, its statistics summed over tp (:class:`_ColwiseNorm`)
 ``replicate``     left whole on every rank. Under sequence parallelism (in its region) an Embedding's output is cut
                   to this rank's share of the sequence (learned positions), and a Linear runs on that share with its
                   weights a replicated DTensor, so its gradient is the sum over the shares (a gate)
@@ -139,6 +141,8 @@ def apply_tensor_parallel(
             styles[name] = SequenceParallel(use_local_output=True)  # a plain share: post-norm blocks add it to others
         elif role == "head_norm":
             styles[name] = _Replicated(name, over="heads")
+        elif role == "colwise_norm":
+            styles[name] = _ColwiseNorm(name)
         elif role == "replicate" and on_share and isinstance(modules[name], nn.Embedding):
             styles[name] = _Replicated(name, over="whole")
         elif role == "replicate" and on_share and isinstance(modules[name], nn.Linear) and (
@@ -463,6 +467,67 @@ class _Replicated(ParallelStyle):
             return output.to_local()
 
         return distribute_module(module, device_mesh, _replicate_parameters, inputs_as_dtensors, output_local)
+
+
+class _ColwiseNorm(ParallelStyle):
+    """A norm over a colwise projection's whole output (OLMo 2's q and k norms, over all heads at once), of which
+    each rank holds ``1/tp``: its vectors are sharded as that output is (``Shard(0)``) and its own forward runs on
+    DTensors, this rank's share of the output read as ``Shard(-1)``, so the statistics over the whole width (a mean
+    of squares) are reduced over tp: an all-reduce of one value per token where gathering the output would move all
+    of it. Torch's ``nn.RMSNorm`` and ``nn.LayerNorm``, whose kernels DTensor cannot run on a sharded width, run as
+    the same formulas op by op. ``name`` is the module's, for the error when its input is of another width."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        width, tp = next(module.parameters()).shape[0], device_mesh.size()
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            sharded = {n: Shard(0) for n, _ in mod.named_parameters(recurse=False)}
+            _distribute_parameters(mod, mesh, sharded, self.src_data_rank)
+
+        def share_as_dtensor(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            share = inputs[0] if inputs else None
+            if isinstance(share, Tensor) and not isinstance(share, DTensor) and share.dim() and (
+                    share.shape[-1] * tp == width):
+                return (DTensor.from_local(share, mesh, [Shard(share.dim() - 1)], run_check=False), *inputs[1:])
+            given = (f"a DTensor {tuple(share.shape)} placed {share.placements[0]}" if isinstance(share, DTensor)
+                     else f"a tensor {tuple(share.shape)}" if isinstance(share, Tensor) else type(share).__name__)
+            raise TensorParallelError(
+                f"{_shown(self.name)} ({type(mod).__name__}) is a norm as wide as a column-parallel projection's"
+                f" output beside it ({width}), which tensor parallelism splits so: it must read this rank's 1/{tp} of"
+                f" that output, [..., {width // tp}], and it was given {given}. A norm of the module's input (as wide"
+                " by chance) belongs outside the module that holds the projections (in the block, before it); or"
+                " give it a role in the plan, or parallelize the module yourself in configure_model()."
+            )
+
+        def share_of_output(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
+            # DTensor may have gathered the width for an op of the norm's: this rank's share again (a slice)
+            return output.redistribute(mesh, [Shard(output.dim() - 1)]).to_local()
+
+        if type(module) in (nn.RMSNorm, nn.LayerNorm):
+            module.forward = functools.partial(_norm_op_by_op, module)
+        return distribute_module(module, device_mesh, partition, share_as_dtensor, share_of_output)
+
+
+def _norm_op_by_op(norm: Union[nn.RMSNorm, nn.LayerNorm], x: DTensor) -> DTensor:
+    """``norm``'s formula over the last dimension, op by op, on ``x`` sharded over it: each mean is reduced over the
+    mesh (not the width gathered to compute it)."""
+
+    def mean(values: DTensor) -> DTensor:
+        summed = values.sum(-1, keepdim=True).redistribute(values.device_mesh, [Replicate()])
+        return summed / values.shape[-1]
+
+    if isinstance(norm, nn.LayerNorm):
+        x = x - mean(x)
+    eps = torch.finfo(x.dtype).eps if norm.eps is None else norm.eps
+    y = x * torch.rsqrt(mean(x.pow(2)) + eps)
+    if norm.weight is not None:
+        y = y * norm.weight
+    bias = getattr(norm, "bias", None)
+    return y if bias is None else y + bias
 
 
 class _OnShareOfTokens(ParallelStyle):

@@ -44,7 +44,7 @@ __all__ = [
     "published_roles", "resolve_plan", "sequence_region", "stage_plan", "validate_plan",
 ]
 
-ROLES = ("colwise", "fused_colwise", "rowwise", "embedding", "head", "norm", "head_norm", "replicate")
+ROLES = ("colwise", "fused_colwise", "rowwise", "embedding", "head", "norm", "head_norm", "colwise_norm", "replicate")
 COLUMN_ROLES = ("colwise", "fused_colwise")
 Plan = dict[str, str]
 UserPlan = Mapping[str, Union[str, ParallelStyle]]
@@ -82,8 +82,26 @@ def derive_plan(model: nn.Module) -> Plan:
         fused = _fused_readers(modules, prefix, readers, writer, hidden, published)
         plan[writer] = "rowwise"
         plan.update({name: "fused_colwise" if name in fused else "colwise" for name in readers})
-    plan = {**plan, **_structural_roles(model, blocks, hidden)}
+    plan = {**plan, **_structural_roles(model, blocks, hidden), **_colwise_norms(model, blocks, hidden, plan)}
     return {**_left_whole(blocks, plan, hidden), **plan}
+
+
+def _colwise_norms(model: nn.Module, blocks: list[tuple[str, nn.Module]], hidden: int,
+                   plan: Mapping[str, Any]) -> Plan:
+    """Norms over a whole colwise output: a norm held beside a column→row group in a module of its own (an
+    attention, not a block) and as wide as the output of one of the projections ``plan`` makes colwise (not
+    fused) — OLMo 2's q and k norms over all heads at once. Each rank holds 1/tp of that output; the norm runs on
+    it with its statistics summed over tp (:mod:`meshlight.parallel.tensor`, which refuses one whose input turns out
+    to be of another width: a norm of the module's input, as wide by chance)."""
+    modules, block_ids = dict(model.named_modules()), {id(block) for _, block in blocks}
+    roles: Plan = {}
+    for prefix, readers, _ in _column_row_groups(blocks, hidden):
+        if id(modules[prefix]) in block_ids:  # a block holding its Linears itself: refused by _check_groups
+            continue
+        widths = {linear_widths(modules[name])[1] for name in readers if plan.get(name) == "colwise"}
+        roles.update({_join(prefix, n): "colwise_norm" for n, m in modules[prefix].named_children()
+                      if _norm_width(m) in widths})
+    return roles
 
 
 def _column_row_groups(blocks: list[tuple[str, nn.Module]], hidden: int) -> Iterator[tuple[str, list[str], str]]:
@@ -200,9 +218,9 @@ def resolve_plan(model: nn.Module, patterns: UserPlan) -> dict[str, Union[str, P
 
     Modules the patterns do not mention keep the structural roles :func:`derive_plan` gives them (norms —
     with sequence parallelism a norm left out would see part of the sequence and its replicated weight
-    would get different gradients on each rank —, token embedding, LM head): the patterns decide how the
-    blocks' Linears are split. Raises listing close names for a pattern that matches nothing, and for
-    unknown style names.
+    would get different gradients on each rank —, norms over a colwise output the patterns form, token embedding,
+    LM head): the patterns decide how the blocks' Linears are split. Raises listing close names for a pattern that
+    matches nothing, and for unknown style names.
     """
     names = [name for name, _ in model.named_modules() if name]
     resolved: dict[str, Union[str, ParallelStyle]] = {}
@@ -226,7 +244,7 @@ def resolve_plan(model: nn.Module, patterns: UserPlan) -> dict[str, Union[str, P
     if not blocks:
         return resolved
     hidden = _hidden_size(blocks)
-    plan = {**_structural_roles(model, blocks, hidden), **resolved}
+    plan = {**_structural_roles(model, blocks, hidden), **_colwise_norms(model, blocks, hidden, resolved), **resolved}
     return {**_left_whole(blocks, plan, hidden), **plan}
 
 
@@ -448,7 +466,7 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
         module = modules[owner]
         # the group: the owner's children with a role of their own (a string, or a ParallelStyle given)
         group = [n for n in modules if n.rpartition(".")[0] == owner and n in plan
-                 and plan[n] not in ("norm", "head_norm", "replicate")]
+                 and plan[n] not in ("norm", "head_norm", "colwise_norm", "replicate")]
         nested = [o for o in owners if o != owner and (not owner or o.startswith(owner + "."))]
         block_or_model = id(module) in blocks or not owner  # where norms live beside the sublayers
         others = [full for n, m in module.named_modules() if n and (full := _join(owner, n)) not in group
@@ -467,7 +485,7 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
             )
         per_head = per_head_parameters(module, hidden) if hidden else []  # split with the heads
         stray = [f"{_shown(_join(owner, n, p))} {list(t.shape)}" for n, m in module.named_modules()
-                 if (full := _join(owner, n)) not in group and plan.get(full) != "head_norm"
+                 if (full := _join(owner, n)) not in group and plan.get(full) not in ("head_norm", "colwise_norm")
                  and not _within(full, nested)
                  for p, t in m.named_parameters(recurse=False) if n or p not in per_head]
         if stray:
@@ -520,7 +538,14 @@ def _hidden_size(blocks: list[tuple[str, nn.Module]]) -> int:
 
 def _is_norm(module: nn.Module, hidden: int) -> bool:
     """A norm (:func:`~meshlight.parallel.precision.is_norm`) whose vectors have the hidden size."""
-    return is_norm(module) and all(p.shape[0] == hidden for p in module.parameters(recurse=False))
+    return _norm_width(module) == hidden
+
+
+def _norm_width(module: nn.Module) -> Optional[int]:
+    """The length of a norm's vectors (:func:`~meshlight.parallel.precision.is_norm`), all of one length; ``None``
+    for other modules."""
+    widths = {p.shape[0] for p in module.parameters(recurse=False)}
+    return widths.pop() if is_norm(module) and len(widths) == 1 else None
 
 
 def _colwise_parents(plan: Mapping[str, Union[str, ParallelStyle]]) -> list[str]:

@@ -381,9 +381,20 @@ def test_a_norm_over_each_head_runs_on_the_ranks_heads_and_other_parameters_besi
     # one value per head (GPT-OSS's attention sinks) is split with the heads (trained so in test_hf_models)
     model = _model(attention=lambda: _QKNormAttention(own=4))
     validate_plan(model, derive_plan(model), 2, 2)
-    # a norm over all heads at once (each rank holds 1/tp of its width), a learned temperature: trained on the rank's
-    # heads alone, with or without sequence parallelism
-    for attention, listed in [(lambda: _QKNormAttention(norm_width=32), r"blocks.0.attn.q_norm.weight \[32\]"),
+    # a norm over all heads at once, as wide as q's output (OLMo 2's): split as that output is, its statistics
+    # reduced over tp (trained so in test_hf_models)
+    model = _model(attention=lambda: _QKNormAttention(norm_width=32))
+    plan = derive_plan(model)
+    assert plan["blocks.0.attn.q_norm"] == plan["blocks.1.attn.k_norm"] == "colwise_norm"
+    validate_plan(model, plan, 2, 2)
+    # from the colwise projections a user's plan names too
+    roles = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+             "blocks.*.attn.proj": "rowwise"}
+    resolved = resolve_plan(model, roles)
+    assert resolved["blocks.0.attn.q_norm"] == resolved["blocks.1.attn.k_norm"] == "colwise_norm"
+    # a norm as wide as no projection's output, a learned temperature: trained on the rank's heads alone, with or
+    # without sequence parallelism
+    for attention, listed in [(lambda: _QKNormAttention(norm_width=24), r"blocks.0.attn.q_norm.weight \[24\]"),
                               (lambda: _QKNormAttention(own=1), r"blocks.0.attn.sinks \[1\]")]:
         model = _model(attention=attention)
         for sequence_parallel in (True, False):

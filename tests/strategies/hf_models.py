@@ -17,9 +17,21 @@ VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS = 16, 64, 8, 4, 128, 2
 DEEP_LAYERS = 4
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "litgpt")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")  # 4 experts, top-2, in every layer
-#: families whose structure only tensor parallelism meets differently: their parity runs are tp2's (Qwen2-MoE: 4
-#: experts, top-2, and a shared expert, in every layer)
-TP_FAMILIES = ("phi3", "qwen2_moe")
+#: families whose structure only tensor parallelism meets differently: their parity runs are tp2's (Qwen2-MoE and
+#: OLMoE: 4 experts, top-2, in every layer, Qwen2-MoE's with a shared expert); OLMo 2 also in float64
+#: (:data:`PARITY_RTOL`)
+TP_FAMILIES = ("phi3", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe")
+#: parity tolerances other than 1e-4, and why; each with a float64 twin (``-fp64``: :func:`in_float64`) whose runs
+#: match to about 1e-13, which shows the gap is rounding, not a different computation:
+#:
+#: - OLMo 2's q and k norms over all heads make its q and k projections' weights scale-free (the norm undoes their
+#:   size), and Adam's step turns the rounding of the norms' float32 statistics — summed over 2 tensor-parallel
+#:   ranks' halves of the heads, not over all at once — into steps of its own: 1.1e-4 relative in one projection
+#:   after 20 steps at tp=2 (its losses match to 4e-6);
+#: - Qwen2 trains with SGD at 0.3 (:func:`training_options`), a step large enough that 20 of them magnify any
+#:   reduction order's rounding: on one 2-core host within 1e-4, on another (AMD EPYC) 1.2e-4 under ddp and 1.6e-4
+#:   at tp=2 in one value projection (its losses within 6e-5).
+PARITY_RTOL = {"olmo2": 3e-4, "qwen2": 3e-4, "olmo2-fp64": 1e-10, "qwen2-fp64": 1e-10}
 
 
 def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
@@ -48,7 +60,12 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
                                           max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0)
     if family == "phi3":  # a fused q|k|v sliced by the config's head counts, a fused gate|up cut by chunk(2)
         return transformers.Phi3Config(**common, pad_token_id=None, bos_token_id=0, eos_token_id=1)
+    if family == "olmo2":  # q and k norms over all heads at once, norms after attention and the MLP
+        return transformers.Olmo2Config(**common, pad_token_id=None, bos_token_id=0, eos_token_id=1)
     moe = dict(num_experts_per_tok=2, output_router_logits=False)
+    if family == "olmoe":  # OLMo's q and k norms over all heads, experts as wide as the MLP they replace
+        return transformers.OlmoeConfig(**common, **moe, num_experts=4, pad_token_id=None, bos_token_id=0,
+                                        eos_token_id=1)
     if family == "qwen2_moe":  # a shared expert (and its sigmoid gate) beside the routed ones, on the flattened tokens
         return transformers.Qwen2MoeConfig(**common, **moe, num_experts=4, moe_intermediate_size=HIDDEN // 2,
                                            shared_expert_intermediate_size=HIDDEN)
@@ -132,7 +149,7 @@ class LitCausalLM(pl.LightningModule):
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         if not (self.aux_loss or self.own_loss):
             inputs, targets = batch
-            return F.cross_entropy(self(inputs).flatten(0, -2).float(), targets.flatten())
+            return F.cross_entropy(_at_least_float32(self(inputs).flatten(0, -2)), targets.flatten())
         losses = []
         # rank r of a DistributedSampler reads every data_shards-th sample of the batch one process reads
         shards = [[part[r::self.data_shards] for part in batch] for r in range(self.data_shards)]
@@ -141,7 +158,7 @@ class LitCausalLM(pl.LightningModule):
                 losses.append(self.model(input_ids=inputs, labels=unshifted(targets)).loss)
                 continue
             output = self.model(input_ids=inputs)
-            loss = F.cross_entropy(output.logits.flatten(0, -2).float(), targets.flatten())
+            loss = F.cross_entropy(_at_least_float32(output.logits.flatten(0, -2)), targets.flatten())
             if isinstance(loss, DTensor):  # under loss parallelism (tp), before meeting the plain load-balancing loss
                 loss = loss.full_tensor()
             losses.append(loss + self.aux_loss * output.aux_loss)
@@ -151,6 +168,10 @@ class LitCausalLM(pl.LightningModule):
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.lr)
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def _at_least_float32(logits: Tensor) -> Tensor:
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def unshifted(targets: Tensor) -> Tensor:
@@ -165,13 +186,28 @@ def lit_causal_lm(name: str, data_shards: int = 1) -> LitCausalLM:
     (``"llama-deep"``), with the family's :func:`training_options`; ``data_shards``: see :class:`LitCausalLM`."""
     own_loss = name.endswith("-labels")
     deep = name.endswith("-deep")
-    name = name.removesuffix("-labels").removesuffix("-deep")
+    fp64 = name.endswith("-fp64")
+    name = name.removesuffix("-labels").removesuffix("-deep").removesuffix("-fp64")
     name, _, vocab = name.partition("-vocab")
     family, aux, _ = name.partition("-aux")
     # with the load-balancing loss, AdamW at 1e-2 leaves float noise at 1.1e-4 in some weights; at 3e-3 it stays below
     options = {"lr": 3e-3} if aux else training_options(family)
-    return LitCausalLM(family, **options, vocab=int(vocab or VOCAB), aux_loss=0.02 if aux else 0.0,
-                       data_shards=data_shards, layers=DEEP_LAYERS if deep else LAYERS, own_loss=own_loss)
+    module = LitCausalLM(family, **options, vocab=int(vocab or VOCAB), aux_loss=0.02 if aux else 0.0,
+                         data_shards=data_shards, layers=DEEP_LAYERS if deep else LAYERS, own_loss=own_loss)
+    return in_float64(module) if fp64 else module
+
+
+def in_float64(module: LitCausalLM) -> LitCausalLM:
+    """``module`` in float64, its norms computing their statistics in it: Hugging Face's RMSNorms compute theirs in
+    float32 whatever the input's dtype, so each is replaced by torch's ``nn.RMSNorm`` with the same vectors and epsilon
+    (the same function, bar that cast)."""
+    for parent in list(module.modules()):
+        for name, norm in parent.named_children():
+            if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
+                torch_norm = torch.nn.RMSNorm(norm.weight.shape, eps=norm.variance_epsilon)
+                torch_norm.weight = norm.weight
+                setattr(parent, name, torch_norm)
+    return module.double()
 
 
 def experts_in_another_layout(module: LitCausalLM) -> LitCausalLM:

@@ -11,6 +11,7 @@ Adafactor over tp × dp shards — shards its
 layers to 1/tp per rank, reduces partial-sum gradients once per step, and keeps dropout consistent."""
 
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,19 @@ def test_no_gradient_is_a_partial_sum_when_the_optimizer_steps(distributed, worl
 def test_partial_gradients_are_reduced_as_dtensor_would_in_one_all_reduce_per_dtype_and_reduction(distributed):
     # cases: sum fp32 (two shapes), average fp32, sum fp64
     assert distributed[2]["partial_gradient_reduction"] == {"equal": True, "replicated": True, "all_reduce_calls": 3}
+
+
+def test_a_norm_over_a_colwise_output_reduces_its_statistics_over_tp_and_refuses_another_width(distributed):
+    # OLMo 2's q and k norms over all heads (trained under tp in test_hf_models): each rank's share of the output, its
+    # vectors sharded alike, equals the whole norm's in float64 — torch's LayerNorm and RMSNorm run op by op
+    result = distributed[2]["colwise_norms"]
+    for name, (plain_output, difference) in result["differences"].items():
+        assert plain_output and difference < 1e-12, (name, difference)
+    assert re.fullmatch(r"norm \(ElementwiseRMSNorm\) is a norm as wide as a column-parallel projection's output"
+                        r" beside it \(16\), which tensor parallelism splits so: it must read this rank's 1/2 of"
+                        r" that output, \[\.\.\., 8\], and it was given a tensor \(2, 3, 16\)\. A norm of the"
+                        r" module's input .* belongs outside the module that holds the projections .*",
+                        result["refusal"]), result["refusal"]
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["gathered-again", "kept-gathered"])

@@ -29,13 +29,15 @@ LAYOUTS = {
     # and each expert split over tp (the fused gate|up part by part; GPT-OSS's interleaved gate|up by columns, its
     # output bias added once); Mixtral with its load-balancing loss, over the whole sequence's router logits (gathered
     # from the shares), added to the language-model loss by the step and (labels) by the model itself; Phi-3's fused
-    # q|k|v sliced by the config's head counts and its fused gate|up, and Qwen2-MoE's shared expert on the flattened
-    # tokens (its gate replicated beside the router)
-    "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "gpt2-vocab61", "gpt_neox", *MOE_FAMILIES,
-                                                            "mixtral-aux", "mixtral-aux-labels", *TP_FAMILIES)),
+    # q|k|v sliced by the config's head counts and its fused gate|up, Qwen2-MoE's shared expert on the flattened
+    # tokens (its gate replicated beside the router), and OLMo 2's and OLMoE's q and k norms over all heads (their
+    # statistics reduced over tp; OLMo 2 also in float64, its norms torch's)
+    "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "qwen2-fp64", "gpt2-vocab61", "gpt_neox",
+                                                            *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
+                                                            *TP_FAMILIES)),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
-    "ddp": (lambda: "ddp", 2, 2, FAMILIES),
+    "ddp": (lambda: "ddp", 2, 2, (*FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
     "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, FAMILIES),
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1, FAMILIES),
     # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models)

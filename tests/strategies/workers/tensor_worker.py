@@ -164,6 +164,56 @@ def partial_gradient_reduction() -> dict[str, object]:
     }
 
 
+class ElementwiseRMSNorm(torch.nn.Module):
+    """An RMSNorm written op by op, as Hugging Face's are (their statistics in float32; here in the input's dtype)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = torch.nn.Parameter(torch.rand(width) + 0.5), 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def colwise_norms() -> dict[str, object]:
+    """Norms over a colwise output split over the world (``colwise_norm``) against the whole norm, in float64: the
+    largest difference of output, input gradient and this rank's vectors' gradients (torch's LayerNorm with a bias,
+    its RMSNorm with the default epsilon, an RMSNorm written op by op); and the error for an input of the whole
+    width."""
+    from meshlight.parallel.tensor_plan import TensorParallelError
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    differences = {}
+    for name, make in (("layer_norm", lambda: torch.nn.LayerNorm(16)), ("rms_norm", lambda: torch.nn.RMSNorm(16)),
+                       ("elementwise", lambda: ElementwiseRMSNorm(16))):
+        torch.manual_seed(0)
+        whole = make().double()
+        for param in whole.parameters():  # not the initial ones and zeros
+            param.data.uniform_(0.5, 1.5)
+        split = make().double()
+        split.load_state_dict(whole.state_dict())
+        holder = torch.nn.Module()
+        holder.norm = split
+        apply_tensor_parallel(holder, mesh, {"norm": "colwise_norm"})
+        x = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
+        grad = torch.randn(2, 3, 16, dtype=torch.float64)
+        (whole(x) * grad).sum().backward()
+        mine = slice(rank * 16 // world, (rank + 1) * 16 // world)
+        share = x.detach()[..., mine].clone().requires_grad_()
+        out = split(share)
+        (out * grad[..., mine]).sum().backward()
+        pairs = [(out, whole(x)[..., mine]), (share.grad, x.grad[..., mine])]
+        pairs += [(_local(p.grad), w.grad[mine]) for p, w in zip(split.parameters(), whole.parameters())]
+        differences[name] = (type(out) is torch.Tensor, max((a - b).abs().max().item() for a, b in pairs))
+    try:
+        split(torch.randn(2, 3, 16, dtype=torch.float64))  # the whole width: a norm of something else
+        refusal = ""
+    except TensorParallelError as error:
+        refusal = str(error)
+    return {"differences": differences, "refusal": refusal}
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
 
@@ -306,6 +356,7 @@ if __name__ == "__main__":
         results[(layout, model, sp, variant)] = result
     if world == 2:
         results["partial_gradient_reduction"] = partial_gradient_reduction()
+        results["colwise_norms"] = colwise_norms()
         results["blocks_only_dropout"] = blocks_only_dropout_probe()
         results["mixed_tensor_notes"] = mixed_tensor_notes()
         results["saved_activations"] = {(name, keep): saved_activation_values(name, world, keep)[0]
