@@ -17,6 +17,10 @@ role              what it does
                   replicated DTensor, so its gradient is the sum over the ranks' heads
 ``colwise_norm``  a norm over a colwise projection's whole output (OLMo 2's q and k norms over all heads at once):
                   its vectors sharded as that output, its statistics summed over tp (:class:`_ColwiseNorm`)
+``latent``        a latent attention's down-projection to a latent every head reads, or a norm over it (DeepSeek's
+                  multi-head latent attention): whole on every rank, run on plain tensors, its gradient summed over
+                  tp; the up-projections that read a latent (``colwise``) run on plain tensors too, each rank's
+                  heads (:class:`_OnLocalWeights`)
 ``replicate``     left whole on every rank. Under sequence parallelism (in its region) an Embedding's output is cut
                   to this rank's share of the sequence (learned positions), and a Linear runs on that share with its
                   weights a replicated DTensor, so its gradient is the sum over the shares (a gate)
@@ -79,6 +83,7 @@ from meshlight.parallel.model_shape import (
     head_counts,
     hidden_size,
     is_transposed_linear,
+    linear_widths,
     per_head_parameters,
 )
 from meshlight.parallel.sequence_gather import register_sequence_gather, sequence_share
@@ -119,6 +124,9 @@ def apply_tensor_parallel(
     # with sequence parallelism, whether the modules outside the blocks run on this rank's share of the sequence
     shares_outside = sequence_parallel and sequence_region is None
     styles: dict[str, ParallelStyle] = {}
+    hidden = hidden_size(modules[name] for name in blocks)
+    # latent attentions: their down-projections and up-projections run on plain tensors, all but the heads whole
+    latent = {name.rpartition(".")[0] for name, role in plan.items() if role == "latent"}
     # MoE blocks that flatten the tokens for their stacked experts (and what else they hold: a shared expert's gate)
     flattening = {name.rpartition(".")[0] for name, module in modules.items() if is_stacked_experts(module)}
     for name, role in plan.items():
@@ -127,6 +135,8 @@ def apply_tensor_parallel(
             styles[name] = role
         elif role == "fused_colwise":
             styles[name] = _FusedColwise(fused_projection(modules, plan, name))
+        elif role == "colwise" and name.rpartition(".")[0] in latent and linear_widths(modules[name])[0] != hidden:
+            styles[name] = _OnLocalWeights(sharded=True)  # a latent attention's up-projection: reads a latent
         elif role == "colwise":
             styles[name] = _TransposedColwise() if is_transposed_linear(modules[name]) else ColwiseParallel()
         elif role == "rowwise":
@@ -149,8 +159,9 @@ def apply_tensor_parallel(
                 name.rpartition(".")[0] not in flattening):
             styles[name] = _Replicated(name, over="sequence")
         elif role == "replicate" and on_share:  # an MoE block's router, stacked experts and shared expert's gate
-            styles[name] = _OnShareOfTokens()
-    hidden = hidden_size(modules[name] for name in blocks)
+            styles[name] = _OnLocalWeights()
+        elif role == "latent":
+            styles[name] = _OnLocalWeights()
     per_head = {parent: names for parent in _colwise_parents(plan)
                 if hidden and (names := per_head_parameters(modules[parent], hidden))}
     tied = _tied_parameters(model)
@@ -530,14 +541,31 @@ def _norm_op_by_op(norm: Union[nn.RMSNorm, nn.LayerNorm], x: DTensor) -> DTensor
     return y if bias is None else y + bias
 
 
-class _OnShareOfTokens(ParallelStyle):
-    """A module left whole on every rank that runs, as it is, on this rank's share of the tokens under sequence
-    parallelism (a Hugging Face MoE block's router and stacked experts, which flatten the tokens first): its
-    parameters become replicated DTensors, so their gradients are summed over the shares (reduced with the norms'),
-    and its forward runs on a shallow copy holding them as plain tensors."""
+class _OnLocalWeights(ParallelStyle):
+    """A module that runs, as it is, on plain tensors and a shallow copy holding this rank's values of its
+    parameters. Replicated (DTensors whose gradients are summed over tp, reduced with the norms'): a Hugging Face MoE
+    block's router and stacked experts on this rank's share of the tokens under sequence parallelism (the block
+    flattens the tokens first), a latent attention's down-projections and their norms (the latent every head
+    reads). ``sharded``: over output features (``Shard(0)``), a latent attention's up-projections, each rank making
+    its heads. A replicated DTensor input (the gathered input of the module holding a column→row group) is taken as
+    this rank's plain tensor, its gradient this rank's part of a sum — the part its heads make."""
+
+    def __init__(self, *, sharded: bool = False) -> None:
+        super().__init__()
+        self.sharded = sharded
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        distribute_module(module, device_mesh, _replicate_parameters)
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            if not self.sharded:
+                return _replicate_parameters(name, mod, mesh)
+            _distribute_parameters(mod, mesh, {n: Shard(0) for n, _ in mod.named_parameters(recurse=False)},
+                                   self.src_data_rank)
+
+        def plain_inputs(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(t.to_local(grad_placements=[Partial()]) if isinstance(t, DTensor)
+                         and all(p.is_replicate() for p in t.placements) else t for t in inputs)
+
+        distribute_module(module, device_mesh, partition, plain_inputs)
         module.forward = functools.partial(_forward_on_local_weights, module, type(module).forward)
         return module
 
@@ -551,11 +579,16 @@ def _split_by_head(module: nn.Module, names: list[str], mesh: DeviceMesh) -> Non
 
 def _forward_on_local_weights(module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
     """``forward`` on a shallow copy of ``module`` holding its own DTensor parameters as this rank's plain values:
-    the gradients of replicated ones are this rank's part of a sum, those of sharded ones its shard's."""
+    the gradients of replicated ones are this rank's part of a sum, those of sharded ones its shard's. Its buffers,
+    which ``distribute_module`` makes replicated DTensors (DeepSeek's router's score correction), as plain values
+    too."""
     local = shallow_copy(module)
     for name, param in module.named_parameters(recurse=False):
         replicated = all(p.is_replicate() for p in param.placements)
         object.__setattr__(local, name, param.to_local(grad_placements=[Partial()] if replicated else None))
+    for name, buffer in module.named_buffers(recurse=False):
+        if isinstance(buffer, DTensor):
+            object.__setattr__(local, name, buffer.to_local())
     return forward(local, *args, **kwargs)
 
 

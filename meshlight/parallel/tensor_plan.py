@@ -44,7 +44,12 @@ __all__ = [
     "published_roles", "resolve_plan", "sequence_region", "stage_plan", "validate_plan",
 ]
 
-ROLES = ("colwise", "fused_colwise", "rowwise", "embedding", "head", "norm", "head_norm", "colwise_norm", "replicate")
+ROLES = ("colwise", "fused_colwise", "rowwise", "embedding", "head", "norm", "head_norm", "colwise_norm", "latent",
+         "replicate")
+#: where a latent attention (DeepSeek-V2/V3's multi-head latent attention, as Hugging Face and DeepSeek name it) keeps
+#: the widths of the latents every head reads: its down-projections write them (k's with the shared rotary part, of
+#: ``qk_rope_head_dim``), its up-projections read them
+LATENT_RANK_ATTRIBUTES = ("q_lora_rank", "kv_lora_rank")
 COLUMN_ROLES = ("colwise", "fused_colwise")
 Plan = dict[str, str]
 UserPlan = Mapping[str, Union[str, ParallelStyle]]
@@ -78,11 +83,15 @@ def derive_plan(model: nn.Module) -> Plan:
     modules = dict(model.named_modules())
     plan: Plan = {}
     published = published_roles(model)
+    latent: Plan = {}
     for prefix, readers, writer in _column_row_groups(blocks, hidden):
+        latent.update(_latent_roles(modules[prefix], prefix, readers))
+        readers = [name for name in readers if name not in latent]
         fused = _fused_readers(modules, prefix, readers, writer, hidden, published)
         plan[writer] = "rowwise"
         plan.update({name: "fused_colwise" if name in fused else "colwise" for name in readers})
-    plan = {**plan, **_structural_roles(model, blocks, hidden), **_colwise_norms(model, blocks, hidden, plan)}
+    plan = {**plan, **_structural_roles(model, blocks, hidden), **_colwise_norms(model, blocks, hidden, plan),
+            **latent}
     return {**_left_whole(blocks, plan, hidden), **plan}
 
 
@@ -388,6 +397,26 @@ def _fused_readers(modules: Mapping[str, nn.Module], group: str, readers: list[s
             " configure_model()."
         )
     return set(fused)
+
+
+def _latent_roles(owner: nn.Module, prefix: str, readers: list[str]) -> Plan:
+    """A latent attention's roles (multi-head latent attention: ``owner`` keeps the
+    :data:`LATENT_RANK_ATTRIBUTES`): the ``readers`` of the hidden state that write a latent (of a rank it keeps, plus
+    ``qk_rope_head_dim`` for k's shared rotary part), and the norms over a latent, ``latent`` — whole on every rank,
+    as every head reads them; the Linears that read a latent, ``colwise`` — they make the heads. Empty for other
+    modules (their readers are q, k, v: :func:`_fused_readers`)."""
+    ranks = {rank for a in LATENT_RANK_ATTRIBUTES if isinstance(rank := getattr(owner, a, None), int)}
+    if not ranks:
+        return {}
+    shared = getattr(owner, "qk_rope_head_dim", 0) or 0
+    writes = {name: linear_widths(owner.get_submodule(name.rpartition(".")[2]))[1] for name in readers}
+    roles: Plan = {name: "latent" for name, width in writes.items() if width in ranks or width - shared in ranks}
+    for name, child in owner.named_children():
+        if _norm_width(child) in ranks:
+            roles[_join(prefix, name)] = "latent"
+        elif (width := linear_widths(child)) and width[0] in ranks:
+            roles[_join(prefix, name)] = "colwise"
+    return roles
 
 
 def _named_kv(name: str) -> bool:

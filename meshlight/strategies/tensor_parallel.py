@@ -22,7 +22,8 @@ class TensorParallelStrategy(MeshStrategy):
         plan: module-name patterns → roles (``"colwise"``, ``"fused_colwise"`` — a fused q|k|v or gate|up whose
             parts sit one after another, split part by part —, ``"rowwise"``, ``"embedding"``, ``"head"``,
             ``"norm"``, ``"head_norm"``, ``"colwise_norm"`` — a norm over a colwise output's whole width, its
-            statistics reduced over tp —, ``"replicate"``) or PyTorch ``ParallelStyle`` objects, e.g.
+            statistics reduced over tp —, ``"latent"`` — a latent attention's down-projection or its norm —,
+            ``"replicate"``) or PyTorch ``ParallelStyle`` objects, e.g.
             ``{"layers.*.attention.wq": "colwise", "layers.*.attention.wo": "rowwise", …}``. Default: derived
             from the model's structure. If ``configure_model()`` parallelizes with ``self.device_mesh["tp"]``
             itself, no plan is applied.

@@ -565,3 +565,20 @@ def test_the_automatic_plan_agrees_with_the_plan_a_hugging_face_model_publishes(
     assert len(published) >= 4 * 2  # each layer's attention at least (q|k|v, output)
     derived = derive_plan(model)
     assert {name: derived.get(name) for name in published} == published
+
+
+def test_a_latent_attention_keeps_its_latents_whole_and_splits_its_up_projections_by_heads():
+    """DeepSeek-V3's multi-head latent attention (trained under tp in test_hf_models): the down-projections to the
+    latents every head reads, and the norms over them, are whole on every rank; the up-projections make the heads."""
+    pytest.importorskip("transformers")
+    from tests.strategies.hf_models import lit_causal_lm
+
+    model = lit_causal_lm("deepseek_v3")
+    plan = derive_plan(model)
+    attention = "model.model.layers.1.self_attn."
+    roles = {name.removeprefix(attention): role for name, role in plan.items() if name.startswith(attention)}
+    assert roles == {"q_a_proj": "latent", "q_a_layernorm": "latent", "kv_a_proj_with_mqa": "latent",
+                     "kv_a_layernorm": "latent", "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"}
+    validate_plan(model, plan, 2, 2)
+    with pytest.raises(TensorParallelError, match=r"tp=3"):  # 8 heads
+        validate_plan(model, plan, 3, 3)

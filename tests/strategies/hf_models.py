@@ -18,11 +18,11 @@ DEEP_LAYERS = 4
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "litgpt")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")  # 4 experts, top-2, in every layer
 #: families whose structure only tensor parallelism meets differently: their parity runs are tp2's (Qwen2-MoE and
-#: OLMoE: 4 experts, top-2, in every layer, Qwen2-MoE's with a shared expert); OLMo 2 also in float64
-#: (:data:`PARITY_RTOL`)
-TP_FAMILIES = ("phi3", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe")
+#: OLMoE: 4 experts, top-2, in every layer, Qwen2-MoE's with a shared expert; DeepSeek-V3: after a dense first layer);
+#: OLMo 2 and DeepSeek-V3 also in float64 (:data:`PARITY_RTOL`)
+TP_FAMILIES = ("phi3", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "deepseek_v3", "deepseek_v3-fp64")
 #: parity tolerances other than 1e-4, and why; each with a float64 twin (``-fp64``: :func:`in_float64`) whose runs
-#: match to about 1e-13, which shows the gap is rounding, not a different computation:
+#: match to about 1e-13 (DeepSeek-V3's: below), which shows the gap is rounding, not a different computation:
 #:
 #: - OLMo 2's q and k norms over all heads make its q and k projections' weights scale-free (the norm undoes their
 #:   size), and Adam's step turns the rounding of the norms' float32 statistics — summed over 2 tensor-parallel
@@ -30,8 +30,12 @@ TP_FAMILIES = ("phi3", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe")
 #:   after 20 steps at tp=2 (its losses match to 4e-6);
 #: - Qwen2 trains with SGD at 0.3 (:func:`training_options`), a step large enough that 20 of them magnify any
 #:   reduction order's rounding: on one 2-core host within 1e-4, on another (AMD EPYC) 1.2e-4 under ddp and 1.6e-4
-#:   at tp=2 in one value projection (its losses within 6e-5).
-PARITY_RTOL = {"olmo2": 3e-4, "qwen2": 3e-4, "olmo2-fp64": 1e-10, "qwen2-fp64": 1e-10}
+#:   at tp=2 in one value projection (its losses within 6e-5);
+#: - DeepSeek-V3's q up-projection reads a normed latent whose gradient, under tp, is the sum of the ranks' heads'
+#:   parts: 8.5e-5 at tp=2 (1.1e-5 under ddp). Its router computes in float32 whatever the model's dtype, so its
+#:   float64 twin keeps that rounding: 3.3e-7 at tp=2, as under ddp (2.2e-7).
+PARITY_RTOL = {"olmo2": 3e-4, "qwen2": 3e-4, "deepseek_v3": 2e-4, "olmo2-fp64": 1e-10, "qwen2-fp64": 1e-10,
+               "deepseek_v3-fp64": 1e-6}
 
 
 def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
@@ -63,6 +67,13 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
     if family == "olmo2":  # q and k norms over all heads at once, norms after attention and the MLP
         return transformers.Olmo2Config(**common, pad_token_id=None, bos_token_id=0, eos_token_id=1)
     moe = dict(num_experts_per_tok=2, output_router_logits=False)
+    if family == "deepseek_v3":  # latent attention (q and k|v through normed low-rank latents, a rotary part of k
+        # shared by all heads), a dense first layer, then 4 routed experts and a shared one
+        return transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": HEADS}, **moe, n_routed_experts=4, n_shared_experts=1,
+            moe_intermediate_size=HIDDEN // 2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
+            kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=None, bos_token_id=0,
+            eos_token_id=1)
     if family == "olmoe":  # OLMo's q and k norms over all heads, experts as wide as the MLP they replace
         return transformers.OlmoeConfig(**common, **moe, num_experts=4, pad_token_id=None, bos_token_id=0,
                                         eos_token_id=1)
@@ -200,7 +211,10 @@ def lit_causal_lm(name: str, data_shards: int = 1) -> LitCausalLM:
 def in_float64(module: LitCausalLM) -> LitCausalLM:
     """``module`` in float64, its norms computing their statistics in it: Hugging Face's RMSNorms compute theirs in
     float32 whatever the input's dtype, so each is replaced by torch's ``nn.RMSNorm`` with the same vectors and epsilon
-    (the same function, bar that cast)."""
+    (the same function, bar that cast); an MoE model's experts run one by one (its grouped matmuls refuse float64)."""
+    config = getattr(module.model, "config", None)
+    if getattr(config, "_experts_implementation", None) is not None:  # grouped matmuls take float32 and narrower
+        config._experts_implementation = "eager"
     for parent in list(module.modules()):
         for name, norm in parent.named_children():
             if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
