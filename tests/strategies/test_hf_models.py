@@ -59,11 +59,11 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     over tp, its fused gate|up part by part; GPT-OSS's sinks split with its heads, its transposed experts' interleaved
     gate|up by columns, their output bias added once; Mixtral's load-balancing loss from the whole sequence's router
     logits, added by the step to the loss-parallel language-model loss, or by the model to its own from labels); ddp
-    and zero3: 2 data replicas; pp2-*: two pipeline stages
-    (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence parallel) on 8 processes (3d-moe: Qwen3-MoE, ep=1,
-    each expert split over tp); dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over the tp and data ranks (each rank one
-    whole expert), with sequence parallelism and (Mixtral) without; dp2-tp2-ep2-split*: each expert split over tp=2
-    and the experts over ep=2 data ranks (Mixtral also without sequence parallelism, under ZeRO-3);
+    and zero3: 2 data replicas; pp2-*: two pipeline stages (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2
+    (sequence parallel) on 8 processes (3d-moe: Qwen3-MoE and DeepSeek-V3, ep=1, each expert split over tp);
+    dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over the tp and data ranks (each rank one whole expert), with sequence
+    parallelism and (Mixtral) without; dp2-tp2-ep2-split*: each expert split over tp=2 and the experts over ep=2
+    data ranks (Mixtral also without sequence parallelism, under ZeRO-3);
     tp2-loss-parallel: a vocabulary of 61, which tp=2 splits 31 + 30, the logits left split for the loss;
     3d-planned: Hybrid3DStrategy() with no sizes, planned from each config; ep2 and
     dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (ep2 also with their

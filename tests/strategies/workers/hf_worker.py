@@ -46,10 +46,12 @@ LAYOUTS = {
     # one microbatch per stage: the schedules' microbatch counts are tested in test_pipeline.py
     # on 8 processes a run costs ~18 s (about 9 runs on 2): the families whose structure the 3-D split meets
     # differently — Llama's (Mistral's is the same; Qwen2 adds q/k/v biases, which tp=2 and pp=2 cover), QK-norm with an
-    # explicit head_dim, GPT-2's Conv1D and head tied across the first and last stage, litgpt's fused grouped q|k|v —
-    # and one MoE family (Mixtral's experts are split over tp as Qwen3-MoE's are)
-    "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=2), 8, 2, ("llama", "qwen3", "gpt2", "litgpt")),
-    "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=2), 8, 2, ("qwen3_moe",)),
+    # explicit head_dim, GPT-2's Conv1D and head tied across the first and last stage, litgpt's fused grouped q|k|v,
+    # OLMo 2's q and k norms over all heads sharded over tp and then over dp — and two MoE families (Mixtral's experts
+    # are split over tp as Qwen3-MoE's are; DeepSeek-V3's latent attention, its dense first layer a stage of its own)
+    "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=2), 8, 2,
+           ("llama", "qwen3", "gpt2", "litgpt", "olmo2")),
+    "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=2), 8, 2, ("qwen3_moe", "deepseek_v3")),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
     "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2)
@@ -132,7 +134,10 @@ def main(out: Path, layouts: list[str]) -> None:
         for family in models:
             result = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas,
                                   model=lambda family=family: lit_causal_lm(family))
-            result["local_experts"] = local_experts(result.pop("module"))
+            # every rank's: a pipeline stage may hold no MoE block (DeepSeek-V3's dense first layer)
+            gathered = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, local_experts(result.pop("module")))
+            result["local_experts"] = [experts for part in gathered for experts in part]
             if torch.distributed.get_rank() == 0:
                 torch.save(result, out / f"{layout}-{family}.pt")
 
