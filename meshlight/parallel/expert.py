@@ -57,6 +57,7 @@ __all__ = [
     "gather_router_logits",
     "has_experts",
     "is_stacked_experts",
+    "listed_experts",
     "plain_language_model_loss",
     "router_logits_collected",
     "sharded_experts",
@@ -83,6 +84,23 @@ def is_stacked_experts(module: nn.Module) -> bool:
         return False
     stacked = any(w.dim() == 3 for w in weights) and all(w.dim() in (2, 3) and w.shape[0] == count for w in weights)
     return stacked and tuple(inspect.signature(type(module).forward).parameters)[1:4] in _STACKED_SIGNATURES
+
+
+def listed_experts(module: nn.Module) -> dict[str, nn.ModuleList]:
+    """Experts a model's own MoE blocks hold as a list (litgpt's ``LLaMAMoE``), by name: an ``nn.ModuleList`` of two
+    or more modules of one type beside a router whose weight scores that many (``[experts, hidden]``). Expert
+    parallelism does not split them (it splits stacked experts); tensor parallelism keeps each whole on every rank,
+    running on that rank's share of the tokens."""
+    found = {}
+    for name, block in module.named_modules():
+        for list_name, experts in block.named_children():
+            if not (isinstance(experts, nn.ModuleList) and len(experts) > 1 and len({type(e) for e in experts}) == 1):
+                continue
+            routers = [p for other in block.children() if other is not experts
+                       for p in other.parameters(recurse=False) if p.dim() == 2 and p.shape[0] == len(experts)]
+            if routers:
+                found[f"{name}.{list_name}" if name else list_name] = experts
+    return found
 
 
 def has_experts(module: nn.Module) -> bool:

@@ -26,6 +26,7 @@ from meshlight.parallel.expert import (
     gather_router_logits,
     has_experts,
     is_stacked_experts,
+    listed_experts,
     plain_language_model_loss,
     sharded_experts,
     stacked_experts,
@@ -80,7 +81,10 @@ def parallelize(
         raise ValueError(
             f"ep={layout.ep}, but the model has no experts to split: use meshlight.nn.MoE for the feed-forwards"
             " (GPTConfig(moe=MoEConfig(...)) for meshlight's GPT) or stacked experts as Hugging Face's MoE models"
-            " have them, or ep=1."
+            " have them, or ep=1"
+            + (f" ({', '.join(listed)} hold experts as a list, as litgpt's MoE does, which expert parallelism does"
+               " not split: train it with ep=1, under tensor, pipeline or data parallelism)."
+               if (listed := list(listed_experts(module))[:2]) else ".")
         )
     if layout.tp > 1 and stacked_experts(module):
         _check_stacked_experts_under_tp(module, layout)

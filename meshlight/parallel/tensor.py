@@ -77,7 +77,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshlight.parallel.dtensors import shallow_copy
-from meshlight.parallel.expert import is_stacked_experts
 from meshlight.parallel.model_shape import (
     WIDTH_ATTRIBUTES,
     head_counts,
@@ -94,6 +93,7 @@ from meshlight.parallel.tensor_plan import (
     _shown,
     _within,
     fused_projection,
+    moe_blocks_of,
 )
 
 __all__ = [
@@ -127,8 +127,8 @@ def apply_tensor_parallel(
     hidden = hidden_size(modules[name] for name in blocks)
     # latent attentions: their down-projections and up-projections run on plain tensors, all but the heads whole
     latent = {name.rpartition(".")[0] for name, role in plan.items() if role == "latent"}
-    # MoE blocks that flatten the tokens for their stacked experts (and what else they hold: a shared expert's gate)
-    flattening = {name.rpartition(".")[0] for name, module in modules.items() if is_stacked_experts(module)}
+    # MoE blocks, which flatten the tokens for their experts (and what else they hold: a shared expert's gate)
+    flattening = moe_blocks_of(model)
     for name, role in plan.items():
         on_share = sequence_parallel if _within(name, blocks) else shares_outside
         if isinstance(role, ParallelStyle):
@@ -156,9 +156,9 @@ def apply_tensor_parallel(
         elif role == "replicate" and on_share and isinstance(modules[name], nn.Embedding):
             styles[name] = _Replicated(name, over="whole")
         elif role == "replicate" and on_share and isinstance(modules[name], nn.Linear) and (
-                name.rpartition(".")[0] not in flattening):
+                not _within(name, flattening)):
             styles[name] = _Replicated(name, over="sequence")
-        elif role == "replicate" and on_share:  # an MoE block's router, stacked experts and shared expert's gate
+        elif role == "replicate" and on_share:  # an MoE block's router, experts and shared expert's gate
             styles[name] = _OnLocalWeights()
         elif role == "latent":
             styles[name] = _OnLocalWeights()

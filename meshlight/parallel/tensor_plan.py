@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from meshlight.nn.moe import MoE
 from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.checkpoint import _shorten
-from meshlight.parallel.expert import is_stacked_experts
+from meshlight.parallel.expert import is_stacked_experts, listed_experts
 from meshlight.parallel.model_shape import (
     HEAD_COUNT_ATTRIBUTES,
     fused_parts,
@@ -41,7 +41,7 @@ from meshlight.parallel.precision import is_norm
 
 __all__ = [
     "COLUMN_ROLES", "PARTS_IN_ORDER", "ROLES", "TensorParallelError", "derive_plan", "fused_projection", "model_plan",
-    "published_roles", "resolve_plan", "sequence_region", "stage_plan", "validate_plan",
+    "moe_blocks_of", "published_roles", "resolve_plan", "sequence_region", "stage_plan", "validate_plan",
 ]
 
 ROLES = ("colwise", "fused_colwise", "rowwise", "embedding", "head", "norm", "head_norm", "colwise_norm", "latent",
@@ -115,9 +115,14 @@ def _colwise_norms(model: nn.Module, blocks: list[tuple[str, nn.Module]], hidden
 
 def _column_row_groups(blocks: list[tuple[str, nn.Module]], hidden: int) -> Iterator[tuple[str, list[str], str]]:
     """(owner, readers, writer) by full name: in each module of the blocks, its Linears that read the hidden size
-    and the last one that writes it back (a module without such a pair — a gate — holds no group)."""
+    and the last one that writes it back (a module without such a pair — a gate — holds no group). Not inside a
+    list of experts (:func:`~meshlight.parallel.expert.listed_experts`): each expert runs on the tokens routed to it,
+    whole on every rank."""
     for block_name, block in blocks:
+        listed = list(listed_experts(block))
         for group_name, group in block.named_modules():
+            if _within(group_name, listed):
+                continue
             readers, writer = projections(group, hidden)
             if writer and readers:
                 prefix = _join(block_name, group_name)
@@ -432,11 +437,18 @@ def _left_whole(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any], hi
     automatic plan would split (a group a user plan leaves out) stay as they are, for
     :func:`_reject_unsplit`: run on the share, attention would see only that share of the sequence."""
     grouped = {name for _, readers, writer in _column_row_groups(blocks, hidden) for name in (*readers, writer)}
-    # a model's own MoE blocks: their router and stacked experts (their parents: beside the experts they route to)
-    moe_blocks = {name.rpartition(".")[0] for block_name, block in blocks
-                  for name in (_join(block_name, n) for n, m in block.named_modules() if is_stacked_experts(m))}
+    # a model's own MoE blocks: their router and experts (the blocks: beside the experts they route to)
+    moe_blocks = {name for block_name, block in blocks for name in moe_blocks_of(block, block_name)}
     return {name: "replicate" for name, module in _unsplit(blocks, plan) if name not in grouped and (
         linear_widths(module) or _within(name, moe_blocks) and any(True for _ in module.parameters(recurse=False)))}
+
+
+def moe_blocks_of(module: nn.Module, prefix: str = "") -> set[str]:
+    """The names of ``module``'s own MoE blocks (Hugging Face's, litgpt's; under ``prefix``): the modules holding
+    stacked experts or a list of experts, beside the router that scores them. They flatten the tokens before the
+    router, so under sequence parallelism what they hold runs on this rank's share of the tokens."""
+    stacked = [n for n, m in module.named_modules() if is_stacked_experts(m)]
+    return {_join(prefix, name.rpartition(".")[0]) for name in (*stacked, *listed_experts(module))}
 
 
 def _unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> Iterator[tuple[str, nn.Module]]:

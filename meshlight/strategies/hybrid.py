@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from meshlight.parallel.activation_compression import ActivationCompressionPolicy
 from meshlight.parallel.blocks import BlockSelection, repeated_blocks
 from meshlight.parallel.dtensors import has_dtensor_parameters
-from meshlight.parallel.expert import has_experts, stacked_experts
+from meshlight.parallel.expert import has_experts, listed_experts, stacked_experts
 from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, _fix_hint, data_sizes
 from meshlight.parallel.offload import OffloadPolicy, apart_from_host
@@ -296,7 +296,7 @@ class Hybrid3DStrategy(MeshStrategy):
         tensor-parallel plan splits its blocks (fused projections), ep where it has no experts expert parallelism
         splits (experts its config counts, in modules it cannot split); and a model's own stacked experts in a
         layout that cannot be split over tp: tp=1 unless requested, and under a requested tp ``experts="fold"`` (or
-        ep=1)."""
+        ep=1); experts held as a list (litgpt's), kept whole on every tp rank: tp=1 unless requested."""
         fixed = {}
         if self._requested["tp"] is None and not has_dtensor_parameters(self.lightning_module):
             try:
@@ -306,6 +306,9 @@ class Hybrid3DStrategy(MeshStrategy):
                 rank_zero_info(f"Planning with tp=1: tensor parallelism cannot split this model ({error})")
         if self._requested["ep"] is None and not has_experts(self.lightning_module):
             fixed["ep"] = 1
+        if self._requested["tp"] is None and listed_experts(self.lightning_module):
+            # experts held as a list stay whole on every tp rank (each runs its share of the tokens): not priced
+            fixed["tp"] = 1
         if any(stacked_split_placements(m) is None for m in stacked_experts(self.lightning_module)):
             # experts split over tp only in a layout meshlight knows; others are kept whole: on every tp rank (ep=1),
             # which the cost model does not price, or spread over the tp ranks by ep folded over them

@@ -582,3 +582,33 @@ def test_a_latent_attention_keeps_its_latents_whole_and_splits_its_up_projection
     validate_plan(model, plan, 2, 2)
     with pytest.raises(TensorParallelError, match=r"tp=3"):  # 8 heads
         validate_plan(model, plan, 3, 3)
+
+
+def test_experts_held_as_a_list_stay_whole_on_every_rank_and_expert_parallelism_names_them():
+    """litgpt's MoE holds its experts as a list of MLPs beside a router (trained under tp in test_hf_models): each
+    expert runs on the tokens routed to it, so none is a column→row group; the router and every expert are left
+    whole (under sequence parallelism: on this rank's share of the tokens). Expert parallelism, which splits stacked
+    experts, names them."""
+    pytest.importorskip("litgpt")
+    from meshlight.parallel.expert import listed_experts
+    from meshlight.parallel.layout import ParallelLayout
+    from meshlight.parallel.parallelize import parallelize
+    from meshlight.parallel.tensor_plan import moe_blocks_of
+    from tests.strategies.hf_models import lit_causal_lm
+
+    model = lit_causal_lm("litgpt_moe")
+    assert list(listed_experts(model)) == [f"model.transformer.h.{i}.mlp.experts" for i in range(2)]
+    assert moe_blocks_of(model) == {f"model.transformer.h.{i}.mlp" for i in range(2)}
+    plan = derive_plan(model)
+    moe = {name.removeprefix("model.transformer.h.0.mlp."): role for name, role in plan.items()
+           if name.startswith("model.transformer.h.0.mlp.")}
+    assert moe == {"gate": "replicate", **{f"experts.{e}.{linear}": "replicate" for e in range(4)
+                                           for linear in ("fc_1", "fc_2", "proj")}}
+    assert plan["model.transformer.h.0.attn.qkv"] == "fused_colwise"
+    validate_plan(model, plan, 2, 2)
+    layout = ParallelLayout(dp_shard=2, ep=2, zero=3)
+    with pytest.raises(ValueError, match=r"ep=2, but the model has no experts to split: .* \(model.transformer.h.0"
+                                         r".mlp.experts, model.transformer.h.1.mlp.experts hold experts as a list, as"
+                                         r" litgpt's MoE does, which expert parallelism does not split: train it"
+                                         r" with ep=1, under tensor, pipeline or data parallelism\)\."):
+        parallelize(model, layout, None)

@@ -18,9 +18,10 @@ DEEP_LAYERS = 4
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "litgpt")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")  # 4 experts, top-2, in every layer
 #: families whose structure only tensor parallelism meets differently: their parity runs are tp2's (Qwen2-MoE and
-#: OLMoE: 4 experts, top-2, in every layer, Qwen2-MoE's with a shared expert; DeepSeek-V3: after a dense first layer);
+#: OLMoE: 4 experts, top-2, in every layer, Qwen2-MoE's with a shared expert; DeepSeek-V3: after a dense first layer;
+#: litgpt's in Mixtral's configuration: a list of experts);
 #: OLMo 2 and DeepSeek-V3 also in float64 (:data:`PARITY_RTOL`)
-TP_FAMILIES = ("phi3", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "deepseek_v3", "deepseek_v3-fp64")
+TP_FAMILIES = ("phi3", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "deepseek_v3", "deepseek_v3-fp64", "litgpt_moe")
 #: parity tolerances other than 1e-4, and why; each with a float64 twin (``-fp64``: :func:`in_float64`) whose runs
 #: match to about 1e-13 (DeepSeek-V3's: below), which shows the gap is rounding, not a different computation:
 #:
@@ -101,15 +102,17 @@ def attention_implementation(family: str) -> str:
     return "eager" if family == "gpt_oss" else "sdpa"
 
 
-def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS) -> Any:
-    """litgpt's GPT in a Llama configuration: a fused q|k|v for grouped queries, RMSNorm, SwiGLU, rotary."""
+def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False) -> Any:
+    """litgpt's GPT in a Llama configuration: a fused q|k|v for grouped queries, RMSNorm, SwiGLU, rotary; ``moe``: in
+    Mixtral's (4 experts, top-2, a list of SwiGLU MLPs each)."""
     from litgpt.config import Config
     from litgpt.model import GPT
 
+    mlp = (dict(mlp_class_name="LLaMAMoE", moe_intermediate_size=HIDDEN // 2, n_expert=4, n_expert_per_token=2)
+           if moe else dict(mlp_class_name="LLaMAMLP"))
     return GPT(Config(n_layer=layers, n_head=HEADS, n_query_groups=KV_HEADS, n_embd=DIM, vocab_size=vocab,
                       padded_vocab_size=vocab, block_size=64, bias=False, norm_class_name="RMSNorm",
-                      mlp_class_name="LLaMAMLP", intermediate_size=HIDDEN, rotary_percentage=1.0,
-                      parallel_residual=False))
+                      intermediate_size=HIDDEN, rotary_percentage=1.0, parallel_residual=False, **mlp))
 
 
 def training_options(family: str) -> dict[str, Any]:
@@ -135,8 +138,8 @@ class LitCausalLM(pl.LightningModule):
         self.family, self.lr, self.optimizer = family, lr, optimizer
         self.aux_loss, self.data_shards, self.own_loss = aux_loss, data_shards, own_loss
         torch.manual_seed(0)
-        if family == "litgpt":
-            self.model = litgpt_model(vocab, layers)
+        if family in ("litgpt", "litgpt_moe"):
+            self.model = litgpt_model(vocab, layers, moe=family == "litgpt_moe")
         else:
             config = hf_config(family, vocab, layers)
             if aux_loss:
@@ -145,7 +148,7 @@ class LitCausalLM(pl.LightningModule):
                 config, attn_implementation=attention_implementation(family))
 
     def forward(self, inputs: Tensor) -> Tensor:
-        if self.family == "litgpt":
+        if self.family.startswith("litgpt"):
             return self.model(inputs)
         return self.model(input_ids=inputs).logits
 

@@ -213,6 +213,13 @@ def test_the_planner_splits_a_models_own_experts_over_tp_where_it_can_else_keeps
         ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
         strategy.connect(experts_in_another_layout(lit_causal_lm("mixtral")))
         assert strategy._unsplittable() == fixed, arguments
+    # experts held as a list (litgpt's) stay whole on every tp rank, which the cost model does not price: tp stays 1
+    # unless given; expert parallelism does not split them
+    for arguments, fixed in (({}, {"tp": 1, "ep": 1}), ({"tp": 2}, {"ep": 1})):
+        strategy = ml.Hybrid3DStrategy(**arguments)
+        ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
+        strategy.connect(lit_causal_lm("litgpt_moe"))
+        assert strategy._unsplittable() == fixed, arguments
 
 
 def _fit_on_one_process(strategy, callbacks=(), batch_size=4, **trainer_options):

@@ -35,6 +35,10 @@ LAYOUTS = {
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "qwen2-fp64", "gpt2-vocab61", "gpt_neox",
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
                                                             *TP_FAMILIES)),
+    # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
+    # and litgpt's listed experts whole on every rank, each computing all the tokens
+    "tp2-no-sp": (lambda: ml.TensorParallelStrategy(tp=2, sequence_parallel=False), 2, 1,
+                  ("deepseek_v3", "litgpt_moe")),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
     "ddp": (lambda: "ddp", 2, 2, (*FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
