@@ -43,10 +43,13 @@ def families(layout: str) -> tuple[str, ...]:
     head tied across the first and last stage, read from the embedding's key) and meshlight's GPT from a Llama folder
     (HF Llama's weights load under 3d as GPT-2's do); under zero3 and tp2 Mixtral too, whose files hold each expert
     apart: ZeRO-3 splits the stacked experts by experts, tp each expert (the fused gate|up part by part); under tp2
-    GPT-OSS as well (its sinks split with the heads, its transposed experts by columns and rows)."""
+    GPT-OSS as well (its sinks split with the heads, its transposed experts by columns and rows), OLMo 2 (its q and k
+    norms split as q and k are) and DeepSeek-V3 (its latents' projections and norms whole, its up-projections by
+    heads)."""
     if LAYOUTS[layout][1] == 8:
         return ("gpt2", "gpt")
-    return {"zero3": (*FAMILIES, "mixtral"), "tp2": (*FAMILIES, "mixtral", "gpt_oss")}.get(layout, FAMILIES)
+    tp2 = (*FAMILIES, "mixtral", "gpt_oss", "olmo2", "deepseek_v3")
+    return {"zero3": (*FAMILIES, "mixtral"), "tp2": tp2}.get(layout, FAMILIES)
 
 
 #: the tokens the exported models' logits are compared on
