@@ -201,8 +201,11 @@ def count_holder(module: nn.Module) -> object:
         return module
     heads, groups = counts[0], counts[-1]  # a config names heads first (Hugging Face's and litgpt's do)
     fused = {2 * groups * head_dim, (heads + 2 * groups) * head_dim}
-    # only attention, which reads them through a fused projection: the config is the whole model's (an MLP holds it)
-    held = any((width := linear_widths(m)) and width[1] in fused for m in module.children())
+    # only attention, which reads them through a fused projection of the hidden state: the config is the whole
+    # model's (an MLP holds it too, and its output projection may be as wide as a fused k|v by chance)
+    hidden = _stated(config, "hidden_size", "n_embd")
+    held = any((width := linear_widths(m)) and width[1] in fused and width[0] == (hidden or width[0])
+               for m in module.children())
     return config if held else module
 
 

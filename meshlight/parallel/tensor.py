@@ -414,8 +414,12 @@ def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: Mapp
 
 def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
     """A ``distribute_module`` partition function: ``module``'s own parameters become replicated DTensors of the
-    values each rank holds (the same on all of them), whose gradients are partial sums to reduce."""
+    values each rank holds (the same on all of them), whose gradients are partial sums to reduce. Those already
+    distributed are left: ``distribute_module`` replicates every submodule's, and a submodule with a role of its
+    own (ERNIE 4.5's router's statistics inside its router) comes after its parent."""
     for param_name, param in list(module.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            continue
         replicated = DTensor.from_local(param, mesh, [Replicate()], run_check=False)
         module.register_parameter(param_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
 

@@ -355,10 +355,12 @@ def published_roles(model: nn.Module) -> dict[str, str]:
 
 
 #: Attention (and MLP) classes whose fused q|k|v (gate|up) holds its parts one after another (the forward splits it
-#: by their widths: Phi-3's q|k|v by the config's head counts, its gate|up by chunk(2)).
+#: by their widths: Phi-3's q|k|v by the config's head counts, its and GLM's gate|up by chunk(2)).
 PARTS_IN_ORDER = frozenset({
     "transformers.models.gpt2.modeling_gpt2.GPT2Attention", "litgpt.model.CausalSelfAttention",
     "transformers.models.phi3.modeling_phi3.Phi3Attention", "transformers.models.phi3.modeling_phi3.Phi3MLP",
+    "transformers.models.glm.modeling_glm.GlmMLP", "transformers.models.glm4.modeling_glm4.Glm4MLP",
+    "transformers.models.glm4v.modeling_glm4v.Glm4vTextMLP",
 })
 
 
@@ -487,11 +489,17 @@ def _reject_unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]
             why = (" (nn.MultiheadAttention packs q, k and v into one parameter)" if packed else
                    ": under sequence parallelism each rank would train them on its share of the sequence alone")
             listed = ", ".join(f"{n} {list(shape)}" for n, shape in own)
-            fix = "" if packed else " (or pass sequence_parallel=False)"
+            if any(len(shape) == 3 for _, shape in own):  # experts stacked in a way meshlight does not know
+                fix = ("They look like stacked experts: meshlight splits those whose forward takes (hidden_states,"
+                       " top_k_index, top_k_weights), as most of Hugging Face's MoE models' do; train this one with"
+                       " pipeline or data parallelism, or parallelize it yourself in configure_model()")
+            else:
+                fix = ("Write attention with separate q, k, v nn.Linear layers (and an output projection), and keep"
+                       " other parameters in a norm or a Linear" + ("" if packed else
+                                                                    " (or pass sequence_parallel=False)"))
             raise TensorParallelError(
                 f"{_shown(full)} ({type(module).__name__}) holds parameters the automatic tensor-parallel plan"
-                f" cannot split: {listed}{why}. Write attention with separate q, k, v nn.Linear layers (and an"
-                f" output projection), and keep other parameters in a norm or a Linear{fix}."
+                f" cannot split: {listed}{why}. {fix}."
             )
 
 

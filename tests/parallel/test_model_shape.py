@@ -159,3 +159,19 @@ def test_a_shared_expert_is_counted_as_every_tokens_mlp_beside_the_routed_ones()
         v_head_dim=8, max_position_embeddings=64, pad_token_id=None, bos_token_id=0, eos_token_id=1)
     shape = model_shape(transformers.AutoModelForCausalLM.from_config(deepseek))
     assert (shape.experts, shape.mlp_width, shape.shared_mlp_width) == (4, 32, 64)
+
+
+def test_an_mlp_holding_the_models_config_is_not_read_as_attention():
+    """GLM-4's MLP keeps the model's config, whose head counts explain a fused k|v as wide as the MLP's output
+    projection (2 × 4 key/value heads × 8 = 64, the hidden size): only a projection of the hidden state can be a
+    fused q|k|v or k|v, so the MLP keeps its own (no) counts and its fused gate|up splits as two halves."""
+    pytest.importorskip("transformers")
+    from meshlight.parallel.model_shape import count_holder
+    from tests.strategies import hf_models
+
+    module = hf_models.lit_causal_lm("glm4")
+    mlp = module.model.model.layers[0].mlp
+    assert count_holder(mlp) is mlp
+    assert derive_plan(module)["model.model.layers.0.mlp.gate_up_proj"] == "fused_colwise"
+    attention = module.model.model.layers[0].self_attn
+    assert count_holder(attention) is attention  # Hugging Face's attention keeps its head_dim itself

@@ -612,3 +612,29 @@ def test_experts_held_as_a_list_stay_whole_on_every_rank_and_expert_parallelism_
                                          r" litgpt's MoE does, which expert parallelism does not split: train it"
                                          r" with ep=1, under tensor, pipeline or data parallelism\)\."):
         parallelize(model, layout, None)
+
+
+def test_experts_stacked_in_a_layout_meshlight_does_not_know_are_named_as_such():
+    """Experts stacked as ``[experts, …]`` weights whose forward is not Hugging Face's (Llama 4's take tokens already
+    grouped by expert): under sequence parallelism each rank would train them on its share; the refusal says what
+    they look like and what to do."""
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.zeros(4, 32, 64))
+
+        def forward(self, grouped):
+            return grouped
+
+    model = _model()
+    for block in model.blocks:
+        block.moe = nn.Module()
+        block.moe.experts = Experts()
+    with pytest.raises(TensorParallelError, match=r"blocks.0.moe.experts \(Experts\) holds parameters the automatic"
+                                                  r" tensor-parallel plan cannot split: gate_up_proj \[4, 32, 64\]: .*"
+                                                  r"\. They look like stacked experts: meshlight splits those whose"
+                                                  r" forward takes \(hidden_states, top_k_index, top_k_weights\), .*;"
+                                                  r" train this one with pipeline or data parallelism, or parallelize"
+                                                  r" it yourself in configure_model\(\)\."):
+        validate_plan(model, derive_plan(model), 2, 2)

@@ -21,7 +21,8 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")  # 4 experts, top-2, in every
 #: OLMoE: 4 experts, top-2, in every layer, Qwen2-MoE's with a shared expert; DeepSeek-V3: after a dense first layer;
 #: litgpt's in Mixtral's configuration: a list of experts);
 #: OLMo 2 and DeepSeek-V3 also in float64 (:data:`PARITY_RTOL`)
-TP_FAMILIES = ("phi3", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "deepseek_v3", "deepseek_v3-fp64", "litgpt_moe")
+TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "deepseek_v3", "deepseek_v3-fp64",
+               "ernie4_5_moe", "litgpt_moe")
 #: parity tolerances other than 1e-4, and why; each with a float64 twin (``-fp64``: :func:`in_float64`) whose runs
 #: match to about 1e-13 (DeepSeek-V3's: below), which shows the gap is rounding, not a different computation:
 #:
@@ -65,6 +66,9 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
                                           max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0)
     if family == "phi3":  # a fused q|k|v sliced by the config's head counts, a fused gate|up cut by chunk(2)
         return transformers.Phi3Config(**common, pad_token_id=None, bos_token_id=0, eos_token_id=1)
+    if family == "glm4":  # a fused gate|up cut by chunk(2), partial rotary, norms after attention and the MLP too
+        return transformers.Glm4Config(**common, head_dim=DIM // HEADS, pad_token_id=None, bos_token_id=0,
+                                       eos_token_id=1)
     if family == "olmo2":  # q and k norms over all heads at once, norms after attention and the MLP
         return transformers.Olmo2Config(**common, pad_token_id=None, bos_token_id=0, eos_token_id=1)
     moe = dict(num_experts_per_tok=2, output_router_logits=False)
@@ -75,6 +79,10 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
             moe_intermediate_size=HIDDEN // 2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
             kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=None, bos_token_id=0,
             eos_token_id=1)
+    if family == "ernie4_5_moe":  # a dense first layer; the router holds its score correction in a module of its own
+        return transformers.Ernie4_5_MoeConfig(**{**common, **moe}, moe_num_experts=4, moe_k=2,
+                                               moe_intermediate_size=HIDDEN // 2, moe_layer_start_index=1,
+                                               pad_token_id=None, bos_token_id=0, eos_token_id=1)
     if family == "olmoe":  # OLMo's q and k norms over all heads, experts as wide as the MLP they replace
         return transformers.OlmoeConfig(**common, **moe, num_experts=4, pad_token_id=None, bos_token_id=0,
                                         eos_token_id=1)
@@ -116,10 +124,10 @@ def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False) ->
 
 
 def training_options(family: str) -> dict[str, Any]:
-    """The optimizer a parity run trains ``family`` with: AdamW, except SGD for Qwen2, GPT-2 and GPT-NeoX, whose key
-    biases have an exactly-zero gradient (softmax ignores a per-query constant) that Adam would turn from float noise
-    into full-size steps that no two layouts take alike."""
-    return {"optimizer": "sgd", "lr": 0.3} if family in ("qwen2", "gpt2", "gpt_neox") else {}
+    """The optimizer a parity run trains ``family`` with: AdamW, except SGD for Qwen2, GPT-2, GPT-NeoX and GLM-4,
+    whose key biases have an exactly-zero gradient (softmax ignores a per-query constant) that Adam would turn from
+    float noise into full-size steps that no two layouts take alike."""
+    return {"optimizer": "sgd", "lr": 0.3} if family in ("qwen2", "gpt2", "gpt_neox", "glm4") else {}
 
 
 class LitCausalLM(pl.LightningModule):

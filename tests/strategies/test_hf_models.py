@@ -72,7 +72,8 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     assert len(result["losses"]) == parity.STEPS
     parity.assert_parity(result, controls[control_of(layout, model)], rtol=PARITY_RTOL.get(model, 1e-4))
     # 4 experts: over 2 or 4 ranks, or whole
-    if model.split("-")[0] in (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3") and layout != "3d-planned":
+    stacked = (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3", "ernie4_5_moe")
+    if model.split("-")[0] in stacked and layout != "3d-planned":
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1
         # each expert split over tp=2
         tp_parts = 2 if layout in ("tp2", "tp2-no-sp", "3d-moe") or "split" in layout else 1
