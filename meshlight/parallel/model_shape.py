@@ -204,7 +204,7 @@ def count_holder(module: nn.Module) -> object:
     # only attention, which reads them through a fused projection of the hidden state: the config is the whole
     # model's (an MLP holds it too, and its output projection may be as wide as a fused k|v by chance)
     hidden = _stated(config, "hidden_size", "n_embd")
-    held = any((width := linear_widths(m)) and width[1] in fused and width[0] == (hidden or width[0])
+    held = any((width := linear_widths(m)) and width[1] in fused and (hidden is None or width[0] == hidden)
                for m in module.children())
     return config if held else module
 

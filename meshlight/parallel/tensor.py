@@ -158,10 +158,8 @@ def apply_tensor_parallel(
         elif role == "replicate" and on_share and isinstance(modules[name], nn.Linear) and (
                 not _within(name, flattening)):
             styles[name] = _Replicated(name, over="sequence")
-        elif role == "replicate" and on_share:  # an MoE block's router, experts and shared expert's gate
-            styles[name] = _OnLocalWeights()
-        elif role == "latent":
-            styles[name] = _OnLocalWeights()
+        elif role == "replicate" and on_share or role == "latent":  # an MoE block's router, experts and shared
+            styles[name] = _OnLocalWeights()  # expert's gate; a latent attention's down-projections and their norms
     per_head = {parent: names for parent in _colwise_parents(plan)
                 if hidden and (names := per_head_parameters(modules[parent], hidden))}
     tied = _tied_parameters(model)
@@ -465,8 +463,7 @@ class _Replicated(ParallelStyle):
                 return inputs
             if not isinstance(share, DTensor) and share.dim() >= 3:  # [batch, sequence share, ...]
                 return (DTensor.from_local(share, mesh, [Shard(1)], run_check=False), *inputs[1:])
-            given = (f"a DTensor {tuple(share.shape)} placed {share.placements[0]}" if isinstance(share, DTensor)
-                     else f"a {share.dim()}-D tensor {tuple(share.shape)}")
+            given = _described(share)
             wanted = ("this rank's heads ([..., heads, head_dim])" if self.over == "heads" else
                       "this rank's share of a sequence ([batch, sequence, ...], split along dimension 1)")
             raise TensorParallelError(
@@ -482,6 +479,14 @@ class _Replicated(ParallelStyle):
             return output.to_local()
 
         return distribute_module(module, device_mesh, _replicate_parameters, inputs_as_dtensors, output_local)
+
+
+def _described(value: Any) -> str:
+    """What a module that refuses its input was given, for its error: a tensor's rank and shape, a DTensor's
+    placement."""
+    if isinstance(value, DTensor):
+        return f"a DTensor {tuple(value.shape)} placed {value.placements[0]}"
+    return f"a {value.dim()}-D tensor {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
 
 
 class _ColwiseNorm(ParallelStyle):
@@ -508,8 +513,7 @@ class _ColwiseNorm(ParallelStyle):
             if isinstance(share, Tensor) and not isinstance(share, DTensor) and share.dim() and (
                     share.shape[-1] * tp == width):
                 return (DTensor.from_local(share, mesh, [Shard(share.dim() - 1)], run_check=False), *inputs[1:])
-            given = (f"a DTensor {tuple(share.shape)} placed {share.placements[0]}" if isinstance(share, DTensor)
-                     else f"a tensor {tuple(share.shape)}" if isinstance(share, Tensor) else type(share).__name__)
+            given = _described(share)
             raise TensorParallelError(
                 f"{_shown(self.name)} ({type(mod).__name__}) is a norm as wide as a column-parallel projection's"
                 f" output beside it ({width}), which tensor parallelism splits so: it must read this rank's 1/{tp} of"

@@ -82,7 +82,7 @@ def test_a_norm_over_a_colwise_output_reduces_its_statistics_over_tp_and_refuses
         assert plain_output and difference < 1e-12, (name, difference)
     assert re.fullmatch(r"norm \(ElementwiseRMSNorm\) is a norm as wide as a column-parallel projection's output"
                         r" beside it \(16\), which tensor parallelism splits so: it must read this rank's 1/2 of"
-                        r" that output, \[\.\.\., 8\], and it was given a tensor \(2, 3, 16\)\. A norm of the"
+                        r" that output, \[\.\.\., 8\], and it was given a 3-D tensor \(2, 3, 16\)\. A norm of the"
                         r" module's input .* belongs outside the module that holds the projections .*",
                         result["refusal"]), result["refusal"]
 
