@@ -370,6 +370,7 @@ class ContextParallel:
                 " cannot split (it would attend to this rank's share of the sequence alone). Load the model with"
                 " attn_implementation='sdpa', or train with cp=1."
             )
+        _check_hf_positions(model)
         _register_hf_attention()
         self._hf_implementations[id(config)] = implementation
         config._attn_implementation = HF_ATTENTION
@@ -589,6 +590,34 @@ def _hugging_face_models(model: nn.Module) -> list[nn.Module]:
             found.append(module)
             inside |= {id(m) for m in module.modules()}
     return found
+
+
+#: the kinds of layer (a config's ``layer_types``) whose attention cp splits: causal, within a window or not
+_HF_SPLIT_LAYERS = ("full_attention", "sliding_attention")
+
+
+def _check_hf_positions(model: nn.Module) -> None:
+    """Refuse what a Hugging Face model's config says it computes from positions that cp cannot give it: attention in
+    chunks (Llama 4's ``chunked_attention`` layers: their mask, which cp's attention does not take), and Llama 4's
+    query temperature in its layers without rotary, computed from each token's index in the model's input (under cp,
+    in this rank's share)."""
+    config, name = model.config, type(model).__name__
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - set(_HF_SPLIT_LAYERS))
+    if kinds:
+        chunk = getattr(config, "attention_chunk_size", None)
+        raise ContextParallelError(
+            f"{name} has {', '.join(map(repr, kinds))} layers (config.layer_types)"
+            + (f", attending within chunks of {chunk} tokens (config.attention_chunk_size)" if chunk else "")
+            + ": context parallelism splits causal attention (with a sliding window or attention sinks) over whole"
+            " sequences only. Train this model with cp=1"
+            + (", or without chunks (attention_chunk_size=None in its config)." if chunk else ".")
+        )
+    if getattr(config, "attn_temperature_tuning", False) and 0 in (getattr(config, "no_rope_layers", None) or ()):
+        raise ContextParallelError(
+            f"{name} scales the queries of its layers without rotary positions by a temperature of each token's"
+            " index in its input (config.attn_temperature_tuning), which under context parallelism is the index in"
+            " this rank's share of the sequence. Train it with cp=1, or with attn_temperature_tuning=False."
+        )
 
 
 def _hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],

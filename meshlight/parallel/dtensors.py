@@ -7,13 +7,14 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "DTensorSpec", "as_dtensor_like", "dtensor_spec", "from_blocks", "has_dtensor_parameters", "in_blocks",
-    "local_tensor", "shallow_copy",
+    "local_tensor", "modifiable_local", "shallow_copy",
 ]
 
 #: what makes a local tensor a DTensor again: mesh, placements, global shape and stride
@@ -23,6 +24,27 @@ DTensorSpec = tuple[Any, Any, Any, tuple[int, ...]]
 def local_tensor(tensor: Tensor) -> Tensor:
     """This rank's part of ``tensor``: a DTensor's local tensor, a plain tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def modifiable_local(tensor: DTensor) -> Tensor:
+    """This rank's part of ``tensor`` as a tensor of its own, where ``to_local`` returns a view that autograd
+    forbids modifying in place: for a module's output the model may modify as it may a plain ``nn.Linear``'s (Llama
+    4 adds its routed experts' output into its shared expert's with ``add_``). ``tensor`` must be a temporary no
+    one else reads (a collective's result), as its local tensor is shared; the gradient goes back in its
+    placements."""
+    return _ModifiableLocal.apply(tensor)
+
+
+class _ModifiableLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: DTensor) -> Tensor:
+        ctx.spec = tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()
+        return tensor._local_tensor.detach()  # a tensor object of its own (not a view), on the same storage
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> DTensor:
+        mesh, placements, shape, stride = ctx.spec
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def shallow_copy(module: nn.Module) -> nn.Module:

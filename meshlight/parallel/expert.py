@@ -16,7 +16,9 @@ folded over them: ``ep`` then spans the tp ranks too (:mod:`meshlight.parallel.e
 Models that bring their own MoE blocks are split the same way where their experts are *stacked* — one module whose
 weights are ``[num_experts, …]`` and whose ``forward(hidden_states, top_k_index, top_k_weights)`` runs the tokens'
 chosen experts (Hugging Face's Mixtral, Qwen3-MoE, …): the model's own router decides, the tokens travel, and the
-module's own forward runs this rank's experts on what arrives (:class:`StackedExpertsParallel`).
+module's own forward runs this rank's experts on what arrives (:class:`StackedExpertsParallel`). Stacked experts
+that take every token instead (:func:`dense_experts`, Llama 4's) have nothing to dispatch: tensor parallelism splits
+each of them (:class:`DenseExpertsParallel`), and expert parallelism leaves them alone.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ from meshlight.parallel.layout import DATA_AXES, axis, hybrid_mesh, same_experts
 
 __all__ = [
     "AllToAllDispatcher",
+    "DenseExpertsParallel",
     "StackedExpertsParallel",
     "apply_expert_parallel",
+    "dense_experts",
     "expert_data_mesh",
     "expert_layers",
     "gather_router_logits",
@@ -61,6 +65,7 @@ __all__ = [
     "plain_language_model_loss",
     "router_logits_collected",
     "sharded_experts",
+    "split_dense_experts",
     "stacked_experts",
 ]
 
@@ -79,11 +84,34 @@ def stacked_experts(module: nn.Module) -> list[nn.Module]:
 
 def is_stacked_experts(module: nn.Module) -> bool:
     """Whether ``module`` is stacked experts (see :func:`stacked_experts`)."""
+    return _stacked_weights(module) and _forward_arguments(module)[:3] in _STACKED_SIGNATURES
+
+
+def dense_experts(module: nn.Module) -> list[nn.Module]:
+    """Stacked experts (weights ``[num_experts, …]``) that run every expert on a group of the tokens of its own —
+    ``forward(hidden_states)`` on ``[num_experts × tokens, hidden]``, the groups as long — rather than on the tokens
+    routed to it: Llama 4's, whose MoE block hands each expert every token scaled by the router's score (zero where
+    the token did not choose it). Nothing travels to an expert, so expert parallelism leaves them alone; tensor
+    parallelism splits each (:class:`DenseExpertsParallel`)."""
+    return [m for m in module.modules() if is_dense_experts(m)]
+
+
+def is_dense_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is dense stacked experts (see :func:`dense_experts`)."""
+    return _stacked_weights(module) and _forward_arguments(module) == ("hidden_states",)
+
+
+def _stacked_weights(module: nn.Module) -> bool:
+    """A ``num_experts`` attribute, and every weight ``[num_experts, …]``: matrices, and biases ``[num_experts,
+    width]``."""
     count, weights = getattr(module, "num_experts", None), list(module.parameters(recurse=False))
     if not (isinstance(count, int) and count > 1 and weights):
         return False
-    stacked = any(w.dim() == 3 for w in weights) and all(w.dim() in (2, 3) and w.shape[0] == count for w in weights)
-    return stacked and tuple(inspect.signature(type(module).forward).parameters)[1:4] in _STACKED_SIGNATURES
+    return any(w.dim() == 3 for w in weights) and all(w.dim() in (2, 3) and w.shape[0] == count for w in weights)
+
+
+def _forward_arguments(module: nn.Module) -> tuple[str, ...]:
+    return tuple(inspect.signature(type(module).forward).parameters)[1:]
 
 
 def listed_experts(module: nn.Module) -> dict[str, nn.ModuleList]:
@@ -253,6 +281,24 @@ def _split_stacked(experts: nn.Module, mesh: DeviceMesh, ep: int, *, sequence_pa
                                tensor_parallel=tensor_parallel, added_once=once)
 
 
+def split_dense_experts(module: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
+    """Split each expert of ``module``'s dense stacked experts (:func:`dense_experts`) over the mesh's tp ranks, in
+    place, where their weights are in a layout :func:`~meshlight.parallel.expert_tensor.stacked_split_placements`
+    knows (others stay whole on every rank, on the whole tokens: the tensor-parallel plan refuses them under sequence
+    parallelism); ``sequence_parallel``: they receive this rank's share of the tokens."""
+    tp = mesh["tp"]
+    for experts in dense_experts(module):
+        placements = stacked_split_placements(experts)
+        if placements is None:
+            continue
+        check_expert_split(stacked_expert_width(experts), tp.size())
+        if not _split(experts, experts.num_experts, tp, _split_over(placements, 1)):
+            continue
+        tensor_parallel = ExpertTensorParallel(tp.get_group(), sequence_parallel=sequence_parallel, fold=False)
+        DenseExpertsParallel(experts, tensor_parallel, added_once(placements, list(dict(experts.named_parameters(
+            recurse=False)))))
+
+
 def _split_over(tp_placement: Callable[[str], Placement], ep: int) -> Callable[[str], list[Placement]]:
     """Weight name → its placements over ``(ep, tp)`` (``(tp,)`` with ``ep=1``), each expert split by
     ``tp_placement``."""
@@ -369,20 +415,48 @@ class StackedExpertsParallel:
         return out if tp is None else tp.share(out)
 
     def _local_experts(self, rows: Tensor, counts: Tensor) -> Tensor:
-        """The module's own forward on this rank's experts: ``rows`` grouped by local expert, ``counts`` of each. It
-        runs on a shallow copy holding this rank's weights as plain tensors (and its expert count), without the
-        module's hooks, which ran for the call being served."""
-        local = shallow_copy(self.experts)
-        local._parameters = {}
-        for name, param in self.experts.named_parameters(recurse=False):
-            if name in self.added_once:
-                partial = [Partial() if p.is_replicate() else p for p in param.placements]
-                weight = scale_gradient(param.to_local(grad_placements=partial), self.gradient_scale)
-                weight = weight if self.tensor_parallel.rank == 0 else weight * 0  # a zero gradient, not none
-            else:
-                weight = local_weight(param, self.gradient_scale)
-            object.__setattr__(local, name, weight)
+        """The module's own forward on this rank's experts: ``rows`` grouped by local expert, ``counts`` of each."""
+        tp_rank = self.tensor_parallel.rank if self.tensor_parallel is not None else 0
+        local = _on_local_weights(self.experts, self.gradient_scale, self.added_once, tp_rank)
         object.__setattr__(local, "num_experts", len(counts))
         index = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts, output_size=len(rows))
         ones = torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)
         return type(self.experts).forward(local, rows, index[:, None], ones)
+
+
+class DenseExpertsParallel:
+    """Dense stacked experts (:func:`dense_experts`) each split over the tp ranks: installed as the module's
+    ``forward``. Its input, each expert's group of the tokens, is made whole over tp (each group's shares gathered
+    under sequence parallelism, the gradient summed in backward otherwise), the module's own forward runs it through
+    this rank's slice of every expert, and the partial outputs are summed over tp (each group reduce-scattered back
+    to this rank's share under sequence parallelism). ``added_once``: weights each tp rank holds whole whose term the
+    partial outputs add once (tp rank 0 adds it)."""
+
+    def __init__(self, experts: nn.Module, tensor_parallel: ExpertTensorParallel,
+                 added_once: Sequence[str] = ()) -> None:
+        self.experts, self.tensor_parallel, self.added_once = experts, tensor_parallel, tuple(added_once)
+        experts.forward = self
+
+    def __call__(self, hidden_states: Tensor) -> Tensor:
+        tp, width = self.tensor_parallel, hidden_states.shape[-1]
+        groups = tp.whole(hidden_states.view(self.experts.num_experts, -1, width))  # [experts, tokens, hidden]
+        local = _on_local_weights(self.experts, 1.0, self.added_once, tp.rank)
+        out = type(self.experts).forward(local, groups.reshape(-1, width))
+        return tp.share(out.view(self.experts.num_experts, -1, out.shape[-1])).reshape(-1, out.shape[-1])
+
+
+def _on_local_weights(experts: nn.Module, gradient_scale: float, once: Sequence[str], tp_rank: int) -> nn.Module:
+    """A shallow copy of ``experts`` holding this rank's part of each weight as a plain tensor, its gradient scaled by
+    ``gradient_scale``, for the module's own forward to run on without the module's hooks (which ran for the call
+    being served). Weights named in ``once`` count on tp rank ``0`` alone (see :class:`StackedExpertsParallel`)."""
+    local = shallow_copy(experts)
+    local._parameters = {}
+    for name, param in experts.named_parameters(recurse=False):
+        if name in once:
+            partial = [Partial() if p.is_replicate() else p for p in param.placements]
+            weight = scale_gradient(param.to_local(grad_placements=partial), gradient_scale)
+            weight = weight if tp_rank == 0 else weight * 0  # a zero gradient, not none
+        else:
+            weight = local_weight(param, gradient_scale)
+        object.__setattr__(local, name, weight)
+    return local

@@ -94,7 +94,7 @@ def split_placements(tp_placement: Placement, ep: int) -> list[Placement]:
 
 def stacked_split_placements(experts: nn.Module) -> Optional[Callable[[str], Placement]]:
     """How a model's own stacked experts (Hugging Face's) split over tp under ``"split"``, weight name → its tp
-    placement: ``None`` where their weights are in neither layout meshlight knows (:func:`_stacked_layout`)."""
+    placement: ``None`` where their weights are in no layout meshlight knows (:func:`_stacked_layout`)."""
     layout = _stacked_layout(experts)
     return None if layout is None else layout[1].__getitem__
 
@@ -114,31 +114,47 @@ def added_once(placements: Callable[[str], Placement], names: list[str]) -> list
 
 
 def _stacked_layout(experts: nn.Module) -> Optional[tuple[int, dict[str, Placement]]]:
-    """The expert width and each weight's tp placement, for the two layouts of Hugging Face's MoE models:
+    """The expert width and each weight's tp placement, for Hugging Face's stacked experts: a fused ``gate_up_proj``
+    and ``down_proj``, biases ``gate_up_proj_bias`` ``[E, 2·I]`` and ``down_proj_bias`` ``[E, H]`` where they have
+    them, read from the shapes (and transformers' ``is_transposed``/``is_concatenated`` marks where the class has
+    them):
 
-    - most of them: a fused ``gate_up_proj`` ``[E, 2·I, H]`` (the gate's rows, then the up projection's, which the
-      forward chunks in two) and ``down_proj`` ``[E, H, I]``. The fused weight is split part by part
-      (``_StridedShard``: each rank holds its rows of the gate and of the up projection, which its forward's chunk
-      separates again), ``down_proj`` by its columns;
-    - GPT-OSS's, which transformers marks ``is_transposed`` and not ``is_concatenated``: ``gate_up_proj``
-      ``[E, H, 2·I]`` with the gate's and the up projection's columns interleaved, biases ``gate_up_proj_bias``
-      ``[E, 2·I]`` and ``down_proj_bias`` ``[E, H]``, ``down_proj`` ``[E, I, H]``. A contiguous block of the fused
-      columns holds whole (gate, up) pairs: the fused weight and its bias are split by columns, ``down_proj`` by
-      rows, and ``down_proj_bias`` is held whole and added once (:func:`added_once`).
+    - most of them ``[E, 2·I, H]`` and ``[E, H, I]``; transposed (Llama 4's, GPT-OSS's) ``[E, H, 2·I]`` and
+      ``[E, I, H]``. The two cannot be told apart only where no width fits both (never: that needs ``I = 0``);
+    - the fused weight concatenated (the gate's part, then the up projection's, which the forward chunks in two:
+      transformers' default) or, marked ``is_concatenated=False`` (GPT-OSS), the two interleaved.
 
-    None for any other layout."""
+    A concatenated fused weight (and bias) is split part by part (``_StridedShard``: each rank holds its part of
+    the gate and of the up projection, which its forward's chunk separates again), an interleaved one by a
+    contiguous block (whole gate/up pairs); ``down_proj`` by its expert width; ``down_proj_bias`` is held whole and
+    added once (:func:`added_once`). None for any other layout, and for experts that normalize each expert's output
+    (``has_post_expert_norm``), which a rank's partial sum is not."""
     shapes = {name: tuple(param.shape[1:]) for name, param in experts.named_parameters(recurse=False)}
-    width, hidden = getattr(experts, "intermediate_dim", None), getattr(experts, "hidden_dim", None)
-    if isinstance(width, int) and shapes == {"gate_up_proj": (2 * width, hidden), "down_proj": (hidden, width)}:
-        return width, {"gate_up_proj": _StridedShard(1, split_factor=2), "down_proj": Shard(2)}
-    width, hidden = getattr(experts, "intermediate_size", None), getattr(experts, "hidden_size", None)
-    interleaved = getattr(experts, "is_transposed", None) is True and getattr(experts, "is_concatenated", None) is False
-    if interleaved and isinstance(width, int) and shapes == {
-            "gate_up_proj": (hidden, 2 * width), "gate_up_proj_bias": (2 * width,), "down_proj": (width, hidden),
-            "down_proj_bias": (hidden,)}:
-        return width, {"gate_up_proj": Shard(2), "gate_up_proj_bias": Shard(1), "down_proj": Shard(1),
-                       "down_proj_bias": Replicate()}
-    return None
+    if not {"gate_up_proj", "down_proj"} <= set(shapes) <= {"gate_up_proj", "down_proj", "gate_up_proj_bias",
+                                                          "down_proj_bias"}:
+        return None
+    fused, down = shapes["gate_up_proj"], shapes["down_proj"]
+    if len(fused) != 2 or len(down) != 2:
+        return None
+    if fused == (2 * down[1], down[0]):
+        transposed, width, hidden = False, down[1], down[0]
+    elif fused == (down[1], 2 * down[0]):
+        transposed, width, hidden = True, down[0], down[1]
+    else:
+        return None
+    concatenated = getattr(experts, "is_concatenated", True)
+    if getattr(experts, "is_transposed", transposed) is not transposed or not isinstance(concatenated, bool):
+        return None
+    if getattr(experts, "has_post_expert_norm", False):  # a norm of each expert's output: not of a partial sum
+        return None
+    biases = {"gate_up_proj_bias": (2 * width,), "down_proj_bias": (hidden,)}
+    if any(shapes[name] != shape for name, shape in biases.items() if name in shapes):
+        return None
+    fused_dim = 2 if transposed else 1
+    placements = {"gate_up_proj": _StridedShard(fused_dim, split_factor=2) if concatenated else Shard(fused_dim),
+                  "gate_up_proj_bias": _StridedShard(1, split_factor=2) if concatenated else Shard(1),
+                  "down_proj": Shard(1 if transposed else 2), "down_proj_bias": Replicate()}
+    return width, {name: placements[name] for name in shapes}
 
 
 def check_expert_split(hidden_dim: int, tp: int) -> None:

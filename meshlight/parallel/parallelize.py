@@ -23,12 +23,15 @@ from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_modu
 from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import (
     apply_expert_parallel,
+    dense_experts,
     gather_router_logits,
     has_experts,
+    is_dense_experts,
     is_stacked_experts,
     listed_experts,
     plain_language_model_loss,
     sharded_experts,
+    split_dense_experts,
     stacked_experts,
 )
 from meshlight.parallel.expert_tensor import stacked_split_placements
@@ -84,7 +87,11 @@ def parallelize(
             " have them, or ep=1"
             + (f" ({', '.join(listed)} hold experts as a list, as litgpt's MoE does, which expert parallelism does"
                " not split: train it with ep=1, under tensor, pipeline or data parallelism)."
-               if (listed := list(listed_experts(module))[:2]) else ".")
+               if (listed := list(listed_experts(module))[:2]) else
+               f" ({type(dense[0]).__name__} runs every expert on every token, as Llama 4's MoE does: no token"
+               " travels to an expert, so expert parallelism has nothing to split. Train it with ep=1; tp splits each"
+               " of its experts over the tensor-parallel ranks)."
+               if (dense := dense_experts(module)) else ".")
         )
     if layout.tp > 1 and stacked_experts(module):
         _check_stacked_experts_under_tp(module, layout)
@@ -99,7 +106,8 @@ def parallelize(
         validate_plan(module, plan, layout.tp, layout.world_size, sequence_parallel=options.sequence_parallel)
         # a model's own experts stay plain here where expert parallelism spreads them over the tp ranks (folded) or
         # splits each over them
-        split = {name for name, m in module.named_modules() if is_stacked_experts(m) and _split_over_tp(m, layout)}
+        split = {name for name, m in module.named_modules() if is_stacked_experts(m) and _split_over_tp(m, layout)
+                 or is_dense_experts(m)}
         plan = {name: role for name, role in plan.items() if name not in split}
         if sequence_region == "auto":
             sequence_region = find_sequence_region(module, plan) if options.sequence_parallel else None
@@ -112,6 +120,7 @@ def parallelize(
             gather_router_logits(module, mesh["tp"].get_group(), replicated_loss=True)
         if options.loss_parallel:
             plain_language_model_loss(module)
+        split_dense_experts(module, mesh, sequence_parallel=options.sequence_parallel)
     if moe_layers:
         apply_expert_parallel(module, mesh, layout.ep, sequence_parallel=tensor_parallel.sequence_parallel,
                               fold=layout.folded)

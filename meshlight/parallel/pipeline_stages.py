@@ -174,11 +174,13 @@ def _whole_shaped(stage_input: Any) -> Any:
 
 class _ZerosLike(nn.Module):
     """Stands in for an embedding of an earlier stage: zeros of its output's shape for token ids (the stage's first
-    block gets the stage's input instead), so that what the forward adds to it (learned positions) still fits."""
+    block gets the stage's input instead), so that what the forward adds to it (learned positions) still fits. Its
+    ``weight`` is empty, for a forward that reads the embedding's device from it (Llama 4's)."""
 
-    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.dim, self.dtype = dim, dtype
+        self.register_buffer("weight", torch.empty(0, dim, dtype=dtype, device=device), persistent=False)
 
     def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if ids.is_floating_point():  # the stage's input where the root takes token ids: handed on as it is
@@ -190,7 +192,7 @@ def _stand_in(piece: nn.Module) -> nn.Module:
     if isinstance(piece, _ZerosLike):
         return piece
     if isinstance(piece, nn.Embedding):
-        return _ZerosLike(piece.embedding_dim, piece.weight.dtype)
+        return _ZerosLike(piece.embedding_dim, piece.weight.dtype, piece.weight.device)
     return PassThrough()
 
 

@@ -76,7 +76,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from meshlight.parallel.dtensors import shallow_copy
+from meshlight.parallel.dtensors import modifiable_local, shallow_copy
 from meshlight.parallel.model_shape import (
     WIDTH_ATTRIBUTES,
     head_counts,
@@ -357,14 +357,19 @@ class _TransposedColwise(_Transposed, ColwiseParallel):
 class _Rowwise(RowwiseParallel):
     """Row-parallel; under sequence parallelism (``output_layouts=Shard(1)``) its output is reduce-scattered to this
     rank's share of the sequence wherever that lies (:func:`sequence_share`): the sequence of ``[batch, sequence,
-    hidden]``, the tokens of the flattened ``[tokens, hidden]`` an MoE block's shared expert returns."""
+    hidden]``, the tokens of the flattened ``[tokens, hidden]`` an MoE block's shared expert returns. Made local, the
+    output is a tensor of its own (:func:`~meshlight.parallel.dtensors.modifiable_local`): a model may add to it in
+    place."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts: tuple, use_local_output: bool, mod: nn.Module, outputs: DTensor,
                            device_mesh: DeviceMesh) -> Tensor:
         if output_layouts == (Shard(1),):
             output_layouts = (sequence_share(outputs),)
-        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        if not use_local_output or torch.compiler.is_compiling():
+            return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        # the summed output is a tensor of its own, which the model may modify in place
+        return modifiable_local(outputs.redistribute(placements=output_layouts))
 
 
 class _TransposedRowwise(_Transposed, _Rowwise):

@@ -25,7 +25,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from meshlight.nn.moe import MoE
 from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.checkpoint import _shorten
-from meshlight.parallel.expert import is_stacked_experts, listed_experts
+from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, listed_experts
+from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.model_shape import (
     HEAD_COUNT_ATTRIBUTES,
     fused_parts,
@@ -448,8 +449,11 @@ def _left_whole(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any], hi
 def moe_blocks_of(module: nn.Module, prefix: str = "") -> set[str]:
     """The names of ``module``'s own MoE blocks (Hugging Face's, litgpt's; under ``prefix``): the modules holding
     stacked experts or a list of experts, beside the router that scores them. They flatten the tokens before the
-    router, so under sequence parallelism what they hold runs on this rank's share of the tokens."""
-    stacked = [n for n, m in module.named_modules() if is_stacked_experts(m)]
+    router, so under sequence parallelism what they hold runs on this rank's share of the tokens. Dense stacked
+    experts (Llama 4's) count where tensor parallelism can split them (their layout known); kept whole, they would
+    take their input's groups of tokens for shares of one sequence."""
+    stacked = [n for n, m in module.named_modules() if is_stacked_experts(m) or (
+        is_dense_experts(m) and stacked_split_placements(m) is not None)]
     return {_join(prefix, name.rpartition(".")[0]) for name in (*stacked, *listed_experts(module))}
 
 
@@ -491,8 +495,11 @@ def _reject_unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]
             listed = ", ".join(f"{n} {list(shape)}" for n, shape in own)
             if any(len(shape) == 3 for _, shape in own):  # experts stacked in a way meshlight does not know
                 fix = ("They look like stacked experts: meshlight splits those whose forward takes (hidden_states,"
-                       " top_k_index, top_k_weights), as most of Hugging Face's MoE models' do; train this one with"
-                       " pipeline or data parallelism, or parallelize it yourself in configure_model()")
+                       " top_k_index, top_k_weights), as most of Hugging Face's MoE models' do, and those taking"
+                       " every token in groups, forward(hidden_states) (Llama 4's), with a fused gate_up_proj and a"
+                       " down_proj [experts, hidden, 2 × width] and [experts, width, hidden] (or [experts, 2 × width,"
+                       " hidden] and [experts, hidden, width]); train this one with pipeline or data parallelism, or"
+                       " parallelize it yourself in configure_model()")
             else:
                 fix = ("Write attention with separate q, k, v nn.Linear layers (and an output projection), and keep"
                        " other parameters in a norm or a Linear" + ("" if packed else

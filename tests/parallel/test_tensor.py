@@ -615,9 +615,9 @@ def test_experts_held_as_a_list_stay_whole_on_every_rank_and_expert_parallelism_
 
 
 def test_experts_stacked_in_a_layout_meshlight_does_not_know_are_named_as_such():
-    """Experts stacked as ``[experts, …]`` weights whose forward is not Hugging Face's (Llama 4's take tokens already
-    grouped by expert): under sequence parallelism each rank would train them on its share; the refusal says what
-    they look like and what to do."""
+    """Experts stacked as ``[experts, …]`` weights in no layout meshlight knows (no ``num_experts``, a fused weight
+    without its ``down_proj``): under sequence parallelism each rank would train them on its share; the refusal says
+    what they look like, the layouts meshlight splits, and what to do."""
 
     class Experts(nn.Module):
         def __init__(self):

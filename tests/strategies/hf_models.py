@@ -19,10 +19,11 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "litgpt")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")  # 4 experts, top-2, in every layer
 #: families whose structure only tensor parallelism meets differently: their parity runs are tp2's (Qwen2-MoE and
 #: OLMoE: 4 experts, top-2, in every layer, Qwen2-MoE's with a shared expert; DeepSeek-V3: after a dense first layer;
-#: litgpt's in Mixtral's configuration: a list of experts);
+#: litgpt's in Mixtral's configuration: a list of experts; Llama 4: a dense layer, then 4 experts each taking every
+#: token, top-1, beside a shared expert);
 #: OLMo 2 and DeepSeek-V3 also in float64 (:data:`PARITY_RTOL`)
 TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "deepseek_v3", "deepseek_v3-fp64",
-               "ernie4_5_moe", "litgpt_moe")
+               "ernie4_5_moe", "litgpt_moe", "llama4")
 #: parity tolerances other than 1e-4, and why; each with a float64 twin (``-fp64``: :func:`in_float64`) whose runs
 #: match to about 1e-13 (DeepSeek-V3's: below), which shows the gap is rounding, not a different computation:
 #:
@@ -79,6 +80,17 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
             moe_intermediate_size=HIDDEN // 2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
             kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=None, bos_token_id=0,
             eos_token_id=1)
+    if family.startswith("llama4"):  # a dense layer, then a MoE one: 4 experts stored transposed, each run on every
+        # token scaled by its sigmoid router score (zero where not chosen: top-1), added in place into a shared
+        # expert's output; chunked attention (chunks of 4 tokens) with rotary and an L2 QK-norm, then a layer without
+        # rotary whose queries are scaled by a temperature that grows with the position. "-unchunked": no chunks;
+        # "-unchunked-untempered": nor the temperature (what context parallelism splits)
+        return transformers.Llama4TextConfig(
+            **{**common, **moe, "intermediate_size": HIDDEN // 2, "num_experts_per_tok": 1},
+            intermediate_size_mlp=HIDDEN, num_local_experts=4, interleave_moe_layer_step=2, no_rope_layers=[1, 0],
+            attention_chunk_size=None if "-unchunked" in family else 4, floor_scale=4,
+            attn_temperature_tuning="-untempered" not in family, head_dim=DIM // HEADS, pad_token_id=None,
+            bos_token_id=0, eos_token_id=1)
     if family == "ernie4_5_moe":  # a dense first layer; the router holds its score correction in a module of its own
         return transformers.Ernie4_5_MoeConfig(**{**common, **moe}, moe_num_experts=4, moe_k=2,
                                                moe_intermediate_size=HIDDEN // 2, moe_layer_start_index=1,
@@ -228,9 +240,13 @@ def in_float64(module: LitCausalLM) -> LitCausalLM:
         config._experts_implementation = "eager"
     for parent in list(module.modules()):
         for name, norm in parent.named_children():
-            if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
-                torch_norm = torch.nn.RMSNorm(norm.weight.shape, eps=norm.variance_epsilon)
-                torch_norm.weight = norm.weight
+            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+            if type(norm).__name__.endswith(("RMSNorm", "L2Norm")) and isinstance(eps, float):
+                weight = getattr(norm, "weight", None)  # (Llama 4's L2 norm of each head has none)
+                torch_norm = torch.nn.RMSNorm(weight.shape if weight is not None else parent.head_dim, eps=eps,
+                                              elementwise_affine=weight is not None)
+                if weight is not None:
+                    torch_norm.weight = weight
                 setattr(parent, name, torch_norm)
     return module.double()
 

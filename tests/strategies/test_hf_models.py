@@ -72,7 +72,7 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     assert len(result["losses"]) == parity.STEPS
     parity.assert_parity(result, controls[control_of(layout, model)], rtol=PARITY_RTOL.get(model, 1e-4))
     # 4 experts: over 2 or 4 ranks, or whole
-    stacked = (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3", "ernie4_5_moe")
+    stacked = (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3", "ernie4_5_moe", "llama4")
     if model.split("-")[0] in stacked and layout != "3d-planned":
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1
         # each expert split over tp=2
@@ -134,3 +134,14 @@ def test_a_models_own_experts_under_tensor_parallelism_refuse_what_they_cannot_d
                                                   r" gate_up_proj .*\); fold expert parallelism over them instead:"
                                                   r" experts='fold' with ep in \[2, 4\], or ep=1"):
         parallelize(module, ParallelLayout(dp_replicate=2, tp=2, ep=2, experts="split"), mesh=None)
+
+
+def test_experts_that_take_every_token_are_refused_by_expert_parallelism_naming_tp():
+    """Llama 4's experts each run on every token (scaled by the router's score): nothing to dispatch."""
+    from meshlight.parallel.layout import ParallelLayout
+    from meshlight.parallel.parallelize import parallelize
+
+    with pytest.raises(ValueError, match=r"ep=2, but the model has no experts to split.*\(Llama4TextExperts runs every"
+                                         r" expert on every token, as Llama 4's MoE does.*Train it with ep=1; tp"
+                                         r" splits each of its experts"):
+        parallelize(lit_causal_lm("llama4"), ParallelLayout(dp_replicate=2, ep=2), mesh=None)

@@ -68,7 +68,16 @@ EXTRA_MODELS: dict[str, Callable[[], pl.LightningModule]] = {
     "litgpt": functools.partial(LitCausalLM, "litgpt"),  # its rotary cache sliced by length, SDPA with is_causal
     # eager attention with sinks, sliding-window layers (4 tokens: across the chunks' edges), YaRN rotary, MoE
     "hf-gpt-oss": functools.partial(LitCausalLM, "gpt_oss"),
+    # a layer without rotary positions (no query temperature), an L2 QK-norm, experts each taking every token. Top-1
+    # routing at AdamW's 1e-2 makes the run chaotic: a token whose best two experts score within rounding of each
+    # other takes one on one layout and the other on another, and 20 steps amplify that to 6e-4 in the losses. In
+    # float64 (its twin, at 1e-2) cp=2 matches one process to 7e-15 in the weights; in float32 it is trained at 3e-3
+    # (5e-6)
+    "hf-llama4": functools.partial(LitCausalLM, "llama4-unchunked-untempered", lr=3e-3),
+    "hf-llama4-fp64": functools.partial(lit_causal_lm, "llama4-unchunked-untempered-fp64"),
 }
+#: parity tolerances other than 1e-4 (float64 twins: the same computation, bar their routers' float32 sigmoid)
+RTOL = {"hf-llama4-fp64": 1e-6}
 
 def lit_llama_moe(**moe: Any) -> LitLlama:
     """The Llama with a top-2 MoE of 4 experts in every block (dropless, the balancing loss on, unless ``moe`` sets
@@ -136,6 +145,8 @@ def refusals() -> dict[str, str]:
         "mask": (functools.partial(LlamaAttendingWith, _sliding_window), 8),
         "manual-attention": (functools.partial(LlamaAttendingWith, _written_out), 8),
         "labels-made-in-step": (functools.partial(LitLlamaLabels, in_step=True), 8),
+        "chunked": (functools.partial(LitCausalLM, "llama4"), 8),
+        "query-temperature": (functools.partial(LitCausalLM, "llama4-unchunked"), 8),
     }
     for name, (factory, multiple) in cases.items():
         try:

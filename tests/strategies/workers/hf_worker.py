@@ -17,7 +17,7 @@ import torch
 
 import meshlight as ml
 from meshlight.parallel.dtensors import local_tensor
-from meshlight.parallel.expert import StackedExpertsParallel, stacked_experts
+from meshlight.parallel.expert import StackedExpertsParallel, dense_experts, stacked_experts
 from tests.strategies import parity
 from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, TP_FAMILIES, lit_causal_lm
 
@@ -36,14 +36,16 @@ LAYOUTS = {
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
                                                             *TP_FAMILIES)),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
-    # and litgpt's listed experts whole on every rank, each computing all the tokens
+    # litgpt's listed experts whole on every rank, each computing all the tokens, and Llama 4's shared expert's
+    # output, summed over tp, added to in place by the model
     "tp2-no-sp": (lambda: ml.TensorParallelStrategy(tp=2, sequence_parallel=False), 2, 1,
-                  ("deepseek_v3", "litgpt_moe")),
+                  ("deepseek_v3", "litgpt_moe", "llama4")),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
     "ddp": (lambda: "ddp", 2, 2, (*FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
     "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, FAMILIES),
-    "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1, FAMILIES),
+    # Llama 4's forward reads its token embedding's device from the embedding's weight on every stage
+    "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1, (*FAMILIES, "llama4")),
     # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models)
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
                                                     microbatches=4), 2, 1, tuple(f"{f}-deep" for f in FAMILIES)),
@@ -52,10 +54,12 @@ LAYOUTS = {
     # differently — Llama's (Mistral's is the same; Qwen2 adds q/k/v biases, which tp=2 and pp=2 cover), QK-norm with an
     # explicit head_dim, GPT-2's Conv1D and head tied across the first and last stage, litgpt's fused grouped q|k|v,
     # OLMo 2's q and k norms over all heads sharded over tp and then over dp — and two MoE families (Mixtral's experts
-    # are split over tp as Qwen3-MoE's are; DeepSeek-V3's latent attention, its dense first layer a stage of its own)
+    # are split over tp as Qwen3-MoE's are; DeepSeek-V3's latent attention, its dense first layer a stage of its own;
+    # Llama 4's experts that take every token)
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=2), 8, 2,
            ("llama", "qwen3", "gpt2", "litgpt", "olmo2")),
-    "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=2), 8, 2, ("qwen3_moe", "deepseek_v3")),
+    "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=2), 8, 2,
+               ("qwen3_moe", "deepseek_v3", "llama4")),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
     "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2)
@@ -125,7 +129,7 @@ def local_experts(module: torch.nn.Module) -> list[tuple[int, int]]:
     ep) and the parts tp splits each of them into (one whole expert's ``down_proj`` ÷ this rank's slice of it)."""
     return [(forward.num_experts // forward.ranks if isinstance(forward := experts.forward, StackedExpertsParallel)
              else experts.num_experts, experts.down_proj[0].numel() // local_tensor(experts.down_proj)[0].numel())
-            for experts in stacked_experts(module)]
+            for experts in (*stacked_experts(module), *dense_experts(module))]
 
 
 def main(out: Path, layouts: list[str]) -> None:
