@@ -22,6 +22,7 @@ from torch import nn
 
 from meshlight.nn.moe import MoE
 from meshlight.parallel.blocks import repeated_blocks
+from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, listed_experts
 
 __all__ = [
     "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "WIDTH_ATTRIBUTES", "ModelShape", "ModelShapeError",
@@ -68,8 +69,10 @@ class ModelShape:
     gated_mlp: Optional[bool] = None
     tied_head: bool = False
     #: the width of what every token of an MoE layer runs beside its routed experts (Qwen2-MoE's shared expert,
-    #: DeepSeek's shared experts together), 0 for none; as the config states it
+    #: DeepSeek's shared experts together), 0 for none; as the config states it, else as the MoE block holds it
     shared_mlp_width: int = 0
+    #: the MLP width of an MoE model's layers without experts, 0 for ``mlp_width``
+    dense_mlp_width: int = 0
 
 
 def model_shape(module: nn.Module) -> ModelShape:
@@ -116,17 +119,50 @@ def config_shape(module: nn.Module) -> Optional[ModelShape]:
         experts = stated("num_local_experts", "num_experts", "n_routed_experts", "n_expert", default=0)
         mlp_width = (stated("moe_intermediate_size") if experts else None) or stated(
             "intermediate_size", "n_inner", default=4 * hidden)
-        shared = stated("shared_expert_intermediate_size", default=stated("n_shared_experts", default=0) * mlp_width)
+        moe_blocks = [block for block in map(moe_block, repeated_blocks(module)) if block is not None]
+        shared = stated("shared_expert_intermediate_size", default=stated(
+            "n_shared_experts", "n_shared_expert", default=0) * mlp_width) or shared_width(moe_blocks[:1], hidden)
+        # the dense layers' width, where the config states one beside the experts' (Llama 4's, DeepSeek's)
+        dense = stated("intermediate_size_mlp") or (stated("intermediate_size") if stated("moe_intermediate_size")
+                                                    else None) or 0
         return ModelShape(
             blocks=layers, hidden=hidden, heads=heads, kv_heads=stated("num_key_value_heads", "n_query_groups",
                                                                        default=heads),
             head_dim=stated("head_dim", "head_size", default=hidden // heads), mlp_width=mlp_width,
             vocab=stated("padded_vocab_size", "vocab_size", default=0), experts=experts,
             top_k=stated("num_experts_per_tok", "n_expert_per_token", default=1) if experts else 1,
-            moe_layers=layers if experts else 0, tied_head=head_tied(module),
+            moe_layers=(len(moe_blocks) or layers) if experts else 0, tied_head=head_tied(module),
             gated_mlp=mlp_gated(repeated_blocks(module), hidden, mlp_width),
-            shared_mlp_width=shared if experts else 0,
+            shared_mlp_width=shared if experts else 0, dense_mlp_width=dense if experts else 0,
         )
+
+
+def moe_block(block: nn.Module) -> Optional[nn.Module]:
+    """The module of ``block`` holding its experts (a model's own MoE block: the experts beside the router that
+    scores them, a shared expert), or a ``meshlight.nn.MoE`` layer; None in a dense block."""
+    for module in block.modules():
+        if isinstance(module, MoE):
+            return module
+        children = list(module.children())
+        if any(is_stacked_experts(c) or is_dense_experts(c) for c in children) or listed_experts(module) and any(
+                isinstance(c, nn.ModuleList) for c in children):
+            return module
+    return None
+
+
+def shared_width(moe_blocks: Sequence[nn.Module], hidden: int) -> int:
+    """The width of the MLPs the first of ``moe_blocks`` runs on every token beside its experts (a shared expert): the
+    input width of each child MLP's projection back to the ``hidden`` size, summed; 0 for none."""
+    total = 0
+    for block in moe_blocks[:1]:
+        for child in block.children():
+            linears = [m for m in child.modules() if linear_widths(m)]
+            if is_stacked_experts(child) or is_dense_experts(child) or isinstance(child, nn.ModuleList) or len(
+                    linears) < 2:
+                continue
+            writers = [widths[0] for m in linears if (widths := linear_widths(m))[1] == hidden]
+            total += writers[-1] if writers else 0
+    return total
     return None
 
 

@@ -300,9 +300,9 @@ def _tp_fits(model: ModelSpec, hw: Hardware, tp: int) -> bool:
     over tp or folded into ep (:func:`_expert_layouts`)."""
     if tp == 1:
         return True
-    dense_mlps = not model.experts or model.moe_every > 1
+    dense_mlps = model.moe_layers < model.layers
     return (hw.devices_per_node % tp == 0 and model.heads % tp == 0 and model.kv_heads % tp == 0
-            and not (dense_mlps and model.ffn_hidden % tp))
+            and not (dense_mlps and model.dense_width % tp))
 
 
 def _cp_fits(model: ModelSpec, tp: int, cp: int, *, given: bool = False) -> bool:
@@ -349,7 +349,8 @@ def _no_layout_message(model: ModelSpec, hw: Hardware, world: int, global_batch:
     dp, pp, tp, ep, cp = sizes
     given = ", ".join(f"{n}={v}" for n, v in zip(("dp", "pp", "tp", "ep", "cp"), sizes) if v is not None)
     hints = [f"tp must divide heads={model.heads}, kv_heads={model.kv_heads} and the MLP width"
-             f" {model.ffn_hidden}, and stay within a node", f"pp ≤ layers={model.layers}",
+             f" {model.dense_width if model.moe_layers < model.layers else model.ffn_hidden}, and stay within a"
+             " node", f"pp ≤ layers={model.layers}",
              f"2·cp·tp must divide the sequence length {model.seq_len}",
              f"dp must divide the global batch and the microbatches a replica's batch"
              f" ({global_batch or local_batch})"]

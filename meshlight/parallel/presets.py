@@ -44,6 +44,11 @@ class ModelSpec:
     head_size: int = 0  # width of one attention head where it is not hidden / heads (Qwen3's 128 at hidden 2048)
     #: width of the dense MLP every token of an MoE layer runs beside its routed experts (a shared expert), 0: none
     shared_ffn: int = 0
+    #: width of the MLP of an MoE model's layers without experts (DeepSeek's first ones, Llama 4 Maverick's every
+    #: other one), 0: ``ffn_hidden``, the experts' width
+    dense_ffn: int = 0
+    #: MoE layers where a model places them otherwise than every ``moe_every``-th (after dense first layers), 0: that
+    moe_count: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -51,11 +56,17 @@ class ModelSpec:
 
     @property
     def moe_layers(self) -> int:
-        return self.layers // self.moe_every if self.experts else 0
+        return min(self.moe_count or self.layers // self.moe_every, self.layers) if self.experts else 0
 
     @property
     def mlp_params(self) -> int:
+        """One expert's parameters (one dense layer's MLP in a model without experts)."""
         return (3 if self.swiglu else 2) * self.hidden * self.ffn_hidden
+
+    @property
+    def dense_width(self) -> int:
+        """The MLP width of the layers without experts."""
+        return self.dense_ffn or self.ffn_hidden
 
     @property
     def attention_params(self) -> int:
@@ -88,7 +99,8 @@ class ModelSpec:
         """Dense (non-expert) parameters of all blocks: attention, norms, dense MLPs, routers and shared experts."""
         kv = self.kv_heads * self.head_dim
         attention = self.attention_params + (self.heads * self.head_dim + 2 * kv + self.hidden if self.bias else 0)
-        mlp = self.mlp_params + ((2 if self.swiglu else 1) * self.ffn_hidden + self.hidden if self.bias else 0)
+        mlp = (3 if self.swiglu else 2) * self.hidden * self.dense_width + (
+            (2 if self.swiglu else 1) * self.dense_width + self.hidden if self.bias else 0)
         dense_mlps = (self.layers - self.moe_layers) * mlp
         return self.layers * (attention + 2 * self.norm_params) + dense_mlps + self.moe_layers * (
             self.hidden * self.experts + self.shared_expert_params)
@@ -116,9 +128,9 @@ class ModelSpec:
         whole: 2·h, whatever tp."""
         kv = self.kv_heads * self.head_dim
         per_width = 4 if self.swiglu else 2
-        mlp = per_width * self.ffn_hidden
         moe_share = self.moe_layers / self.layers
-        mlp = mlp * (1 - moe_share) + ((mlp + 2 * self.hidden) * self.top_k + per_width * self.shared_ffn) * moe_share
+        routed = (per_width * self.ffn_hidden + 2 * self.hidden) * self.top_k + per_width * self.shared_ffn
+        mlp = per_width * self.dense_width * (1 - moe_share) + routed * moe_share
         norms = (4 if self.rmsnorm else 2) * self.hidden
         gathered = 2 * self.hidden * (1 - 1 / tp) if self.keep_gathered_inputs else 0.0
         return (norms + 4 * self.hidden + 2 * kv + mlp) / tp + gathered
@@ -154,7 +166,7 @@ class ModelSpec:
         heads = shape.heads or max(shape.hidden // 64, 1)
         return cls(layers=shape.blocks, hidden=shape.hidden, heads=heads, kv_heads=shape.kv_heads or heads,
                    ffn_hidden=shape.mlp_width, vocab=shape.vocab, seq_len=seq_len or 2048, experts=shape.experts,
-                   top_k=shape.top_k, moe_every=max(shape.blocks // shape.moe_layers, 1) if shape.moe_layers else 1,
+                   top_k=shape.top_k, moe_count=shape.moe_layers, dense_ffn=shape.dense_mlp_width,
                    tie_embeddings=shape.tied_head, swiglu=shape.gated_mlp is not False, name=name,
                    head_size=shape.head_dim if shape.head_dim and shape.head_dim * heads != shape.hidden else 0,
                    shared_ffn=shape.shared_mlp_width)
@@ -295,6 +307,13 @@ MODELS: dict[str, ModelSpec] = {
     "llama3-405b": _llama(126, 16384, 128, 8, 53248, "Llama 3.1 405B"),
     "mixtral-8x7b": ModelSpec(32, 4096, 32, 8, 14336, vocab=32000, seq_len=4096, experts=8, top_k=2,
                               name="Mixtral 8x7B"),
+    # Llama 4 (its Hugging Face configs): one routed expert of 16 (128) per token beside a shared one in every
+    # (every other) layer, Maverick's other layers dense and twice as wide; 109B (400B) parameters, 17B active
+    "llama4-scout": ModelSpec(48, 5120, 40, 8, 8192, vocab=202048, seq_len=8192, experts=16, top_k=1,
+                              shared_ffn=8192, head_size=128, name="Llama 4 Scout"),
+    "llama4-maverick": ModelSpec(48, 5120, 40, 8, 8192, vocab=202048, seq_len=8192, experts=128, top_k=1,
+                                 moe_every=2, shared_ffn=8192, dense_ffn=16384, head_size=128,
+                                 name="Llama 4 Maverick"),
     "gpt3-175b": ModelSpec(96, 12288, 96, 96, 4 * 12288, vocab=50257, seq_len=2048, swiglu=False, name="GPT-3 175B",
                            rmsnorm=False),
     # Megatron-Core's weak-scaling models (GPT, vocabulary 131,072, sequence 4,096)

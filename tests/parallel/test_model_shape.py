@@ -161,6 +161,35 @@ def test_a_shared_expert_is_counted_as_every_tokens_mlp_beside_the_routed_ones()
     assert (shape.experts, shape.mlp_width, shape.shared_mlp_width) == (4, 32, 64)
 
 
+@pytest.mark.parametrize("family", ["llama4", "ernie4_5_moe"])
+def test_an_moe_models_dense_layers_and_a_shared_expert_its_config_does_not_state_are_counted(family):
+    """Llama 4 and ERNIE 4.5 (their tiny models: a dense first layer, then an MoE one) hold dense layers twice as wide
+    as an expert, which the planner counted as MoE layers; Llama 4's shared expert is stated by no config field and
+    read from its MoE block. Their parameters come out exactly, but for ERNIE's router's score correction (one value
+    per expert)."""
+    pytest.importorskip("transformers")
+    from tests.strategies import hf_models
+
+    module = hf_models.lit_causal_lm(family)
+    shape = model_shape(module)
+    assert (shape.blocks, shape.moe_layers, shape.mlp_width, shape.dense_mlp_width) == (2, 1, hf_models.HIDDEN // 2,
+                                                                                         hf_models.HIDDEN)
+    assert shape.shared_mlp_width > 0
+    assert model_spec_of(module).params == pytest.approx(sum(p.numel() for p in module.parameters()), abs=4)
+
+
+def test_the_llama_4_presets_hold_their_published_parameter_counts():
+    """Scout: 109B parameters (its text model 108B), Maverick 400B, both 17B active (embedding and head with it):
+    Maverick's experts in every other layer, the dense layers between them twice as wide."""
+    from meshlight.parallel.presets import MODELS
+
+    for name, total in (("llama4-scout", 108e9), ("llama4-maverick", 400e9)):
+        spec = MODELS[name]
+        assert spec.params == pytest.approx(total, rel=0.01)
+        assert spec.active_params + spec.embedding_params == pytest.approx(17.2e9, rel=0.01)  # (the head is in)
+    assert MODELS["llama4-maverick"].moe_layers == 24
+
+
 def test_an_mlp_holding_the_models_config_is_not_read_as_attention():
     """GLM-4's MLP keeps the model's config, whose head counts explain a fused k|v as wide as the MLP's output
     projection (2 × 4 key/value heads × 8 = 64, the hidden size): only a projection of the hidden state can be a
