@@ -188,8 +188,18 @@ def head_tied(module: nn.Module) -> bool:
 
 def _stated(config: object, *names: str, default: Optional[int] = None) -> Optional[int]:
     """The first of ``names`` that ``config`` holds as a whole number, else ``default``."""
-    value = next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
+    value = next((v for n in names if isinstance(v := stated_attribute(config, n), int)), None)
     return default if value is None else value
+
+
+def stated_attribute(holder: object, name: str) -> object:
+    """``holder.name``, None where it has none or will not say: transformers' configs of models whose layers differ
+    (Gemma 4's) raise for a per-layer value such as ``head_dim`` read from the whole model's config — a count the
+    layers' own modules then keep."""
+    try:
+        return getattr(holder, name, None)
+    except RuntimeError:
+        return None
 
 
 def linear_widths(module: nn.Module) -> Optional[tuple[int, int]]:
@@ -249,7 +259,7 @@ def head_counts(module: object, *, own: bool = False) -> dict[str, int]:
     """The head counts ``module`` keeps under :data:`HEAD_COUNT_ATTRIBUTES`, by attribute (where it keeps them: see
     :func:`count_holder`; ``own``: in ``module`` itself)."""
     holder = module if own else count_holder(module)
-    counts = {a: getattr(holder, a, None) for a in HEAD_COUNT_ATTRIBUTES}
+    counts = {a: stated_attribute(holder, a) for a in HEAD_COUNT_ATTRIBUTES}
     return {a: v for a, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
@@ -257,7 +267,7 @@ def head_dim_of(module: object, *, own: bool = False) -> Optional[int]:
     """The width of one head, where ``module`` keeps it under :data:`HEAD_DIM_ATTRIBUTES` (or its config does:
     :func:`count_holder`; ``own``: ``module`` itself)."""
     holder = module if own else count_holder(module)
-    dims = (getattr(holder, a, None) for a in HEAD_DIM_ATTRIBUTES)
+    dims = (stated_attribute(holder, a) for a in HEAD_DIM_ATTRIBUTES)
     return next((d for d in dims if isinstance(d, int) and not isinstance(d, bool) and d > 0), None)
 
 
@@ -298,10 +308,14 @@ def projection_heads(module: nn.Module, names: Sequence[str]) -> dict[str, int]:
 
 def per_head_parameters(module: nn.Module, hidden: int) -> list[str]:
     """Names of an attention ``module``'s own 1-D parameters holding one value per query head (GPT-OSS's attention
-    sinks): tensor parallelism splits them with the heads."""
+    sinks): tensor parallelism splits them with the heads. Where an attention has as many heads as each is wide,
+    only those named as sinks: DiffLlama's λ vectors are as wide as a head (and with 8 heads of 8, as many)."""
     heads = attention_heads(module, hidden)
+    if not heads:
+        return []
+    ambiguous = heads[0] == head_dim_of(module)
     return [name for name, param in module.named_parameters(recurse=False)
-            if heads and param.dim() == 1 and param.shape[0] == heads[0]]
+            if param.dim() == 1 and param.shape[0] == heads[0] and (not ambiguous or "sink" in name)]
 
 
 def attention_heads(module: nn.Module, hidden: int) -> Optional[tuple[int, int]]:

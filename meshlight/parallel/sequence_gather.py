@@ -34,8 +34,9 @@ __all__ = ["register_sequence_gather", "sequence_share"]
 def register_sequence_gather(
     module: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool, keep_gathered: bool = False,
 ) -> None:
-    """Make ``module``'s first input (given by position or by its name) one replicated DTensor over the 1-D
-    ``mesh`` (an all-gather of the sequence under sequence parallelism) before its forward. It stays a DTensor, so
+    """Make ``module``'s first input (given by position or by its name; also where it is given again, as another
+    argument) one replicated DTensor over the 1-D ``mesh`` (an all-gather of the sequence under sequence
+    parallelism) before its forward. It stays a DTensor, so
     the gradients of all the Linears reading it accumulate as one partial sum and are reduced once. Under sequence
     parallelism, what ``module``'s forward saves of it is kept as this rank's share and gathered again in backward,
     unless ``keep_gathered``."""
@@ -54,10 +55,9 @@ def register_sequence_gather(
             gathered = share.redistribute(mesh, [Replicate()])
             if regather and _hooks_apply(share):
                 scope = _Scope(share, gathered)
-            if by_name:
-                kwargs = {**kwargs, first: gathered}
-            else:
-                args = (gathered, *args[1:])
+            # every argument that is this tensor (CTRL's attention takes its input three times: as q, k and v)
+            args = tuple(gathered if arg is value else arg for arg in args)
+            kwargs = {key: gathered if arg is value else arg for key, arg in kwargs.items()}
         if scope is not None:
             torch._C._autograd._push_saved_tensors_default_hooks(scope.pack, scope.unpack)
         scopes.append(scope)

@@ -143,8 +143,7 @@ def apply_tensor_parallel(
             rowwise = _TransposedRowwise if is_transposed_linear(modules[name]) else _Rowwise
             styles[name] = rowwise(output_layouts=Shard(1) if sequence_parallel else Replicate())
         elif role == "embedding":
-            styles[name] = RowwiseParallel(input_layouts=Replicate(),
-                                           output_layouts=Shard(1) if on_share else Replicate())
+            styles[name] = _Rowwise(input_layouts=Replicate(), output_layouts=Shard(1) if on_share else Replicate())
         elif role == "head":
             styles[name] = _LMHead(sequence_parallel=on_share, loss_parallel=loss_parallel)
         elif role == "norm" and on_share:
@@ -358,8 +357,9 @@ class _Rowwise(RowwiseParallel):
     """Row-parallel; under sequence parallelism (``output_layouts=Shard(1)``) its output is reduce-scattered to this
     rank's share of the sequence wherever that lies (:func:`sequence_share`): the sequence of ``[batch, sequence,
     hidden]``, the tokens of the flattened ``[tokens, hidden]`` an MoE block's shared expert returns. Made local, the
-    output is a tensor of its own (:func:`~meshlight.parallel.dtensors.modifiable_local`): a model may add to it in
-    place."""
+    output is a tensor of its own (:func:`~meshlight.parallel.dtensors.modifiable_local`): a model may modify it in
+    place (Llama 4 adds into its shared expert's output, CTRL scales its token embedding's). Also the token
+    embedding's style (sharded by vocabulary, its lookups summed)."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts: tuple, use_local_output: bool, mod: nn.Module, outputs: DTensor,

@@ -556,6 +556,19 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
             )
         readers = {n: width[1] for n in group if plan[n] in COLUMN_ROLES and (width := linear_widths(modules[n]))}
         qkv = [n for n in readers if len(fused_projection(modules, plan, n) or ()) == 3]  # a fused q|k|v
+        fused = [n for n in readers if fused_projection(modules, plan, n)]
+        latent = any(plan[n] == "latent" for n in group)  # (DeepSeek's q and k|v up-projections read latents)
+        if len(readers) < 3 and not (fused or latent) and head_counts(module, own=True):
+            writer = next(n for n in group if n not in readers)
+            raise TensorParallelError(
+                f"{_shown(owner)} keeps a head count (attention), but its column→row group would be"
+                f" {', '.join(n.rpartition('.')[2] for n in readers)} → {writer.rpartition('.')[2]}: its q, k, v and"
+                " output projection are not in one module (BERT's attention holds its output projection in a"
+                " sibling module, BertSelfOutput), and a value projection split as the output projection would"
+                " train another model. Tensor parallelism splits attention as one column→row group in the module"
+                " that holds it: hold q, k, v and the output projection in one module, or train without tensor"
+                " parallelism (pp, ZeRO)."
+            )
         attention = len(readers) >= 3 or len(set(readers.values())) > 1 or bool(qkv)
         if attention and not (head_counts(module) or head_dim_of(module)):
             counts = [f"{a}={v}" for a, v in vars(module).items()

@@ -204,3 +204,19 @@ def test_an_mlp_holding_the_models_config_is_not_read_as_attention():
     assert derive_plan(module)["model.model.layers.0.mlp.gate_up_proj"] == "fused_colwise"
     attention = module.model.model.layers[0].self_attn
     assert count_holder(attention) is attention  # Hugging Face's attention keeps its head_dim itself
+
+
+def test_a_config_that_refuses_to_state_a_per_layer_value_states_none():
+    """transformers' configs of models whose layers differ (Gemma 4's) raise for a per-layer value such as head_dim
+    read from the whole model's config: the planner and tensor parallelism then read the layers' own modules."""
+    from meshlight.parallel.model_shape import head_dim_of, stated_attribute
+
+    class PerLayerConfig:
+        num_attention_heads = 8
+
+        @property
+        def head_dim(self):
+            raise RuntimeError("'head_dim' is a per-layer attribute and may vary across layers")
+
+    assert stated_attribute(PerLayerConfig(), "head_dim") is None
+    assert head_dim_of(PerLayerConfig(), own=True) is None

@@ -45,3 +45,24 @@ def test_outer_hooks_keep_each_groups_share_once_instead_of_every_projections_ga
 def test_no_saved_tensor_hooks_outlive_a_forward(results):
     assert not any(r["hooks_left"] for key, r in results.items() if isinstance(key, tuple))
     assert results["clean after failure"]
+
+
+def test_an_input_given_again_as_another_argument_is_gathered_there_too(one_process_group):
+    """CTRL's attention takes its input three times, as v, k and q: each is the one gathered tensor."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from meshlight.parallel.sequence_gather import register_sequence_gather
+
+    class Attention(nn.Module):
+        def forward(self, v, k, q, mask=None):
+            self.seen = (v, k, q, mask)
+            return v
+
+    attention = Attention()
+    register_sequence_gather(attention, init_device_mesh("cpu", (1,)), sequence_parallel=True)
+    x, mask = torch.randn(2, 4, 8), torch.ones(4, 4)
+    attention(x, x, q=x, mask=mask)
+    v, k, q, seen_mask = attention.seen
+    assert isinstance(v, DTensor) and v is k is q and seen_mask is mask

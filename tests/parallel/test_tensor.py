@@ -638,3 +638,29 @@ def test_experts_stacked_in_a_layout_meshlight_does_not_know_are_named_as_such()
                                                   r" train this one with pipeline or data parallelism, or parallelize"
                                                   r" it yourself in configure_model\(\)\."):
         validate_plan(model, derive_plan(model), 2, 2)
+
+
+def test_attention_whose_output_projection_sits_in_a_sibling_module_is_refused():
+    """BERT's self-attention holds query, key and value and keeps its head count; its output projection sits in a
+    sibling module (BertSelfOutput). Read as a group, value would have been split as the output projection."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, is_decoder=True)
+    model = transformers.BertLMHeadModel(config)
+    with pytest.raises(TensorParallelError, match=r"bert.encoder.layer.0.attention.self keeps a head count"
+                                                  r" \(attention\), but its column→row group would be query, key →"
+                                                  r" value: its q, k, v and output projection are not in one module"):
+        validate_plan(model, derive_plan(model), 2, 2)
+
+
+def test_vectors_as_wide_as_a_head_are_not_split_with_the_heads_where_the_two_counts_agree():
+    """DiffLlama's λ vectors are as wide as a head; with 8 heads of 8 they looked like one value per head (GPT-OSS's
+    sinks) and were split with the heads, training another model. Where the counts agree only sinks are split: the
+    attention is refused, naming them."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DiffLlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=8, num_key_value_heads=4)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(TensorParallelError, match=r"model.layers.0.self_attn holds the tensor-parallel group .* and"
+                                                  r" also the parameters model.layers.0.self_attn.lambda_q1 \[8\]"):
+        validate_plan(model, derive_plan(model), 2, 2)
