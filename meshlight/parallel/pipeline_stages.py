@@ -163,13 +163,15 @@ class Stage(nn.Module):
 
 
 def _whole_shaped(stage_input: Any) -> Any:
-    """What the root's forward is given for a later stage's input: the input itself, or — for this rank's share of
-    the sequence under sequence parallelism (a DTensor whose shape is the whole sequence's) — zeros of the whole
-    sequence's shape, so that the forward counts positions and builds masks for the whole sequence and adds plain
-    tensors to it (GPT-2's learned positions). Its first block gets the share itself."""
-    if not isinstance(stage_input, DTensor):
+    """What the root's forward is given for a later stage's input: zeros of its shape — of the whole sequence's for
+    this rank's share under sequence parallelism (a DTensor whose shape is the whole sequence's) — so that the
+    forward counts positions and builds masks for the whole sequence, adds plain tensors to it (GPT-2's learned
+    positions) and may scale it in place (CTRL scales its embedding's output). Its first block gets the stage's input
+    itself."""
+    if not isinstance(stage_input, torch.Tensor) or not stage_input.is_floating_point():
         return stage_input
-    return torch.zeros(stage_input.shape, dtype=stage_input.dtype, device=stage_input.to_local().device)
+    local = stage_input.to_local() if isinstance(stage_input, DTensor) else stage_input
+    return torch.zeros(stage_input.shape, dtype=stage_input.dtype, device=local.device)
 
 
 class _ZerosLike(nn.Module):

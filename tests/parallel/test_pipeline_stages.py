@@ -215,3 +215,17 @@ def test_a_meta_stage_without_init_weights_is_reset_and_the_user_is_told():
                                          r" stage's modules are initialized with their own reset_parameters\(\)"):
         materialize(model, torch.device("cpu"))
     assert all(not p.is_meta and p.abs().sum() > 0 for p in model.parameters())
+
+
+def test_a_later_stage_gives_the_roots_forward_zeros_it_may_scale_in_place():
+    """CTRL scales its token embedding's output in place (``*= sqrt(d)``); on a later stage that output is what the
+    root's forward was given for the stage's input, a tensor autograd tracks: the forward gets zeros of its shape
+    instead (the first block gets the input itself)."""
+    from meshlight.parallel.pipeline_stages import _whole_shaped
+
+    received = torch.randn(2, 6, 8, requires_grad=True)
+    given = _whole_shaped(received)
+    given *= 2.0
+    assert given is not received and not given.requires_grad and torch.equal(given, torch.zeros(2, 6, 8))
+    ids = torch.arange(6)
+    assert _whole_shaped(ids) is ids
