@@ -558,8 +558,8 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
         qkv = [n for n in readers if len(fused_projection(modules, plan, n) or ()) == 3]  # a fused q|k|v
         fused = [n for n in readers if fused_projection(modules, plan, n)]
         latent = any(plan[n] == "latent" for n in group)  # (DeepSeek's q and k|v up-projections read latents)
-        if len(readers) < 3 and not (fused or latent) and head_counts(module, own=True):
-            writer = next(n for n in group if n not in readers)
+        writer = next((n for n in group if n not in readers), None)
+        if writer and len(readers) < 3 and not (fused or latent) and head_counts(module, own=True):
             raise TensorParallelError(
                 f"{_shown(owner)} keeps a head count (attention), but its column→row group would be"
                 f" {', '.join(n.rpartition('.')[2] for n in readers)} → {writer.rpartition('.')[2]}: its q, k, v and"
