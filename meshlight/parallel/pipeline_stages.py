@@ -6,6 +6,7 @@ materialization of stages built on the meta device. How a model is split and sch
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -185,8 +186,9 @@ class _ZerosLike(nn.Module):
         self.register_buffer("weight", torch.empty(0, dim, dtype=dtype, device=device), persistent=False)
 
     def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if ids.is_floating_point():  # the stage's input where the root takes token ids: handed on as it is
-            return ids
+        if ids.is_floating_point() and ids.shape[-1:] == (self.dim,):
+            return ids  # the stage's input where the root takes token ids: handed on as it is
+        # token ids, or what a learned position embedding reads (OPT's: the attention mask, floats)
         return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
 
 
@@ -292,14 +294,20 @@ def check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pla
     blocks = [f"{container_name}.{k}" for keys in plan.blocks for k in keys]
     pieces = [*blocks, *(prefix + name for name in plan.post[:1])]
     received: list[tuple[str, Any]] = []
-    probes = {name: _Probe(name, received, stop=name == pieces[-1]) for name in pieces}
+    # with no piece after the blocks, the forward runs on to a head beside the pipelined module, where it stops: a
+    # piece registered before the blocks but run after them shows there
+    on_to_head = not plan.post and bool(place.heads)
+    probes = {name: _Probe(name, received, stop=name == pieces[-1] and not on_to_head) for name in pieces}
     container = root.get_submodule(container_name)
     keys = list(container.keys()) if isinstance(container, nn.ModuleDict) else [str(i) for i in range(len(container))]
     probed = [probes[f"{container_name}.{k}"] for k in keys]
     # an embedding's stand-in hands on zeros of its output's dtype, which what runs before the blocks may read (an
     # eager attention mask takes its minimum)
+    late: list[str] = []  # pieces registered before the blocks that run once they began
     replacements: dict[str, nn.Module] = {prefix + name: _stand_in(root.get_submodule(prefix + name))
                                           for name in plan.pre}
+    watches = [stand_in.register_forward_pre_hook(functools.partial(_watch, name, received, late))
+               for name, stand_in in replacements.items()]
     replacements.update({name: probes[name] for name in pieces[len(blocks):]})
     replacements.update({head: _Probe(head, received, stop=True) for head in place.heads})
     replacements[container_name] = (nn.ModuleDict(zip(keys, probed)) if isinstance(container, nn.ModuleDict)
@@ -319,6 +327,21 @@ def check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pla
             f" {error}. An operation between blocks is not a piece of its own: move it into them (see"
             " docs/guides/pipeline.md)."
         ) from error
+    finally:
+        for watch in watches:  # (a stage's own stand-in may be one of them)
+            watch.remove()
+    if late:
+        parent, _, leaf = late[0].rpartition(".")
+        owner = f"{name}.{parent}" if parent else name
+        raise PipelineError(
+            f"{name}.forward runs {late[0]!r} after the blocks {blocks[0]} … {blocks[-1]}, but it is registered"
+            f" before {container_name!r}: the first stage would own it and the last would skip it. Register it after"
+            f" the blocks in configure_model() — on {owner}: `norm = parent.{leaf}; del parent.{leaf}; parent.{leaf}"
+            " = norm` puts it last among its parent's modules — or train without pipelining."
+        )
+    heads = [i for i, (piece, _) in enumerate(received) if piece in place.heads]
+    if on_to_head and heads and heads[0] > 0 and received[heads[0] - 1][0] == pieces[-1]:
+        received = received[:heads[0]]  # the head ran after the last block, as it should
     order = [piece for piece, _ in received]
     early = [piece for piece in order if piece in place.heads]
     if early:
@@ -339,6 +362,13 @@ def check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pla
                 " argument (an operation between blocks, or an input from before the blocks reused after them)."
                 " Move such operations into the blocks (see docs/guides/pipeline.md)."
             )
+
+
+def _watch(name: str, received: list, late: list, module: nn.Module, args: tuple) -> None:
+    """A forward pre-hook on the stand-in of a piece registered before the blocks, in :func:`check_chain`: ``late``
+    gets its ``name`` where it runs once a block has (``received``)."""
+    if received:
+        late.append(name)
 
 
 class _Probe(nn.Module):
