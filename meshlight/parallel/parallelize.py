@@ -161,7 +161,7 @@ def _split_over_tp(experts: nn.Module, layout: ParallelLayout) -> bool:
 def _check_stacked_experts_under_tp(module: nn.Module, layout: ParallelLayout) -> None:
     """A model's own MoE blocks (Hugging Face's stacked experts) under tensor parallelism: attention is split, the
     router kept whole (on this rank's share of the tokens under sequence parallelism), and the experts each split over
-    the tp ranks (``experts="split"``, in the layout most of Hugging Face's MoE models share, or GPT-OSS's), or spread
+    the tp ranks (``experts="split"``, in a layout :func:`~meshlight.parallel.expert_tensor.stacked_split_placements` knows), or spread
     over them by ``ep`` folded over them (``experts="fold"``); experts in another layout are kept whole on every tp
     rank with ``ep=1``. Refused: such experts with ``ep > 1`` not folded."""
     unsplit = [name for name, m in module.named_modules() if is_stacked_experts(m) and not _split_over_tp(m, layout)]
@@ -169,7 +169,7 @@ def _check_stacked_experts_under_tp(module: nn.Module, layout: ParallelLayout) -
         raise NotImplementedError(
             f"{layout.describe()}: {unsplit[0]}'s weights are not in the layout meshlight splits over the tp ranks"
             " (experts='split': a fused gate_up_proj [experts, 2 × intermediate, hidden] and down_proj [experts,"
-            " hidden, intermediate], or GPT-OSS's, transposed and with biases); fold expert parallelism over them"
+            " hidden, intermediate], or transposed as Llama 4's and GPT-OSS's are); fold expert parallelism over them"
             " instead: experts='fold' with ep in"
             f" {layout.folded_ep_choices()}, or ep=1 (the experts whole on every tp rank)."
         )
