@@ -161,9 +161,9 @@ def _split_over_tp(experts: nn.Module, layout: ParallelLayout) -> bool:
 def _check_stacked_experts_under_tp(module: nn.Module, layout: ParallelLayout) -> None:
     """A model's own MoE blocks (Hugging Face's stacked experts) under tensor parallelism: attention is split, the
     router kept whole (on this rank's share of the tokens under sequence parallelism), and the experts each split over
-    the tp ranks (``experts="split"``, in a layout :func:`~meshlight.parallel.expert_tensor.stacked_split_placements` knows), or spread
-    over them by ``ep`` folded over them (``experts="fold"``); experts in another layout are kept whole on every tp
-    rank with ``ep=1``. Refused: such experts with ``ep > 1`` not folded."""
+    the tp ranks (``experts="split"``, in a layout :func:`~meshlight.parallel.expert_tensor.stacked_split_placements`
+    knows), or spread over them by ``ep`` folded over them (``experts="fold"``); experts in another layout are kept
+    whole on every tp rank with ``ep=1``. Refused: such experts with ``ep > 1`` not folded."""
     unsplit = [name for name, m in module.named_modules() if is_stacked_experts(m) and not _split_over_tp(m, layout)]
     if layout.ep > 1 and unsplit:
         raise NotImplementedError(
