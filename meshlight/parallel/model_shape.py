@@ -143,9 +143,8 @@ def moe_block(block: nn.Module) -> Optional[nn.Module]:
     for module in block.modules():
         if isinstance(module, MoE):
             return module
-        children = list(module.children())
-        if any(is_stacked_experts(c) or is_dense_experts(c) for c in children) or listed_experts(module) and any(
-                isinstance(c, nn.ModuleList) for c in children):
+        if any(is_stacked_experts(c) or is_dense_experts(c) for c in module.children()) or any(
+                "." not in name for name in listed_experts(module)):  # a list of experts among its own children
             return module
     return None
 
