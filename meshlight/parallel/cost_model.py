@@ -38,8 +38,11 @@
   compute of their phase, and the host's optimizer step, which nothing overlaps; and latencies: a fixed one per p2p
   message and pipeline action (what makes many tiny microbatches slow), and for each TP and DP
   collective NCCL's ring model — a base plus one hop per ring step, inter-node hops slower (what makes ZeRO-3
-  over hundreds of ranks latency-bound). Links: a group within one node uses the intra-node bandwidth,
-  otherwise the inter-node one (mesh order pp, dp, ep, cp, tp: tp innermost, cp next to it). Compute needs no
+  over hundreds of ranks latency-bound). Links: a group within one node uses the intra-node bandwidth;
+  one spanning nodes the NICs of its members on each node together, up to the intra-node bandwidth (NCCL's
+  rings run one channel per NIC, so a ring over whole nodes crosses between them on all of a node's NICs at
+  once, and a group with one member per node on that member's NIC alone) (mesh order pp, dp, ep, cp, tp: tp
+  innermost, cp next to it). Compute needs no
   term of its own for cp: each rank runs ``1/cp`` of every sequence's tokens through the weights and, its chunks
   balanced (an early and a late one), ``1/cp`` of the causal attention.
 
@@ -362,9 +365,14 @@ def _kv_exchange_time(model: ModelSpec, hw: Hardware, cp: int, tp: int, micro_ba
 
 
 def _bandwidth(hw: Hardware, size: int, stride: int) -> float:
-    """Per-device bandwidth of a group of ``size`` ranks ``stride`` apart in the rank order."""
+    """Per-device bandwidth of a group of ``size`` ranks ``stride`` apart in the rank order: the intra-node link
+    within a node; across nodes, the NICs of the group's members on a node together (NCCL's rings, a channel per
+    NIC, leave each node on all of them at once), at most what the intra-node link carries to them."""
     span = size * stride
-    return hw.intra_bandwidth if hw.devices_per_node % span == 0 else hw.inter_bandwidth
+    if hw.devices_per_node % span == 0:
+        return hw.intra_bandwidth
+    per_node = max(1, min(size, hw.devices_per_node // stride))
+    return min(hw.intra_bandwidth, per_node * hw.inter_bandwidth)
 
 
 def _ring_latency(hw: Hardware, size: int, stride: int) -> float:

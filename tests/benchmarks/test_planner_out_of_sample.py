@@ -13,33 +13,27 @@ planner_benchmark, run_all = benchmark_modules("planner", "run_all")  # run_all:
 _NARROW = ("compute-bound: the planner prices every matmul at half the dense peak whatever the width (it counts the"
            " tied LM head's matmul too), and predicts {predicted} MFU where llm-foundry's run reached {mfu} at this"
            " width")
-_ZERO_BETWEEN_NODES = ("the planner exposes {share} of the step to ZeRO traffic between nodes (50 GB/s per GPU);"
-                       " llm-foundry's run kept {kept}")
 
 #: run id -> why the planner misses it by more than 25% (predicted ÷ published, as measured)
 MISSES = {
-    "mpt-70b-h100-32x-b1024": "0.705: " + _ZERO_BETWEEN_NODES.format(
-        share="32%", kept="36% MFU, about the planner's compute alone with recomputation (37%)"),
-    "mpt-13b-h100-64x-b128": "0.472: " + _ZERO_BETWEEN_NODES.format(
-        share="62%", kept="its 8-GPU rate at 2 sequences per GPU"),
-    "mpt-13b-h100-32x-b64": "0.481: " + _ZERO_BETWEEN_NODES.format(
-        share="62%", kept="its 8-GPU rate at 2 sequences per GPU"),
-    "mpt-13b-h100-16x-b32": "0.501: " + _ZERO_BETWEEN_NODES.format(
-        share="60%", kept="its 8-GPU rate at 2 sequences per GPU"),
-    "mpt-760m-h100-32x-b768": "1.326: " + _NARROW.format(predicted="45%", mfu="34%"),
-    "mpt-760m-h100-16x-b384": "1.315: " + _NARROW.format(predicted="45%", mfu="35%"),
+    "mpt-13b-h100-16x-b32": ("1.255: compute-bound, 2 sequences per GPU: at half the dense peak the planner predicts"
+                             " 49% MFU where llm-foundry's run reached 39% (its 8-, 32- and 64-GPU runs land at"
+                             " 1.24–1.25, just inside)"),
+    "mpt-760m-h100-32x-b768": "1.334: " + _NARROW.format(predicted="46%", mfu="34%"),
+    "mpt-760m-h100-16x-b384": "1.323: " + _NARROW.format(predicted="46%", mfu="35%"),
     "mpt-760m-h100-8x-b384": "1.437: " + _NARROW.format(predicted="46%", mfu="32%"),
     "mpt-30b-a100-8x-b504": ("0.678: compute-bound with recomputation; at half the dense peak the planner predicts"
                              " 37% MFU, and llm-foundry's A100 run reached 55% (74% counting the recomputation)"),
-    "gpt3-175b-h100-512x-b2048": ("0.727: an FP8 run compared at torchtitan's Float8 speedup (1.445×); the planner's"
+    "gpt3-175b-h100-512x-b2048": ("0.728: an FP8 run compared at torchtitan's Float8 speedup (1.445×); the planner's"
                                   " bf16 prediction (45% MFU) against 62% implied, so either NeMo's FP8 gains more"
                                   " here or half the peak is too little for 12,288-wide matmuls"),
 }
 #: run id -> why the published layout, tuned for speed, is not among the planner's three best
 RANK_MISSES = {
-    "llama2-13b-h100-16x-b128": ("rank 5: the planner's five best layouts lie within 4%; it prices NeMo's TP 1 × PP 4"
+    "llama2-13b-h100-16x-b128": ("rank 6: the planner's six best layouts lie within 9%; it prices NeMo's TP 1 × PP 4"
                                  " (VP 10) as plain 1F1B, its interleaving needing at least pp·v microbatches per"
-                                 " replica (40; the replica has 32), and puts TP 2 over NVLink first"),
+                                 " replica (40; the replica has 32), and puts ZeRO-3 over all 16 GPUs first, its"
+                                 " rings leaving each node on its 8 NICs at once"),
 }
 
 
@@ -87,6 +81,6 @@ def test_the_benchmark_reports_the_ratios_and_ranks_the_tests_check():
         assert (0.75 <= row["ratio"] <= 1.25) == (_id(run) not in MISSES), _id(run)
         if run.chosen_as_fastest:
             assert (row["rank"] <= 3) == (_id(run) not in RANK_MISSES), _id(run)
-    assert sum(0.75 <= row["ratio"] <= 1.25 for row in rows) == 25  # of 34
+    assert sum(0.75 <= row["ratio"] <= 1.25 for row in rows) == 28  # of 34
     section = run_all.planner_out_of_sample_section({"out_of_sample": rows})
-    assert "Within 25%: 25 of 34 (**not met**). Chosen layouts among the planner's three best: 4 of 5." in section
+    assert "Within 25%: 28 of 34 (**not met**). Chosen layouts among the planner's three best: 4 of 5." in section

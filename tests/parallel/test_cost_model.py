@@ -12,7 +12,7 @@ import torch
 from meshlight.cli import main
 from meshlight.parallel.cost_model import _bandwidth, _ring_latency, estimate, model_state_bytes, precision_bytes
 from meshlight.parallel.planner import best_per_layout, plan
-from meshlight.parallel.presets import HARDWARE, MODELS, detect_hardware
+from meshlight.parallel.presets import GB, HARDWARE, MODELS, detect_hardware
 
 CPU = HARDWARE["cpu"]  # fp32: 4-byte parameters
 
@@ -97,7 +97,8 @@ def test_context_parallel_exchanges_the_whole_sequences_kv_over_the_links_cp_spa
     model, h100 = MODELS["llama3-8b"].replace(seq_len=131072), HARDWARE["h100"]
     world = 2 * cp * tp
     kv = 2 * model.seq_len * model.kv_heads * model.head_dim / tp * h100.activation_bytes
-    link = h100.intra_bandwidth if cp * tp <= 8 else h100.inter_bandwidth  # cp sits next to tp in the mesh
+    # cp sits next to tp in the mesh; across nodes the group's members on a node send over their NICs together
+    link = h100.intra_bandwidth if cp * tp <= 8 else min(8 // tp, cp) * h100.inter_bandwidth
     assert _bandwidth(h100, cp, tp) == link
     for recompute, exchanges in ((False, 2), (True, 3)):
         candidate = estimate(model, h100, world, 4, 2, 1, tp, 1, 3, 2, 1, recompute, cp=cp)
@@ -258,3 +259,14 @@ def test_compressed_activations_count_their_smaller_bytes_and_never_more():
     assert activations(compressed_activations=1.0) == activations()  # bf16 kept as bf16
     fp8 = activations(compressed_activations=1.0, compressed_activation_bytes=1)
     assert fp8 - logits == pytest.approx((activations() - logits) / 2)
+
+
+@pytest.mark.parametrize("size, stride, expected", [
+    (8, 1, 450), (4, 2, 450),  # within a node: NVLink
+    (16, 1, 400), (128, 1, 400),  # whole nodes: a ring leaves each node on its 8 NICs at once
+    (16, 2, 200), (32, 4, 100), (48, 8, 50), (2, 8, 50),  # 4, 2 and 1 members per node: their NICs
+])
+def test_a_group_across_nodes_sends_over_its_members_nics_on_each_node(size, stride, expected):
+    h100 = HARDWARE["h100"]  # 450 GB/s NVLink, 50 GB/s NIC per GPU, 8 GPUs per node
+    assert _bandwidth(h100, size, stride) == expected * GB
+    assert _bandwidth(h100.replace(inter_bandwidth=100 * GB), 128, 1) == 450 * GB  # never beyond NVLink
