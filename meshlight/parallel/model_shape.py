@@ -25,9 +25,9 @@ from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, listed_experts
 
 __all__ = [
-    "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "WIDTH_ATTRIBUTES", "ModelShape", "ModelShapeError",
-    "attention_heads", "config_shape", "count_holder", "fused_parts", "head_counts", "head_dim_of", "hidden_size",
-    "is_transposed_linear", "linear_widths", "model_shape", "per_head_parameters", "projection_heads",
+    "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "WIDTH_ATTRIBUTES", "ModelShape",
+    "ModelShapeError", "attention_heads", "config_shape", "count_holder", "fused_parts", "head_counts", "head_dim_of",
+    "hidden_size", "is_transposed_linear", "linear_widths", "model_shape", "per_head_parameters", "projection_heads",
     "projections",
 ]
 
@@ -39,6 +39,10 @@ HEAD_COUNT_ATTRIBUTES = (
 #: Attribute names under which attention modules keep the width they split a fused projection's output by (GPT-2's
 #: ``split_size``): tensor parallelism divides them by tp with the head counts.
 WIDTH_ATTRIBUTES = ("split_size",)
+#: Attribute names under which attention modules keep how many query heads read each key/value head (Hugging Face's
+#: ``num_key_value_groups``): tensor parallelism divides them where it holds fewer key/value heads than query heads
+#: per rank would need (key/value heads fewer than the ranks).
+GROUP_ATTRIBUTES = ("num_key_value_groups",)
 #: Attribute names under which attention modules keep the width of one head.
 HEAD_DIM_ATTRIBUTES = ("head_dim", "head_size")
 

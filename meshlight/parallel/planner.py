@@ -296,12 +296,16 @@ def _pipeline_choices(schedule: Optional[str], virtual_stages: Optional[int],
 
 
 def _tp_fits(model: ModelSpec, hw: Hardware, tp: int) -> bool:
-    """Whether ``tp`` splits the model's heads (and its dense MLPs) within a node. An MoE model's experts are split
-    over tp or folded into ep (:func:`_expert_layouts`)."""
+    """Whether ``tp`` splits the model's heads (and its dense MLPs) within a node: its query heads, and its key/value
+    heads or — fewer than tp, a divisor of it — each rank one of them, as the engine holds them
+    (:func:`~meshlight.parallel.tensor_plan.replicated_kv_heads`; the planner prices their projections as split:
+    they are a sliver of the step). An MoE model's experts are split over tp or folded into ep
+    (:func:`_expert_layouts`)."""
     if tp == 1:
         return True
     dense_mlps = model.moe_layers < model.layers
-    return (hw.devices_per_node % tp == 0 and model.heads % tp == 0 and model.kv_heads % tp == 0
+    kv_held = model.kv_heads % tp == 0 or (model.kv_heads < model.heads and tp % model.kv_heads == 0)
+    return (hw.devices_per_node % tp == 0 and model.heads % tp == 0 and kv_held
             and not (dense_mlps and model.dense_width % tp))
 
 
@@ -348,9 +352,9 @@ def _no_layout_message(model: ModelSpec, hw: Hardware, world: int, global_batch:
     have a layout."""
     dp, pp, tp, ep, cp = sizes
     given = ", ".join(f"{n}={v}" for n, v in zip(("dp", "pp", "tp", "ep", "cp"), sizes) if v is not None)
-    hints = [f"tp must divide heads={model.heads}, kv_heads={model.kv_heads} and the MLP width"
-             f" {model.dense_width if model.moe_layers < model.layers else model.ffn_hidden}, and stay within a"
-             " node", f"pp ≤ layers={model.layers}",
+    hints = [f"tp must divide heads={model.heads} and the MLP width"
+             f" {model.dense_width if model.moe_layers < model.layers else model.ffn_hidden}, divide or be a"
+             f" multiple of kv_heads={model.kv_heads}, and stay within a node", f"pp ≤ layers={model.layers}",
              f"2·cp·tp must divide the sequence length {model.seq_len}",
              f"dp must divide the global batch and the microbatches a replica's batch"
              f" ({global_batch or local_batch})"]

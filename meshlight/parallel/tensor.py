@@ -78,6 +78,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshlight.parallel.dtensors import modifiable_local, shallow_copy
 from meshlight.parallel.model_shape import (
+    GROUP_ATTRIBUTES,
     WIDTH_ATTRIBUTES,
     head_counts,
     hidden_size,
@@ -94,6 +95,7 @@ from meshlight.parallel.tensor_plan import (
     _within,
     fused_projection,
     moe_blocks_of,
+    replicated_kv_heads,
 )
 
 __all__ = [
@@ -129,12 +131,18 @@ def apply_tensor_parallel(
     latent = {name.rpartition(".")[0] for name, role in plan.items() if role == "latent"}
     # MoE blocks, which flatten the tokens for their experts (and what else they hold: a shared expert's gate)
     flattening = moe_blocks_of(model)
+    # attention whose key/value heads tp exceeds: each rank computes the one its query heads read
+    replicated = {parent: kv for parent in _colwise_parents(plan)
+                  if hidden and (kv := replicated_kv_heads(modules, plan, parent, hidden, tp))}
     for name, role in plan.items():
         on_share = sequence_parallel if _within(name, blocks) else shares_outside
         if isinstance(role, ParallelStyle):
             styles[name] = role
         elif role == "fused_colwise":
-            styles[name] = _FusedColwise(fused_projection(modules, plan, name))
+            styles[name] = _FusedColwise(fused_projection(modules, plan, name), replicated.get(name.rpartition(".")[0]))
+        elif role == "colwise" and (kv := replicated.get(name.rpartition(".")[0])) and (
+                linear_widths(modules[name])[1] == kv[0] * kv[1]):  # key/value heads fewer than the ranks
+            styles[name] = _FusedColwise((kv[0] * kv[1],), kv)
         elif role == "colwise" and name.rpartition(".")[0] in latent and linear_widths(modules[name])[0] != hidden:
             styles[name] = _OnLocalWeights(sharded=True)  # a latent attention's up-projection: reads a latent
         elif role == "colwise":
@@ -205,11 +213,24 @@ def _divide_counts(module: nn.Module, tp: int) -> list[str]:
     if in_config:
         module.config = copy.copy(config)
     widths = {a: v for a in WIDTH_ATTRIBUTES if isinstance(v := getattr(module, a, None), int)}
-    for attribute, value in {**own, **widths}.items():
+    for attribute, value in own.items():
+        setattr(module, attribute, _local_count(value, tp))
+    for attribute, value in widths.items():
         setattr(module, attribute, value // tp)
     for attribute, value in in_config.items():
-        setattr(module.config, attribute, value // tp)
-    return sorted([*own, *widths, *(f"config.{attribute}" for attribute in in_config)])
+        setattr(module.config, attribute, _local_count(value, tp))
+    # key/value heads tp exceeds (one on each rank): fewer query heads share each than in one process
+    sharing = max((tp // value for value in {**own, **in_config}.values() if value % tp), default=1)
+    groups = {a: v for a in GROUP_ATTRIBUTES if isinstance(v := getattr(module, a, None), int) and sharing > 1}
+    for attribute, value in groups.items():
+        setattr(module, attribute, value // sharing)
+    return sorted([*own, *widths, *groups, *(f"config.{attribute}" for attribute in in_config)])
+
+
+def _local_count(value: int, tp: int) -> int:
+    """A rank's share of ``value`` heads: ``value/tp``, or one where tp exceeds them (key/value heads, each then
+    held by ``tp/value`` ranks: :func:`~meshlight.parallel.tensor_plan.replicated_kv_heads`)."""
+    return value // tp if value % tp == 0 else 1
 
 
 def sequence_share_input(stage: nn.Module, mesh: DeviceMesh) -> None:
@@ -380,22 +401,22 @@ class _TransposedRowwise(_Transposed, _Rowwise):
 class _FusedColwise(ColwiseParallel):
     """A fused projection whose outputs pack ``parts`` (q|k|v, k|v, gate|up) one after another, split part by part:
     each rank computes its ``1/tp`` of every part, in order — ``[q_r | k_r | v_r]``, which the attention splits by its
-    divided head counts exactly as one process splits the whole.
+    divided head counts exactly as one process splits the whole. ``kv``: (key/value heads, head width) where tp
+    exceeds those heads (:func:`~meshlight.parallel.tensor_plan.replicated_kv_heads`): of a part that wide (k, v, or
+    a plain k or v projection: one part) each rank computes the one head its query heads read.
 
     The weight and bias are stored sharded by rows (``Shard(0)``, whatever the module's layout), so checkpoints and
     full state dicts hold them as one process does. The module's forward is replaced by one that gathers them whole
     over tp, selects this rank's rows of every part and multiplies; the gathered weight's gradient is a partial sum
-    over the ranks, reduce-scattered back to the shards."""
+    over the ranks, reduce-scattered back to the shards (the ranks sharing a key/value head each add their query
+    heads' part)."""
 
-    def __init__(self, parts: tuple[int, ...]) -> None:
+    def __init__(self, parts: tuple[int, ...], kv: Optional[tuple[int, int]] = None) -> None:
         super().__init__()
-        self.parts = parts
+        self.parts, self.kv = parts, kv
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
-        starts = [sum(self.parts[:i]) for i in range(len(self.parts))]
-        rows = torch.cat([torch.arange(start + rank * part // tp, start + (rank + 1) * part // tp)
-                          for start, part in zip(starts, self.parts)])
+        rows = _rows_of_rank(self.parts, self.kv, device_mesh.size(), device_mesh.get_local_rank())
 
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             _distribute_parameters(mod, mesh, {"weight": Shard(0), "bias": Shard(0)}, self.src_data_rank)
@@ -404,6 +425,22 @@ class _FusedColwise(ColwiseParallel):
                           functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts))
         module.forward = functools.partial(_fused_forward, module, rows, is_transposed_linear(module))
         return module
+
+
+def _rows_of_rank(parts: tuple[int, ...], kv: Optional[tuple[int, int]], tp: int, rank: int) -> Tensor:
+    """The output rows rank ``rank`` of ``tp`` computes of a projection packing ``parts`` one after another: its
+    ``1/tp`` of each, but of a part of ``kv`` = (heads, head width) — key/value heads fewer than the ranks, tp a
+    multiple of them — the head its query heads read (rank ``r`` holds query heads ``r·H/tp`` on, which read key/value
+    head ``r·kv/tp``)."""
+    rows, start = [], 0
+    for part in parts:
+        if kv and part == kv[0] * kv[1]:
+            head = rank * kv[0] // tp
+            rows.append(torch.arange(start + head * kv[1], start + (head + 1) * kv[1]))
+        else:
+            rows.append(torch.arange(start + rank * part // tp, start + (rank + 1) * part // tp))
+        start += part
+    return torch.cat(rows)
 
 
 def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Placement],

@@ -29,6 +29,7 @@ from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, list
 from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.model_shape import (
     HEAD_COUNT_ATTRIBUTES,
+    attention_heads,
     fused_parts,
     head_counts,
     head_dim_of,
@@ -42,7 +43,8 @@ from meshlight.parallel.precision import is_norm
 
 __all__ = [
     "COLUMN_ROLES", "PARTS_IN_ORDER", "ROLES", "TensorParallelError", "derive_plan", "fused_projection", "model_plan",
-    "moe_blocks_of", "published_roles", "resolve_plan", "sequence_region", "stage_plan", "validate_plan",
+    "moe_blocks_of", "published_roles", "replicated_kv_heads", "resolve_plan", "sequence_region", "stage_plan",
+    "validate_plan",
 ]
 
 ROLES = ("colwise", "fused_colwise", "rowwise", "embedding", "head", "norm", "head_norm", "colwise_norm", "latent",
@@ -100,15 +102,17 @@ def _colwise_norms(model: nn.Module, blocks: list[tuple[str, nn.Module]], hidden
                    plan: Mapping[str, Any]) -> Plan:
     """Norms over a whole colwise output: a norm held beside a column→row group in a module of its own (an
     attention, not a block) and as wide as the output of one of the projections ``plan`` makes colwise (not
-    fused) — OLMo 2's q and k norms over all heads at once. Each rank holds 1/tp of that output; the norm runs on
-    it with its statistics summed over tp (:mod:`meshlight.parallel.tensor`, which refuses one whose input turns out
-    to be of another width: a norm of the module's input, as wide by chance)."""
+    fused), but not one head wide — OLMo 2's q and k norms over all heads at once. Each rank holds 1/tp of that
+    output; the norm runs on it with its statistics summed over tp (:mod:`meshlight.parallel.tensor`, which refuses
+    one whose input turns out to be of another width: a norm of the module's input, as wide by chance)."""
     modules, block_ids = dict(model.named_modules()), {id(block) for _, block in blocks}
     roles: Plan = {}
     for prefix, readers, _ in _column_row_groups(blocks, hidden):
         if id(modules[prefix]) in block_ids:  # a block holding its Linears itself: refused by _check_groups
             continue
+        # (not one head wide: a norm over each head, where one key/value head makes a projection as wide)
         widths = {linear_widths(modules[name])[1] for name in readers if plan.get(name) == "colwise"}
+        widths.discard(head_dim_of(modules[prefix]))
         roles.update({_join(prefix, n): "colwise_norm" for n, m in modules[prefix].named_children()
                       if _norm_width(m) in widths})
     return roles
@@ -282,38 +286,59 @@ def stage_plan(plan: Mapping[str, Union[str, ParallelStyle]], stage: nn.Module) 
 def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]], tp: int, world_size: int, *,
                   sequence_parallel: bool = True) -> None:
     """Raise, naming the valid tp values, when ``tp`` does not divide every dimension the plan shards, the
-    attention head counts, or the hidden size; and naming the fix when a block holds parameters the plan leaves
+    attention head counts, or the hidden size — but an attention's key/value heads, where tp is a multiple of them
+    (:func:`replicated_kv_heads`); and naming the fix when a block holds parameters the plan leaves
     whole where they would train wrong (:func:`_reject_unsplit`). The vocabulary is no constraint: the token
     embedding and the LM head are split into uneven shards where tp does not divide it (DTensor's, the last
     shards a row shorter), exact like the even split and without padded rows in checkpoints."""
     modules = dict(model.named_modules())
-    constraints: list[tuple[str, int]] = []
+    # (what, value, the attention it belongs to, whether it counts heads or is a width)
+    constraints: list[tuple[str, int, Optional[str], str]] = []
     hidden: Optional[int] = None
     for name, role in plan.items():
         widths = linear_widths(modules[name])
+        owner = name.rpartition(".")[0]
         if role in COLUMN_ROLES and widths:
             parts = fused_projection(modules, plan, name)
-            constraints += ([(f"{name} part {i + 1} of {len(parts)}", part) for i, part in enumerate(parts)] if parts
-                            else [(f"{name} outputs", widths[1])])
+            constraints += ([(f"{name} part {i + 1} of {len(parts)}", part, owner, "width")
+                             for i, part in enumerate(parts)] if parts
+                            else [(f"{name} outputs", widths[1], owner, "width")])
             hidden = hidden or widths[0]
         elif role == "rowwise" and widths:
-            constraints.append((f"{name} inputs", widths[0]))
+            constraints.append((f"{name} inputs", widths[0], None, "width"))
     if hidden is not None:
-        constraints.append(("hidden size", hidden))
+        constraints.append(("hidden size", hidden, None, "width"))
     _check_groups(model, plan)
     _reject_unsplit(_named_blocks(model), plan, sequence_parallel)
     for parent in _colwise_parents(plan):
-        constraints += [(_join(parent, attribute), count) for attribute, count in head_counts(modules[parent]).items()]
+        constraints += [(_join(parent, attribute), count, parent, "heads")
+                        for attribute, count in head_counts(modules[parent]).items()]
         colwise = [name.rpartition(".")[2] for name, role in plan.items()
                    if role in COLUMN_ROLES and name.rpartition(".")[0] == parent]
-        constraints += [(f"heads of {_join(parent, name)}", heads)
+        constraints += [(f"heads of {_join(parent, name)}", heads, parent, "heads")
                         for name, heads in projection_heads(modules[parent], colwise).items()]
-    bad = [(what, value) for what, value in constraints if value % tp]
+
+    def unmet(size: int) -> list[tuple[str, int]]:
+        replicated = {parent: kv for parent in {c[2] for c in constraints if c[2] in modules}
+                      if (kv := replicated_kv_heads(modules, plan, parent, hidden or 0, size))}
+        return [(what, value) for what, value, parent, kind in constraints if value % size
+                and not (parent in replicated
+                         and value == replicated[parent][0] * (replicated[parent][1] if kind == "width" else 1))]
+
+    bad = unmet(tp)
     if bad:
-        valid = [t for t in range(1, world_size + 1)
-                 if world_size % t == 0 and all(v % t == 0 for _, v in constraints)]
+        valid = [t for t in range(1, world_size + 1) if world_size % t == 0 and not unmet(t)]
         what, value = bad[0]
         raise TensorParallelError(f"tp={tp} does not divide {_shown(what)}={value}; choose tp in {valid}.")
+    for name, role in plan.items():
+        parent = name.rpartition(".")[0]
+        if role == "colwise_norm" and parent in modules and hidden and (
+                kv := replicated_kv_heads(modules, plan, parent, hidden, tp)) and (
+                _norm_width(modules[name]) == kv[0] * kv[1]):
+            raise TensorParallelError(
+                f"tp={tp} exceeds the {kv[0]} key/value heads of {_shown(parent)}, which meshlight then holds whole on"
+                f" several ranks, but {_shown(name)} normalizes over all of them at once: choose a tp that divides"
+                f" {kv[0]}.")
 
 
 # ------------------------------------------------------------------------------------------- structure
@@ -338,6 +363,27 @@ def fused_projection(modules: Mapping[str, nn.Module], plan: Mapping[str, Any], 
             " head_dim) that explain its width, or a width twice what the output projection reads (gate|up)."
         )
     return parts
+
+
+def replicated_kv_heads(modules: Mapping[str, nn.Module], plan: Mapping[str, Any], parent: str, hidden: int,
+                        tp: int) -> Optional[tuple[int, int]]:
+    """(key/value heads, head width) of attention ``parent`` where ``tp`` splits its query heads but exceeds its
+    key/value heads and is a multiple of them (multi- and grouped-query attention with few key/value heads: Gemma's
+    one, Falcon-7B's, StarCoder's): each rank then computes the one key/value head its query heads read, ``tp/kv``
+    ranks each, as Megatron-LM replicates them. None otherwise. ``modules``: the model's, by name."""
+    heads = attention_heads(modules[parent], hidden)
+    if not heads or not (heads[1] < heads[0] and heads[0] % tp == 0 and heads[1] % tp and tp % heads[1] == 0):
+        return None
+    writers = [n for n, role in plan.items() if role == "rowwise" and n.rpartition(".")[0] == parent]
+    written = linear_widths(modules[writers[-1]])[0] if writers and linear_widths(modules[writers[-1]]) else None
+    head_dim = head_dim_of(modules[parent]) or (written // heads[0] if written and written % heads[0] == 0 else None)
+    # (not where a plain colwise projection packs several heads' q, k and v together: GPT-NeoX's, Falcon's grouped
+    # q|k|v, which column sharding splits only into whole heads or groups)
+    readers = [linear_widths(modules[n]) for n, role in plan.items()
+               if role == "colwise" and n.rpartition(".")[0] == parent]
+    if not head_dim or any(w and w[1] not in (heads[0] * head_dim, heads[1] * head_dim) for w in readers):
+        return None
+    return heads[1], head_dim
 
 
 def published_roles(model: nn.Module) -> dict[str, str]:

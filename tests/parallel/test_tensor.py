@@ -8,6 +8,7 @@ from torch.nn import functional as F
 
 import meshlight as ml
 from meshlight.models import GPT, GPTConfig
+from meshlight.parallel.tensor import _divide_counts, _rows_of_rank
 from meshlight.parallel.tensor_plan import (
     TensorParallelError,
     derive_plan,
@@ -66,8 +67,9 @@ def test_unknown_style_names_are_rejected():
     ("config", "tp", "world", "message"),
     [
         (GPTConfig.tiny(dim=48, n_heads=3), 2, 4, r"tp=2 does not divide .*=3; choose tp in \[1\]"),
-        (GPTConfig.tiny(n_heads=4, n_kv_heads=2), 4, 4,
-         r"tp=4 does not divide heads of blocks.0.attn.wk=2; choose tp in \[1, 2\]"),
+        # 3 key/value heads: tp=2 neither divides them nor is a multiple of them; tp=6 (one on each pair of ranks) is
+        (GPTConfig.tiny(dim=48, n_heads=6, n_kv_heads=3), 2, 6,
+         r"tp=2 does not divide heads of blocks.0.attn.wk=3; choose tp in \[1, 3, 6\]"),
     ],
 )
 def test_a_tp_that_does_not_divide_the_model_names_the_valid_values(config, tp, world, message):
@@ -86,8 +88,69 @@ def test_any_vocabulary_splits_under_any_tp():
 def test_head_count_attributes_are_constraints():
     module = LitLlama()  # 8 query heads, 4 key/value heads
     validate_plan(module, derive_plan(module), 4, 4)
-    with pytest.raises(TensorParallelError, match=r"n_kv_heads=4; choose tp in \[1, 2, 4\]"):
-        validate_plan(module, derive_plan(module), 8, 8)
+    validate_plan(module, derive_plan(module), 8, 8)  # each key/value head on 2 ranks
+    with pytest.raises(TensorParallelError, match=r"n_heads=8; choose tp in \[1, 2, 4, 8\]"):
+        validate_plan(module, derive_plan(module), 16, 16)
+
+
+@pytest.mark.parametrize(("parts", "kv", "tp", "rows"), [
+    # q|k|v of 4 query heads and 1 key/value head of 8: each rank its 2 query heads and the key/value head
+    ((32, 8, 8), (1, 8), 2, [[*range(0, 16), *range(32, 48)], [*range(16, 32), *range(32, 48)]]),
+    # 4 query heads, 2 key/value heads over 4 ranks: ranks 0 and 1 read key/value head 0, ranks 2 and 3 head 1
+    ((32, 16, 16), (2, 8), 4, [[*range(0, 8), *range(32, 40), *range(48, 56)],
+                               [*range(8, 16), *range(32, 40), *range(48, 56)],
+                               [*range(16, 24), *range(40, 48), *range(56, 64)],
+                               [*range(24, 32), *range(40, 48), *range(56, 64)]]),
+    ((8,), (1, 8), 2, [[*range(8)], [*range(8)]]),  # a plain k projection of one head
+    ((32, 16, 16), None, 2, [[*range(0, 16), *range(32, 40), *range(48, 56)],
+                             [*range(16, 32), *range(40, 48), *range(56, 64)]]),  # tp divides every part
+])
+def test_each_rank_computes_its_query_heads_and_the_key_value_heads_they_read(parts, kv, tp, rows):
+    assert [_rows_of_rank(parts, kv, tp, rank).tolist() for rank in range(tp)] == rows
+
+
+def test_fewer_key_value_heads_than_ranks_leave_one_on_each_rank_and_fewer_queries_reading_it():
+    attention = nn.Module()
+    attention.num_heads, attention.num_key_value_heads, attention.num_key_value_groups = 8, 2, 4
+    attention.config = type("Config", (), {"num_attention_heads": 8, "num_key_value_heads": 2})()
+    _divide_counts(attention, 4)
+    assert (attention.num_heads, attention.num_key_value_heads, attention.num_key_value_groups) == (2, 1, 2)
+    assert (attention.config.num_attention_heads, attention.config.num_key_value_heads) == (2, 1)
+
+
+def test_a_projection_packing_heads_q_k_and_v_together_keeps_tp_to_divisors_of_its_key_value_heads():
+    # Falcon's grouped q|k|v (each key/value group's queries, key and value together), split by plain column sharding
+    # into whole groups: with one group, tp=2 would cut it in half
+    attention = _attention(query_key_value=nn.Linear(32, 48), dense=nn.Linear(32, 32))
+    attention.config = type("Config", (), {"num_attention_heads": 4, "num_kv_heads": 1, "head_dim": 8})()
+    block = nn.Module()
+    block.attn = attention
+    model = _fused_model(block)
+    plan = resolve_plan(model, {"h.*.attn.query_key_value": "colwise", "h.*.attn.dense": "rowwise"})
+    with pytest.raises(TensorParallelError, match=r"tp=2 does not divide h.0.attn.num_kv_heads=1; choose tp in \[1\]"):
+        validate_plan(model, plan, 2, 2)
+
+
+def test_a_norm_one_head_wide_beside_one_key_value_head_normalizes_each_head():
+    # Qwen3's k_norm beside a k projection of one head: as wide as that projection, still a norm over each head; a
+    # norm over two key/value heads at once (OLMo 2's) cannot run where tp=4 holds one of them on each rank
+    def model(kv_heads: int, norm_width: int) -> nn.Module:
+        attention = _attention(q=nn.Linear(32, 32), k=nn.Linear(32, 8 * kv_heads), v=nn.Linear(32, 8 * kv_heads),
+                               o=nn.Linear(32, 32))
+        attention.num_heads, attention.num_kv_heads, attention.head_dim = 4, kv_heads, 8
+        attention.k_norm = nn.RMSNorm(norm_width)
+        block = nn.Module()
+        block.attn = attention
+        return _fused_model(block)
+
+    assert derive_plan(model(1, 8))["h.0.attn.k_norm"] == "head_norm"
+    plan = derive_plan(wide := model(2, 16))
+    assert plan["h.0.attn.k_norm"] == "colwise_norm"
+    validate_plan(wide, plan, 2, 2)
+    with pytest.raises(TensorParallelError, match=r"tp=4 exceeds the 2 key/value heads of h.0.attn, .* but"
+                                                  r" h.0.attn.k_norm normalizes over all of them at once: choose a tp"
+                                                  r" that divides 2"):
+        validate_plan(wide, plan, 4, 4)
 
 
 def _fused_model(attention: nn.Module) -> nn.Module:
@@ -123,12 +186,14 @@ def test_fused_projections_given_the_fused_role_are_split_part_by_part_as_the_he
             derive_plan(model)
         plan = resolve_plan(model, {f"h.*.{fused}": "fused_colwise", f"h.*.{out}": "rowwise"})
         assert fused_projection(dict(model.named_modules()), plan, f"h.0.{fused}") == parts
-    # each part is split by tp, head-aligned: 2 key/value groups leave tp=4 out, named where the config keeps them
+    # each part is split by tp, head-aligned (2 key/value groups: at tp=4 each on 2 ranks); 4 query heads leave tp=8
+    # out, named where the config keeps them
     model = _fused_model(litgpt)
     plan = resolve_plan(model, {"h.*.qkv": "fused_colwise", "h.*.proj": "rowwise"})
     validate_plan(model, plan, 2, 2)
-    with pytest.raises(TensorParallelError, match=r"tp=4 does not divide h.0.n_query_groups=2"):
-        validate_plan(model, plan, 4, 4)
+    validate_plan(model, plan, 4, 4)
+    with pytest.raises(TensorParallelError, match=r"tp=8 does not divide h.0.n_head=4"):
+        validate_plan(model, plan, 8, 8)
     # the role on a projection whose parts no head count explains
     model = _fused_model(_attention(c_attn=nn.Linear(32, 96), c_proj=nn.Linear(32, 32)))
     plan = resolve_plan(model, {"h.*.c_attn": "fused_colwise", "h.*.c_proj": "rowwise"})

@@ -37,17 +37,22 @@ TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "dee
 #: - DeepSeek-V3's q up-projection reads a normed latent whose gradient, under tp, is the sum of the ranks' heads'
 #:   parts: 8.5e-5 at tp=2 (1.1e-5 under ddp). Its router computes in float32 whatever the model's dtype, so its
 #:   float64 twin keeps that rounding: 3.3e-7 at tp=2, as under ddp (2.2e-7).
+#:
+#: Fewer key/value heads than tp ranks (``-kv1``, ``-kv2``: each rank computes the one its query heads read): Llama and
+#: litgpt with one key/value head, trained with AdamW at 1e-2, leave one process by 1.2e-3 in fp32 under ddp as under
+#: tp=2 (in an MLP projection; losses within 6e-7), and Phi-3 with two at tp=4 by 1.2e-4: these run in float64 only,
+#: where they match to about 1e-12.
 PARITY_RTOL = {"olmo2": 3e-4, "qwen2": 3e-4, "deepseek_v3": 2e-4, "olmo2-fp64": 1e-10, "qwen2-fp64": 1e-10,
-               "deepseek_v3-fp64": 1e-6}
+               "deepseek_v3-fp64": 1e-6, "llama-kv1-fp64": 1e-10, "litgpt-kv1-fp64": 1e-10, "phi3-kv2-fp64": 1e-10}
 
 
-def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS) -> Any:
-    """A tiny config of ``family``: ``layers`` layers, no dropout; GQA (8 query, 4 key/value heads) and an untied
-    head, except GPT-2 (8 heads, its head tied to the token embedding)."""
+def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: int = KV_HEADS) -> Any:
+    """A tiny config of ``family``: ``layers`` layers, no dropout; GQA (8 query, ``kv_heads`` key/value heads) and an
+    untied head, except GPT-2 (8 heads, its head tied to the token embedding)."""
     import transformers
 
     common = dict(vocab_size=vocab, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=layers,
-                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+                  num_attention_heads=HEADS, num_key_value_heads=kv_heads, max_position_embeddings=64,
                   tie_word_embeddings=False, attention_dropout=0.0, use_cache=False)
     if family == "llama":
         return transformers.LlamaConfig(**common)
@@ -122,7 +127,7 @@ def attention_implementation(family: str) -> str:
     return "eager" if family == "gpt_oss" else "sdpa"
 
 
-def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False) -> Any:
+def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False, kv_heads: int = KV_HEADS) -> Any:
     """litgpt's GPT in a Llama configuration: a fused q|k|v for grouped queries, RMSNorm, SwiGLU, rotary; ``moe``: in
     Mixtral's (4 experts, top-2, a list of SwiGLU MLPs each)."""
     from litgpt.config import Config
@@ -130,7 +135,7 @@ def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False) ->
 
     mlp = (dict(mlp_class_name="LLaMAMoE", moe_intermediate_size=HIDDEN // 2, n_expert=4, n_expert_per_token=2)
            if moe else dict(mlp_class_name="LLaMAMLP"))
-    return GPT(Config(n_layer=layers, n_head=HEADS, n_query_groups=KV_HEADS, n_embd=DIM, vocab_size=vocab,
+    return GPT(Config(n_layer=layers, n_head=HEADS, n_query_groups=kv_heads, n_embd=DIM, vocab_size=vocab,
                       padded_vocab_size=vocab, block_size=64, bias=False, norm_class_name="RMSNorm",
                       intermediate_size=HIDDEN, rotary_percentage=1.0, parallel_residual=False, **mlp))
 
@@ -151,7 +156,8 @@ class LitCausalLM(pl.LightningModule):
     sample."""
 
     def __init__(self, family: str, lr: float = 1e-2, optimizer: str = "adamw", vocab: int = VOCAB,
-                 aux_loss: float = 0.0, data_shards: int = 1, layers: int = LAYERS, own_loss: bool = False) -> None:
+                 aux_loss: float = 0.0, data_shards: int = 1, layers: int = LAYERS, own_loss: bool = False,
+                 kv_heads: int = KV_HEADS) -> None:
         super().__init__()
         import transformers
 
@@ -159,9 +165,9 @@ class LitCausalLM(pl.LightningModule):
         self.aux_loss, self.data_shards, self.own_loss = aux_loss, data_shards, own_loss
         torch.manual_seed(0)
         if family in ("litgpt", "litgpt_moe"):
-            self.model = litgpt_model(vocab, layers, moe=family == "litgpt_moe")
+            self.model = litgpt_model(vocab, layers, moe=family == "litgpt_moe", kv_heads=kv_heads)
         else:
-            config = hf_config(family, vocab, layers)
+            config = hf_config(family, vocab, layers, kv_heads)
             if aux_loss:
                 config.output_router_logits, config.router_aux_loss_coef = True, aux_loss
             self.model = transformers.AutoModelForCausalLM.from_config(
@@ -217,17 +223,20 @@ def lit_causal_lm(name: str, data_shards: int = 1) -> LitCausalLM:
     """The parity model called ``name``: a family (``"llama"``), a family with a vocabulary of its own
     (``"llama-vocab61"``), an MoE family with its load-balancing loss on (``"mixtral-aux"``: coefficient 0.02; the
     model adding it to its own loss from labels: ``"mixtral-aux-labels"``), or a family with :data:`DEEP_LAYERS` layers
-    (``"llama-deep"``), with the family's :func:`training_options`; ``data_shards``: see :class:`LitCausalLM`."""
+    (``"llama-deep"``), or with key/value heads of its own (``"llama-kv1"``), with the family's
+    :func:`training_options`; ``data_shards``: see :class:`LitCausalLM`."""
     own_loss = name.endswith("-labels")
     deep = name.endswith("-deep")
     fp64 = name.endswith("-fp64")
     name = name.removesuffix("-labels").removesuffix("-deep").removesuffix("-fp64")
     name, _, vocab = name.partition("-vocab")
+    name, _, kv_heads = name.partition("-kv")
     family, aux, _ = name.partition("-aux")
     # with the load-balancing loss, AdamW at 1e-2 leaves float noise at 1.1e-4 in some weights; at 3e-3 it stays below
     options = {"lr": 3e-3} if aux else training_options(family)
     module = LitCausalLM(family, **options, vocab=int(vocab or VOCAB), aux_loss=0.02 if aux else 0.0,
-                         data_shards=data_shards, layers=DEEP_LAYERS if deep else LAYERS, own_loss=own_loss)
+                         data_shards=data_shards, layers=DEEP_LAYERS if deep else LAYERS, own_loss=own_loss,
+                         kv_heads=int(kv_heads or KV_HEADS))
     return in_float64(module) if fp64 else module
 
 

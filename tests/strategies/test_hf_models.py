@@ -65,6 +65,8 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     parallelism and (Mixtral) without; dp2-tp2-ep2-split*: each expert split over tp=2 and the experts over ep=2
     data ranks (Mixtral also without sequence parallelism, under ZeRO-3);
     tp2-loss-parallel: a vocabulary of 61, which tp=2 splits 31 + 30, the logits left split for the loss;
+    ``-kv1`` / ``-kv2`` at tp2 and tp4: fewer key/value heads than ranks, each rank computing the one its query heads
+    read (Llama's k and v, Phi-3's and litgpt's fused q|k|v, beside Qwen3's norm over each head);
     3d-planned: Hybrid3DStrategy() with no sizes, planned from each config; ep2 and
     dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (ep2 also with their
     load-balancing loss, which each data-parallel rank computes over its part of the batch)."""

@@ -21,6 +21,9 @@ from meshlight.parallel.expert import StackedExpertsParallel, dense_experts, sta
 from tests.strategies import parity
 from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, TP_FAMILIES, lit_causal_lm
 
+#: families with one key/value head, trained at tp=2 (float64 where hf_models.PARITY_RTOL says why)
+KV_FEWER_THAN_TP = ("qwen3-kv1", "phi3-kv1", "llama-kv1-fp64", "litgpt-kv1-fp64")
+
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
     # GPT-2 also with a vocabulary tp does not divide (its head tied to the embedding, both split 31 + 30); GPT-NeoX's
@@ -32,9 +35,13 @@ LAYOUTS = {
     # q|k|v sliced by the config's head counts and its fused gate|up, Qwen2-MoE's shared expert on the flattened
     # tokens (its gate replicated beside the router), and OLMo 2's and OLMoE's q and k norms over all heads (their
     # statistics reduced over tp; OLMo 2 also in float64, its norms torch's)
+    # (and one key/value head, fewer than the ranks: each computes it, under Qwen3's norm over each head, in Phi-3's
+    # fused q|k|v, litgpt's, and Llama's separate k and v)
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "qwen2-fp64", "gpt2-vocab61", "gpt_neox",
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
-                                                            *TP_FAMILIES)),
+                                                            *TP_FAMILIES, *KV_FEWER_THAN_TP)),
+    # one key/value head on all 4 ranks (Qwen3), and two on 2 ranks each (Phi-3's fused q|k|v)
+    "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1", "phi3-kv2-fp64")),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
     # litgpt's listed experts whole on every rank, each computing all the tokens, and Llama 4's shared expert's
     # output, summed over tp, added to in place by the model

@@ -3,7 +3,7 @@
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -26,14 +26,17 @@ from tests.strategies.parity import VARIANTS, make_data, train
 LAYOUTS = {2: {"tp2": (2, 1)}, 4: {"tp4": (4, 1), "tp2xdp2": (2, 2)}}
 
 
-def lit_gpt(dropout: float = 0.0, tie_embeddings: bool = False, **options: object) -> LitGPT:
+def lit_gpt(dropout: float = 0.0, tie_embeddings: bool = False, n_kv_heads: Optional[int] = None,
+            **options: object) -> LitGPT:
     config = GPTConfig.tiny(vocab_size=AdditionDataModule.vocab_size, max_seq_len=12, dim=32, n_heads=4,
-                            bias=False, dropout=dropout, tie_embeddings=tie_embeddings)
+                            n_kv_heads=n_kv_heads, bias=False, dropout=dropout, tie_embeddings=tie_embeddings)
     return LitGPT(config, **{"lr": 1e-2, "warmup_steps": 2, **options})
 
 
 # model name -> (factory, plan)
 MODELS = {"gpt": (lit_gpt, None), "gpt-tied": (functools.partial(lit_gpt, tie_embeddings=True), None),
+          # one key/value head (multi-query): fewer than the ranks, each computes it
+          "gpt-mqa": (functools.partial(lit_gpt, n_kv_heads=1), None),
           "llama-auto": (LitLlama, None), "llama-dict": (LitLlama, DICT_PLAN),
           "llama-configure-model": (LitLlamaParallelizedByUser, None),
           "llama-gated": (functools.partial(LitLlama, gated=True), None),
@@ -51,7 +54,7 @@ def runs(world: int) -> list[tuple[str, str, bool, str]]:
     over 2-D shards."""
     if world == 2:
         grid = [("tp2", model, sp, "adamw") for model in MODELS for sp in (True, False)
-                if model != "llama-configure-model" and (model in ("gpt", "llama-auto") or sp)]
+                if model not in ("llama-configure-model", "gpt-mqa") and (model in ("gpt", "llama-auto") or sp)]
         # sequence parallelism is the user's business here; their plan has none
         grid.append(("tp2", "llama-configure-model", False, "adamw"))
         # norms left plain beside DTensor weights, nothing sharding them over data ranks: multi-tensor AdamW
@@ -60,7 +63,7 @@ def runs(world: int) -> list[tuple[str, str, bool, str]]:
         grid.append(("tp2", "gpt", True, "adamw-single"))
         return grid
     grid = [("tp4", "gpt", True, "adamw"), ("tp4", "gpt", False, "adamw"), ("tp4", "llama-auto", True, "adamw"),
-            ("tp4", "llama-gated", True, "adamw")]
+            ("tp4", "llama-gated", True, "adamw"), ("tp4", "gpt-mqa", True, "adamw")]
     grid += [("tp2xdp2", model, True, "adamw") for model in ("gpt", "gpt-tied", "nanogpt", "llama-qknorm")]
     grid.append(("tp2xdp2", "llama-auto", False, "adamw"))
     grid.append(("tp2xdp2", "gpt", True, "clip"))  # global norm over 2-D (dp × tp) and replicated shards
