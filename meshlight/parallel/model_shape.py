@@ -36,9 +36,10 @@ HEAD_COUNT_ATTRIBUTES = (
     "n_heads", "num_heads", "n_head", "num_attention_heads", "heads", "nheads",
     "n_kv_heads", "num_kv_heads", "n_kv_head", "num_key_value_heads", "kv_heads", "n_query_groups",
 )
-#: Attribute names under which attention modules keep the width they split a fused projection's output by (GPT-2's
-#: ``split_size``): tensor parallelism divides them by tp with the head counts.
-WIDTH_ATTRIBUTES = ("split_size",)
+#: Attribute names under which attention modules keep the widths they split a fused projection's output by (GPT-2's
+#: ``split_size``; StarCoder's ``embed_dim`` and ``kv_dim``, its q and its key/value heads): tensor parallelism makes
+#: them this rank's widths with the head counts.
+WIDTH_ATTRIBUTES = ("split_size", "embed_dim", "kv_dim")
 #: Attribute names under which attention modules keep how many query heads read each key/value head (Hugging Face's
 #: ``num_key_value_groups``): tensor parallelism divides them where it holds fewer key/value heads than query heads
 #: per rank would need (key/value heads fewer than the ranks).

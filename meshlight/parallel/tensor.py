@@ -175,7 +175,8 @@ def apply_tensor_parallel(
     for parent in _colwise_parents(plan):
         register_sequence_gather(modules[parent], mesh, sequence_parallel=sequence_parallel,
                                  keep_gathered=keep_gathered_inputs)
-        _name_while_running(modules[parent], _shown(parent), _divide_counts(modules[parent], tp))
+        divided = _divide_counts(modules[parent], tp, replicated.get(parent))
+        _name_while_running(modules[parent], _shown(parent), divided)
     for parent, names in per_head.items():  # after the gather has read the forward's signature
         _split_by_head(modules[parent], names, mesh)
     if sequence_parallel:
@@ -201,11 +202,13 @@ def apply_tensor_parallel(
             modules[name].register_forward_hook(leave, always_call=True)
 
 
-def _divide_counts(module: nn.Module, tp: int) -> list[str]:
+def _divide_counts(module: nn.Module, tp: int, kv: Optional[tuple[int, int]] = None) -> list[str]:
     """Give an attention ``module`` this rank's heads: divide by ``tp`` the head counts it keeps, those of its config
     — in a copy for it alone, as its forward may read them there (litgpt's reads them all there; Phi-3's slices its
     fused q|k|v at ``config.num_attention_heads`` · head_dim) — and the widths it splits a fused projection by
-    (:data:`~meshlight.parallel.model_shape.WIDTH_ATTRIBUTES`). Returns the attributes divided."""
+    (:data:`~meshlight.parallel.model_shape.WIDTH_ATTRIBUTES`). ``kv``: (key/value heads, head width) where tp
+    exceeds those heads: each rank one of them (:func:`~meshlight.parallel.tensor_plan.replicated_kv_heads`).
+    Returns the attributes divided."""
     if not head_counts(module):  # not attention (or attention that keeps no count: nothing to divide)
         return []
     own, config = head_counts(module, own=True), getattr(module, "config", None)
@@ -215,8 +218,8 @@ def _divide_counts(module: nn.Module, tp: int) -> list[str]:
     widths = {a: v for a in WIDTH_ATTRIBUTES if isinstance(v := getattr(module, a, None), int)}
     for attribute, value in own.items():
         setattr(module, attribute, _local_count(value, tp))
-    for attribute, value in widths.items():
-        setattr(module, attribute, value // tp)
+    for attribute, value in widths.items():  # one key/value head's width where tp exceeds them (kv: heads, width)
+        setattr(module, attribute, kv[1] if kv and value == kv[0] * kv[1] else value // tp)
     for attribute, value in in_config.items():
         setattr(module.config, attribute, _local_count(value, tp))
     # key/value heads tp exceeds (one on each rank): fewer query heads share each than in one process

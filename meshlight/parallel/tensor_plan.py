@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from fnmatch import fnmatch
 from typing import Any, Optional, Union
 
@@ -313,8 +313,9 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
     for parent in _colwise_parents(plan):
         constraints += [(_join(parent, attribute), count, parent, "heads")
                         for attribute, count in head_counts(modules[parent]).items()]
+        # (a fused projection's heads are its parts', each checked above)
         colwise = [name.rpartition(".")[2] for name, role in plan.items()
-                   if role in COLUMN_ROLES and name.rpartition(".")[0] == parent]
+                   if role == "colwise" and name.rpartition(".")[0] == parent]
         constraints += [(f"heads of {_join(parent, name)}", heads, parent, "heads")
                         for name, heads in projection_heads(modules[parent], colwise).items()]
 
@@ -411,6 +412,28 @@ PARTS_IN_ORDER = frozenset({
 })
 
 
+#: Attention classes whose fused q|k|v holds its parts one after another or head by head as their config says:
+#: ``"parts"`` (q|k|v, split part by part) or ``"heads"`` (each head's, or each key/value group's, q, k and v together,
+#: which plain column sharding splits into whole heads or groups).
+LAYOUT_BY_CONFIG: dict[str, Callable[[nn.Module], str]] = {
+    # Falcon-7B's multi-query q|k|v; Falcon-40B's and later groups of q heads with their key and value; the first
+    # Falcons' heads of q, k, v
+    "transformers.models.falcon.modeling_falcon.FalconAttention":
+        lambda attention: "parts" if attention.multi_query and not attention.new_decoder_architecture else "heads",
+    # StarCoder's multi-query q|k|v, or heads of q, k, v
+    "transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention":
+        lambda attention: "parts" if attention.multi_query else "heads",
+}
+
+
+def _fused_layout(owner: nn.Module) -> Optional[str]:
+    """How ``owner``'s fused q|k|v (gate|up) packs its parts, where its class is known: ``"parts"`` one after another
+    (:data:`PARTS_IN_ORDER`), ``"heads"`` head by head (:data:`LAYOUT_BY_CONFIG`); None where it is not."""
+    name = f"{type(owner).__module__}.{type(owner).__qualname__}"
+    rule = LAYOUT_BY_CONFIG.get(name)
+    return "parts" if name in PARTS_IN_ORDER else rule(owner) if rule else None
+
+
 def _fused_readers(modules: Mapping[str, nn.Module], group: str, readers: list[str], writer: str,
                    hidden: int, published: Mapping[str, str]) -> set[str]:
     """The readers of a column→row group that are fused projections packing their parts one after another
@@ -419,22 +442,24 @@ def _fused_readers(modules: Mapping[str, nn.Module], group: str, readers: list[s
     Structure tells a fused projection's parts, not their order: GPT-2's and litgpt's q|k|v hold all of q, then
     all of k, then all of v, while GPT-NeoX and BLOOM hold each head's q, k, v together (plain column sharding suits
     those), and nothing in their modules tells the two apart (BLOOM keeps GPT-2's ``split_size`` and never uses
-    it). One after another is taken for the classes known to do so (:data:`PARTS_IN_ORDER`); head by
-    head where the model's published plan (:func:`published_roles`) gives the projection Hugging Face's plain
-    ``colwise``. (Phi-3 publishes ``colwise_gather_output`` for its q|k|v and gate|up, each rank gathering the
-    whole output; its attention slices q by the config's head count, which the attention's own copy of the config
-    holds divided by tp: :func:`~meshlight.parallel.tensor.apply_tensor_parallel`.) Other
+    it). One after another is taken for the classes known to do so (:data:`PARTS_IN_ORDER`, and by their config
+    :data:`LAYOUT_BY_CONFIG`); head by head where the model's published plan (:func:`published_roles`) gives the
+    projection Hugging Face's plain ``colwise``, or the class's config says so. (Phi-3 publishes
+    ``colwise_gather_output`` for its q|k|v and gate|up, each rank gathering the whole output; its attention slices
+    q by the config's head count, which the attention's own copy of the config holds divided by tp:
+    :func:`~meshlight.parallel.tensor.apply_tensor_parallel`.) Other
     fused projections — that order unknown, or parts the head counts do not explain (a reader wider than what the
     writer reads, a fused k|v by name) — would train a different model without an error: refused, naming the
     fix."""
     owner, read = modules[group], linear_widths(modules[writer])[0]
     widths = {name: linear_widths(modules[name])[1] for name in readers}
     parts = {name: fused_parts(owner, width, read, hidden, kv=_named_kv(name)) for name, width in widths.items()}
-    ordered = f"{type(owner).__module__}.{type(owner).__qualname__}" in PARTS_IN_ORDER
+    layout = _fused_layout(owner)
+    by_head = {name for name in readers if published.get(name) == "colwise" or layout == "heads"}
     fused = [name for name, width in widths.items() if (parts[name] or width > read or _named_kv(name))
-             and published.get(name) != "colwise"]
-    unknown = [name for name in fused if not (parts[name] and ordered)]
-    plain = [width for name, width in widths.items() if published.get(name) != "colwise"]
+             and name not in by_head]
+    unknown = [name for name in fused if not (parts[name] and layout == "parts")]
+    plain = [width for name, width in widths.items() if name not in by_head]
     if unknown or not fused and plain and all(width != read for width in plain):
         named = f" ({', '.join(_shown(name) for name in unknown)})" if unknown else ""
         known = bool(unknown) and all(parts[name] for name in unknown)
@@ -585,6 +610,11 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
                 f" {', '.join(n.rpartition('.')[2] for n in group)} into a submodule of their own (e.g."
                 " `self.mlp = MLP(dim)` whose forward is `fc2(act(fc1(x)))`)."
             )
+        if getattr(getattr(module, "config", None), "alibi", False) is True:  # Falcon-RW's
+            raise TensorParallelError(
+                f"{_shown(owner)} adds ALiBi position biases, which the model builds for all its heads before its"
+                " blocks: under tensor parallelism each rank would get the biases of heads it does not hold. Train it"
+                " without tensor parallelism (pp, ZeRO), or with rotary positions (the config's alibi=False).")
         per_head = per_head_parameters(module, hidden) if hidden else []  # split with the heads
         stray = [f"{_shown(_join(owner, n, p))} {list(t.shape)}" for n, m in module.named_modules()
                  if (full := _join(owner, n)) not in group and plan.get(full) not in ("head_norm", "colwise_norm")
@@ -605,7 +635,9 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
         fused = [n for n in readers if fused_projection(modules, plan, n)]
         latent = any(plan[n] == "latent" for n in group)  # (DeepSeek's q and k|v up-projections read latents)
         writer = next((n for n in group if n not in readers), None)
-        if writer and len(readers) < 3 and not (fused or latent) and head_counts(module, own=True):
+        # a reader wider than the writer reads packs several heads' q, k and v (GPT-NeoX's, Falcon's)
+        packed = writer is not None and any(w > (linear_widths(modules[writer]) or (w,))[0] for w in readers.values())
+        if writer and len(readers) < 3 and not (fused or latent or packed) and head_counts(module, own=True):
             raise TensorParallelError(
                 f"{_shown(owner)} keeps a head count (attention), but its column→row group would be"
                 f" {', '.join(n.rpartition('.')[2] for n in readers)} → {writer.rpartition('.')[2]}: its q, k, v and"

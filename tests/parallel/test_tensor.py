@@ -17,6 +17,7 @@ from meshlight.parallel.tensor_plan import (
     sequence_region,
     validate_plan,
 )
+from tests.strategies.hf_models import lit_causal_lm
 from tests.strategies.llama import DICT_PLAN, LitLlama
 
 
@@ -129,6 +130,29 @@ def test_a_projection_packing_heads_q_k_and_v_together_keeps_tp_to_divisors_of_i
     plan = resolve_plan(model, {"h.*.attn.query_key_value": "colwise", "h.*.attn.dense": "rowwise"})
     with pytest.raises(TensorParallelError, match=r"tp=2 does not divide h.0.attn.num_kv_heads=1; choose tp in \[1\]"):
         validate_plan(model, plan, 2, 2)
+
+
+@pytest.mark.parametrize(("family", "projection", "role"), [
+    ("falcon", "self_attention.query_key_value", "fused_colwise"),  # multi-query: all q, then one k and one v head
+    ("falcon_grouped", "self_attention.query_key_value", "colwise"),  # each key/value group's q, k, v together
+    ("gpt_bigcode", "attn.c_attn", "fused_colwise"),  # StarCoder's multi-query q|k|v
+])
+def test_falcon_and_starcoder_split_their_fused_q_k_v_as_their_config_packs_it(family, projection, role):
+    module = lit_causal_lm(family)
+    plan = derive_plan(module)
+    assert plan[f"model.transformer.h.0.{projection}"] == role
+    validate_plan(module, plan, 2, 2)
+
+
+def test_alibi_biases_built_for_all_heads_outside_the_attention_are_refused_under_tensor_parallelism():
+    import transformers
+
+    module = lit_causal_lm("falcon")
+    module.model = transformers.AutoModelForCausalLM.from_config(transformers.FalconConfig(
+        vocab_size=16, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, alibi=True, multi_query=False))
+    with pytest.raises(TensorParallelError, match=r"model.transformer.h.0.self_attention adds ALiBi position biases,"
+                                                  r" .* or with rotary positions \(the config's alibi=False\)"):
+        validate_plan(module, derive_plan(module), 2, 2)
 
 
 def test_a_norm_one_head_wide_beside_one_key_value_head_normalizes_each_head():

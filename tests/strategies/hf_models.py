@@ -38,12 +38,16 @@ TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "dee
 #:   parts: 8.5e-5 at tp=2 (1.1e-5 under ddp). Its router computes in float32 whatever the model's dtype, so its
 #:   float64 twin keeps that rounding: 3.3e-7 at tp=2, as under ddp (2.2e-7).
 #:
-#: Fewer key/value heads than tp ranks (``-kv1``, ``-kv2``: each rank computes the one its query heads read): Llama and
-#: litgpt with one key/value head, trained with AdamW at 1e-2, leave one process by 1.2e-3 in fp32 under ddp as under
-#: tp=2 (in an MLP projection; losses within 6e-7), and Phi-3 with two at tp=4 by 1.2e-4: these run in float64 only,
-#: where they match to about 1e-12.
+#: - Fewer key/value heads than tp ranks (``-kv1``, ``-kv2``: each rank computes the one its query heads read, and
+#:   the ranks sharing it sum their parts of its gradient): after 20 AdamW steps at 1e-2 in fp32 (losses within 1e-6)
+#:   Llama with one key/value head leaves one process by 1.2e-3 at tp=2 (2.3e-4 under ddp), litgpt by 1.2e-3 (3.4e-4),
+#:   Falcon-7B's multi-query layout by 1.9e-3 (7e-5), Qwen3 by 7.6e-5 at tp=2 and 2.7e-4 at tp=4, Phi-3 with two at
+#:   tp=4 by 2.1e-4; StarCoder's (SGD at 0.3 for its key biases) by 1.1e-4 at tp=2 and 1.8e-4 at tp=4. In float64
+#:   each matches to about 1e-12, so they run there.
 PARITY_RTOL = {"olmo2": 3e-4, "qwen2": 3e-4, "deepseek_v3": 2e-4, "olmo2-fp64": 1e-10, "qwen2-fp64": 1e-10,
-               "deepseek_v3-fp64": 1e-6, "llama-kv1-fp64": 1e-10, "litgpt-kv1-fp64": 1e-10, "phi3-kv2-fp64": 1e-10}
+               "deepseek_v3-fp64": 1e-6, **dict.fromkeys(
+                   ("qwen3-kv1-fp64", "llama-kv1-fp64", "litgpt-kv1-fp64", "falcon-fp64", "falcon_grouped-fp64",
+                    "gpt_bigcode-fp64", "phi3-kv2-fp64"), 1e-10)}
 
 
 def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: int = KV_HEADS) -> Any:
@@ -70,6 +74,19 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
         return transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers,
                                           num_attention_heads=HEADS, intermediate_size=HIDDEN, use_cache=False,
                                           max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0)
+    if family.startswith("falcon"):  # a fused q|k|v: one query head group's q, k and v together ("falcon_grouped":
+        # its newer layout) or (Falcon-7B's multi-query) all q, then one key and one value head; attention and MLP
+        # in parallel from one norm
+        grouped = family == "falcon_grouped"
+        return transformers.FalconConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers,
+                                         num_attention_heads=HEADS, num_kv_heads=kv_heads if grouped else None,
+                                         new_decoder_architecture=grouped, multi_query=not grouped, bias=False,
+                                         alibi=False, attention_dropout=0.0, hidden_dropout=0.0, use_cache=False,
+                                         max_position_embeddings=64, pad_token_id=None, bos_token_id=0, eos_token_id=1)
+    if family == "gpt_bigcode":  # StarCoder's: multi-query, a fused q|k|v of all q, then one key and one value head
+        return transformers.GPTBigCodeConfig(vocab_size=vocab, n_embd=DIM, n_layer=layers, n_head=HEADS, n_inner=HIDDEN,
+                                             n_positions=64, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
+                                             attn_pdrop=0.0, use_cache=False)
     if family == "phi3":  # a fused q|k|v sliced by the config's head counts, a fused gate|up cut by chunk(2)
         return transformers.Phi3Config(**common, pad_token_id=None, bos_token_id=0, eos_token_id=1)
     if family == "glm4":  # a fused gate|up cut by chunk(2), partial rotary, norms after attention and the MLP too
@@ -141,10 +158,10 @@ def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False, kv
 
 
 def training_options(family: str) -> dict[str, Any]:
-    """The optimizer a parity run trains ``family`` with: AdamW, except SGD for Qwen2, GPT-2, GPT-NeoX and GLM-4,
-    whose key biases have an exactly-zero gradient (softmax ignores a per-query constant) that Adam would turn from
-    float noise into full-size steps that no two layouts take alike."""
-    return {"optimizer": "sgd", "lr": 0.3} if family in ("qwen2", "gpt2", "gpt_neox", "glm4") else {}
+    """The optimizer a parity run trains ``family`` with: AdamW, except SGD for Qwen2, GPT-2, GPT-NeoX, GLM-4 and
+    StarCoder (GPT-BigCode), whose key biases have an exactly-zero gradient (softmax ignores a per-query constant)
+    that Adam would turn from float noise into full-size steps that no two layouts take alike."""
+    return {"optimizer": "sgd", "lr": 0.3} if family in ("qwen2", "gpt2", "gpt_neox", "glm4", "gpt_bigcode") else {}
 
 
 class LitCausalLM(pl.LightningModule):

@@ -21,8 +21,10 @@ from meshlight.parallel.expert import StackedExpertsParallel, dense_experts, sta
 from tests.strategies import parity
 from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, TP_FAMILIES, lit_causal_lm
 
-#: families with one key/value head, trained at tp=2 (float64 where hf_models.PARITY_RTOL says why)
-KV_FEWER_THAN_TP = ("qwen3-kv1", "phi3-kv1", "llama-kv1-fp64", "litgpt-kv1-fp64")
+#: families with one key/value head, trained at tp=2 (float64 where hf_models.PARITY_RTOL says why): Phi-3's,
+#: Qwen3's, Llama's and litgpt's, Falcon-7B's and StarCoder's multi-query attention; and Falcon's grouped q|k|v
+KV_FEWER_THAN_TP = ("phi3-kv1", "qwen3-kv1-fp64", "llama-kv1-fp64", "litgpt-kv1-fp64", "falcon-fp64",
+                    "gpt_bigcode-fp64", "falcon_grouped-fp64")
 
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
@@ -41,7 +43,7 @@ LAYOUTS = {
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
                                                             *TP_FAMILIES, *KV_FEWER_THAN_TP)),
     # one key/value head on all 4 ranks (Qwen3), and two on 2 ranks each (Phi-3's fused q|k|v)
-    "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1", "phi3-kv2-fp64")),
+    "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1-fp64", "phi3-kv2-fp64")),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
     # litgpt's listed experts whole on every rank, each computing all the tokens, and Llama 4's shared expert's
     # output, summed over tp, added to in place by the model
