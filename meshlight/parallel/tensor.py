@@ -720,11 +720,11 @@ def _gather_sequence(mesh: DeviceMesh):  # noqa: ANN202 - a forward hook
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, Tensor):
             return gather(output)
-        if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
-            return (gather(output[0]), *output[1:])
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):  # (OpenAI GPT's: a list)
+            return type(output)([gather(output[0]), *output[1:]])
         raise TensorParallelError(
             f"Under sequence parallelism the last block ({type(module).__name__}) must return the hidden state (or a"
-            f" tuple that starts with it), to gather it over the sequence; it returned {type(output).__name__}."
+            f" tuple or list that starts with it), to gather it over the sequence; it returned {type(output).__name__}."
         )
 
     return hook

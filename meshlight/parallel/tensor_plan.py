@@ -408,7 +408,7 @@ PARTS_IN_ORDER = frozenset({
     "transformers.models.gpt2.modeling_gpt2.GPT2Attention", "litgpt.model.CausalSelfAttention",
     "transformers.models.phi3.modeling_phi3.Phi3Attention", "transformers.models.phi3.modeling_phi3.Phi3MLP",
     "transformers.models.glm.modeling_glm.GlmMLP", "transformers.models.glm4.modeling_glm4.Glm4MLP",
-    "transformers.models.glm4v.modeling_glm4v.Glm4vTextMLP",
+    "transformers.models.glm4v.modeling_glm4v.Glm4vTextMLP", "transformers.models.openai.modeling_openai.Attention",
 })
 
 
@@ -423,6 +423,10 @@ LAYOUT_BY_CONFIG: dict[str, Callable[[nn.Module], str]] = {
     # StarCoder's multi-query q|k|v, or heads of q, k, v
     "transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention":
         lambda attention: "parts" if attention.multi_query else "heads",
+    # heads of q, k, v whatever the config (Fuyu's language model is Persimmon's)
+    "transformers.models.persimmon.modeling_persimmon.PersimmonAttention": lambda attention: "heads",
+    "transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention":
+        lambda attention: "heads",
 }
 
 

@@ -133,14 +133,16 @@ def test_a_projection_packing_heads_q_k_and_v_together_keeps_tp_to_divisors_of_i
 
 
 @pytest.mark.parametrize(("family", "projection", "role"), [
-    ("falcon", "self_attention.query_key_value", "fused_colwise"),  # multi-query: all q, then one k and one v head
-    ("falcon_grouped", "self_attention.query_key_value", "colwise"),  # each key/value group's q, k, v together
-    ("gpt_bigcode", "attn.c_attn", "fused_colwise"),  # StarCoder's multi-query q|k|v
+    ("falcon", "transformer.h.0.self_attention.query_key_value", "fused_colwise"),  # multi-query: all q, one k, one v
+    ("falcon_grouped", "transformer.h.0.self_attention.query_key_value", "colwise"),  # each group's q, k, v together
+    ("gpt_bigcode", "transformer.h.0.attn.c_attn", "fused_colwise"),  # StarCoder's multi-query q|k|v
+    ("persimmon", "model.layers.0.self_attn.query_key_value", "colwise"),  # each head's q, k, v together
+    ("openai_gpt", "transformer.h.0.attn.c_attn", "fused_colwise"),  # q|k|v one after another
 ])
-def test_falcon_and_starcoder_split_their_fused_q_k_v_as_their_config_packs_it(family, projection, role):
+def test_fused_q_k_v_of_known_classes_are_split_as_their_class_and_config_pack_them(family, projection, role):
     module = lit_causal_lm(family)
     plan = derive_plan(module)
-    assert plan[f"model.transformer.h.0.{projection}"] == role
+    assert plan[f"model.{projection}"] == role
     validate_plan(module, plan, 2, 2)
 
 
