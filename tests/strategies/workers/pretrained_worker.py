@@ -45,11 +45,11 @@ def families(layout: str) -> tuple[str, ...]:
     apart: ZeRO-3 splits the stacked experts by experts, tp each expert (the fused gate|up part by part); under tp2
     GPT-OSS as well (its sinks split with the heads, its transposed experts by columns and rows), OLMo 2 (its q and k
     norms split as q and k are), DeepSeek-V3 (its latents' projections and norms whole, its up-projections by
-    heads) and Llama 4 (its experts stored stacked and transposed, each split over tp, the fused gate|up part by
-    part)."""
+    heads), Llama 4 (its experts stored stacked and transposed, each split over tp, the fused gate|up part by
+    part) and Falcon-7B's multi-query layout (its one key/value head, a part of the fused q|k|v, on every rank)."""
     if LAYOUTS[layout][1] == 8:
         return ("gpt2", "gpt")
-    tp2 = (*FAMILIES, "mixtral", "gpt_oss", "olmo2", "deepseek_v3", "llama4")
+    tp2 = (*FAMILIES, "mixtral", "gpt_oss", "olmo2", "deepseek_v3", "llama4", "falcon")
     return {"zero3": (*FAMILIES, "mixtral"), "tp2": tp2}.get(layout, FAMILIES)
 
 
