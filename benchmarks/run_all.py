@@ -728,14 +728,14 @@ def planner_out_of_sample_section(result: dict) -> str:
                      f" {row['bf16_published']:,.0f} | {row['predicted']:,.0f} | {row['ratio']:.3f} |"
                      f" {'yes' if abs(row['ratio'] - 1) <= 0.25 else '**no**'} | {rank} |")
     lines += ["", "The misses follow two patterns: compute-bound runs over-predicted where llm-foundry reached less "
-              "than the planner's half of peak (the narrowest H100 model, 32–35% MFU; 13B at 2 sequences per GPU, "
-              "39%); models reaching 55–62% MFU under-predicted. No constant was changed to fit these runs. Two "
-              "changes of the model since these runs were added, each from first principles: the step counts the "
-              "matmul of an LM head tied to the embedding (the MFU convention leaves it out, its weight being the "
-              "embedding's), which over-predicted every small tied model before; and a data-parallel group spanning"
-              " nodes sends over all its members' NICs on each node at once, as NCCL's rings run a channel per NIC "
-              "(a group of whole 8-GPU nodes at 400 GB/s per GPU, not one NIC's 50), which had under-predicted "
-              "ZeRO-3 between nodes: 13B on 16–64 GPUs at 0.47–0.50, 70B on 32 at 0.71."]
+              "than the planner's half of peak (the narrowest H100 model; 13B at 2 sequences per GPU); models "
+              "reaching 55–62% MFU under-predicted. No constant was changed to fit these runs. Two changes of the "
+              "model since these runs were added, each from first principles: the step counts the matmul of an LM "
+              "head tied to the embedding (the MFU convention leaves it out, its weight being the embedding's), "
+              "which over-predicted every small tied model before; and a data-parallel group spanning nodes sends "
+              "over all its members' NICs on each node at once, as NCCL's rings run a channel per NIC (a group of "
+              "whole 8-GPU nodes at eight NICs' rate, not one's), which had under-predicted ZeRO-3 between nodes "
+              "(MPT 13B and 70B on more than one node)."]
     return "\n".join(lines)
 
 
