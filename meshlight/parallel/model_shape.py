@@ -27,8 +27,8 @@ from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, list
 __all__ = [
     "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "WIDTH_ATTRIBUTES", "ModelShape",
     "ModelShapeError", "attention_heads", "config_shape", "count_holder", "fused_parts", "head_counts", "head_dim_of",
-    "hidden_size", "is_transposed_linear", "linear_widths", "model_shape", "per_head_parameters", "projection_heads",
-    "projections",
+    "head_width", "hidden_size", "is_transposed_linear", "linear_widths", "model_shape", "per_head_parameters",
+    "projection_heads", "projections",
 ]
 
 #: Attribute names under which attention modules keep their head counts (tensor parallelism divides them by tp).
@@ -288,7 +288,7 @@ def fused_parts(owner: nn.Module, width: int, written: int, hidden: int, *, kv: 
     if width == written and not kv:
         return None
     heads = attention_heads(owner, hidden)
-    head_dim = head_dim_of(owner) or (written // heads[0] if heads and written % heads[0] == 0 else None)
+    head_dim = head_width(owner, heads, written)
     if heads and head_dim and heads[0] * head_dim == written:  # the counts explain what the output projection reads
         queries, keys = heads[0] * head_dim, heads[1] * head_dim
         if width == queries + 2 * keys:
@@ -298,6 +298,14 @@ def fused_parts(owner: nn.Module, width: int, written: int, hidden: int, *, kv: 
     if heads and head_dim:  # attention whose counts explain neither: a q|k|v as wide as two halves is not a gate|up
         return None
     return (written, written) if width == 2 * written else None
+
+
+def head_width(owner: nn.Module, heads: Optional[tuple[int, int]], written: Optional[int]) -> Optional[int]:
+    """The width of one of attention ``owner``'s heads: its ``head_dim`` (:func:`head_dim_of`), else what its output
+    projection reads (``written``) over its query ``heads`` (:func:`attention_heads`) where they divide it."""
+    if head_dim := head_dim_of(owner):
+        return head_dim
+    return written // heads[0] if heads and written and written % heads[0] == 0 else None
 
 
 def projection_heads(module: nn.Module, names: Sequence[str]) -> dict[str, int]:

@@ -33,6 +33,7 @@ from meshlight.parallel.model_shape import (
     fused_parts,
     head_counts,
     head_dim_of,
+    head_width,
     hidden_size,
     linear_widths,
     per_head_parameters,
@@ -353,8 +354,7 @@ def fused_projection(modules: Mapping[str, nn.Module], plan: Mapping[str, Any], 
     if plan.get(name) != "fused_colwise":
         return None
     owner, _, _ = name.rpartition(".")
-    writers = [n for n, role in plan.items() if role == "rowwise" and n.rpartition(".")[0] == owner]
-    reader, writer = linear_widths(modules[name]), linear_widths(modules[writers[-1]]) if writers else None
+    reader, writer = linear_widths(modules[name]), _writer_widths(modules, plan, owner)
     parts = (fused_parts(modules[owner], reader[1], writer[0], writer[1], kv=_named_kv(name)) if reader and writer
              else None)
     if parts is None:
@@ -375,9 +375,8 @@ def replicated_kv_heads(modules: Mapping[str, nn.Module], plan: Mapping[str, Any
     heads = attention_heads(modules[parent], hidden)
     if not heads or not (heads[1] < heads[0] and heads[0] % tp == 0 and heads[1] % tp and tp % heads[1] == 0):
         return None
-    writers = [n for n, role in plan.items() if role == "rowwise" and n.rpartition(".")[0] == parent]
-    written = linear_widths(modules[writers[-1]])[0] if writers and linear_widths(modules[writers[-1]]) else None
-    head_dim = head_dim_of(modules[parent]) or (written // heads[0] if written and written % heads[0] == 0 else None)
+    writer = _writer_widths(modules, plan, parent)
+    head_dim = head_width(modules[parent], heads, writer[0] if writer else None)
     # (not where a plain colwise projection packs several heads' q, k and v together: GPT-NeoX's, Falcon's grouped
     # q|k|v, which column sharding splits only into whole heads or groups)
     readers = [linear_widths(modules[n]) for n, role in plan.items()
@@ -385,6 +384,13 @@ def replicated_kv_heads(modules: Mapping[str, nn.Module], plan: Mapping[str, Any
     if not head_dim or any(w and w[1] not in (heads[0] * head_dim, heads[1] * head_dim) for w in readers):
         return None
     return heads[1], head_dim
+
+
+def _writer_widths(modules: Mapping[str, nn.Module], plan: Mapping[str, Any],
+                   owner: str) -> Optional[tuple[int, int]]:
+    """(in, out) widths of the output projection ``plan`` gives ``owner`` (its last rowwise child), or None."""
+    writers = [n for n, role in plan.items() if role == "rowwise" and n.rpartition(".")[0] == owner]
+    return linear_widths(modules[writers[-1]]) if writers else None
 
 
 def published_roles(model: nn.Module) -> dict[str, str]:

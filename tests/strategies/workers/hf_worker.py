@@ -22,11 +22,12 @@ from tests.strategies import parity
 from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, TP_FAMILIES, lit_causal_lm
 
 #: families with one key/value head, trained at tp=2 (float64 where hf_models.PARITY_RTOL says why): Phi-3's,
-#: Qwen3's, Llama's and litgpt's, Falcon-7B's and StarCoder's multi-query attention; and Falcon's grouped q|k|v
+#: Qwen3's, Llama's and litgpt's, Falcon-7B's and StarCoder's multi-query attention
 KV_FEWER_THAN_TP = ("phi3-kv1", "qwen3-kv1-fp64", "llama-kv1-fp64", "litgpt-kv1-fp64", "falcon-fp64",
-                    "gpt_bigcode-fp64", "falcon_grouped-fp64")
-#: fused q|k|v told by their class: Persimmon's head by head, OpenAI GPT's one after another (its blocks return lists)
-BY_CLASS = ("persimmon-fp64", "openai_gpt")
+                    "gpt_bigcode-fp64")
+#: fused q|k|v told by their config or class: Falcon's grouped (each group's q, k, v together), Persimmon's head by
+#: head, OpenAI GPT's one after another (its blocks return lists)
+BY_LAYOUT = ("falcon_grouped-fp64", "persimmon-fp64", "openai_gpt")
 
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
@@ -43,7 +44,7 @@ LAYOUTS = {
     # fused q|k|v, litgpt's, and Llama's separate k and v)
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "qwen2-fp64", "gpt2-vocab61", "gpt_neox",
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
-                                                            *TP_FAMILIES, *KV_FEWER_THAN_TP, *BY_CLASS)),
+                                                            *TP_FAMILIES, *KV_FEWER_THAN_TP, *BY_LAYOUT)),
     # one key/value head on all 4 ranks (Qwen3), and two on 2 ranks each (Phi-3's fused q|k|v)
     "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1-fp64", "phi3-kv2-fp64")),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
