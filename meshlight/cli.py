@@ -88,6 +88,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner.add_argument("--host-memory-bandwidth", type=float,
                          help="GB/s of a node's host memory, which its devices' host steps share (default 461: two"
                               " sockets of eight DDR5-4800 channels at 75%%; 307 for A100 presets)")
+    planner.add_argument("--memory-bandwidth", type=float,
+                         help="GB/s of device memory, at which the kernels between the matmuls stream activations"
+                              " (default: the preset's datasheet figure, 3350 for an H100 SXM)")
     planner.add_argument("--peak-tflops", type=float,
                          help="dense bf16 TFLOP/s per device (default: the preset's; a 32-true run computes at the"
                               " preset's fp32 or TF32 rate)")
@@ -246,6 +249,8 @@ def _hardware_of(args: argparse.Namespace) -> Hardware:
                                             ("host-threads", "host_threads", args.host_threads, 1, "host threads"),
                                             ("host-memory-bandwidth", "host_memory_bandwidth",
                                              args.host_memory_bandwidth, GB, "GB/s host memory"),
+                                            ("memory-bandwidth", "memory_bandwidth", args.memory_bandwidth, GB,
+                                             "GB/s device memory"),
                                             ("peak-tflops", "peak_flops", args.peak_tflops, 1e12, "TFLOP/s")):
         if value is None:
             continue

@@ -22,7 +22,9 @@
   offloaded activations) must fit the device's share of host memory, as the rest must fit the device.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak for the run's matmuls
   (:attr:`Hardware.compute_flops`: 16-bit, or fp32 as torch's float32 matmul precision runs it; a head tied to the
-  embedding counted, :meth:`ModelSpec.executed_flops_per_token`; recomputation adds a forward), stretched by the
+  embedding counted, :meth:`ModelSpec.executed_flops_per_token`; recomputation adds a forward), plus the
+  memory-bound kernels between them streaming the activations at the device memory's bandwidth
+  (:func:`_streamed_time`: four passes over what autograd saves, a fifth with recomputation), stretched by the
   pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives of the activations per layer and
   micro-batch, 6 with recomputation) not overlapped; pipeline p2p; data
   parallel traffic (2·P, 3·P for ZeRO-3 less the root unit — embedding and head, kept gathered from forward to
@@ -230,7 +232,8 @@ def estimate(
     tokens = global_batch * s
     recomputed = model.recompute_flops_per_token() if recompute else 0
     flops = tokens * (model.executed_flops_per_token() + recomputed) / world
-    compute = flops / (hw.compute_flops * ACHIEVABLE_FRACTION)
+    compute = flops / (hw.compute_flops * ACHIEVABLE_FRACTION) + _streamed_time(
+        model, hw, tp, global_batch * s / data, recompute, layers_per_stage)
     bubble = compute * (pp - 1) / (microbatches * virtual_stages) if pp > 1 else 0.0
     activation = local * micro_batch * h * hw.activation_bytes
     tp_time = 0.0
@@ -362,6 +365,20 @@ def _kv_exchange_time(model: ModelSpec, hw: Hardware, cp: int, tp: int, micro_ba
     kv = 2 * model.seq_len * micro_batch * model.kv_heads * model.head_dim / tp * hw.activation_bytes
     exchanges = passes * (3 if recompute else 2)
     return exchanges * ((cp - 1) / cp * kv / _bandwidth(hw, cp, tp) + 2 * _ring_latency(hw, cp, tp))
+
+
+def _streamed_time(model: ModelSpec, hw: Hardware, tp: int, tokens: float, recompute: bool, layers: int) -> float:
+    """Seconds per step a rank's memory-bound kernels take — norms, activations, residual adds, rotary, routing's
+    copies, the loss's softmax — which stream activations through device memory at ``hw.memory_bandwidth`` while
+    the tensor cores idle: every value autograd saves (:meth:`ModelSpec.activation_values_per_token`) is written
+    once in forward and read once in backward, and its gradient written and read once, four passes (five when the
+    forward is recomputed), over ``layers`` blocks and ``tokens`` of this rank; and the fp32 logits, written and
+    read in forward, their gradient in backward. Per token the passes grow with the width and the matmuls with
+    its square, so this is what keeps narrow models (and fine-grained experts) below the matmuls' rate."""
+    passes = 5 if recompute else 4
+    block = passes * model.activation_values_per_token(tp) * hw.activation_bytes * layers
+    logits = 4 * 4 * model.vocab / tp
+    return tokens * (block + logits) / hw.memory_bandwidth
 
 
 def _bandwidth(hw: Hardware, size: int, stride: int) -> float:

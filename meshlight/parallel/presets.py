@@ -210,10 +210,12 @@ class Hardware:
     # and per step of a ring collective, within a node and between nodes (NCCL's ring/Simple figures)
     hop_latency_intra: float = 3.4e-6
     hop_latency_inter: float = 9.6e-6
+    # bytes/s of device memory (HBM), at which the kernels between the matmuls stream activations (inf: not priced)
+    memory_bandwidth: float = math.inf
 
     def __post_init__(self) -> None:
         rates = ("memory", "peak_flops", "intra_bandwidth", "inter_bandwidth", "host_memory", "host_bandwidth",
-                 "host_step_rate", "host_memory_bandwidth")
+                 "host_step_rate", "host_memory_bandwidth", "memory_bandwidth")
         bad = [f"{name}={getattr(self, name)!r}" for name in rates if not getattr(self, name) > 0]
         bad += [f"{name}={getattr(self, name)!r}" for name in ("devices_per_node", "host_threads")
                 if getattr(self, name) is not None and not getattr(self, name) >= 1]
@@ -249,6 +251,9 @@ GB = 1e9
 #: Host link: 85% (what pinned copies reach) of a PCIe x16 link's rate each way — 64 GB/s for PCIe 5 (H100, H200,
 #: B200, MI300X), 32 GB/s for PCIe 4 (A100); ``benchmarks/planner.py`` sets the estimate beside one H100's
 #: measured activation offload. ``meshlight plan --host-bandwidth`` for other links.
+#: Device memory bandwidth (datasheets): H100 SXM 3.35, H200 4.8, H100 PCIe 2.0, H100 NVL 3.9, H200 NVL 4.8, A100
+#: SXM 80GB 2.039, A100 PCIe 80GB 1.935, B200 8, MI300X 5.3 TB/s; torchtitan's 96 GB HBM2e H100s 2.4 (its benchmark
+#: page). The CPU preset leaves it unpriced: its gloo processes' step is dominated by their matmuls and latencies.
 #: fp32 matmuls (datasheets, dense): off the tensor cores H100/H200 67, A100 19.5, B200 75, MI300X 163.4 TFLOP/s;
 #: as TF32 half the bf16 peak on each.
 #: PCIe cards (H100 PCIe, H100 and H200 NVL, A100 PCIe): their datasheets' dense peaks (H100 PCIe 756 bf16 / 51 fp32,
@@ -263,27 +268,29 @@ GB = 1e9
 #: ``--host-memory-bandwidth`` for other hosts.
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("NVIDIA H100 SXM 80GB", 80 * GB, 989e12, 450 * GB, 50 * GB, fp32_flops=67e12,
-                     tf32_flops=989e12 / 2),
+                     tf32_flops=989e12 / 2, memory_bandwidth=3.35e12),
     "h200": Hardware("NVIDIA H200 SXM 141GB", 141 * GB, 989e12, 450 * GB, 50 * GB, fp32_flops=67e12,
-                     tf32_flops=989e12 / 2),
+                     tf32_flops=989e12 / 2, memory_bandwidth=4.8e12),
     "h100-pcie": Hardware("NVIDIA H100 PCIe 80GB", 80 * GB, 756e12, 0.85 * 64 * GB, 50 * GB, fp32_flops=51e12,
-                          tf32_flops=756e12 / 2),
+                          tf32_flops=756e12 / 2, memory_bandwidth=2e12),
     "h100-nvl": Hardware("NVIDIA H100 NVL 94GB", 94 * GB, 835e12, 0.85 * 64 * GB, 50 * GB, fp32_flops=60e12,
-                         tf32_flops=835e12 / 2),
+                         tf32_flops=835e12 / 2, memory_bandwidth=3.9e12),
     "h200-nvl": Hardware("NVIDIA H200 NVL 141GB", 141 * GB, 835e12, 0.85 * 64 * GB, 50 * GB, fp32_flops=60e12,
-                         tf32_flops=835e12 / 2),
+                         tf32_flops=835e12 / 2, memory_bandwidth=4.8e12),
     "a100": Hardware("NVIDIA A100 SXM 80GB", 80 * GB, 312e12, 300 * GB, 25 * GB, host_bandwidth=0.85 * 32 * GB,
-                     host_memory_bandwidth=0.75 * 2 * 8 * 25.6 * GB, fp32_flops=19.5e12, tf32_flops=312e12 / 2),
+                     host_memory_bandwidth=0.75 * 2 * 8 * 25.6 * GB, fp32_flops=19.5e12, tf32_flops=312e12 / 2,
+                     memory_bandwidth=2.039e12),
     "a100-pcie": Hardware("NVIDIA A100 PCIe 80GB", 80 * GB, 312e12, 0.85 * 32 * GB, 25 * GB,
                           host_bandwidth=0.85 * 32 * GB, host_memory_bandwidth=0.75 * 2 * 8 * 25.6 * GB,
-                          fp32_flops=19.5e12, tf32_flops=312e12 / 2),
+                          fp32_flops=19.5e12, tf32_flops=312e12 / 2, memory_bandwidth=1.935e12),
     "b200": Hardware("NVIDIA B200 192GB", 192 * GB, 2250e12, 900 * GB, 50 * GB, fp32_flops=75e12,
-                     tf32_flops=2250e12 / 2),
+                     tf32_flops=2250e12 / 2, memory_bandwidth=8e12),
     "mi300x": Hardware("AMD MI300X 192GB", 192 * GB, 1307e12, 448 * GB, 50 * GB, fp32_flops=163.4e12,
-                       tf32_flops=1307e12 / 2),
-    # torchtitan's published Llama 3 runs: H100 with 96 GB HBM2e capped at 500 W (peaks scaled by power)
+                       tf32_flops=1307e12 / 2, memory_bandwidth=5.3e12),
+    # torchtitan's published Llama 3 runs: H100 with 96 GB HBM2e (2.4 TB/s) capped at 500 W (peaks scaled by power)
     "h100-96gb-500w": Hardware("NVIDIA H100 96GB HBM2e, 500 W cap", 96 * GB, 989e12 * 500 / 700, 450 * GB, 50 * GB,
-                               fp32_flops=67e12 * 500 / 700, tf32_flops=989e12 / 2 * 500 / 700),
+                               fp32_flops=67e12 * 500 / 700, tf32_flops=989e12 / 2 * 500 / 700,
+                               memory_bandwidth=2.4e12),
     # gloo processes on one host: one latency per collective, whatever the group (NCCL's hops do not apply); what
     # offload "moves" is already in host memory, and the step is the one the model leaves out without offload
     "cpu": Hardware("CPU process (gloo)", 4 * GB, 50e9, 2 * GB, 1 * GB, devices_per_node=64, param_bytes=4,
