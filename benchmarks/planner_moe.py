@@ -1,6 +1,6 @@
 """The layout planner against published MoE training runs: its throughput for the published layout (dp, pp, tp and
-ep fixed; ZeRO stage, microbatches, virtual stages and recomputation its own choice) ÷ the published figure (target
-within 25%). The cost model's constants were not set from these runs.
+ep, and the pipeline's microbatches and virtual stages as published; ZeRO stage and recomputation its own choice) ÷
+the published figure (target within 25%). The cost model's constants were not set from these runs.
 
 Sources (each row also names its GPUs, layout, sequence length and batch):
 
@@ -11,7 +11,7 @@ Sources (each row also names its GPUs, layout, sequence length and batch):
 - Megatron-Bridge's performance summary (``docs/performance-summary.md``, 25.11 container, DGX-H100; token
   distribution force-balanced, dropless): Qwen3-30B-A3B on 16 GPUs in FP8 (current scaling), global batch 512,
   micro-batch 2, sequence 4096, TP 1, PP 2, VP 24, EP 8: 5,275 tokens/s per GPU; GPT-OSS 120B on 64 GPUs in BF16,
-  global batch 512, micro-batch 4, sequence 4096, TP 1, PP 4, EP 8: 5,630. The FP8 row is compared as published ÷
+  global batch 512, micro-batch 4, sequence 4096, TP 1, PP 4, VP 1, EP 8: 5,630. The FP8 row is compared as published ÷
   1.445, torchtitan's measured Float8 speedup (see ``benchmarks/planner.py``); the planner models bf16.
 
     python benchmarks/planner_moe.py      # prints JSON
@@ -36,6 +36,7 @@ class MoERun:
     global_batch: int
     micro_batch: int
     layout: tuple[int, int, int, int]  # (dp, pp, tp, ep)
+    virtual_stages: int  # pipeline stages per rank, as published
     metric: str  # "TFLOP/s/GPU" or "tokens/s/GPU"
     published: float
     note: str
@@ -50,12 +51,12 @@ SHAPES = {
 }
 
 RUNS = [
-    MoERun(_MEGATRON, "mixtral-8x7b", 64, 256, 1, (16, 4, 1, 8), "TFLOP/s/GPU", 468,
+    MoERun(_MEGATRON, "mixtral-8x7b", 64, 256, 1, (16, 4, 1, 8), 1, "TFLOP/s/GPU", 468,
            "BF16, dropless, TP 1 EP 8 PP 4, MBS 1, seq 4096"),
-    MoERun(_BRIDGE, "qwen3-30b-a3b", 16, 512, 2, (8, 2, 1, 8), "tokens/s/GPU", 5275,
+    MoERun(_BRIDGE, "qwen3-30b-a3b", 16, 512, 2, (8, 2, 1, 8), 24, "tokens/s/GPU", 5275,
            "FP8-CS, TP 1 PP 2 VP 24 EP 8, MBS 2, seq 4096; compared ÷ 1.445", float8=True),
-    MoERun(_BRIDGE, "gpt-oss-120b", 64, 512, 4, (16, 4, 1, 8), "tokens/s/GPU", 5630,
-           "BF16, TP 1 PP 4 EP 8, MBS 4, seq 4096"),
+    MoERun(_BRIDGE, "gpt-oss-120b", 64, 512, 4, (16, 4, 1, 8), 1, "tokens/s/GPU", 5630,
+           "BF16, TP 1 PP 4 VP 1 EP 8, MBS 4, seq 4096"),
 ]
 
 
@@ -78,7 +79,7 @@ def rows() -> list[dict]:
         dp, pp, tp, ep = run.layout
         microbatches = run.global_batch // dp // run.micro_batch
         chosen = plan(model, hardware, run.gpus, run.global_batch, dp=dp, pp=pp, tp=tp, ep=ep,
-                      **({"microbatches": microbatches} if pp > 1 else {}))[0]
+                      **({"microbatches": microbatches, "virtual_stages": run.virtual_stages} if pp > 1 else {}))[0]
         tokens = chosen.tokens_per_second_per_device
         predicted = tokens * model.flops_per_token() / 1e12 if run.metric == "TFLOP/s/GPU" else tokens
         bf16 = run.published / FLOAT8_SPEEDUP if run.float8 else run.published

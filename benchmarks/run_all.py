@@ -896,10 +896,10 @@ def planner_moe_section(rows: list[dict]) -> str:
     met = sum(0.75 <= row["ratio"] <= 1.25 for row in rows)
     lines = ["## Layout planner against published MoE runs", "",
              f"Command: `{COMMANDS['planner_moe']}` — the planner's throughput for each published layout (dp, pp, tp"
-             " and ep fixed; ZeRO stage, microbatches, virtual stages and recomputation its own choice) ÷ the"
-             " published figure, target within 25%; the sources and their settings are in the script's docstring."
-             " FP8 runs are compared at torchtitan's Float8 speedup (÷ 1.445). No planner constant was set from these"
-             " runs.", "",
+             " and ep, the microbatches and virtual stages as published; ZeRO stage and recomputation its own"
+             " choice) ÷ the published figure, target within 25%; the sources and their settings are in the script's"
+             " docstring. FP8 runs are compared at torchtitan's Float8 speedup (÷ 1.445). No planner constant was set"
+             " from these runs.", "",
              "| source | model | GPUs | layout | seq | global batch (micro) | published | predicted | ratio | planner"
              " MFU | expert all-to-all | target |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
