@@ -21,6 +21,7 @@ from meshlight.parallel.pipeline import ModelRoot, PipelineError, StagePlan
 from meshlight.parallel.rank_zero import rank_zero_warn
 
 __all__ = [
+    "BlockOutput",
     "PassThrough",
     "Stage",
     "TiedParameter",
@@ -33,17 +34,42 @@ __all__ = [
 ]
 
 
+class BlockOutput:
+    """What a model's blocks return, shared by the stand-ins of its blocks and its stages: the hidden state, or
+    (``tuples``) a tuple whose first element is the hidden state, which the forward takes out with ``outputs[0]``
+    before the next block (BLOOM's, Falcon's, MPT's; what :func:`check_chain` finds on the first batch)."""
+
+    def __init__(self) -> None:
+        self.tuples = False
+
+    def wrap(self, hidden: Any) -> Any:
+        """``hidden`` as a block returns it."""
+        return (hidden, None) if self.tuples else hidden
+
+    def hidden(self, output: Any) -> Any:
+        """The hidden state in what a block returned."""
+        return output[0] if self.tuples else output
+
+
 class PassThrough(nn.Module):
-    """Stands in for a piece another stage owns: returns its first argument."""
+    """Stands in for a piece another stage owns: returns its first argument (for a block, as the block returns its
+    output: ``block_output``)."""
+
+    def __init__(self, block_output: Optional[BlockOutput] = None) -> None:
+        super().__init__()
+        self.block_output = block_output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0]
+        return self.block_output.wrap(args[0]) if self.block_output else args[0]
 
 
-def split_stages(module: nn.Module, plan: StagePlan, stages: Sequence[int]) -> list[nn.Module]:
+def split_stages(module: nn.Module, plan: StagePlan, stages: Sequence[int],
+                 block_output: Optional[BlockOutput] = None) -> list[nn.Module]:
     """Keep in ``module`` only the pieces of ``stages`` (others become :class:`PassThrough`, freeing them) and
-    return one stage module per stage: a shallow copy of ``module`` sharing the pieces it owns."""
-    views = [_stage_view(module, plan, stage) for stage in stages]
+    return one stage module per stage: a shallow copy of ``module`` sharing the pieces it owns. ``block_output``:
+    what the blocks return, which the stand-ins of blocks return alike."""
+    block_output = block_output or BlockOutput()
+    views = [_stage_view(module, plan, stage, block_output) for stage in stages]
     mine = set().union(*(plan.owned(s) for s in stages))
     blocks = getattr(module, plan.container)
     for name in (*plan.pre, *plan.post):
@@ -51,15 +77,15 @@ def split_stages(module: nn.Module, plan: StagePlan, stages: Sequence[int]) -> l
             setattr(module, name, _stand_in(getattr(module, name)) if name in plan.pre else PassThrough())
     for key in (k for stage_keys in plan.blocks for k in stage_keys):
         if f"{plan.container}.{key}" not in mine:
-            blocks[key if isinstance(blocks, nn.ModuleDict) else int(key)] = PassThrough()
+            blocks[key if isinstance(blocks, nn.ModuleDict) else int(key)] = PassThrough(block_output)
     return views
 
 
-def _stage_view(module: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
+def _stage_view(module: nn.Module, plan: StagePlan, stage: int, block_output: BlockOutput) -> nn.Module:
     owned = plan.owned(stage)
     blocks = module._modules[plan.container]
     entries = blocks.items() if isinstance(blocks, nn.ModuleDict) else ((str(i), b) for i, b in enumerate(blocks))
-    kept = [(k, b if f"{plan.container}.{k}" in owned else PassThrough()) for k, b in entries]
+    kept = [(k, b if f"{plan.container}.{k}" in owned else PassThrough(block_output)) for k, b in entries]
     replacements: dict[str, nn.Module] = {name: _stand_in(module.get_submodule(name)) for name in plan.pre
                                           if name not in owned}
     replacements.update({name: PassThrough() for name in plan.post if name not in owned})
@@ -102,13 +128,15 @@ class Stage(nn.Module):
     root's forward takes that, as Hugging Face models do), so that the forward computes what the blocks need beside
     it (masks, positions, rotary tables) as one process would; the embeddings of earlier stages return zeros of
     their output's shape, and the stage's first block gets the stage's input in place of what reached it. A stage
-    before the last stops at the output of its last block and hands that on; the last runs the root's forward to
-    its end (norm, head, a loss it computes). What the last returns reaches the schedule as its tensors, and
-    :meth:`rebuild` makes it whole again."""
+    before the last stops at the output of its last block and hands that on (the hidden state, where blocks return
+    tuples: ``block_output``); the last runs the root's forward to its end (norm, head, a loss it computes). What
+    the last returns reaches the schedule as its tensors, and :meth:`rebuild` makes it whole again."""
 
-    def __init__(self, root: nn.Module, blocks: Sequence[str], first: bool, last: bool, as_embeddings: bool) -> None:
+    def __init__(self, root: nn.Module, blocks: Sequence[str], first: bool, last: bool, as_embeddings: bool,
+                 block_output: Optional[BlockOutput] = None) -> None:
         super().__init__()
         self.root = root
+        self.block_output = block_output or BlockOutput()
         self.first, self.last = first, last
         self._as_embeddings = as_embeddings
         self._blocks = (blocks[0], blocks[-1])
@@ -130,7 +158,7 @@ class Stage(nn.Module):
         return (self._input, *args[1:])
 
     def _stop(self, module: nn.Module, args: tuple, output: Any) -> None:
-        raise _StageDone(output)
+        raise _StageDone(self.block_output.hidden(output))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self._hooked:
@@ -205,7 +233,8 @@ def root_stages(root: nn.Module, place: ModelRoot, plan: StagePlan, stages: Sequ
     ``place``). Pieces of other stages are freed in ``root`` (replaced by :class:`PassThrough`), heads too where
     this rank holds no last stage; the stages share the modules they own with ``root``."""
     pipelined = root.get_submodule(place.pipelined)
-    views = split_stages(pipelined, plan, stages)
+    block_output = BlockOutput()
+    views = split_stages(pipelined, plan, stages, block_output)
     last = plan.num_stages - 1
     if last not in stages:
         for head in place.heads:
@@ -218,7 +247,8 @@ def root_stages(root: nn.Module, place: ModelRoot, plan: StagePlan, stages: Sequ
         if stage != last:
             replacements.update({head: PassThrough() for head in place.heads})
         blocks = [f"{prefix}{plan.container}.{key}" for key in plan.blocks[stage]]
-        result.append(Stage(_replaced(root, replacements), blocks, stage == 0, stage == last, as_embeddings))
+        result.append(Stage(_replaced(root, replacements), blocks, stage == 0, stage == last, as_embeddings,
+                            block_output))
     return result
 
 
@@ -280,24 +310,48 @@ def materialize(module: nn.Module, device: torch.device) -> None:
             reset()
 
 
-def check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, place: Optional[ModelRoot] = None) -> None:
+def check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict,
+                place: Optional[ModelRoot] = None) -> bool:
     """Run the model root's ``forward`` on its real inputs up to the first piece after the blocks, with the blocks
     replaced by probes that return their input unchanged: each block must receive the previous block's output
     (here: the very same object), and the first piece after them the last block's. No piece computes and nothing is
     communicated. What runs before the blocks runs on the first stage only, and what runs after them on the last
     only, so any operations are fine there; between blocks, or from before the blocks to after them (a skip
     connection), they would be lost at a stage boundary. A head beside the pipelined module (``place``; default: the
-    root is the pipelined module) must run after the blocks: the last stage owns it."""
+    root is the pipelined module) must run after the blocks: the last stage owns it. Blocks may return their output
+    alone or first in a tuple, which the forward takes out (``hidden_states = outputs[0]``, as BLOOM's, Falcon's and
+    MPT's do): the probes return it alone, and in a tuple where that breaks the chain. Returns whether the blocks
+    return tuples (:class:`BlockOutput`)."""
+    alone: list[tuple[str, Any]] = []
+    try:
+        _check_chain(root, plan, args, kwargs, place, alone, tuples=False)
+        return False
+    except PipelineError as error:
+        in_tuples: list[tuple[str, Any]] = []
+        try:
+            _check_chain(root, plan, args, kwargs, place, in_tuples, tuples=True)
+        except PipelineError as tuple_error:
+            # the refusal of the run that got further through the pieces says what breaks the chain
+            raise (tuple_error if len(in_tuples) > len(alone) else error) from None
+        return True
+
+
+def _check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, place: Optional[ModelRoot],
+                 received: list[tuple[str, Any]], tuples: bool) -> None:
+    """:func:`check_chain` with blocks returning their output alone or (``tuples``) first in a tuple; ``received``
+    gets each piece's name and first input as it runs."""
     place = place or ModelRoot("", "", plan.container, ())
     prefix = f"{place.pipelined}." if place.pipelined else ""
     container_name = prefix + plan.container
     blocks = [f"{container_name}.{k}" for keys in plan.blocks for k in keys]
     pieces = [*blocks, *(prefix + name for name in plan.post[:1])]
-    received: list[tuple[str, Any]] = []
     # with no piece after the blocks, the forward runs on to a head beside the pipelined module, where it stops: a
     # piece registered before the blocks but run after them shows there
     on_to_head = not plan.post and bool(place.heads)
-    probes = {name: _Probe(name, received, stop=name == pieces[-1] and not on_to_head) for name in pieces}
+    block_output = BlockOutput()
+    block_output.tuples = tuples
+    probes = {name: _Probe(name, received, stop=name == pieces[-1] and not on_to_head,
+                           block_output=block_output if name in blocks else None) for name in pieces}
     container = root.get_submodule(container_name)
     keys = list(container.keys()) if isinstance(container, nn.ModuleDict) else [str(i) for i in range(len(container))]
     probed = [probes[f"{container_name}.{k}"] for k in keys]
@@ -372,15 +426,16 @@ def _watch(name: str, received: list, late: list, module: nn.Module, args: tuple
 
 
 class _Probe(nn.Module):
-    def __init__(self, name: str, received: list, stop: bool) -> None:
+    def __init__(self, name: str, received: list, stop: bool, block_output: Optional[BlockOutput] = None) -> None:
         super().__init__()
-        self.name, self.received, self.stop = name, received, stop
+        self.name, self.received, self.stop, self.block_output = name, received, stop, block_output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.received.append((self.name, args[0] if args else None))
         if self.stop:
             raise _StageDone(None)
-        return args[0] if args else None
+        hidden = args[0] if args else None
+        return self.block_output.wrap(hidden) if self.block_output else hidden
 
 
 def first_positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import re
 from collections import defaultdict
 from collections.abc import Generator, Iterable, Mapping
@@ -94,6 +95,7 @@ from meshlight.parallel.tensor_plan import (
     _shown,
     _within,
     fused_projection,
+    head_biases,
     moe_blocks_of,
     replicated_kv_heads,
 )
@@ -175,6 +177,8 @@ def apply_tensor_parallel(
     for parent in _colwise_parents(plan):
         register_sequence_gather(modules[parent], mesh, sequence_parallel=sequence_parallel,
                                  keep_gathered=keep_gathered_inputs)
+        if biases := head_biases(modules[parent]):
+            _narrow_head_biases(modules[parent], biases, max(head_counts(modules[parent]).values()), mesh)
         divided = _divide_counts(modules[parent], tp, replicated.get(parent))
         _name_while_running(modules[parent], _shown(parent), divided)
     for parent, names in per_head.items():  # after the gather has read the forward's signature
@@ -628,6 +632,40 @@ def _split_by_head(module: nn.Module, names: list[str], mesh: DeviceMesh) -> Non
     over tp as its heads are; its forward runs on a shallow copy holding this rank's values as plain tensors."""
     _distribute_parameters(module, mesh, dict.fromkeys(names, Shard(0)), src_data_rank=0)
     module.forward = functools.partial(_forward_on_local_weights, module, type(module).forward)
+
+
+def _narrow_head_biases(attention: nn.Module, biases: Mapping[str, Optional[int]], heads: int,
+                        mesh: DeviceMesh) -> None:
+    """Hand ``attention`` the biases of this rank's ``heads``/tp heads (consecutive, as the q, k, v columns it holds)
+    where its model passes the biases of all ``heads`` (ALiBi's) as the arguments ``biases`` names (argument ->
+    dimension of the heads; None: dimension 0 holds batch × heads). A tensor whose dimension is not ``heads`` wide
+    (a mask broadcast over the heads) is left whole."""
+    local = heads // mesh.size()
+    start = mesh.get_local_rank() * local
+    names = [p for p in inspect.signature(attention.forward).parameters]
+    positions = {name: names.index(name) for name in biases if name in names}
+
+    def narrowed(value: Any, dim: Optional[int]) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        if dim is None:
+            if value.shape[0] % heads:
+                raise TensorParallelError(
+                    f"{type(attention).__name__} received biases of {value.shape[0]} rows, not a multiple of its"
+                    f" {heads} heads: meshlight cannot tell this rank's. Train it without tensor parallelism.")
+            return value.unflatten(0, (-1, heads))[:, start:start + local].flatten(0, 1)
+        return value.narrow(dim, start, local) if value.dim() > dim and value.shape[dim] == heads else value
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs = list(args), dict(kwargs)
+        for name, position in positions.items():
+            if name in kwargs:
+                kwargs[name] = narrowed(kwargs[name], biases[name])
+            elif position < len(args):
+                args[position] = narrowed(args[position], biases[name])
+        return tuple(args), kwargs
+
+    attention.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _forward_on_local_weights(module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:

@@ -43,7 +43,8 @@ from meshlight.parallel.model_shape import (
 from meshlight.parallel.precision import is_norm
 
 __all__ = [
-    "COLUMN_ROLES", "PARTS_IN_ORDER", "ROLES", "TensorParallelError", "derive_plan", "fused_projection", "model_plan",
+    "COLUMN_ROLES", "HEAD_BIASES", "PARTS_IN_ORDER", "ROLES", "TensorParallelError", "derive_plan", "fused_projection",
+    "head_biases", "model_plan",
     "moe_blocks_of", "published_roles", "replicated_kv_heads", "resolve_plan", "sequence_region", "stage_plan",
     "validate_plan",
 ]
@@ -415,6 +416,7 @@ PARTS_IN_ORDER = frozenset({
     "transformers.models.phi3.modeling_phi3.Phi3Attention", "transformers.models.phi3.modeling_phi3.Phi3MLP",
     "transformers.models.glm.modeling_glm.GlmMLP", "transformers.models.glm4.modeling_glm4.Glm4MLP",
     "transformers.models.glm4v.modeling_glm4v.Glm4vTextMLP", "transformers.models.openai.modeling_openai.Attention",
+    "transformers.models.mpt.modeling_mpt.MptAttention",
 })
 
 
@@ -433,7 +435,26 @@ LAYOUT_BY_CONFIG: dict[str, Callable[[nn.Module], str]] = {
     "transformers.models.persimmon.modeling_persimmon.PersimmonAttention": lambda attention: "heads",
     "transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention":
         lambda attention: "heads",
+    # BLOOM's heads of q, k, v (the forward views them as [heads, 3, head_dim])
+    "transformers.models.bloom.modeling_bloom.BloomAttention": lambda attention: "heads",
 }
+
+#: Attention classes that receive a bias per head from their model (ALiBi's, built for all heads before the blocks):
+#: argument -> the dimension holding the heads, or None where dimension 0 holds batch × heads (BLOOM's
+#: ``[batch·heads, 1, keys]``). Tensor parallelism hands each rank the biases of the heads it holds
+#: (:func:`~meshlight.parallel.tensor.apply_tensor_parallel`). Falcon-RW also folds its ALiBi biases into the
+#: attention mask, ``[batch, heads, queries, keys]`` (``[batch, 1, …]`` without ALiBi: left whole).
+HEAD_BIASES: dict[str, dict[str, Optional[int]]] = {
+    "transformers.models.bloom.modeling_bloom.BloomAttention": {"alibi": None},
+    "transformers.models.falcon.modeling_falcon.FalconAttention": {"alibi": 1, "attention_mask": 1},
+    "transformers.models.mpt.modeling_mpt.MptAttention": {"position_bias": 0},
+}
+
+
+def head_biases(attention: nn.Module) -> dict[str, Optional[int]]:
+    """The arguments that bring ``attention`` a bias per head, and the dimension of their heads (:data:`HEAD_BIASES`;
+    empty for other classes)."""
+    return HEAD_BIASES.get(f"{type(attention).__module__}.{type(attention).__qualname__}", {})
 
 
 def _fused_layout(owner: nn.Module) -> Optional[str]:
@@ -620,11 +641,13 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
                 f" {', '.join(n.rpartition('.')[2] for n in group)} into a submodule of their own (e.g."
                 " `self.mlp = MLP(dim)` whose forward is `fc2(act(fc1(x)))`)."
             )
-        if getattr(getattr(module, "config", None), "alibi", False) is True:  # Falcon-RW's
+        if getattr(getattr(module, "config", None), "alibi", False) is True and not head_biases(module):
             raise TensorParallelError(
-                f"{_shown(owner)} adds ALiBi position biases, which the model builds for all its heads before its"
-                " blocks: under tensor parallelism each rank would get the biases of heads it does not hold. Train it"
-                " without tensor parallelism (pp, ZeRO), or with rotary positions (the config's alibi=False).")
+                f"{_shown(owner)} ({type(module).__name__}) adds ALiBi position biases, which the model builds for all"
+                " its heads before its blocks, and meshlight does not know the argument that brings them (it hands"
+                f" each rank its heads' biases for {', '.join(c.rpartition('.')[2] for c in HEAD_BIASES)}): each"
+                " rank would get the biases of heads it does not hold. Train it without tensor parallelism (pp,"
+                " ZeRO), or with rotary positions (the config's alibi=False).")
         per_head = per_head_parameters(module, hidden) if hidden else []  # split with the heads
         stray = [f"{_shown(_join(owner, n, p))} {list(t.shape)}" for n, m in module.named_modules()
                  if (full := _join(owner, n)) not in group and plan.get(full) not in ("head_norm", "colwise_norm")

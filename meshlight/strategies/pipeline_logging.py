@@ -4,6 +4,7 @@ sample counts is the batch's, as in one process), and replayed through the real 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -64,7 +65,10 @@ class LogRecorder:
                 reduce_fx = kwargs.get("reduce_fx", "mean")  # Lightning accepts no other than these
                 combine = _MICROBATCH_COMBINATIONS.get(reduce_fx.lower() if isinstance(reduce_fx, str) else reduce_fx,
                                                        torch.mean)
-                stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32).cpu() for v in values])
+                # in float32, or float64 where a value is (a float64 model's losses keep their digits)
+                dtype = functools.reduce(torch.promote_types, [v.dtype for v in values if isinstance(v, Tensor)
+                                                               and v.is_floating_point()], torch.float32)
+                stacked = torch.stack([torch.as_tensor(v, dtype=dtype).cpu() for v in values])
                 out.append((name, combine(stacked), kwargs))
         return out
 

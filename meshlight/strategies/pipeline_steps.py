@@ -177,6 +177,7 @@ class PipelineSteps:
         self._accumulate = 1
         self._scaler: Optional[torch.amp.GradScaler] = None
         self._logged_layout: Optional[list[Any]] = None  # what the last stage's step logged, values left out
+        self._logged_dtypes: list[torch.dtype] = []  # the loss's and the logged numbers' dtypes
         #: ``(loss, microbatch) → loss`` applied to each microbatch's loss (context parallelism weighs it by tokens)
         self.weigh_loss: Optional[Callable[[Tensor, Any], Tensor]] = None
         self._chunks: list[Any] = []
@@ -352,7 +353,9 @@ class PipelineSteps:
                 _check_divisible(arg.shape[0], self.microbatches)
         signature = _signature(args)
         if signature not in self._chained:
-            check_chain(self.root, self.plan, args, kwargs, self.place)
+            tuples = check_chain(self.root, self.plan, args, kwargs, self.place)
+            for stage in self.stage_modules:  # (one BlockOutput, shared with the stand-ins of their blocks)
+                stage.block_output.tuples = tuples
             self._chained.add(signature)
 
     def _split(self, batch: Any) -> list[Any]:
@@ -395,20 +398,27 @@ class PipelineSteps:
         are broadcast (pickled: two collectives) and their layout is remembered."""
         if self._logged_layout is not None:
             flat = torch.zeros(2 + sum(metric is None for _, metric, _ in self._logged_layout), dtype=torch.float64)
-            if self.has_last and logged_layout(logged) == self._logged_layout:
+            if self.has_last and logged_layout(logged) == self._logged_layout and (
+                    _dtypes(loss, logged) == self._logged_dtypes):
                 values = [loss] + [value for _, value, _ in logged if not isinstance(value, tuple)]
                 flat[0] = 1.0
                 flat[1:] = torch.stack([v.detach().to(torch.float64).cpu().reshape(()) for v in values])
             flat = flat.to(self.device)
             dist.broadcast(flat, src=self.last_stage_rank, group=self.group)
-            if flat[0].item() == 1.0:
-                numbers = iter(flat[1:].cpu().to(torch.float32))
+            if flat[0].item() == 1.0:  # each value back in its dtype: a float64 model's losses keep their digits
+                numbers = (value.to(dtype) for value, dtype in zip(flat[1:].cpu(), self._logged_dtypes))
                 loss = next(numbers)
                 return loss, [(name, metric if metric is not None else next(numbers), kwargs)
                               for name, metric, kwargs in self._logged_layout]
         loss, logged = self._from_last_stage((loss, logged))
-        self._logged_layout = logged_layout(logged)
+        self._logged_layout, self._logged_dtypes = logged_layout(logged), _dtypes(loss, logged)
         return loss, logged
+
+
+def _dtypes(loss: Any, logged: list[tuple[str, Any, dict]]) -> list[torch.dtype]:
+    """The dtypes of the loss and of the numbers logged (not metrics), in the order a step's results carry them."""
+    values = [loss] + [value for _, value, _ in logged if not isinstance(value, tuple)]
+    return [value.dtype if isinstance(value, Tensor) else torch.float32 for value in values]
 
 
 #: keyword arguments of ``schedule.step``/``eval`` that the schedule keeps instead of passing to the stages

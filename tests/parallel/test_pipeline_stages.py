@@ -97,7 +97,7 @@ class Reshaped(GPT):
 @pytest.mark.parametrize("cls", [ScaledEmbedding, MeanPooled])
 def test_operations_before_and_after_the_blocks_are_part_of_the_first_and_last_stage(cls):
     model = cls(GPTConfig.tiny(n_layers=4))
-    assert check_chain(model, plan_stages(model, "blocks", 2), (torch.zeros(2, 12, dtype=torch.long),), {}) is None
+    assert check_chain(model, plan_stages(model, "blocks", 2), (torch.zeros(2, 12, dtype=torch.long),), {}) is False
 
 
 @pytest.mark.parametrize(("cls", "message"), [
@@ -110,6 +110,52 @@ def test_chain_check_rejects_other_forwards(cls, message):
     model = cls(GPTConfig.tiny(n_layers=4))
     with pytest.raises(PipelineError, match=message):
         check_chain(model, plan_stages(model, "blocks", 2), (torch.zeros(2, 12, dtype=torch.long),), {})
+
+
+class _TupleBlock(torch.nn.Module):
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return self.block(x), None  # the hidden state and, say, attention weights
+
+
+class TupleBlocks(GPT):
+    """Blocks returning tuples whose first element the forward takes out, as BLOOM's, Falcon's and MPT's."""
+
+    def __init__(self, config: GPTConfig, between: float = 1.0) -> None:
+        super().__init__(config)
+        self.blocks = torch.nn.ModuleList(_TupleBlock(block) for block in self.blocks)
+        self.between = between
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)[0] * self.between if self.between != 1.0 else block(x)[0]
+        return self.head(self.norm(x))
+
+
+def test_blocks_returning_tuples_chain_and_their_stages_hand_on_the_hidden_state():
+    model = TupleBlocks(GPTConfig.tiny(n_layers=4))
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        expected = model(ids)
+    assert check_chain(model, plan_stages(model, "blocks", 4), (ids,), {}) is True
+    # four stages: the last runs three blocks' stand-ins before its own, each returning a tuple as the blocks do
+    stages = root_stages(model, ModelRoot("", "", "blocks", ()), plan_stages(model, "blocks", 4), [0, 1, 2, 3])
+    stages[0].block_output.tuples = True  # one BlockOutput, shared by the stages and the stand-ins of their blocks
+    assert all(stage.block_output is stages[0].block_output for stage in stages)
+    with torch.no_grad():
+        hidden = ids
+        for stage in stages[:-1]:
+            hidden = stage(hidden)
+            assert isinstance(hidden, torch.Tensor) and hidden.shape == (2, 12, model.config.dim)
+        torch.testing.assert_close(stages[-1](hidden), expected, rtol=0, atol=0)
+    # an operation between such blocks is refused as between any others
+    scaled = TupleBlocks(GPTConfig.tiny(n_layers=4), between=0.5)
+    with pytest.raises(PipelineError, match="blocks.1 does not receive the previous piece's output"):
+        check_chain(scaled, plan_stages(scaled, "blocks", 2), (ids,), {})
 
 
 def test_tied_embedding_and_head_are_one_parameter_of_the_first_and_last_stage():

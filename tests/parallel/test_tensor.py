@@ -8,7 +8,8 @@ from torch.nn import functional as F
 
 import meshlight as ml
 from meshlight.models import GPT, GPTConfig
-from meshlight.parallel.tensor import _divide_counts, _rows_of_rank
+from meshlight.parallel import tensor_plan
+from meshlight.parallel.tensor import _divide_counts, _narrow_head_biases, _rows_of_rank
 from meshlight.parallel.tensor_plan import (
     TensorParallelError,
     derive_plan,
@@ -146,15 +147,63 @@ def test_fused_q_k_v_of_known_classes_are_split_as_their_class_and_config_pack_t
     validate_plan(module, plan, 2, 2)
 
 
-def test_alibi_biases_built_for_all_heads_outside_the_attention_are_refused_under_tensor_parallelism():
-    import transformers
+@pytest.mark.parametrize(("family", "projection", "role"), [
+    ("bloom", "transformer.h.0.self_attention.query_key_value", "colwise"),  # each head's q, k, v together
+    ("mpt", "transformer.blocks.0.attn.Wqkv", "fused_colwise"),  # q|k|v one after another
+    ("falcon_rw", "transformer.h.0.self_attention.query_key_value", "colwise"),
+])
+def test_alibi_models_are_planned_for_tensor_parallelism_their_biases_handed_out_by_head(family, projection, role):
+    module = lit_causal_lm(family)
+    plan = derive_plan(module)
+    assert plan[f"model.{projection}"] == role
+    validate_plan(module, plan, 2, 2)
 
-    module = lit_causal_lm("falcon")
-    module.model = transformers.AutoModelForCausalLM.from_config(transformers.FalconConfig(
-        vocab_size=16, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, alibi=True, multi_query=False))
-    with pytest.raises(TensorParallelError, match=r"model.transformer.h.0.self_attention adds ALiBi position biases,"
-                                                  r" .* or with rotary positions \(the config's alibi=False\)"):
+
+def test_alibi_biases_that_meshlight_cannot_hand_out_by_head_are_refused(monkeypatch):
+    # a class whose argument bringing them is unknown: each rank would get the biases of heads it does not hold
+    monkeypatch.delitem(tensor_plan.HEAD_BIASES, "transformers.models.falcon.modeling_falcon.FalconAttention")
+    module = lit_causal_lm("falcon_rw")
+    with pytest.raises(TensorParallelError, match=r"model.transformer.h.0.self_attention \(FalconAttention\) adds ALiBi"
+                                                  r" position biases, .* BloomAttention, MptAttention\): .* or with"
+                                                  r" rotary positions \(the config's alibi=False\)"):
         validate_plan(module, derive_plan(module), 2, 2)
+
+
+class _Mesh:
+    """What :func:`_narrow_head_biases` reads of a tensor-parallel mesh."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+
+def test_each_rank_is_handed_the_biases_of_its_heads_however_the_model_passes_them():
+    class Attention(nn.Module):
+        def forward(self, hidden, alibi=None, attention_mask=None, position_bias=None):
+            return alibi, attention_mask, position_bias
+
+    batch, heads, keys = 2, 4, 3
+    # value = 10·batch + head, along the keys
+    by_head = (10 * torch.arange(batch)[:, None] + torch.arange(heads)).float()[..., None, None].expand(-1, -1, 1, keys)
+    attention = Attention()
+    _narrow_head_biases(attention, {"alibi": None, "attention_mask": 1, "position_bias": 0}, heads, _Mesh(2, 1))
+    hidden = torch.zeros(batch, 5, 8)
+    # BLOOM's [batch·heads, 1, keys] by keyword, Falcon's mask [batch, heads, queries, keys] positionally, MPT's
+    # [heads, 1, keys]: rank 1 of 2 holds heads 2 and 3
+    alibi, mask, position = attention(hidden, attention_mask=by_head.expand(-1, -1, 5, -1),
+                                      alibi=by_head.flatten(0, 1), position_bias=by_head[0])
+    assert alibi[:, 0, 0].tolist() == [2, 3, 12, 13]
+    assert mask.shape == (batch, 2, 5, keys) and mask[:, :, 0, 0].tolist() == [[2, 3], [12, 13]]
+    assert position[:, 0, 0].tolist() == [2, 3]
+    _, mask, _ = attention(hidden, None, torch.zeros(batch, 1, 5, keys))  # a mask broadcast over the heads: whole
+    assert mask.shape == (batch, 1, 5, keys)
+    with pytest.raises(TensorParallelError, match="received biases of 6 rows, not a multiple of its 4 heads"):
+        attention(hidden, torch.zeros(6, 1, keys))
 
 
 def test_a_norm_one_head_wide_beside_one_key_value_head_normalizes_each_head():

@@ -46,11 +46,13 @@ TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "dee
 #:   each matches to about 1e-12, so they run there;
 #: - Persimmon (its q|k|v head by head, SGD at 0.3 for its biases) leaves one process by 4.6e-4 at tp=2 in fp32, by
 #:   2.2e-4 under ddp (its losses by 1e-4 and 5e-5: its layer norms over each 8-wide head amplify rounding), and by
-#:   1.7e-13 in float64.
+#:   1.7e-13 in float64;
+#: - BLOOM (SGD at 0.3 for its q|k|v biases) leaves one process by 2.2e-4 at tp=2 in fp32 in a layer norm's bias, by
+#:   9.3e-5 under ddp (its losses by 3e-5 and 1.2e-5), and by 7e-14 in float64.
 PARITY_RTOL = {"olmo2": 3e-4, "qwen2": 3e-4, "deepseek_v3": 2e-4, "olmo2-fp64": 1e-10, "qwen2-fp64": 1e-10,
                "deepseek_v3-fp64": 1e-6, **dict.fromkeys(
                    ("qwen3-kv1-fp64", "llama-kv1-fp64", "litgpt-kv1-fp64", "falcon-fp64", "falcon_grouped-fp64",
-                    "gpt_bigcode-fp64", "phi3-kv2-fp64", "persimmon-fp64"), 1e-10)}
+                    "gpt_bigcode-fp64", "phi3-kv2-fp64", "persimmon-fp64", "bloom-fp64"), 1e-10)}
 
 
 def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: int = KV_HEADS) -> Any:
@@ -77,6 +79,12 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
         return transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers,
                                           num_attention_heads=HEADS, intermediate_size=HIDDEN, use_cache=False,
                                           max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0)
+    if family == "falcon_rw":  # Falcon-RW's ALiBi, also folded into the attention mask per head; q|k|v head by head
+        return transformers.FalconConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers,
+                                         num_attention_heads=HEADS, alibi=True, multi_query=False, bias=True,
+                                         new_decoder_architecture=False, parallel_attn=False, attention_dropout=0.0,
+                                         hidden_dropout=0.0, use_cache=False, pad_token_id=None, bos_token_id=0,
+                                         eos_token_id=1)
     if family.startswith("falcon"):  # a fused q|k|v: one query head group's q, k and v together ("falcon_grouped":
         # its newer layout) or (Falcon-7B's multi-query) all q, then one key and one value head; attention and MLP
         # in parallel from one norm
@@ -86,6 +94,12 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
                                          new_decoder_architecture=grouped, multi_query=not grouped, bias=False,
                                          alibi=False, attention_dropout=0.0, hidden_dropout=0.0, use_cache=False,
                                          max_position_embeddings=64, pad_token_id=None, bos_token_id=0, eos_token_id=1)
+    if family == "bloom":  # ALiBi biases per head built by the model, a fused q|k|v head by head, q|k|v biases
+        return transformers.BloomConfig(vocab_size=vocab, hidden_size=DIM, n_layer=layers, n_head=HEADS,
+                                        hidden_dropout=0.0, attention_dropout=0.0, use_cache=False)
+    if family == "mpt":  # ALiBi biases per head, its fused q|k|v one after another, no biases
+        return transformers.MptConfig(vocab_size=vocab, d_model=DIM, n_layers=layers, n_heads=HEADS, expansion_ratio=2,
+                                      max_seq_len=64, use_cache=False)
     if family == "gpt_bigcode":  # StarCoder's: multi-query, a fused q|k|v of all q, then one key and one value head
         return transformers.GPTBigCodeConfig(vocab_size=vocab, n_embd=DIM, n_layer=layers, n_head=HEADS, n_inner=HIDDEN,
                                              n_positions=64, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -151,8 +165,8 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
 
 def attention_implementation(family: str) -> str:
     """The attention a parity model of ``family`` (a config's ``model_type``) runs: sdpa, but eager for GPT-OSS, whose
-    attention sinks no sdpa kernel takes, and OpenAI GPT, which has no other."""
-    return "eager" if family in ("gpt_oss", "openai_gpt") else "sdpa"
+    attention sinks no sdpa kernel takes, and OpenAI GPT, BLOOM and MPT, which have no other."""
+    return "eager" if family in ("gpt_oss", "openai_gpt", "bloom", "mpt") else "sdpa"
 
 
 def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False, kv_heads: int = KV_HEADS) -> Any:
@@ -170,10 +184,10 @@ def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False, kv
 
 def training_options(family: str) -> dict[str, Any]:
     """The optimizer a parity run trains ``family`` with: AdamW, except SGD for Qwen2, GPT-2, GPT-NeoX, GLM-4,
-    StarCoder (GPT-BigCode), Persimmon and OpenAI GPT, whose key biases have an exactly-zero gradient (softmax ignores
-    a per-query constant) that Adam would turn from float noise into full-size steps that no two layouts take
-    alike."""
-    biased = ("qwen2", "gpt2", "gpt_neox", "glm4", "gpt_bigcode", "persimmon", "openai_gpt")
+    StarCoder (GPT-BigCode), Persimmon, OpenAI GPT, BLOOM and Falcon-RW, whose key biases have an exactly-zero
+    gradient (softmax ignores a per-query constant) that Adam would turn from float noise into full-size steps that
+    no two layouts take alike."""
+    biased = ("qwen2", "gpt2", "gpt_neox", "glm4", "gpt_bigcode", "persimmon", "openai_gpt", "bloom", "falcon_rw")
     return {"optimizer": "sgd", "lr": 0.3} if family in biased else {}
 
 

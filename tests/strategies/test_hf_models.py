@@ -8,8 +8,9 @@ module holding the layers) and (Llama, Qwen3, GPT-2 and litgpt) all three; and M
 without pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also with dp and pp; Phi-3 (a
 fused q|k|v sliced by the config's head counts, a fused gate|up), Qwen2-MoE (a shared expert beside the routed
 ones), OLMo 2 and OLMoE (q and k normalized over all heads at once; OLMo 2 at the tolerance
-:data:`~tests.strategies.hf_models.PARITY_RTOL` says, and in float64) under tensor parallelism. One launch per process
-count."""
+:data:`~tests.strategies.hf_models.PARITY_RTOL` says, and in float64) under tensor parallelism; BLOOM, MPT and
+Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its heads') under tensor parallelism, and
+BLOOM, MPT and Falcon (blocks returning tuples) under pipelining. One launch per process count."""
 
 from pathlib import Path
 
@@ -66,7 +67,9 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     data ranks (Mixtral also without sequence parallelism, under ZeRO-3);
     tp2-loss-parallel: a vocabulary of 61, which tp=2 splits 31 + 30, the logits left split for the loss;
     ``-kv1`` / ``-kv2`` at tp2 and tp4: fewer key/value heads than ranks, each rank computing the one its query heads
-    read (Llama's k and v, Phi-3's and litgpt's fused q|k|v, beside Qwen3's norm over each head);
+    read (Llama's k and v, Phi-3's and litgpt's fused q|k|v, beside Qwen3's norm over each head); BLOOM, MPT and
+    Falcon-RW at tp2, each attention handed its heads' ALiBi biases; BLOOM, MPT and Falcon at pp2-1f1b, their
+    blocks returning tuples;
     3d-planned: Hybrid3DStrategy() with no sizes, planned from each config; ep2 and
     dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (ep2 also with their
     load-balancing loss, which each data-parallel rank computes over its part of the batch)."""

@@ -28,6 +28,11 @@ KV_FEWER_THAN_TP = ("phi3-kv1", "qwen3-kv1-fp64", "llama-kv1-fp64", "litgpt-kv1-
 #: fused q|k|v told by their config or class: Falcon's grouped (each group's q, k, v together), Persimmon's head by
 #: head, OpenAI GPT's one after another (its blocks return lists)
 BY_LAYOUT = ("falcon_grouped-fp64", "persimmon-fp64", "openai_gpt")
+#: ALiBi's biases per head, built by the model for all heads: each rank handed its heads' (BLOOM's [batch·heads, 1,
+#: keys], MPT's [heads, 1, keys], Falcon-RW's [batch, heads, 1, keys] and its attention mask [batch, heads, q, k])
+ALIBI = ("bloom-fp64", "mpt", "falcon_rw")
+#: blocks returning tuples whose first element the forward takes out (outputs[0]): BLOOM's, MPT's, Falcon's
+TUPLE_BLOCKS = ("bloom-fp64", "mpt", "falcon")
 
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
@@ -44,7 +49,8 @@ LAYOUTS = {
     # fused q|k|v, litgpt's, and Llama's separate k and v)
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "qwen2-fp64", "gpt2-vocab61", "gpt_neox",
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
-                                                            *TP_FAMILIES, *KV_FEWER_THAN_TP, *BY_LAYOUT)),
+                                                            *TP_FAMILIES, *KV_FEWER_THAN_TP, *BY_LAYOUT,
+                                                            *ALIBI)),
     # one key/value head on all 4 ranks (Qwen3), and two on 2 ranks each (Phi-3's fused q|k|v)
     "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1-fp64", "phi3-kv2-fp64")),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
@@ -57,7 +63,8 @@ LAYOUTS = {
     "ddp": (lambda: "ddp", 2, 2, (*FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
     "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, FAMILIES),
     # Llama 4's forward reads its token embedding's device from the embedding's weight on every stage
-    "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1, (*FAMILIES, "llama4")),
+    "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1,
+                 (*FAMILIES, "llama4", *TUPLE_BLOCKS)),
     # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models)
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
                                                     microbatches=4), 2, 1, tuple(f"{f}-deep" for f in FAMILIES)),
