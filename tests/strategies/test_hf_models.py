@@ -9,8 +9,9 @@ without pipelining, and under tensor parallelism (their attention split), Qwen3-
 fused q|k|v sliced by the config's head counts, a fused gate|up), Qwen2-MoE (a shared expert beside the routed
 ones), OLMo 2 and OLMoE (q and k normalized over all heads at once; OLMo 2 at the tolerance
 :data:`~tests.strategies.hf_models.PARITY_RTOL` says, and in float64) under tensor parallelism; BLOOM, MPT and
-Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its heads') under tensor parallelism, and
-BLOOM, MPT and Falcon (blocks returning tuples) under pipelining. One launch per process count."""
+Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its heads') under tensor parallelism,
+BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, BLOOM and Falcon-RW under all three. One launch per
+process count."""
 
 from pathlib import Path
 

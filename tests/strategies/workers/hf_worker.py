@@ -74,9 +74,10 @@ LAYOUTS = {
     # explicit head_dim, GPT-2's Conv1D and head tied across the first and last stage, litgpt's fused grouped q|k|v,
     # OLMo 2's q and k norms over all heads sharded over tp and then over dp — and two MoE families (Mixtral's experts
     # are split over tp as Qwen3-MoE's are; DeepSeek-V3's latent attention, its dense first layer a stage of its own;
-    # Llama 4's experts that take every token)
+    # Llama 4's experts that take every token); BLOOM (float64) and Falcon-RW: ALiBi biases handed out by head on
+    # each stage, blocks returning tuples
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=2), 8, 2,
-           ("llama", "qwen3", "gpt2", "litgpt", "olmo2")),
+           ("llama", "qwen3", "gpt2", "litgpt", "olmo2", "bloom-fp64", "falcon_rw")),
     "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=2), 8, 2,
                ("qwen3_moe", "deepseek_v3", "llama4")),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
