@@ -11,8 +11,11 @@ Sources (each row also names its GPUs, layout, sequence length and batch):
 - Megatron-Bridge's performance summary (``docs/performance-summary.md``, 25.11 container, DGX-H100; token
   distribution force-balanced, dropless): Qwen3-30B-A3B on 16 GPUs in FP8 (current scaling), global batch 512,
   micro-batch 2, sequence 4096, TP 1, PP 2, VP 24, EP 8: 5,275 tokens/s per GPU; GPT-OSS 120B on 64 GPUs in BF16,
-  global batch 512, micro-batch 4, sequence 4096, TP 1, PP 4, VP 1, EP 8: 5,630. The FP8 row is compared as published ÷
+  global batch 512, micro-batch 4, sequence 4096, TP 1, PP 4, VP 1, EP 8: 5,630. FP8 rows are compared as published ÷
   1.445, torchtitan's measured Float8 speedup (see ``benchmarks/planner.py``); the planner models bf16.
+- The same page's archive (``docs/performance-summary-archive.md``), 25.09 container, DGX-H100: Qwen3-30B-A3B at the
+  same layout and batch with token dropping, 10,494 tokens/s per GPU — twice the 25.11 dropless figure. Its table
+  names no precision; its Llama 3 8B row (725 model TFLOP/s per H100) is beyond bf16, so it is taken as FP8.
 
     python benchmarks/planner_moe.py      # prints JSON
 """
@@ -26,6 +29,7 @@ from planner import FLOAT8_SPEEDUP
 
 _MEGATRON = "Megatron-Core MoE README (MCore v0.9: 468 TFLOPS; reference mapping of v0.8)"
 _BRIDGE = "Megatron-Bridge performance summary, 25.11, DGX-H100"
+_BRIDGE_2509 = "Megatron-Bridge performance summary archive, 25.09, DGX-H100"
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,11 @@ class MoERun:
     published: float
     note: str
     float8: bool = False
+    release: str = ""  # where one model has rows from several releases of a source
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}-{self.release}" if self.release else self.model
 
 
 #: shapes from the models' Hugging Face configs: (layers, hidden, heads, kv heads, head size, experts, top-k, expert
@@ -55,6 +64,9 @@ RUNS = [
            "BF16, dropless, TP 1 EP 8 PP 4, MBS 1, seq 4096"),
     MoERun(_BRIDGE, "qwen3-30b-a3b", 16, 512, 2, (8, 2, 1, 8), 24, "tokens/s/GPU", 5275,
            "FP8-CS, TP 1 PP 2 VP 24 EP 8, MBS 2, seq 4096; compared ÷ 1.445", float8=True),
+    MoERun(_BRIDGE_2509, "qwen3-30b-a3b", 16, 512, 2, (8, 2, 1, 8), 24, "tokens/s/GPU", 10494,
+           "FP8, token dropping, TP 1 PP 2 VP 24 EP 8, MBS 2, seq 4096; compared ÷ 1.445", float8=True,
+           release="25.09"),
     MoERun(_BRIDGE, "gpt-oss-120b", 64, 512, 4, (16, 4, 1, 8), 1, "tokens/s/GPU", 5630,
            "BF16, TP 1 PP 4 VP 1 EP 8, MBS 4, seq 4096"),
 ]

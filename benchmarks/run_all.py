@@ -911,6 +911,10 @@ def planner_moe_section(rows: list[dict]) -> str:
                      f" ({row['note']}) | {row['predicted']:,.0f} | {row['ratio']:.2f} | {row['mfu']:.1%} |"
                      f" {row['times'].get('ep', 0):.1%} | {'met' if ok else '**not met**'} |")
     lines += ["", f"Within 25%: {met} of {len(rows)}."]
+    if len({row["model"] for row in rows}) < len(rows):
+        lines += ["", "Rows of one model are the same model, layout and batch published by two releases of the same"
+                  " page (the earlier dropping tokens over capacity, the later dropless): the spread between them is"
+                  " the published figures' own."]
     return "\n".join(lines)
 
 

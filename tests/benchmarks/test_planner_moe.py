@@ -15,20 +15,23 @@ _FINE_GRAINED = ("{ratio}: a fine-grained MoE ({experts} experts of width {width
 #: model -> why the planner misses it by more than 25% (predicted ÷ published, as measured)
 MISSES = {
     "qwen3-30b-a3b": _FINE_GRAINED.format(ratio="2.52", experts=128, width=768, k=8, mfu="12% (FP8)", planned="26%"),
+    "qwen3-30b-a3b-25.09": ("1.27: the same model, layout and batch, published by the same page two releases"
+                            " earlier (token dropping) at twice the 25.11 dropless figure; still above the"
+                            " planner's 25%"),
     "gpt-oss-120b": _FINE_GRAINED.format(ratio="1.37", experts=128, width=2880, k=4, mfu="15%", planned="30%"),
 }
 
 
 @pytest.fixture(scope="module")
 def rows() -> dict:
-    return {run.model: row for run, row in zip(planner_moe.RUNS, planner_moe.rows())}
+    return {run.key: row for run, row in zip(planner_moe.RUNS, planner_moe.rows())}
 
 
 @pytest.mark.parametrize("run", [
-    pytest.param(run, id=run.model, marks=[pytest.mark.xfail(strict=True, reason=MISSES[run.model])]
-                 if run.model in MISSES else []) for run in planner_moe.RUNS])
+    pytest.param(run, id=run.key, marks=[pytest.mark.xfail(strict=True, reason=MISSES[run.key])]
+                 if run.key in MISSES else []) for run in planner_moe.RUNS])
 def test_the_planner_predicts_published_moe_runs_within_25_percent(rows, run):
-    assert rows[run.model]["ratio"] == pytest.approx(1, abs=0.25), rows[run.model]["predicted_config"]
+    assert rows[run.key]["ratio"] == pytest.approx(1, abs=0.25), rows[run.key]["predicted_config"]
 
 
 def test_the_section_says_how_many_runs_are_within_25_percent(rows):
