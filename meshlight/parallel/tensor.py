@@ -94,6 +94,7 @@ from meshlight.parallel.tensor_plan import (
     _named_blocks,
     _shown,
     _within,
+    block_held_groups,
     fused_projection,
     head_biases,
     moe_blocks_of,
@@ -136,6 +137,9 @@ def apply_tensor_parallel(
     # attention whose key/value heads tp exceeds: each rank computes the one its query heads read
     replicated = {parent: kv for parent in _colwise_parents(plan)
                   if hidden and (kv := replicated_kv_heads(modules, plan, parent, hidden, tp))}
+    # MLPs a block holds beside its norms: the block's input is its residual stream, so the first Linear gathers its
+    # own input over the sequence (and its gradient is reduce-scattered back to the share)
+    block_held = block_held_groups(model, plan)
     for name, role in plan.items():
         on_share = sequence_parallel if _within(name, blocks) else shares_outside
         if isinstance(role, ParallelStyle):
@@ -147,6 +151,8 @@ def apply_tensor_parallel(
             styles[name] = _FusedColwise((kv[0] * kv[1],), kv)
         elif role == "colwise" and name.rpartition(".")[0] in latent and linear_widths(modules[name])[0] != hidden:
             styles[name] = _OnLocalWeights(sharded=True)  # a latent attention's up-projection: reads a latent
+        elif role == "colwise" and name.rpartition(".")[0] in block_held:
+            styles[name] = _ColwiseFromShare() if on_share else ColwiseParallel()
         elif role == "colwise":
             styles[name] = _TransposedColwise() if is_transposed_linear(modules[name]) else ColwiseParallel()
         elif role == "rowwise":
@@ -157,7 +163,7 @@ def apply_tensor_parallel(
         elif role == "head":
             styles[name] = _LMHead(sequence_parallel=on_share, loss_parallel=loss_parallel)
         elif role == "norm" and on_share:
-            styles[name] = SequenceParallel(use_local_output=True)  # a plain share: post-norm blocks add it to others
+            styles[name] = _SequenceNorm(use_local_output=True)  # a plain share: post-norm blocks add it to others
         elif role == "head_norm":
             styles[name] = _Replicated(name, over="heads")
         elif role == "colwise_norm":
@@ -175,8 +181,9 @@ def apply_tensor_parallel(
     parallelize_module(model, mesh, styles)
     _tie_again(model, tied)
     for parent in _colwise_parents(plan):
-        register_sequence_gather(modules[parent], mesh, sequence_parallel=sequence_parallel,
-                                 keep_gathered=keep_gathered_inputs)
+        if parent not in block_held:
+            register_sequence_gather(modules[parent], mesh, sequence_parallel=sequence_parallel,
+                                     keep_gathered=keep_gathered_inputs)
         if biases := head_biases(modules[parent]):
             _narrow_head_biases(modules[parent], biases, max(head_counts(modules[parent]).values()), mesh)
         divided = _divide_counts(modules[parent], tp, replicated.get(parent))
@@ -403,6 +410,35 @@ class _Rowwise(RowwiseParallel):
 class _TransposedRowwise(_Transposed, _Rowwise):
     placements = {"weight": Shard(0), "bias": Replicate()}
     desired_input_layouts = (Shard(-1),)
+
+
+class _ColwiseFromShare(ColwiseParallel):
+    """Column-parallel on this rank's share of the sequence, gathered first (its gradient reduce-scattered back):
+    the first Linear of an MLP its block holds beside its norms (:func:`~meshlight.parallel.tensor_plan.
+    block_held_groups`), on the block's residual stream — ``[batch, sequence, hidden]``, or the flattened ``[tokens,
+    hidden]`` OPT's block runs its MLP on (:func:`sequence_share`)."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Shard(1))
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts: tuple, desired_input_layouts: tuple, mod: nn.Module, inputs: tuple,
+                          device_mesh: DeviceMesh) -> DTensor:
+        if not isinstance(inputs[0], DTensor):
+            input_layouts = (sequence_share(inputs[0]),)
+        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+
+class _SequenceNorm(SequenceParallel):
+    """A norm on this rank's share of the sequence, its parameters replicated (their gradients summed over tp):
+    torch's style, the share where :func:`sequence_share` finds it — ``[batch, sequence, hidden]``'s sequence, or
+    the tokens of a block that flattens them (OPT's)."""
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding: tuple, mod: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> DTensor:
+        if not isinstance(inputs[0], DTensor):
+            sequence_sharding = (sequence_share(inputs[0]),)
+        return SequenceParallel._prepare_input_fn(sequence_sharding, mod, inputs, device_mesh)
 
 
 class _FusedColwise(ColwiseParallel):

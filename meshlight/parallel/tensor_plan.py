@@ -35,6 +35,7 @@ from meshlight.parallel.model_shape import (
     head_dim_of,
     head_width,
     hidden_size,
+    is_transposed_linear,
     linear_widths,
     per_head_parameters,
     projection_heads,
@@ -43,8 +44,8 @@ from meshlight.parallel.model_shape import (
 from meshlight.parallel.precision import is_norm
 
 __all__ = [
-    "COLUMN_ROLES", "HEAD_BIASES", "PARTS_IN_ORDER", "ROLES", "TensorParallelError", "derive_plan", "fused_projection",
-    "head_biases", "model_plan",
+    "COLUMN_ROLES", "HEAD_BIASES", "PARTS_IN_ORDER", "ROLES", "TensorParallelError", "block_held_groups", "derive_plan",
+    "fused_projection", "head_biases", "model_plan",
     "moe_blocks_of", "published_roles", "replicated_kv_heads", "resolve_plan", "sequence_region", "stage_plan",
     "validate_plan",
 ]
@@ -620,6 +621,7 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
     blocks = {id(b) for b in repeated_blocks(model)}
     hidden = hidden_size(repeated_blocks(model))
     owners = _colwise_parents(plan)
+    block_held = block_held_groups(model, plan)
     for owner in owners:
         module = modules[owner]
         # the group: the owner's children with a role of their own (a string, or a ParallelStyle given)
@@ -631,13 +633,16 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
                   and not _within(full, nested)
                   and (linear_widths(m) or isinstance(m, nn.Embedding)
                        or (block_or_model and plan.get(full) == "norm"))]
+        if others and owner in block_held:
+            continue  # an MLP on the block's own residual stream, beside its norms: nothing more to check
         if others:
             what = "a repeated block" if id(module) in blocks else "the whole model" if not owner else "a module"
             raise TensorParallelError(
                 f"{_shown(owner) or _model_name(module)} ({what}) holds the tensor-parallel group"
                 f" {', '.join(map(_shown, group))}, and also {', '.join(map(_shown, others[:4]))}. Tensor"
                 " parallelism hands the module that holds a column→row group its input gathered over the sequence,"
-                " as a DTensor, so that module must hold the group alone: move"
+                " as a DTensor, so that module must hold the group alone (a block may hold an MLP's Linears beside"
+                " its norms, as OPT's does, but not beside other Linears): move"
                 f" {', '.join(n.rpartition('.')[2] for n in group)} into a submodule of their own (e.g."
                 " `self.mlp = MLP(dim)` whose forward is `fc2(act(fc1(x)))`)."
             )
@@ -726,6 +731,40 @@ def _norm_width(module: nn.Module) -> Optional[int]:
     for other modules."""
     widths = {p.shape[0] for p in module.parameters(recurse=False)}
     return widths.pop() if is_norm(module) and len(widths) == 1 else None
+
+
+def block_held_groups(model: nn.Module, plan: Mapping[str, Any]) -> set[str]:
+    """The repeated blocks that hold a column→row MLP group themselves, beside their norms and sublayers (OPT's,
+    XGLM's, BioGPT's ``fc1`` → ``fc2``): its Linears read and write the hidden state (plain ``nn.Linear``), the block
+    keeps no head count of its own, and what else it holds are norms and modules holding groups of their own
+    (attention). Such a block's input is its residual stream, which stays this rank's share of the sequence under
+    sequence parallelism: the group's first Linear gathers its input itself
+    (:func:`~meshlight.parallel.tensor.apply_tensor_parallel`)."""
+    modules = dict(model.named_modules())
+    blocks = repeated_blocks(model)
+    hidden = hidden_size(blocks)
+    block_ids = {id(b) for b in blocks}
+    owners = _colwise_parents(plan)
+    held = set()
+    for owner in owners:
+        module = modules[owner]
+        if id(module) not in block_ids or not hidden or head_counts(module, own=True):
+            continue
+        group = [n for n in modules if n.rpartition(".")[0] == owner and plan.get(n) in ("colwise", "rowwise")]
+        if len(group) < 2 or any(not isinstance(modules[n], nn.Linear) or is_transposed_linear(modules[n])
+                                 for n in group):
+            continue
+        readers = [n for n in group if plan[n] == "colwise"]
+        writers = [n for n in group if plan[n] == "rowwise"]
+        if (len(writers) != 1 or not 1 <= len(readers) <= 2 or modules[writers[0]].out_features != hidden
+                or any(modules[n].in_features != hidden for n in readers)):
+            continue
+        nested = [o for o in owners if o != owner and o.startswith(owner + ".")]
+        others = [full for n, m in module.named_modules() if n and (full := _join(owner, n)) not in group
+                  and not _within(full, nested) and (linear_widths(m) or isinstance(m, nn.Embedding))]
+        if not others:  # (the norms beside it are fine; other Linears are not)
+            held.add(owner)
+    return held
 
 
 def _colwise_parents(plan: Mapping[str, Union[str, ParallelStyle]]) -> list[str]:

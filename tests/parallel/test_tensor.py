@@ -12,6 +12,7 @@ from meshlight.parallel import tensor_plan
 from meshlight.parallel.tensor import _divide_counts, _narrow_head_biases, _rows_of_rank
 from meshlight.parallel.tensor_plan import (
     TensorParallelError,
+    block_held_groups,
     derive_plan,
     fused_projection,
     resolve_plan,
@@ -366,11 +367,19 @@ def test_an_attention_whose_head_count_meshlight_cannot_scale_is_refused():
 
 
 def test_a_column_row_group_must_have_a_module_of_its_own():
+    # an MLP on the block itself beside its norms (OPT's, XGLM's): its first Linear gathers its own input
     model = _model(mlp_inline=True)
+    plan = derive_plan(model)
+    assert block_held_groups(model, plan) == {"blocks.0", "blocks.1"}
+    validate_plan(model, plan, 2, 2)
+    # beside another Linear it is not: that one would run on the share, or on the gathered input, unknown which
+    for block in model.blocks:
+        block.gate = nn.Linear(32, 32)
     with pytest.raises(TensorParallelError, match=r"blocks.0 \(a repeated block\) holds the tensor-parallel group"
-                                                  r" blocks.0.fc1, blocks.0.fc2, and also blocks.0.ln1, blocks.0.ln2\."
-                                                  r" .* move fc1, fc2 into a submodule of their own"):
-        validate_plan(model, derive_plan(model), 2, 2)
+                                                  r" blocks.0.fc1, blocks.0.fc2, and also blocks.0.ln1, blocks.0.ln2,"
+                                                  r" blocks.0.gate\. .* but not beside other Linears\): move fc1, fc2"
+                                                  r" into a submodule of their own"):
+        validate_plan(model, {**plan, "blocks.0.gate": "replicate", "blocks.1.gate": "replicate"}, 2, 2)
     # a block that is the group alone (norm and residual outside it) is fine, and so is a style given as an object
     model = nn.Module()
     model.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(2))

@@ -100,6 +100,18 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
     if family == "mpt":  # ALiBi biases per head, its fused q|k|v one after another, no biases
         return transformers.MptConfig(vocab_size=vocab, d_model=DIM, n_layers=layers, n_heads=HEADS, expansion_ratio=2,
                                       max_seq_len=64, use_cache=False)
+    block_mlp = dict(max_position_embeddings=64, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
+                     use_cache=False)
+    if family == "opt":  # its MLP's Linears on the block beside its norms, run on the flattened tokens; tied head
+        return transformers.OPTConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers, ffn_dim=HIDDEN,
+                                      num_attention_heads=HEADS, word_embed_proj_dim=DIM, dropout=0.0, **block_mlp)
+    if family == "xglm":  # its MLP's Linears on the block beside its norms; sinusoidal positions
+        return transformers.XGLMConfig(vocab_size=vocab, d_model=DIM, num_layers=layers, attention_heads=HEADS,
+                                       ffn_dim=HIDDEN, dropout=0.0, **block_mlp)
+    if family == "biogpt":  # its MLP's Linears on the block beside its norms; learned positions read from the mask
+        return transformers.BioGptConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers,
+                                         num_attention_heads=HEADS, intermediate_size=HIDDEN, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0, **block_mlp)
     if family == "gpt_bigcode":  # StarCoder's: multi-query, a fused q|k|v of all q, then one key and one value head
         return transformers.GPTBigCodeConfig(vocab_size=vocab, n_embd=DIM, n_layer=layers, n_head=HEADS, n_inner=HIDDEN,
                                              n_positions=64, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -165,8 +177,8 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
 
 def attention_implementation(family: str) -> str:
     """The attention a parity model of ``family`` (a config's ``model_type``) runs: sdpa, but eager for GPT-OSS, whose
-    attention sinks no sdpa kernel takes, and OpenAI GPT, BLOOM and MPT, which have no other."""
-    return "eager" if family in ("gpt_oss", "openai_gpt", "bloom", "mpt") else "sdpa"
+    attention sinks no sdpa kernel takes, and OpenAI GPT, BLOOM, MPT and XGLM, which have no other."""
+    return "eager" if family in ("gpt_oss", "openai_gpt", "bloom", "mpt", "xglm") else "sdpa"
 
 
 def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False, kv_heads: int = KV_HEADS) -> Any:
@@ -184,10 +196,11 @@ def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False, kv
 
 def training_options(family: str) -> dict[str, Any]:
     """The optimizer a parity run trains ``family`` with: AdamW, except SGD for Qwen2, GPT-2, GPT-NeoX, GLM-4,
-    StarCoder (GPT-BigCode), Persimmon, OpenAI GPT, BLOOM and Falcon-RW, whose key biases have an exactly-zero
-    gradient (softmax ignores a per-query constant) that Adam would turn from float noise into full-size steps that
-    no two layouts take alike."""
-    biased = ("qwen2", "gpt2", "gpt_neox", "glm4", "gpt_bigcode", "persimmon", "openai_gpt", "bloom", "falcon_rw")
+    StarCoder (GPT-BigCode), Persimmon, OpenAI GPT, BLOOM, Falcon-RW, OPT, XGLM and BioGPT, whose key biases have an
+    exactly-zero gradient (softmax ignores a per-query constant) that Adam would turn from float noise into full-size
+    steps that no two layouts take alike."""
+    biased = ("qwen2", "gpt2", "gpt_neox", "glm4", "gpt_bigcode", "persimmon", "openai_gpt", "bloom", "falcon_rw",
+              "opt", "xglm", "biogpt")
     return {"optimizer": "sgd", "lr": 0.3} if family in biased else {}
 
 

@@ -31,6 +31,9 @@ BY_LAYOUT = ("falcon_grouped-fp64", "persimmon-fp64", "openai_gpt")
 #: ALiBi's biases per head, built by the model for all heads: each rank handed its heads' (BLOOM's [batch·heads, 1,
 #: keys], MPT's [heads, 1, keys], Falcon-RW's [batch, heads, 1, keys] and its attention mask [batch, heads, q, k])
 ALIBI = ("bloom-fp64", "mpt", "falcon_rw")
+#: MLP Linears held by the block beside its norms (the first gathering its input over the sequence itself): OPT's
+#: (on the flattened tokens), XGLM's, BioGPT's
+BLOCK_MLP = ("opt", "xglm", "biogpt")
 #: blocks returning tuples whose first element the forward takes out (outputs[0]): BLOOM's, MPT's, Falcon's
 TUPLE_BLOCKS = ("bloom-fp64", "mpt", "falcon")
 
@@ -50,7 +53,7 @@ LAYOUTS = {
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "qwen2-fp64", "gpt2-vocab61", "gpt_neox",
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
                                                             *TP_FAMILIES, *KV_FEWER_THAN_TP, *BY_LAYOUT,
-                                                            *ALIBI)),
+                                                            *ALIBI, *BLOCK_MLP)),
     # one key/value head on all 4 ranks (Qwen3), and two on 2 ranks each (Phi-3's fused q|k|v)
     "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1-fp64", "phi3-kv2-fp64")),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
