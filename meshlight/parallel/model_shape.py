@@ -95,10 +95,8 @@ def model_shape(module: nn.Module) -> ModelShape:
     attention = next((m for m in blocks[0].modules() if attention_heads(m, hidden)), None)
     heads, kv_heads = attention_heads(attention, hidden) if attention else (None, None)
     moes = [m for m in module.modules() if isinstance(m, MoE)]
-    widths = [width[1] for m in blocks[0].modules()
-              if (width := linear_widths(m)) and width[0] == hidden and width[1] != hidden]
-    widths += [moe.config.hidden_dim for moe in moes[:1]]
-    mlp_width = max(widths, default=4 * hidden)
+    mlp_width = max(moes[0].config.hidden_dim, _widest_projection(blocks, hidden)) if moes else _widest_projection(
+        blocks, hidden)
     return ModelShape(
         blocks=len(blocks), hidden=hidden, heads=heads, kv_heads=kv_heads,
         head_dim=(head_dim_of(attention) or hidden // heads) if attention else None,
@@ -107,6 +105,19 @@ def model_shape(module: nn.Module) -> ModelShape:
         experts=moes[0].num_experts if moes else 0, top_k=moes[0].top_k if moes else 1, moe_layers=len(moes),
         tied_head=head_tied(module),
     )
+
+
+def _widest_projection(blocks: list[nn.Module], hidden: int) -> int:
+    """The widest output of the first block's Linears outside its attention that read the hidden state and write
+    another width (the MLP's up-projection, where no config names it: BLOOM's four times the hidden size, MPT's
+    ``expansion_ratio`` times), or four times ``hidden`` where there is none."""
+    if not blocks:
+        return 4 * hidden
+    attention = [m for m in blocks[0].modules() if attention_heads(m, hidden)]
+    inside = {id(linear) for a in attention for linear in a.modules()}
+    widths = [width[1] for m in blocks[0].modules() if id(m) not in inside
+              and (width := linear_widths(m)) and width[0] == hidden and width[1] != hidden]
+    return max(widths, default=4 * hidden)
 
 
 def config_shape(module: nn.Module) -> Optional[ModelShape]:
@@ -123,7 +134,7 @@ def config_shape(module: nn.Module) -> Optional[ModelShape]:
             continue
         experts = stated("num_local_experts", "num_experts", "n_routed_experts", "n_expert", default=0)
         mlp_width = (stated("moe_intermediate_size") if experts else None) or stated(
-            "intermediate_size", "n_inner", default=4 * hidden)
+            "intermediate_size", "n_inner", "ffn_dim") or _widest_projection(repeated_blocks(module), hidden)
         moe_blocks = [block for block in map(moe_block, repeated_blocks(module)) if block is not None]
         shared = stated("shared_expert_intermediate_size", default=stated(
             "n_shared_experts", "n_shared_expert", default=0) * mlp_width) or shared_width(moe_blocks[:1], hidden)
