@@ -455,13 +455,18 @@ HEAD_BIASES: dict[str, dict[str, Optional[int]]] = {
 def head_biases(attention: nn.Module) -> dict[str, Optional[int]]:
     """The arguments that bring ``attention`` a bias per head, and the dimension of their heads (:data:`HEAD_BIASES`;
     empty for other classes)."""
-    return HEAD_BIASES.get(f"{type(attention).__module__}.{type(attention).__qualname__}", {})
+    return HEAD_BIASES.get(_class_path(attention), {})
+
+
+def _class_path(module: nn.Module) -> str:
+    """``module``'s class as the tables above name it: ``package.module.Class``."""
+    return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
 def _fused_layout(owner: nn.Module) -> Optional[str]:
     """How ``owner``'s fused q|k|v (gate|up) packs its parts, where its class is known: ``"parts"`` one after another
     (:data:`PARTS_IN_ORDER`), ``"heads"`` head by head (:data:`LAYOUT_BY_CONFIG`); None where it is not."""
-    name = f"{type(owner).__module__}.{type(owner).__qualname__}"
+    name = _class_path(owner)
     rule = LAYOUT_BY_CONFIG.get(name)
     return "parts" if name in PARTS_IN_ORDER else rule(owner) if rule else None
 
@@ -629,10 +634,7 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
                  and plan[n] not in ("norm", "head_norm", "colwise_norm", "replicate")]
         nested = [o for o in owners if o != owner and (not owner or o.startswith(owner + "."))]
         block_or_model = id(module) in blocks or not owner  # where norms live beside the sublayers
-        others = [full for n, m in module.named_modules() if n and (full := _join(owner, n)) not in group
-                  and not _within(full, nested)
-                  and (linear_widths(m) or isinstance(m, nn.Embedding)
-                       or (block_or_model and plan.get(full) == "norm"))]
+        others = _beside_group(module, owner, group, nested, plan, norms=block_or_model)
         if others and owner in block_held:
             continue  # an MLP on the block's own residual stream, beside its norms: nothing more to check
         if others:
@@ -760,11 +762,18 @@ def block_held_groups(model: nn.Module, plan: Mapping[str, Any]) -> set[str]:
                 or any(modules[n].in_features != hidden for n in readers)):
             continue
         nested = [o for o in owners if o != owner and o.startswith(owner + ".")]
-        others = [full for n, m in module.named_modules() if n and (full := _join(owner, n)) not in group
-                  and not _within(full, nested) and (linear_widths(m) or isinstance(m, nn.Embedding))]
-        if not others:  # (the norms beside it are fine; other Linears are not)
+        if not _beside_group(module, owner, group, nested, plan, norms=False):  # (norms beside it are fine)
             held.add(owner)
     return held
+
+
+def _beside_group(module: nn.Module, owner: str, group: list[str], nested: list[str], plan: Mapping[str, Any],
+                  norms: bool) -> list[str]:
+    """What ``module`` (named ``owner``) holds beside its column→row ``group`` and the ``nested`` owners of groups
+    of their own: Linears and Embeddings, and (``norms``) the modules the plan gives the role "norm"."""
+    return [full for n, m in module.named_modules() if n and (full := _join(owner, n)) not in group
+            and not _within(full, nested)
+            and (linear_widths(m) or isinstance(m, nn.Embedding) or (norms and plan.get(full) == "norm"))]
 
 
 def _colwise_parents(plan: Mapping[str, Union[str, ParallelStyle]]) -> list[str]:
