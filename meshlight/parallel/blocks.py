@@ -13,7 +13,8 @@ from torch import nn
 
 from meshlight.parallel.dtensors import local_tensor
 
-__all__ = ["BlockSelection", "claim_saved_tensor_hooks", "holds_blocks", "record_in_forward", "repeated_blocks"]
+__all__ = ["BlockSelection", "claim_saved_tensor_hooks", "class_path", "holds_blocks", "record_in_forward",
+           "repeated_blocks"]
 
 
 def repeated_blocks(module: nn.Module) -> list[nn.Module]:
@@ -91,3 +92,8 @@ def record_in_forward(block: nn.Module, marker: str, run: Callable[..., Any]) ->
 
     block.forward = patched  # type: ignore[method-assign]
     setattr(block, marker, True)
+
+
+def class_path(module: nn.Module) -> str:
+    """``module``'s class as meshlight's tables of known model classes name it: ``package.module.Class``."""
+    return f"{type(module).__module__}.{type(module).__qualname__}"

@@ -5,7 +5,8 @@ on one mesh, but it fails or silently under-counts when a model mixes plain tens
 different meshes (FSDP-sharded dense weights next to expert-sharded weights) or is split into pipeline
 stages. Here the norm is computed per group of gradients sharing a mesh and placements — DTensor
 reductions count every sharded element once and replicated copies once — and stage norms are then summed
-over the pipeline group.
+over the pipeline group, as the norms of experts that each rank of an expert-parallel group holds alone (plain
+tensors) are over that group.
 """
 
 from __future__ import annotations
@@ -26,12 +27,28 @@ def total_grad_norm(
     parameters: Iterable[Tensor],
     norm_type: float = 2.0,
     pipeline_group: Optional[dist.ProcessGroup] = None,
+    expert_group: Optional[dist.ProcessGroup] = None,
+    held_alone: Collection[Tensor] = (),
 ) -> Tensor:
     """The ``norm_type``-norm of all gradients of the whole model, identical on every rank.
 
     ``pipeline_group``: the ranks holding the other stages of this rank's model replica (None: not pipelined).
+    ``held_alone``: parameters that this rank holds and the other ranks of ``expert_group`` do not, as plain tensors
+    (experts of a list split over ep: :func:`~meshlight.parallel.expert.listed_expert_parameters`); their norm is
+    summed over that group.
     """
     norm_type = float(norm_type)
+    alone = {id(p) for p in held_alone}
+    parameters = list(parameters)
+    total = _norm([p for p in parameters if id(p) not in alone], norm_type)
+    if alone:
+        experts = _summed_over(_norm([p for p in parameters if id(p) in alone], norm_type), norm_type, expert_group)
+        total = torch.nn.utils.get_total_norm([total, experts.to(total.device)], norm_type)
+    return _summed_over(total, norm_type, pipeline_group)
+
+
+def _norm(parameters: list[Tensor], norm_type: float) -> Tensor:
+    """The norm of ``parameters``' gradients over every rank that holds a part of them (a DTensor's mesh)."""
     norms = []
     for grads in _grads_by_layout(parameters):
         norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True)
@@ -42,15 +59,19 @@ def total_grad_norm(
             norm = norm.full_tensor()
         norms.append(norm)
     device = next((n.device for n in norms if n.device.type != "cpu"), None)
-    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms] if device else norms, norm_type)
-    if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
-        if norm_type == float("inf"):
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pipeline_group)
-        else:
-            total = total**norm_type
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pipeline_group)
-            total = total ** (1.0 / norm_type)
-    return total
+    return torch.nn.utils.get_total_norm([n.to(device) for n in norms] if device else norms, norm_type)
+
+
+def _summed_over(norm: Tensor, norm_type: float, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """The norm of what the ranks of ``group`` hold, each ``norm`` of its own part (None: this rank's alone)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return norm
+    if norm_type == float("inf"):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    norm = norm**norm_type
+    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=group)
+    return norm ** (1.0 / norm_type)
 
 
 def clip_grad_norm_(
@@ -60,12 +81,16 @@ def clip_grad_norm_(
     pipeline_group: Optional[dist.ProcessGroup] = None,
     error_if_nonfinite: bool = False,
     uncounted: Collection[Tensor] = (),
+    expert_group: Optional[dist.ProcessGroup] = None,
+    held_alone: Collection[Tensor] = (),
 ) -> Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; returns the norm before clipping.
-    ``uncounted``: parameters scaled but left out of the norm (a tied weight's copy that another stage counts)."""
+    ``uncounted``: parameters scaled but left out of the norm (a tied weight's copy that another stage counts);
+    ``expert_group``, ``held_alone``: see :func:`total_grad_norm`."""
     parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     left_out = {id(p) for p in uncounted}
-    total = total_grad_norm([p for p in parameters if id(p) not in left_out], norm_type, pipeline_group)
+    total = total_grad_norm([p for p in parameters if id(p) not in left_out], norm_type, pipeline_group,
+                            expert_group, held_alone)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}).")
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -111,11 +111,12 @@ def apply_data_parallel(
     on_fsdp = precision is not None or cpu_offload is not None
     if data_parallel_mesh(mesh, zero).size() == 1 and not on_fsdp:
         return module  # nothing to replicate or shard over; FSDP on one rank would only add copies
-    on_ddp = zero == 0 and not has_dtensor_parameters(module) and not pipelined and not on_fsdp
+    # (experts split over ep are data parallel over fewer ranks: FSDP2 units of their own, which DDP cannot leave out)
+    on_ddp = zero == 0 and not has_dtensor_parameters(module) and not pipelined and not on_fsdp and not experts
     if grad_compression is not None and grad_compression.ddp_only and not on_ddp:
         raise ValueError(
             f"grad_compression={grad_compression.kind!r} is a DDP communication hook, and this layout reduces"
-            f" gradients with FSDP2 ({_why_fsdp(zero, pipelined, precision, cpu_offload)}): use"
+            f" gradients with FSDP2 ({_why_fsdp(zero, pipelined, precision, cpu_offload, experts)}): use"
             " grad_compression='bf16' (or 'fp16') here, or strategy='ddp' alone for PowerSGD."
         )
     mp_policy = precision.fsdp if precision is not None else None
@@ -159,11 +160,11 @@ def apply_data_parallel(
 
 
 def _why_fsdp(zero: int, pipelined: bool, precision: Optional[PrecisionPolicy],
-              cpu_offload: Optional[CPUOffloadPolicy]) -> str:
+              cpu_offload: Optional[CPUOffloadPolicy], experts: Sequence[nn.Module]) -> str:
     if zero:
         return f"ZeRO-{zero}"
     reasons = [what for what, present in (("pipeline parallelism", pipelined), ("MixedPrecision", precision),
-                                          ("Offload", cpu_offload)) if present]
+                                          ("Offload", cpu_offload), ("expert parallelism", experts)) if present]
     return ", ".join(reasons) or "tensor parallelism"
 
 

@@ -18,7 +18,10 @@ weights are ``[num_experts, …]`` and whose ``forward(hidden_states, top_k_inde
 chosen experts (Hugging Face's Mixtral, Qwen3-MoE, …): the model's own router decides, the tokens travel, and the
 module's own forward runs this rank's experts on what arrives (:class:`StackedExpertsParallel`). Stacked experts
 that take every token instead (:func:`dense_experts`, Llama 4's) have nothing to dispatch: tensor parallelism splits
-each of them (:class:`DenseExpertsParallel`), and expert parallelism leaves them alone.
+each of them (:class:`DenseExpertsParallel`), and expert parallelism leaves them alone. Experts held as a list, each
+an MLP module of its own (litgpt's ``LLaMAMoE``), are split where meshlight knows their block's forward
+(:data:`LISTED_MOE_FORWARDS`): each rank keeps its experts in the list, under the names one process gives them, and
+the block's own routing sends the tokens (:class:`ListedExpertsParallel`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Shard
 
 from meshlight.nn.experts import GroupedExperts, local_weight, scale_gradient
 from meshlight.nn.moe import MoE
+from meshlight.parallel.blocks import class_path
 from meshlight.parallel.collectives import all_gather_along
 from meshlight.parallel.dtensors import shallow_copy
 from meshlight.parallel.expert_tensor import (
@@ -53,19 +57,25 @@ from meshlight.parallel.layout import DATA_AXES, axis, hybrid_mesh, same_experts
 __all__ = [
     "AllToAllDispatcher",
     "DenseExpertsParallel",
+    "LISTED_MOE_FORWARDS",
+    "ListedExpertsParallel",
     "StackedExpertsParallel",
     "apply_expert_parallel",
+    "check_listed_experts",
     "dense_experts",
     "expert_data_mesh",
     "expert_layers",
     "gather_router_logits",
     "has_experts",
     "is_stacked_experts",
+    "listed_expert_parameters",
     "listed_experts",
+    "listed_experts_split",
     "plain_language_model_loss",
     "router_logits_collected",
     "sharded_experts",
     "split_dense_experts",
+    "splittable_listed_experts",
     "stacked_experts",
 ]
 
@@ -131,9 +141,73 @@ def listed_experts(module: nn.Module) -> dict[str, nn.ModuleList]:
     return found
 
 
+#: The experts a block holding them as a list routes its tokens to: ``routed(rows, chosen, weights)`` — the tokens
+#: ``[tokens, hidden]``, the experts each chose ``[tokens, k]`` and their weights — returns the weighted sum of each
+#: token's experts' outputs.
+RoutedExperts = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def _litgpt_moe(block: nn.Module, x: Tensor, routed: RoutedExperts) -> Tensor:
+    """litgpt's ``LLaMAMoE.forward``, its loop over the experts handed to ``routed``: the top k of the gate's scores,
+    their softmax in float32 (or its grouped router's choice), scaled by ``routed_scaling_factor``, and its shared
+    experts added."""
+    config, (batch, length, width) = block.config, x.shape
+    rows = x.reshape(-1, width)
+    if config.n_expert_groups:
+        weights, chosen = block.gate(rows)
+    else:
+        weights, chosen = torch.topk(block.gate(rows), config.n_expert_per_token)
+        weights = weights.softmax(dim=1, dtype=torch.float).to(dtype=rows.dtype)
+    if config.routed_scaling_factor != 1.0:
+        weights = weights * config.routed_scaling_factor
+    out = routed(rows, chosen, weights).view(batch, length, width)
+    return out + block.shared_experts(x) if config.n_shared_expert else out
+
+
+#: MoE blocks holding their experts as a list (:func:`listed_experts`) whose forward expert parallelism runs, by class
+#: (``package.module.Class``): the block, its input, and its routed experts (:data:`RoutedExperts`) → its output, as
+#: the block's own forward computes it.
+LISTED_MOE_FORWARDS: dict[str, Callable[[nn.Module, Tensor, RoutedExperts], Tensor]] = {
+    "litgpt.model.LLaMAMoE": _litgpt_moe,
+}
+
+
+def splittable_listed_experts(module: nn.Module) -> dict[str, nn.ModuleList]:
+    """The experts held as a list (:func:`listed_experts`) that expert parallelism splits, by name: those of blocks
+    whose forward it knows (:data:`LISTED_MOE_FORWARDS`)."""
+    return {name: experts for name, experts in listed_experts(module).items()
+            if class_path(module.get_submodule(name.rpartition(".")[0])) in LISTED_MOE_FORWARDS}
+
+
+def check_listed_experts(module: nn.Module, ep: int, tp: int) -> None:
+    """Experts held as a list are split over ``ep`` data ranks alone, each rank holding as many."""
+    listed = splittable_listed_experts(module) if ep > 1 else {}
+    if listed and tp > 1:
+        raise NotImplementedError(
+            f"ep={ep} with tp={tp}: {next(iter(listed)).rpartition('.')[0]} holds its experts as a list (litgpt's"
+            " MoE), which expert parallelism splits over data ranks alone. Use tp=1 to split them over ep, or ep=1 to"
+            " keep them whole on every tp rank."
+        )
+    for experts in listed.values():
+        _check_experts_divide(len(experts), ep)
+
+
 def has_experts(module: nn.Module) -> bool:
-    """Whether ``module`` has experts expert parallelism splits: ``meshlight.nn.MoE`` layers or stacked experts."""
-    return bool(expert_layers(module) or stacked_experts(module))
+    """Whether ``module`` has experts expert parallelism splits: ``meshlight.nn.MoE`` layers, stacked experts, or
+    experts held as a list in a block whose forward it knows (split already, or not)."""
+    return bool(expert_layers(module) or stacked_experts(module) or splittable_listed_experts(module)
+                or listed_experts_split(module))
+
+
+def listed_experts_split(module: nn.Module) -> list[ListedExpertsParallel]:
+    """How the blocks of ``module`` whose listed experts are split over ep run (their installed forwards)."""
+    return [m.forward for m in module.modules() if isinstance(m.__dict__.get("forward"), ListedExpertsParallel)]
+
+
+def listed_expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the listed experts this rank holds alone among its ep ranks (:class:`ListedExpertsParallel`):
+    the norm of their gradients is summed over those ranks, as a DTensor's would be."""
+    return [p for split in listed_experts_split(module) for expert in split.local for p in expert.parameters()]
 
 
 def router_logits_collected(module: nn.Module) -> bool:
@@ -197,12 +271,14 @@ def _can_return_router_logits(module: nn.Module) -> bool:
 
 
 def sharded_experts(module: nn.Module) -> list[nn.Module]:
-    """The expert modules whose weights are split over ``ep`` (data parallelism treats them apart)."""
+    """The expert modules whose weights are split over ``ep`` (data parallelism treats them apart): stacked ones, and
+    each expert of a list that this rank holds."""
     # split over tp alone (DTensors on the tp mesh) or kept whole on every tp rank (replicated DTensors), they are
     # data parallel with the rest, as dense tensor-parallel weights are
     experts = [layer.experts for layer in expert_layers(module)] + stacked_experts(module)
     return [m for m in experts if isinstance(weight := next(m.parameters()), DTensor)
-            and "ep" in (weight.device_mesh.mesh_dim_names or ())]
+            and "ep" in (weight.device_mesh.mesh_dim_names or ())] + [
+        expert for split in listed_experts_split(module) for expert in split.local]
 
 
 def expert_data_mesh(mesh: DeviceMesh, zero: int) -> DeviceMesh:
@@ -253,6 +329,10 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, *, seque
             layer.dispatcher = AllToAllDispatcher(mesh["ep"].get_group(), layer.num_experts // ep)
     for experts in stacked_experts(module):
         _split_stacked(experts, mesh, ep, sequence_parallel=sequence_parallel, fold=fold, data_ranks=data_ranks)
+    if ep > 1:  # (under tp=1: check_listed_experts)
+        for name in splittable_listed_experts(module):
+            parent, _, list_name = name.rpartition(".")
+            ListedExpertsParallel(module.get_submodule(parent), list_name, mesh["ep"].get_group())
 
 
 def _split_stacked(experts: nn.Module, mesh: DeviceMesh, ep: int, *, sequence_parallel: bool, fold: bool,
@@ -368,6 +448,24 @@ _STACKED_SIGNATURES = (("hidden_states", "top_k_index", "top_k_weights"),
                        ("hidden_states", "router_indices", "routing_weights"))
 
 
+def _dispatched(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, pairs: Tensor, num_experts: int,
+                dispatcher: Optional[AllToAllDispatcher], local_experts: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """The (token, choice) ``pairs`` (indices into the token-major ``top_k_index``) each through its expert — sent to
+    the rank holding it by ``dispatcher``, or run here by ``local_experts(rows grouped by expert, counts)`` — weighted
+    here by their ``top_k_weights``, and summed into their tokens' rows in the order of their experts."""
+    choices = top_k_index.reshape(-1)[pairs]
+    order = choices.argsort(stable=True)
+    pairs = pairs[order]
+    tokens = pairs // top_k_index.shape[-1]
+    counts = torch.bincount(choices, minlength=num_experts)
+    if dispatcher is not None:
+        out = dispatcher(hidden_states[tokens], counts, local_experts)
+    else:
+        out = local_experts(hidden_states[tokens], counts)
+    weighted = out * top_k_weights.reshape(-1)[pairs, None].to(out.dtype)
+    return torch.zeros_like(hidden_states).index_add(0, tokens, weighted.to(hidden_states.dtype))
+
+
 class StackedExpertsParallel:
     """A stacked-experts module (:func:`stacked_experts`) whose weights are split over ranks: installed as the
     module's ``forward``. Under expert parallelism (``group``: the ranks the experts are split over) each (token,
@@ -401,17 +499,8 @@ class StackedExpertsParallel:
         pairs = torch.arange(top_k_index.numel(), device=hidden_states.device)  # token-major
         if tp is not None:
             pairs = tp.own_slots(pairs, len(pairs))
-        choices = top_k_index.reshape(-1)[pairs]
-        order = choices.argsort(stable=True)
-        pairs = pairs[order]
-        tokens = pairs // top_k_index.shape[-1]
-        counts = torch.bincount(choices, minlength=self.num_experts)
-        if self.dispatcher is not None:
-            out = self.dispatcher(hidden_states[tokens], counts, self._local_experts)
-        else:
-            out = self._local_experts(hidden_states[tokens], counts)
-        weighted = out * top_k_weights.reshape(-1)[pairs, None].to(out.dtype)
-        out = torch.zeros_like(hidden_states).index_add(0, tokens, weighted.to(hidden_states.dtype))
+        out = _dispatched(hidden_states, top_k_index, top_k_weights, pairs, self.num_experts, self.dispatcher,
+                          self._local_experts)
         return out if tp is None else tp.share(out)
 
     def _local_experts(self, rows: Tensor, counts: Tensor) -> Tensor:
@@ -422,6 +511,44 @@ class StackedExpertsParallel:
         index = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts, output_size=len(rows))
         ones = torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)
         return type(self.experts).forward(local, rows, index[:, None], ones)
+
+
+class ListedExpertsParallel:
+    """A MoE block holding its experts as a list (:func:`splittable_listed_experts`), the list ``experts_name``
+    split over the ep ranks of ``group``: installed as the block's ``forward``. This rank keeps experts ``r·L`` to
+    ``r·L + L − 1`` (rank ``r``, ``L`` = experts ÷ ep) in their places in the list, and the others are dropped from it:
+    a checkpoint names each expert as one process does. The block's own routing (:data:`LISTED_MOE_FORWARDS`) chooses,
+    each (token, choice) pair travels to the rank holding its expert (:class:`AllToAllDispatcher`) and back, and is
+    weighted here, as :class:`StackedExpertsParallel` does. Each expert's gradient collects the tokens of the ep ranks
+    and is scaled by 1/ep, as :class:`GroupedExperts`' are: data parallelism averages it over the ranks holding the
+    same experts alone."""
+
+    def __init__(self, block: nn.Module, experts_name: str, group: dist.ProcessGroup) -> None:
+        experts = block.get_submodule(experts_name)
+        self.block, self.block_forward = block, LISTED_MOE_FORWARDS[class_path(block)]
+        self.num_experts, self.ranks = len(experts), dist.get_world_size(group)
+        _check_experts_divide(self.num_experts, self.ranks)
+        held = self.num_experts // self.ranks
+        first = dist.get_rank(group) * held
+        for index in [*range(first), *range(first + held, self.num_experts)]:
+            del experts._modules[str(index)]  # not `del experts[index]`, which would number the rest anew
+        self.local = list(experts)
+        self.dispatcher = AllToAllDispatcher(group, held)
+        block.forward = self
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.block_forward(self.block, x, self._routed)
+
+    def _routed(self, rows: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
+        pairs = torch.arange(chosen.numel(), device=rows.device)
+        return _dispatched(rows, chosen, weights, pairs, self.num_experts, self.dispatcher, self._local_experts)
+
+    def _local_experts(self, rows: Tensor, counts: Tensor) -> Tensor:
+        """This rank's experts, each on its group of ``rows``; the gradient reaching their weights scaled by 1/ep
+        (and what reaches the rows back by ep)."""
+        parts = rows.split(counts.tolist())
+        return torch.cat([scale_gradient(expert(scale_gradient(part, self.ranks)), 1.0 / self.ranks)
+                          for expert, part in zip(self.local, parts)])
 
 
 class DenseExpertsParallel:

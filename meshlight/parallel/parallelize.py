@@ -23,6 +23,7 @@ from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_modu
 from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import (
     apply_expert_parallel,
+    check_listed_experts,
     dense_experts,
     gather_router_logits,
     has_experts,
@@ -85,8 +86,9 @@ def parallelize(
             f"ep={layout.ep}, but the model has no experts to split: use meshlight.nn.MoE for the feed-forwards"
             " (GPTConfig(moe=MoEConfig(...)) for meshlight's GPT) or stacked experts as Hugging Face's MoE models"
             " have them, or ep=1"
-            + (f" ({', '.join(listed)} hold experts as a list, as litgpt's MoE does, which expert parallelism does"
-               " not split: train it with ep=1, under tensor, pipeline or data parallelism)."
+            + (f" ({', '.join(listed)} hold experts as a list in a block whose forward meshlight does not know (it"
+               " splits the lists of litgpt's LLaMAMoE): train it with ep=1, under tensor, pipeline or data"
+               " parallelism)."
                if (listed := list(listed_experts(module))[:2]) else
                f" ({type(dense[0]).__name__} runs every expert on every token, as Llama 4's MoE does: no token"
                " travels to an expert, so expert parallelism has nothing to split. Train it with ep=1; tp splits each"
@@ -95,6 +97,7 @@ def parallelize(
         )
     if layout.tp > 1 and stacked_experts(module):
         _check_stacked_experts_under_tp(module, layout)
+    check_listed_experts(module, layout.ep, layout.tp)
     if is_data_parallel(module):
         return module
     # Every transform starts from the same weights on every rank (DDP would broadcast; FSDP and TP do not).

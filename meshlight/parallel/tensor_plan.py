@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshlight.nn.moe import MoE
-from meshlight.parallel.blocks import repeated_blocks
+from meshlight.parallel.blocks import class_path, repeated_blocks
 from meshlight.parallel.checkpoint import _shorten
 from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, listed_experts
 from meshlight.parallel.expert_tensor import stacked_split_placements
@@ -455,18 +455,13 @@ HEAD_BIASES: dict[str, dict[str, Optional[int]]] = {
 def head_biases(attention: nn.Module) -> dict[str, Optional[int]]:
     """The arguments that bring ``attention`` a bias per head, and the dimension of their heads (:data:`HEAD_BIASES`;
     empty for other classes)."""
-    return HEAD_BIASES.get(_class_path(attention), {})
-
-
-def _class_path(module: nn.Module) -> str:
-    """``module``'s class as the tables above name it: ``package.module.Class``."""
-    return f"{type(module).__module__}.{type(module).__qualname__}"
+    return HEAD_BIASES.get(class_path(attention), {})
 
 
 def _fused_layout(owner: nn.Module) -> Optional[str]:
     """How ``owner``'s fused q|k|v (gate|up) packs its parts, where its class is known: ``"parts"`` one after another
     (:data:`PARTS_IN_ORDER`), ``"heads"`` head by head (:data:`LAYOUT_BY_CONFIG`); None where it is not."""
-    name = _class_path(owner)
+    name = class_path(owner)
     rule = LAYOUT_BY_CONFIG.get(name)
     return "parts" if name in PARTS_IN_ORDER else rule(owner) if rule else None
 

@@ -34,6 +34,7 @@ from meshlight.parallel.clip import clip_grad_norm_
 from meshlight.parallel.compression import GradientCompression
 from meshlight.parallel.context import ATTENTION_METHODS, ContextParallel
 from meshlight.parallel.data_parallel import ddp_engine
+from meshlight.parallel.expert import listed_expert_parameters
 from meshlight.parallel.layout import ParallelLayout, Size, seed_by_mesh_position
 from meshlight.parallel.nvme import OptimizerStateOnDisk, put_on_disk
 from meshlight.parallel.offload import apart_from_host, prepare_host_steps
@@ -326,7 +327,10 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         pipeline_group = self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
         uncounted = self.pipeline.tied_weights.last_stage_copies() if self.pipeline is not None else []
-        return clip_grad_norm_(parameters, clip_val, pipeline_group=pipeline_group, uncounted=uncounted)
+        held_alone = listed_expert_parameters(self.model) if self.layout.ep > 1 else []
+        return clip_grad_norm_(parameters, clip_val, pipeline_group=pipeline_group, uncounted=uncounted,
+                               expert_group=self.device_mesh["ep"].get_group() if held_alone else None,
+                               held_alone=held_alone)
 
     @override
     def teardown(self) -> None:

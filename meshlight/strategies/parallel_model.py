@@ -17,7 +17,7 @@ from typing_extensions import override
 from meshlight.parallel.compression import GradientCompression
 from meshlight.parallel.data_parallel import ddp_engine, is_data_parallel
 from meshlight.parallel.dtensors import has_dtensor_parameters
-from meshlight.parallel.expert import expert_layers
+from meshlight.parallel.expert import expert_layers, listed_experts_split, splittable_listed_experts
 from meshlight.parallel.layout import ParallelLayout
 from meshlight.parallel.parallelize import parallelize
 from meshlight.parallel.pipeline import model_root
@@ -69,7 +69,8 @@ class StepRunner(nn.Module):
 class ParallelModel:
     """``root``: the strategy's model; ``pipeline``: the steps on this rank's stages (None without pipelining);
     ``sequence_region``: where sequence parallelism over the blocks only holds shares of the sequence;
-    ``state_names``: the whole model's state names (a pipeline stage holds some of them); ``untouched``: the
+    ``state_names``: the whole model's state names where this rank holds some of them (a pipeline stage; experts held
+    as a list, split over ep); ``untouched``: the
     LightningModule's own modules and parameters are as they were (only ``root`` carries the parallelism);
     ``context``: the model's context-parallel hooks."""
 
@@ -115,11 +116,13 @@ def parallel_model(
     else:
         root = StepRunner(module)
         plan, region = _tensor_plan(root, layout, tensor_parallel)
+        # experts held as a list, split over ep, are held by one rank each: the whole model's names, as a stage's
+        state_names = set(module.state_dict()) if layout.ep > 1 and splittable_listed_experts(module) else None
         parallelize(root, layout, mesh, tensor_parallel=tensor_parallel, plan=plan, transforms=transforms,
                     ddp_kwargs=ddp_kwargs, sequence_region=region, grad_compression=grad_compression)
         untouched = not (is_data_parallel(module) or has_dtensor_parameters(module) or expert_layers(module)
-                         or transforms != Transforms())
-        built = ParallelModel(root, layout, sequence_region=region, untouched=untouched)
+                         or listed_experts_split(module) or transforms != Transforms())
+        built = ParallelModel(root, layout, sequence_region=region, state_names=state_names, untouched=untouched)
     module.__dict__[_ATTRIBUTE] = built  # a plain attribute: neither a submodule nor in the state dict
     return built
 

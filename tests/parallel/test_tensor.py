@@ -736,8 +736,8 @@ def test_a_latent_attention_keeps_its_latents_whole_and_splits_its_up_projection
 def test_experts_held_as_a_list_stay_whole_on_every_rank_and_expert_parallelism_names_them():
     """litgpt's MoE holds its experts as a list of MLPs beside a router (trained under tp in test_hf_models): each
     expert runs on the tokens routed to it, so none is a column→row group; the router and every expert are left
-    whole (under sequence parallelism: on this rank's share of the tokens). Expert parallelism, which splits stacked
-    experts, names them."""
+    whole (under sequence parallelism: on this rank's share of the tokens). Expert parallelism splits them where it
+    knows their block's forward (litgpt's, trained under ep in test_hf_models); in another block it names them."""
     pytest.importorskip("litgpt")
     from meshlight.parallel.expert import listed_experts
     from meshlight.parallel.layout import ParallelLayout
@@ -755,11 +755,15 @@ def test_experts_held_as_a_list_stay_whole_on_every_rank_and_expert_parallelism_
                                            for linear in ("fc_1", "fc_2", "proj")}}
     assert plan["model.transformer.h.0.attn.qkv"] == "fused_colwise"
     validate_plan(model, plan, 2, 2)
+    for block in moe_blocks_of(model):  # a block of the user's own, its forward unknown
+        moe = model.get_submodule(block)
+        moe.__class__ = type("OwnMoE", (type(moe),), {})
     layout = ParallelLayout(dp_shard=2, ep=2, zero=3)
     with pytest.raises(ValueError, match=r"ep=2, but the model has no experts to split: .* \(model.transformer.h.0"
-                                         r".mlp.experts, model.transformer.h.1.mlp.experts hold experts as a list, as"
-                                         r" litgpt's MoE does, which expert parallelism does not split: train it"
-                                         r" with ep=1, under tensor, pipeline or data parallelism\)\."):
+                                         r".mlp.experts, model.transformer.h.1.mlp.experts hold experts as a list in a"
+                                         r" block whose forward meshlight does not know \(it splits the lists of"
+                                         r" litgpt's LLaMAMoE\): train it with ep=1, under tensor, pipeline or data"
+                                         r" parallelism\)\."):
         parallelize(model, layout, None)
 
 

@@ -210,16 +210,17 @@ class LitCausalLM(pl.LightningModule):
     model computes it for the batch it is given; ``data_shards``: the step runs the model on that many equal parts of
     its batch and averages (one process computing what ``data_shards`` data-parallel ranks do: the load-balancing
     loss is not linear in the batch). The parts are those ``data_shards`` ranks read: every ``data_shards``-th
-    sample."""
+    sample. ``clip``: the gradients are clipped to this norm before each step (by the strategy's norm over every
+    rank's part), where it is not 0."""
 
     def __init__(self, family: str, lr: float = 1e-2, optimizer: str = "adamw", vocab: int = VOCAB,
                  aux_loss: float = 0.0, data_shards: int = 1, layers: int = LAYERS, own_loss: bool = False,
-                 kv_heads: int = KV_HEADS) -> None:
+                 kv_heads: int = KV_HEADS, clip: float = 0.0) -> None:
         super().__init__()
         import transformers
 
         self.family, self.lr, self.optimizer = family, lr, optimizer
-        self.aux_loss, self.data_shards, self.own_loss = aux_loss, data_shards, own_loss
+        self.aux_loss, self.data_shards, self.own_loss, self.clip = aux_loss, data_shards, own_loss, clip
         torch.manual_seed(0)
         if family in ("litgpt", "litgpt_moe"):
             self.model = litgpt_model(vocab, layers, moe=family == "litgpt_moe", kv_heads=kv_heads)
@@ -242,6 +243,10 @@ class LitCausalLM(pl.LightningModule):
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.log("val/loss", self._loss(batch), sync_dist=True)
+
+    def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        if self.clip:
+            self.clip_gradients(optimizer, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         if not (self.aux_loss or self.own_loss):
@@ -280,8 +285,11 @@ def lit_causal_lm(name: str, data_shards: int = 1) -> LitCausalLM:
     """The parity model called ``name``: a family (``"llama"``), a family with a vocabulary of its own
     (``"llama-vocab61"``), an MoE family with its load-balancing loss on (``"mixtral-aux"``: coefficient 0.02; the
     model adding it to its own loss from labels: ``"mixtral-aux-labels"``), or a family with :data:`DEEP_LAYERS` layers
-    (``"llama-deep"``), or with key/value heads of its own (``"llama-kv1"``), with the family's
+    (``"llama-deep"``), or with key/value heads of its own (``"llama-kv1"``), or its gradients clipped to a norm of
+    0.05 before each step (``"litgpt_moe-clip"``: every step clipped, its norm 0.8–2.1 before), with the family's
     :func:`training_options`; ``data_shards``: see :class:`LitCausalLM`."""
+    clip = name.endswith("-clip")
+    name = name.removesuffix("-clip")
     own_loss = name.endswith("-labels")
     deep = name.endswith("-deep")
     fp64 = name.endswith("-fp64")
@@ -293,7 +301,7 @@ def lit_causal_lm(name: str, data_shards: int = 1) -> LitCausalLM:
     options = {"lr": 3e-3} if aux else training_options(family)
     module = LitCausalLM(family, **options, vocab=int(vocab or VOCAB), aux_loss=0.02 if aux else 0.0,
                          data_shards=data_shards, layers=DEEP_LAYERS if deep else LAYERS, own_loss=own_loss,
-                         kv_heads=int(kv_heads or KV_HEADS))
+                         kv_heads=int(kv_heads or KV_HEADS), clip=0.05 if clip else 0.0)
     return in_float64(module) if fp64 else module
 
 

@@ -48,7 +48,7 @@ def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hf")
     for world in (2, 4, 8):
         layouts = [name for name, (_, devices, _, _) in hf_worker.LAYOUTS.items() if devices == world]
-        extras = {2: ["reshard-tied"], 4: ["resume-split"]}.get(world, [])
+        extras = {2: ["reshard-tied", "resume-listed"], 4: ["resume-split"]}.get(world, [])
         torchrun(WORKER, world, str(out), *layouts, *extras, timeout=1200)
     return out
 
@@ -73,16 +73,19 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     blocks returning tuples;
     3d-planned: Hybrid3DStrategy() with no sizes, planned from each config; ep2 and
     dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (ep2 also with their
-    load-balancing loss, which each data-parallel rank computes over its part of the batch)."""
+    load-balancing loss, which each data-parallel rank computes over its part of the batch), and litgpt's experts
+    held as a list, each rank keeping two of them (also with every step's gradients clipped, by a norm that sums
+    the ranks' experts)."""
     result = torch.load(runs / f"{layout}-{model}.pt", weights_only=False)
     assert len(result["losses"]) == parity.STEPS
     parity.assert_parity(result, controls[control_of(layout, model)], rtol=PARITY_RTOL.get(model, 1e-4))
     # 4 experts: over 2 or 4 ranks, or whole
     stacked = (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3", "ernie4_5_moe", "llama4")
-    if model.split("-")[0] in stacked and layout != "3d-planned":
+    family = model.split("-")[0]
+    if family in (*stacked, "litgpt_moe") and layout != "3d-planned":
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1
-        # each expert split over tp=2
-        tp_parts = 2 if layout in ("tp2", "tp2-no-sp", "3d-moe") or "split" in layout else 1
+        # each expert split over tp=2 (a list's kept whole)
+        tp_parts = 2 if (layout in ("tp2", "tp2-no-sp", "3d-moe") or "split" in layout) and family in stacked else 1
         local = result["local_experts"]
         assert local and set(local) == {(4 // ep, tp_parts)}, local
 
@@ -125,6 +128,35 @@ def test_experts_split_part_by_part_over_tp_resume_exactly_and_load_under_other_
         assert all(torch.equal(results[other][name], whole[name]) for name in whole), other
     second_half = {"losses": results["whole"]["losses"][parity.STEPS // 2:], "weights": whole}
     parity.assert_parity(results["folded"], second_half)
+
+
+def test_experts_held_as_a_list_resume_exactly_and_load_under_other_layouts(runs):
+    """litgpt's MoE under ep2, each rank holding two experts of each list (under the names one process gives them):
+    resumed from its checkpoint of step 10 it ends on exactly the weights of the run not interrupted, and its last
+    checkpoint loads under ddp into exactly its weights; resumed under ddp, its last 10 losses and its weights are
+    within 1e-4 of it, and ddp's last checkpoint loads under ep2 into exactly ddp's weights."""
+    results = torch.load(runs / "resume-listed.pt", weights_only=False)
+    whole, on_ddp = results["whole"]["weights"], results["on_ddp"]["weights"]
+    assert "model.transformer.h.1.mlp.experts.3.fc_1.weight" in whole
+    for weights, expected in ((results["resumed"], whole), (results["loaded"], whole),
+                              (results["ddp_loaded"], on_ddp)):
+        assert weights.keys() == expected.keys()
+        assert all(torch.equal(weights[name], expected[name]) for name in expected)
+    second_half = {"losses": results["whole"]["losses"][parity.STEPS // 2:], "weights": whole}
+    parity.assert_parity(results["on_ddp"], second_half)
+
+
+def test_experts_held_as_a_list_are_refused_under_tensor_and_expert_parallelism_together():
+    """Expert parallelism splits a list of experts over data ranks alone; with tp it is refused before any
+    collective, naming both ways out, as an expert count ep does not divide is."""
+    from meshlight.parallel.layout import ParallelLayout
+    from meshlight.parallel.parallelize import parallelize
+
+    with pytest.raises(NotImplementedError, match=r"ep=2 with tp=2: model.transformer.h.0.mlp holds its experts as a"
+                                                  r" list \(litgpt's MoE\).*Use tp=1 to split them over ep, or ep=1"):
+        parallelize(lit_causal_lm("litgpt_moe"), ParallelLayout(dp_replicate=2, tp=2, ep=2), mesh=None)
+    with pytest.raises(ValueError, match=r"num_experts=4 is not divisible by ep=3.*Choose ep in \[1, 2, 4\]"):
+        parallelize(lit_causal_lm("litgpt_moe"), ParallelLayout(dp_replicate=3, ep=3), mesh=None)
 
 
 def test_a_models_own_experts_under_tensor_parallelism_refuse_what_they_cannot_do():

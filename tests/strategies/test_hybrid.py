@@ -214,8 +214,8 @@ def test_the_planner_splits_a_models_own_experts_over_tp_where_it_can_else_keeps
         strategy.connect(experts_in_another_layout(lit_causal_lm("mixtral")))
         assert strategy._unsplittable() == fixed, arguments
     # experts held as a list (litgpt's) stay whole on every tp rank, which the cost model does not price: tp stays 1
-    # unless given; expert parallelism does not split them
-    for arguments, fixed in (({}, {"tp": 1, "ep": 1}), ({"tp": 2}, {"ep": 1})):
+    # unless given; expert parallelism splits them under tp=1 alone
+    for arguments, fixed in (({}, {"tp": 1}), ({"tp": 2}, {"ep": 1}), ({"tp": 1}, {})):
         strategy = ml.Hybrid3DStrategy(**arguments)
         ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
         strategy.connect(lit_causal_lm("litgpt_moe"))

@@ -3,7 +3,7 @@ processes those layouts run on); rank 0 saves each run's losses and full final w
 ``OUT/<layout>-<family>.pt`` (the checks in :data:`EXTRAS`: see their functions).
 
     python tests/forkrun.py 2 tests/strategies/workers/hf_worker.py OUT tp2 ddp zero3 pp2-1f1b pp2-interleaved \
-        reshard-tied
+        reshard-tied resume-listed
     python tests/forkrun.py 4 tests/strategies/workers/hf_worker.py OUT dp2-tp2-ep2-split resume-split
     python tests/forkrun.py 8 tests/strategies/workers/hf_worker.py OUT 3d
 """
@@ -17,7 +17,13 @@ import torch
 
 import meshlight as ml
 from meshlight.parallel.dtensors import local_tensor
-from meshlight.parallel.expert import StackedExpertsParallel, dense_experts, stacked_experts
+from meshlight.parallel.expert import (
+    StackedExpertsParallel,
+    dense_experts,
+    listed_experts,
+    listed_experts_split,
+    stacked_experts,
+)
 from tests.strategies import parity
 from tests.strategies.hf_models import FAMILIES, MOE_FAMILIES, TP_FAMILIES, lit_causal_lm
 
@@ -36,6 +42,8 @@ ALIBI = ("bloom-fp64", "mpt", "falcon_rw")
 BLOCK_MLP = ("opt", "xglm", "biogpt")
 #: blocks returning tuples whose first element the forward takes out (outputs[0]): BLOOM's, MPT's, Falcon's
 TUPLE_BLOCKS = ("bloom-fp64", "mpt", "falcon")
+#: experts held as a list (litgpt's LLaMAMoE), split over ep: plain, and with the gradients clipped
+LISTED = ("litgpt_moe", "litgpt_moe-clip")
 
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
@@ -85,9 +93,12 @@ LAYOUTS = {
                ("qwen3_moe", "deepseek_v3", "llama4")),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
     "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral")),
-    # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2)
-    "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2, (*MOE_FAMILIES, "mixtral-aux", "qwen3_moe-aux")),
-    "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=2), 4, 2, MOE_FAMILIES),
+    # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2); litgpt's listed
+    # experts too, each rank keeping two of the list (also with the gradients clipped: the norm of each rank's
+    # experts summed over ep)
+    "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2, (*MOE_FAMILIES, "mixtral-aux", "qwen3_moe-aux", *LISTED)),
+    "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=2), 4, 2,
+                    (*MOE_FAMILIES, *LISTED)),
     # expert parallelism folded over tp=2 and 2 data ranks: each of the 4 ranks holds one whole expert; with
     # sequence parallelism each tp rank sends its share of the tokens, without it its part of the (same) tokens
     "dp2-tp2-ep4": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4), 4, 2, MOE_FAMILIES),
@@ -147,12 +158,51 @@ def resume_split(out: Path) -> None:
                     "resumed": resumed["weights"], "loaded": loaded}, out / "resume-split.pt")
 
 
+def resume_listed(out: Path) -> None:
+    """litgpt's MoE (experts held as a list) trained under ep2, checkpointed halfway and at the end: resumed from
+    halfway under ep2 and under ddp; its last checkpoint loaded under ddp; ddp's last checkpoint (of the resumed run)
+    loaded under ep2. Saved to ``resume-listed.pt``: ``whole`` and ``on_ddp`` (losses and weights), ``resumed``,
+    ``loaded`` and ``ddp_loaded`` (weights)."""
+    from meshlight.callbacks import DistributedCheckpoint
+
+    model, folder = functools.partial(lit_causal_lm, "litgpt_moe"), out / "listed-checkpoints"
+    ep2, devices, replicas, _ = LAYOUTS["ep2"]
+    halfway, last = (folder / f"step={step:09d}" for step in (parity.STEPS // 2, parity.STEPS))
+
+    def checkpoints(where: Path) -> list:
+        return [DistributedCheckpoint(where, every_n_train_steps=parity.STEPS // 2, keep_last_k=2, async_save=False)]
+
+    def loaded_under(strategy: object, path: Path) -> dict[str, torch.Tensor]:
+        module = model()
+        trainer = ml.Trainer(strategy=strategy, devices=devices, accelerator="cpu", logger=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        trainer.validate(module, parity.make_data(4), ckpt_path=path, verbose=False)
+        return parity.full_weights(module)
+
+    whole = parity.train("adamw", strategy=ep2(), devices=devices, data_parallel=replicas, model=model,
+                         callbacks=checkpoints(folder), enable_checkpointing=True)
+    resumed = parity.train("adamw", strategy=ep2(), devices=devices, data_parallel=replicas, model=model,
+                           ckpt_path=halfway)
+    on_ddp = parity.train("adamw", strategy="ddp", devices=devices, data_parallel=replicas, model=model,
+                          ckpt_path=halfway, callbacks=checkpoints(out / "listed-ddp"), enable_checkpointing=True)
+    loaded = loaded_under("ddp", last)
+    ddp_loaded = loaded_under(ep2(), out / "listed-ddp" / f"step={parity.STEPS:09d}")
+    if torch.distributed.get_rank() == 0:
+        runs = {"whole": whole, "on_ddp": on_ddp}
+        torch.save({**{name: {key: run[key] for key in ("losses", "weights")} for name, run in runs.items()},
+                    "resumed": resumed["weights"], "loaded": loaded, "ddp_loaded": ddp_loaded},
+                   out / "resume-listed.pt")
+
+
 def local_experts(module: torch.nn.Module) -> list[tuple[int, int]]:
     """For each of the model's own MoE blocks, the experts it runs on this rank (all of them where not split over
-    ep) and the parts tp splits each of them into (one whole expert's ``down_proj`` ÷ this rank's slice of it)."""
+    ep) and the parts tp splits each of them into (one whole expert's ``down_proj`` ÷ this rank's slice of it; a
+    list's experts are whole)."""
     return [(forward.num_experts // forward.ranks if isinstance(forward := experts.forward, StackedExpertsParallel)
              else experts.num_experts, experts.down_proj[0].numel() // local_tensor(experts.down_proj)[0].numel())
-            for experts in (*stacked_experts(module), *dense_experts(module))]
+            for experts in (*stacked_experts(module), *dense_experts(module))] + [
+        (len(split.local), 1) for split in listed_experts_split(module)] + [
+        (len(experts), 1) for experts in listed_experts(module).values()]
 
 
 def main(out: Path, layouts: list[str]) -> None:
@@ -174,7 +224,7 @@ def main(out: Path, layouts: list[str]) -> None:
 
 
 #: checks beside the layouts' parity runs: name -> what runs it (on as many processes as its layouts)
-EXTRAS = {"reshard-tied": reshard_tied, "resume-split": resume_split}
+EXTRAS = {"reshard-tied": reshard_tied, "resume-split": resume_split, "resume-listed": resume_listed}
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
