@@ -151,20 +151,23 @@ def model_root(module: nn.Module) -> ModelRoot:
     return ModelRoot(".".join(parts[:depth]), ".".join(parts[depth:]), container, tuple(heads))
 
 
-def plan_stages(module: nn.Module, container: str, num_stages: int, split: SplitSpec = None) -> StagePlan:
+def plan_stages(module: nn.Module, container: str, num_stages: int, split: SplitSpec = None,
+                run_after: Sequence[str] = ()) -> StagePlan:
     """Assign blocks to ``num_stages`` contiguous stages.
 
     ``split``: ``None`` or ``"parameters"`` balances parameter counts (the pieces before the blocks count
     toward stage 0, those after toward the last stage); ``"layers"`` balances block counts; a list of block
-    names (``["blocks.4"]`` or full names ending so) starts a new stage at each.
+    names (``["blocks.4"]`` or full names ending so) starts a new stage at each. Pieces are before or after the
+    blocks as registered, except those named in ``run_after``: registered before them, run after them (OPT's
+    final norm), in the order they run.
     """
     blocks = getattr(module, container)
     keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
     children = list(module.named_children())
     position = [name for name, _ in children].index(container)
     with_params = [name for name, child in children if name != container and _numel(child) > 0]
-    pre = tuple(n for n in with_params if [c for c, _ in children].index(n) < position)
-    post = tuple(n for n in with_params if [c for c, _ in children].index(n) > position)
+    pre = tuple(n for n in with_params if [c for c, _ in children].index(n) < position and n not in run_after)
+    post = (*run_after, *(n for n in with_params if [c for c, _ in children].index(n) > position))
     if num_stages > len(keys):
         raise PipelineError(
             f"{num_stages} pipeline stages but only {len(keys)} blocks in {container!r}: every stage needs at least"

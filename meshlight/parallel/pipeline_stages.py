@@ -29,6 +29,7 @@ __all__ = [
     "first_positional",
     "materialize",
     "root_stages",
+    "run_after_blocks",
     "split_stages",
     "tied_parameters",
 ]
@@ -336,10 +337,34 @@ def check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict,
         return True
 
 
+def run_after_blocks(root: nn.Module, plan: StagePlan, place: ModelRoot) -> tuple[str, ...]:
+    """The pieces registered before the blocks that ``root``'s forward runs after them, in the order it runs them
+    (OPT's decoder registers its final norm before its layers): found by :func:`check_chain`'s probe on the model's
+    own example inputs (Hugging Face's ``dummy_inputs``), before the stages are made, so that the last stage owns
+    them (:func:`~meshlight.parallel.pipeline.plan_stages`' ``run_after``). None where the model has no such inputs
+    or the probe cannot run on them: :func:`check_chain` then refuses such a piece at the first step, naming how to
+    register it after the blocks."""
+    inputs = getattr(root, "dummy_inputs", None)
+    if not plan.pre or not isinstance(inputs, dict):
+        return ()
+    prefix = f"{place.pipelined}." if place.pipelined else ""
+    found: list[list[str]] = []
+    for tuples in (False, True):
+        late: list[str] = []
+        found.append(late)
+        try:
+            _check_chain(root, plan, (), dict(inputs), place, [], tuples, late=late)
+            break
+        except Exception:  # noqa: BLE001 — the first step's check names what breaks the chain
+            continue
+    return tuple(name.removeprefix(prefix) for name in max(found, key=len))
+
+
 def _check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, place: Optional[ModelRoot],
-                 received: list[tuple[str, Any]], tuples: bool) -> None:
+                 received: list[tuple[str, Any]], tuples: bool, late: Optional[list[str]] = None) -> None:
     """:func:`check_chain` with blocks returning their output alone or (``tuples``) first in a tuple; ``received``
-    gets each piece's name and first input as it runs."""
+    gets each piece's name and first input as it runs. ``late``: gets the pieces registered before the blocks that
+    run after them, in the order they run, which are then not refused."""
     place = place or ModelRoot("", "", plan.container, ())
     prefix = f"{place.pipelined}." if place.pipelined else ""
     container_name = prefix + plan.container
@@ -357,7 +382,8 @@ def _check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pl
     probed = [probes[f"{container_name}.{k}"] for k in keys]
     # an embedding's stand-in hands on zeros of its output's dtype, which what runs before the blocks may read (an
     # eager attention mask takes its minimum)
-    late: list[str] = []  # pieces registered before the blocks that run once they began
+    refuse_late = late is None
+    late = [] if late is None else late  # pieces registered before the blocks that run once they began
     replacements: dict[str, nn.Module] = {prefix + name: _stand_in(root.get_submodule(prefix + name))
                                           for name in plan.pre}
     watches = [stand_in.register_forward_pre_hook(functools.partial(_watch, name, received, late))
@@ -384,6 +410,8 @@ def _check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pl
     finally:
         for watch in watches:  # (a stage's own stand-in may be one of them)
             watch.remove()
+    if late and not refuse_late:
+        return
     if late:
         parent, _, leaf = late[0].rpartition(".")
         owner = f"{name}.{parent}" if parent else name

@@ -61,6 +61,7 @@ from meshlight.parallel.pipeline_stages import (
     first_positional,
     materialize,
     root_stages,
+    run_after_blocks,
     tied_parameters,
 )
 from meshlight.parallel.tied_weights import TiedWeights
@@ -99,6 +100,9 @@ def setup_pipeline(
     pipelined = root.get_submodule(place.pipelined)
     num_stages = layout.pp * options.virtual_stages
     plan = plan_stages(pipelined, place.container, num_stages, options.split)
+    run_after = run_after_blocks(root, plan, place)
+    if run_after:
+        plan = plan_stages(pipelined, place.container, num_stages, options.split, run_after)
     tied = tied_parameters(root, place, plan)
     indices = stages_of_rank(mesh["pp"].get_local_rank(), layout.pp, options.virtual_stages, options.schedule)
     tied_weights = TiedWeights(root, tied, mesh, indices, num_stages, options.schedule)

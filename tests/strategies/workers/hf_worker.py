@@ -40,7 +40,8 @@ ALIBI = ("bloom-fp64", "mpt", "falcon_rw")
 #: MLP Linears held by the block beside its norms (the first gathering its input over the sequence itself): OPT's
 #: (on the flattened tokens), XGLM's, BioGPT's
 BLOCK_MLP = ("opt", "xglm", "biogpt")
-#: blocks returning tuples whose first element the forward takes out (outputs[0]): BLOOM's, MPT's, Falcon's
+#: blocks returning tuples whose first element the forward takes out (outputs[0]): BLOOM's, MPT's, Falcon's (OPT at
+#: pp2-1f1b: its final norm registered before its layers, found by the chain check on its dummy_inputs)
 TUPLE_BLOCKS = ("bloom-fp64", "mpt", "falcon")
 #: experts held as a list (litgpt's LLaMAMoE), split over ep: plain, and with the gradients clipped
 LISTED = ("litgpt_moe", "litgpt_moe-clip")
@@ -75,7 +76,7 @@ LAYOUTS = {
     "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, FAMILIES),
     # Llama 4's forward reads its token embedding's device from the embedding's weight on every stage
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1,
-                 (*FAMILIES, "llama4", *TUPLE_BLOCKS)),
+                 (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt")),
     # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models)
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
                                                     microbatches=4), 2, 1, tuple(f"{f}-deep" for f in FAMILIES)),
@@ -86,9 +87,10 @@ LAYOUTS = {
     # OLMo 2's q and k norms over all heads sharded over tp and then over dp — and two MoE families (Mixtral's experts
     # are split over tp as Qwen3-MoE's are; DeepSeek-V3's latent attention, its dense first layer a stage of its own;
     # Llama 4's experts that take every token); BLOOM (float64) and Falcon-RW: ALiBi biases handed out by head on
-    # each stage, blocks returning tuples
+    # each stage, blocks returning tuples; OPT: its final norm registered before its layers, its MLP's Linears on
+    # the block
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=2), 8, 2,
-           ("llama", "qwen3", "gpt2", "litgpt", "olmo2", "bloom-fp64", "falcon_rw")),
+           ("llama", "qwen3", "gpt2", "litgpt", "olmo2", "bloom-fp64", "falcon_rw", "opt")),
     "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=2), 8, 2,
                ("qwen3_moe", "deepseek_v3", "llama4")),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
