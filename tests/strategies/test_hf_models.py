@@ -10,8 +10,9 @@ fused q|k|v sliced by the config's head counts, a fused gate|up), Qwen2-MoE (a s
 ones), OLMo 2 and OLMoE (q and k normalized over all heads at once; OLMo 2 at the tolerance
 :data:`~tests.strategies.hf_models.PARITY_RTOL` says, and in float64) under tensor parallelism; BLOOM, MPT and
 Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its heads') under tensor parallelism,
-BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, BLOOM and Falcon-RW under all three. One launch per
-process count."""
+BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, BLOOM and Falcon-RW under all three; OPT (its final
+norm registered before its layers) under pipelining and all three; litgpt's MoE (experts held as a list) under expert
+parallelism. One launch per process count."""
 
 from pathlib import Path
 
