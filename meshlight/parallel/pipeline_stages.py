@@ -207,18 +207,21 @@ def _whole_shaped(stage_input: Any) -> Any:
 class _ZerosLike(nn.Module):
     """Stands in for an embedding of an earlier stage: zeros of its output's shape for token ids (the stage's first
     block gets the stage's input instead), so that what the forward adds to it (learned positions) still fits. Its
-    ``weight`` is empty, for a forward that reads the embedding's device from it (Llama 4's)."""
+    ``weight`` is empty, for a forward that reads the embedding's device from it (Llama 4's). ``features``: it stands
+    in for a Linear (OPT's ``project_in``, from a narrower embedding to the blocks' width), whose output replaces its
+    input's last dimension."""
 
-    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device, features: bool = False) -> None:
         super().__init__()
-        self.dim, self.dtype = dim, dtype
+        self.dim, self.dtype, self.features = dim, dtype, features
         self.register_buffer("weight", torch.empty(0, dim, dtype=dtype, device=device), persistent=False)
 
     def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if ids.is_floating_point() and ids.shape[-1:] == (self.dim,):
             return ids  # the stage's input where the root takes token ids: handed on as it is
         # token ids, or what a learned position embedding reads (OPT's: the attention mask, floats)
-        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+        shape = ids.shape[:-1] if self.features else ids.shape
+        return torch.zeros(*shape, self.dim, dtype=self.dtype, device=ids.device)
 
 
 def _stand_in(piece: nn.Module) -> nn.Module:
@@ -226,6 +229,8 @@ def _stand_in(piece: nn.Module) -> nn.Module:
         return piece
     if isinstance(piece, nn.Embedding):
         return _ZerosLike(piece.embedding_dim, piece.weight.dtype, piece.weight.device)
+    if isinstance(piece, nn.Linear):
+        return _ZerosLike(piece.out_features, piece.weight.dtype, piece.weight.device, features=True)
     return PassThrough()
 
 

@@ -278,24 +278,31 @@ def test_a_later_stage_gives_the_roots_forward_zeros_it_may_scale_in_place():
 
 
 def test_a_piece_registered_before_the_blocks_but_run_after_them_goes_to_the_last_stage_or_is_refused():
-    """OPT registers its decoder's final_layer_norm before its layers and runs it after them: planned by
-    registration, the first stage owned it and the last skipped it, training another model (16% off in the losses at
-    pp=2). The probe run on the model's example inputs (``dummy_inputs``) before the stages are made finds it, and the
-    plan gives it to the last stage (trained at pp=2 in test_hf_models); without such inputs the first step's check
-    refuses it, naming how to register it after the blocks."""
+    """OPT registers its decoder's final_layer_norm (and OPT-350m, its embeddings narrower than its blocks,
+    project_out) before its layers and runs it after them: planned by registration, the first stage owned it and the
+    last skipped it, training another model (16% off in the losses at pp=2). The probe run on the model's example
+    inputs (``dummy_inputs``) before the stages are made finds them, in the order they run, and the plan gives them to
+    the last stage (trained at pp=2 in test_hf_models; the stand-in of project_in, a Linear before the blocks, widens
+    the zeros it hands on); without such inputs the first step's check refuses them, naming how to register them after
+    the blocks."""
     transformers = pytest.importorskip("transformers")
     from meshlight.parallel.pipeline_stages import check_chain, run_after_blocks
 
     config = transformers.OPTConfig(vocab_size=16, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                                    num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=32,
+                                    num_attention_heads=4, word_embed_proj_dim=16, max_position_embeddings=32,
                                     dropout=0.0)
+    narrow = transformers.OPTForCausalLM(config)
+    place = model_root(narrow)
+    decoder = narrow.get_submodule(place.pipelined)
+    late = run_after_blocks(narrow, plan_stages(decoder, place.container, 2), place)
+    assert late == ("final_layer_norm", "project_out")
+    moved = plan_stages(decoder, place.container, 2, run_after=late)
+    assert (moved.pre, moved.post) == (("embed_tokens", "embed_positions", "project_in"), late)
+    check_chain(narrow, moved, (torch.arange(8).view(1, 8),), {}, place)
+    config.word_embed_proj_dim = 32
     root = transformers.OPTForCausalLM(config)
-    place = model_root(root)
     plan = plan_stages(root.get_submodule(place.pipelined), place.container, 2)
     assert run_after_blocks(root, plan, place) == ("final_layer_norm",)
-    moved = plan_stages(root.get_submodule(place.pipelined), place.container, 2, run_after=("final_layer_norm",))
-    assert (moved.pre, moved.post) == (("embed_tokens", "embed_positions"), ("final_layer_norm",))
-    check_chain(root, moved, (torch.arange(8).view(1, 8),), {}, place)
     with pytest.raises(PipelineError, match=r"runs 'model.decoder.final_layer_norm' after the blocks .* registered"
                                             r" before 'model.decoder.layers'.*on OPTForCausalLM.model.decoder: `norm"
                                             r" = parent.final_layer_norm; del parent.final_layer_norm"):

@@ -102,9 +102,12 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
                                       max_seq_len=64, use_cache=False)
     block_mlp = dict(max_position_embeddings=64, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
                      use_cache=False)
-    if family == "opt":  # its MLP's Linears on the block beside its norms, run on the flattened tokens; tied head
+    if family.startswith("opt"):  # its MLP's Linears on the block beside its norms, run on the flattened tokens; tied
+        # head; its final norm registered before its layers ("opt_narrow": OPT-350m's embeddings half as wide as the
+        # blocks, project_in and project_out between them, registered before the layers too)
         return transformers.OPTConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers, ffn_dim=HIDDEN,
-                                      num_attention_heads=HEADS, word_embed_proj_dim=DIM, dropout=0.0, **block_mlp)
+                                      num_attention_heads=HEADS, dropout=0.0, **block_mlp,
+                                      word_embed_proj_dim=DIM // 2 if family == "opt_narrow" else DIM)
     if family == "xglm":  # its MLP's Linears on the block beside its norms; sinusoidal positions
         return transformers.XGLMConfig(vocab_size=vocab, d_model=DIM, num_layers=layers, attention_heads=HEADS,
                                        ffn_dim=HIDDEN, dropout=0.0, **block_mlp)
@@ -200,7 +203,7 @@ def training_options(family: str) -> dict[str, Any]:
     exactly-zero gradient (softmax ignores a per-query constant) that Adam would turn from float noise into full-size
     steps that no two layouts take alike."""
     biased = ("qwen2", "gpt2", "gpt_neox", "glm4", "gpt_bigcode", "persimmon", "openai_gpt", "bloom", "falcon_rw",
-              "opt", "xglm", "biogpt")
+              "opt", "opt_narrow", "xglm", "biogpt")
     return {"optimizer": "sgd", "lr": 0.3} if family in biased else {}
 
 

@@ -41,7 +41,8 @@ ALIBI = ("bloom-fp64", "mpt", "falcon_rw")
 #: (on the flattened tokens), XGLM's, BioGPT's
 BLOCK_MLP = ("opt", "xglm", "biogpt")
 #: blocks returning tuples whose first element the forward takes out (outputs[0]): BLOOM's, MPT's, Falcon's (OPT at
-#: pp2-1f1b: its final norm registered before its layers, found by the chain check on its dummy_inputs)
+#: pp2-1f1b: its final norm registered before its layers, found by the chain check on its dummy_inputs; OPT-350m's
+#: narrower embeddings, project_in and project_out beside them)
 TUPLE_BLOCKS = ("bloom-fp64", "mpt", "falcon")
 #: experts held as a list (litgpt's LLaMAMoE), split over ep: plain, and with the gradients clipped
 LISTED = ("litgpt_moe", "litgpt_moe-clip")
@@ -76,7 +77,7 @@ LAYOUTS = {
     "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, FAMILIES),
     # Llama 4's forward reads its token embedding's device from the embedding's weight on every stage
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1,
-                 (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt")),
+                 (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt", "opt_narrow")),
     # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models)
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
                                                     microbatches=4), 2, 1, tuple(f"{f}-deep" for f in FAMILIES)),
