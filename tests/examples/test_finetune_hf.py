@@ -1,5 +1,6 @@
 """examples/finetune_hf.py fine-tunes a Hugging Face model wrapped in a plain LightningModule: a tiny random Llama
-in two pipeline stages (its LM head beside the module holding the layers), and a local save_pretrained folder
+in two pipeline stages (its LM head beside the module holding the layers), a tiny Mixtral with its experts split
+over two ranks, and a local save_pretrained folder
 under ZeRO-3 (loaded by PretrainedWeights, exported back), each learning (the loss falls) and reporting its answer
 accuracy."""
 
@@ -34,6 +35,11 @@ def test_a_tiny_llama_fine_tunes_in_two_pipeline_stages(tmp_path):
     train_loss, val_loss = losses(run("--strategy", "pipeline", "--out", str(tmp_path)))
     assert train_loss < 2.0 and val_loss < 2.0  # from about ln(16) = 2.77 at the start
     assert (tmp_path / "lightning_logs" / "version_0").is_dir()
+
+
+def test_a_tiny_mixtral_fine_tunes_with_its_experts_split_over_two_ranks(tmp_path):
+    train_loss, val_loss = losses(run("--family", "mixtral", "--strategy", "moe", "--out", str(tmp_path)))
+    assert train_loss < 2.0 and val_loss < 2.0
 
 
 def test_a_local_save_pretrained_folder_fine_tunes_under_zero3_and_exports(tmp_path):
