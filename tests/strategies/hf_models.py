@@ -184,17 +184,27 @@ def attention_implementation(family: str) -> str:
     return "eager" if family in ("gpt_oss", "openai_gpt", "bloom", "mpt", "xglm") else "sdpa"
 
 
-def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False, kv_heads: int = KV_HEADS) -> Any:
+def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False, kv_heads: int = KV_HEADS,
+                 grouped: bool = False) -> Any:
     """litgpt's GPT in a Llama configuration: a fused q|k|v for grouped queries, RMSNorm, SwiGLU, rotary; ``moe``: in
-    Mixtral's (4 experts, top-2, a list of SwiGLU MLPs each)."""
+    Mixtral's (4 experts, top-2, a list of SwiGLU MLPs each); ``grouped``: in DeepSeek-V3's (a dense first layer,
+    then 4 experts in 2 groups — the best group's top 2 of sigmoid scores, normalized and scaled by 2.5 — beside a
+    shared expert; litgpt leaves that router's weight uninitialized, drawn here as its Linears are)."""
     from litgpt.config import Config
     from litgpt.model import GPT
 
     mlp = (dict(mlp_class_name="LLaMAMoE", moe_intermediate_size=HIDDEN // 2, n_expert=4, n_expert_per_token=2)
-           if moe else dict(mlp_class_name="LLaMAMLP"))
-    return GPT(Config(n_layer=layers, n_head=HEADS, n_query_groups=kv_heads, n_embd=DIM, vocab_size=vocab,
-                      padded_vocab_size=vocab, block_size=64, bias=False, norm_class_name="RMSNorm",
-                      intermediate_size=HIDDEN, rotary_percentage=1.0, parallel_residual=False, **mlp))
+           if moe or grouped else dict(mlp_class_name="LLaMAMLP"))
+    if grouped:
+        mlp.update(n_shared_expert=1, n_expert_groups=2, n_topk_groups=1, n_topk_scores_per_group=2,
+                   norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1)
+    model = GPT(Config(n_layer=layers, n_head=HEADS, n_query_groups=kv_heads, n_embd=DIM, vocab_size=vocab,
+                       padded_vocab_size=vocab, block_size=64, bias=False, norm_class_name="RMSNorm",
+                       intermediate_size=HIDDEN, rotary_percentage=1.0, parallel_residual=False, **mlp))
+    for module in model.modules():
+        if type(module).__name__ == "GroupedTopkRouter":
+            torch.nn.init.normal_(module.weight, std=0.02)
+    return model
 
 
 def training_options(family: str) -> dict[str, Any]:
@@ -225,8 +235,9 @@ class LitCausalLM(pl.LightningModule):
         self.family, self.lr, self.optimizer = family, lr, optimizer
         self.aux_loss, self.data_shards, self.own_loss, self.clip = aux_loss, data_shards, own_loss, clip
         torch.manual_seed(0)
-        if family in ("litgpt", "litgpt_moe"):
-            self.model = litgpt_model(vocab, layers, moe=family == "litgpt_moe", kv_heads=kv_heads)
+        if family in ("litgpt", "litgpt_moe", "litgpt_moe_grouped"):
+            self.model = litgpt_model(vocab, layers, moe=family == "litgpt_moe", kv_heads=kv_heads,
+                                      grouped=family == "litgpt_moe_grouped")
         else:
             config = hf_config(family, vocab, layers, kv_heads)
             if aux_loss:

@@ -83,7 +83,7 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     # 4 experts: over 2 or 4 ranks, or whole
     stacked = (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3", "ernie4_5_moe", "llama4")
     family = model.split("-")[0]
-    if family in (*stacked, "litgpt_moe") and layout != "3d-planned":
+    if family in (*stacked, "litgpt_moe", "litgpt_moe_grouped") and layout != "3d-planned":
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1
         # each expert split over tp=2 (a list's kept whole)
         tp_parts = 2 if (layout in ("tp2", "tp2-no-sp", "3d-moe") or "split" in layout) and family in stacked else 1

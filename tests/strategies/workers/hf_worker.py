@@ -44,8 +44,9 @@ BLOCK_MLP = ("opt", "xglm", "biogpt")
 #: pp2-1f1b: its final norm registered before its layers, found by the chain check on its dummy_inputs; OPT-350m's
 #: narrower embeddings, project_in and project_out beside them)
 TUPLE_BLOCKS = ("bloom-fp64", "mpt", "falcon")
-#: experts held as a list (litgpt's LLaMAMoE), split over ep: plain, and with the gradients clipped
-LISTED = ("litgpt_moe", "litgpt_moe-clip")
+#: experts held as a list (litgpt's LLaMAMoE), split over ep: Mixtral's configuration, also with the gradients
+#: clipped, and DeepSeek-V3's (grouped routing, a shared expert, a dense first layer)
+LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
