@@ -4,7 +4,7 @@
     python examples/finetune_hf.py --strategy pipeline                    # its layers in 2 pipeline stages
     python examples/finetune_hf.py --family gpt2 --strategy zero3         # GPT-2 (tied head), ZeRO-3
     python examples/finetune_hf.py --strategy 3d --devices 8              # dp=2 × pp=2 × tp=2 (sequence parallel)
-    python examples/finetune_hf.py --family mixtral --strategy moe        # Mixtral's experts over 2 ranks (ep=2)
+    python examples/finetune_hf.py --family mixtral --strategy moe        # Mixtral's 4 experts over 2 ranks (ep=2)
     python examples/finetune_hf.py --model-path ./my-model --strategy tp  # a local save_pretrained folder
     python examples/finetune_hf.py --model-path ./my-model --export ./tuned   # ... written back for from_pretrained
 
@@ -21,6 +21,7 @@ Requires ``pip install meshlight[hf]``.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -130,13 +131,15 @@ class LitCausalLM(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-def strategy_for(name: str, devices: int) -> Any:
+def strategy_for(name: str, devices: int, experts: int) -> Any:
     """``--strategy`` as meshlight takes it; ``3d`` on 8 CPU processes is dp=2 × pp=2 × tp=2; ``moe`` splits the
-    experts over every process (ep = devices)."""
+    model's ``experts`` over as many processes as divide both (the rest replicate them)."""
     if name == "3d" and devices == 8:
         return ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=4)
     if name == "moe":
-        return ml.MoEStrategy(ep=devices)
+        if not experts:
+            raise SystemExit("--strategy moe splits a model's experts: use --family mixtral, or a model that has them.")
+        return ml.MoEStrategy(ep=math.gcd(devices, experts))
     if name == "pipeline":
         return ml.PipelineStrategy(pp=devices, schedule="1f1b", microbatches=2 * devices)
     return name
@@ -159,7 +162,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     module = LitCausalLM(model, symbols, args.lr, args.max_steps)
     # sequence parallelism needs a length tp divides
     data = AdditionDataModule(2, batch_size=args.batch_size, pad_to_multiple_of=8)
-    trainer = ml.Trainer(strategy=strategy_for(args.strategy, args.devices), devices=args.devices,
+    experts = getattr(model.config, "num_local_experts", 0)
+    trainer = ml.Trainer(strategy=strategy_for(args.strategy, args.devices, experts), devices=args.devices,
                          accelerator=args.accelerator, max_steps=args.max_steps, val_check_interval=args.val_every,
                          check_val_every_n_epoch=None, default_root_dir=args.out, enable_checkpointing=False,
                          log_every_n_steps=min(10, args.val_every), callbacks=callbacks)

@@ -5,8 +5,8 @@ on one mesh, but it fails or silently under-counts when a model mixes plain tens
 different meshes (FSDP-sharded dense weights next to expert-sharded weights) or is split into pipeline
 stages. Here the norm is computed per group of gradients sharing a mesh and placements — DTensor
 reductions count every sharded element once and replicated copies once — and stage norms are then summed
-over the pipeline group, as the norms of experts that each rank of an expert-parallel group holds alone (plain
-tensors) are over that group.
+over the pipeline group, as the norms of experts that each rank of an expert-parallel group holds alone (not
+DTensors over it: experts of a list) are over that group.
 """
 
 from __future__ import annotations
@@ -33,22 +33,26 @@ def total_grad_norm(
     """The ``norm_type``-norm of all gradients of the whole model, identical on every rank.
 
     ``pipeline_group``: the ranks holding the other stages of this rank's model replica (None: not pipelined).
-    ``held_alone``: parameters that this rank holds and the other ranks of ``expert_group`` do not, as plain tensors
-    (experts of a list split over ep: :func:`~meshlight.parallel.expert.listed_expert_parameters`); their norm is
-    summed over that group.
+    ``held_alone``: parameters that this rank holds and the other ranks of ``expert_group`` do not (experts of a list
+    split over ep, :func:`~meshlight.parallel.expert.listed_expert_parameters`: no DTensor over ep says so); the norm
+    of those among ``parameters`` is summed over that group.
     """
     norm_type = float(norm_type)
     alone = {id(p) for p in held_alone}
     parameters = list(parameters)
+    experts = [p for p in parameters if id(p) in alone]  # the same on every rank of the group: its experts alike
     total = _norm([p for p in parameters if id(p) not in alone], norm_type)
-    if alone:
-        experts = _summed_over(_norm([p for p in parameters if id(p) in alone], norm_type), norm_type, expert_group)
-        total = torch.nn.utils.get_total_norm([total, experts.to(total.device)], norm_type)
+    if experts:
+        summed = _summed_over(_norm(experts, norm_type), norm_type, expert_group)
+        total = torch.nn.utils.get_total_norm([total, summed.to(total.device)], norm_type)
     return _summed_over(total, norm_type, pipeline_group)
 
 
 def _norm(parameters: list[Tensor], norm_type: float) -> Tensor:
-    """The norm of ``parameters``' gradients over every rank that holds a part of them (a DTensor's mesh)."""
+    """The norm of ``parameters``' gradients over every rank that holds a part of them (a DTensor's mesh); zero on
+    their device where none has a gradient."""
+    if not any(p.grad is not None for p in parameters):
+        return torch.zeros((), device=parameters[0].device if parameters else None)
     norms = []
     for grads in _grads_by_layout(parameters):
         norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True)

@@ -127,8 +127,8 @@ def _forward_arguments(module: nn.Module) -> tuple[str, ...]:
 def listed_experts(module: nn.Module) -> dict[str, nn.ModuleList]:
     """Experts a model's own MoE blocks hold as a list (litgpt's ``LLaMAMoE``), by name: an ``nn.ModuleList`` of two
     or more modules of one type beside a router whose weight scores that many (``[experts, hidden]``). Expert
-    parallelism does not split them (it splits stacked experts); tensor parallelism keeps each whole on every rank,
-    running on that rank's share of the tokens."""
+    parallelism splits them where it knows their block's forward (:func:`splittable_listed_experts`); tensor
+    parallelism keeps each whole on every rank, running on that rank's share of the tokens."""
     found = {}
     for name, block in module.named_modules():
         for list_name, experts in block.named_children():
@@ -205,9 +205,11 @@ def listed_experts_split(module: nn.Module) -> list[ListedExpertsParallel]:
 
 
 def listed_expert_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters of the listed experts this rank holds alone among its ep ranks (:class:`ListedExpertsParallel`):
-    the norm of their gradients is summed over those ranks, as a DTensor's would be."""
-    return [p for split in listed_experts_split(module) for expert in split.local for p in expert.parameters()]
+    """The trained parameters of the listed experts this rank holds alone among its ep ranks
+    (:class:`ListedExpertsParallel`): the norm of their gradients is summed over those ranks, as a DTensor's would
+    be."""
+    return [p for split in listed_experts_split(module) for expert in split.local for p in expert.parameters()
+            if p.requires_grad]
 
 
 def router_logits_collected(module: nn.Module) -> bool:
@@ -452,7 +454,8 @@ def _dispatched(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tenso
                 dispatcher: Optional[AllToAllDispatcher], local_experts: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     """The (token, choice) ``pairs`` (indices into the token-major ``top_k_index``) each through its expert — sent to
     the rank holding it by ``dispatcher``, or run here by ``local_experts(rows grouped by expert, counts)`` — weighted
-    here by their ``top_k_weights``, and summed into their tokens' rows in the order of their experts."""
+    here by their ``top_k_weights`` (in the wider of the two dtypes, as the models' loops multiply them), and added
+    into their tokens' rows sorted by expert (on CPU ``index_add`` adds in that order, the loops' order)."""
     choices = top_k_index.reshape(-1)[pairs]
     order = choices.argsort(stable=True)
     pairs = pairs[order]
@@ -462,7 +465,7 @@ def _dispatched(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tenso
         out = dispatcher(hidden_states[tokens], counts, local_experts)
     else:
         out = local_experts(hidden_states[tokens], counts)
-    weighted = out * top_k_weights.reshape(-1)[pairs, None].to(out.dtype)
+    weighted = out * top_k_weights.reshape(-1)[pairs, None]
     return torch.zeros_like(hidden_states).index_add(0, tokens, weighted.to(hidden_states.dtype))
 
 
@@ -521,7 +524,8 @@ class ListedExpertsParallel:
     each (token, choice) pair travels to the rank holding its expert (:class:`AllToAllDispatcher`) and back, and is
     weighted here, as :class:`StackedExpertsParallel` does. Each expert's gradient collects the tokens of the ep ranks
     and is scaled by 1/ep, as :class:`GroupedExperts`' are: data parallelism averages it over the ranks holding the
-    same experts alone."""
+    same experts alone. Every rank builds the whole list first, as one process does, and drops the others' experts
+    here: expert parallelism lowers the memory of training such a model, not of building it."""
 
     def __init__(self, block: nn.Module, experts_name: str, group: dist.ProcessGroup) -> None:
         experts = block.get_submodule(experts_name)

@@ -343,33 +343,34 @@ def check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict,
 
 
 def run_after_blocks(root: nn.Module, plan: StagePlan, place: ModelRoot) -> tuple[str, ...]:
-    """The pieces registered before the blocks that ``root``'s forward runs after them, in the order it runs them
-    (OPT's decoder registers its final norm before its layers): found by :func:`check_chain`'s probe on the model's
-    own example inputs (Hugging Face's ``dummy_inputs``), before the stages are made, so that the last stage owns
-    them (:func:`~meshlight.parallel.pipeline.plan_stages`' ``run_after``). None where the model has no such inputs
-    or the probe cannot run on them: :func:`check_chain` then refuses such a piece at the first step, naming how to
-    register it after the blocks."""
+    """The pieces registered before the blocks that ``root``'s forward runs only after them all, in the order it runs
+    them (OPT's decoder registers its final norm before its layers): found by :func:`check_chain`'s probe on the
+    model's own example inputs (Hugging Face's ``dummy_inputs``), before the stages are made, so that the last stage
+    owns them (:func:`~meshlight.parallel.pipeline.plan_stages`' ``run_after``). None where the model has no such
+    inputs, is not on a device yet, or the probe does not get through its forward on them: :func:`check_chain` then
+    refuses such a piece at the first step, naming how to register it after the blocks — as it refuses one that also
+    runs before the blocks, or between them."""
     inputs = getattr(root, "dummy_inputs", None)
-    if not plan.pre or not isinstance(inputs, dict):
+    device = next((t.device for t in (*root.parameters(), *root.buffers()) if t.device.type != "meta"), None)
+    if not plan.pre or not isinstance(inputs, dict) or device is None:
         return ()
+    inputs = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
     prefix = f"{place.pipelined}." if place.pipelined else ""
-    found: list[list[str]] = []
     for tuples in (False, True):
         late: list[str] = []
-        found.append(late)
         try:
-            _check_chain(root, plan, (), dict(inputs), place, [], tuples, late=late)
-            break
+            _check_chain(root, plan, (), inputs, place, [], tuples, late=late)
         except Exception:  # noqa: BLE001 — the first step's check names what breaks the chain
             continue
-    return tuple(name.removeprefix(prefix) for name in max(found, key=len))
+        return tuple(name.removeprefix(prefix) for name in late)
+    return ()
 
 
 def _check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, place: Optional[ModelRoot],
                  received: list[tuple[str, Any]], tuples: bool, late: Optional[list[str]] = None) -> None:
     """:func:`check_chain` with blocks returning their output alone or (``tuples``) first in a tuple; ``received``
     gets each piece's name and first input as it runs. ``late``: gets the pieces registered before the blocks that
-    run after them, in the order they run, which are then not refused."""
+    run only once every block has, in the order they run, which are then not refused (nor is the rest checked)."""
     place = place or ModelRoot("", "", plan.container, ())
     prefix = f"{place.pipelined}." if place.pipelined else ""
     container_name = prefix + plan.container
@@ -387,11 +388,10 @@ def _check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pl
     probed = [probes[f"{container_name}.{k}"] for k in keys]
     # an embedding's stand-in hands on zeros of its output's dtype, which what runs before the blocks may read (an
     # eager attention mask takes its minimum)
-    refuse_late = late is None
-    late = [] if late is None else late  # pieces registered before the blocks that run once they began
+    calls: list[tuple[str, int]] = []  # pieces registered before the blocks as they run: name, pieces run before
     replacements: dict[str, nn.Module] = {prefix + name: _stand_in(root.get_submodule(prefix + name))
                                           for name in plan.pre}
-    watches = [stand_in.register_forward_pre_hook(functools.partial(_watch, name, received, late))
+    watches = [stand_in.register_forward_pre_hook(functools.partial(_watch, name, received, calls))
                for name, stand_in in replacements.items()]
     replacements.update({name: probes[name] for name in pieces[len(blocks):]})
     replacements.update({head: _Probe(head, received, stop=True) for head in place.heads})
@@ -415,8 +415,11 @@ def _check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pl
     finally:
         for watch in watches:  # (a stage's own stand-in may be one of them)
             watch.remove()
-    if late and not refuse_late:
+    if late is not None:
+        late.extend(name for name in dict.fromkeys(n for n, _ in calls)
+                    if all(count >= len(blocks) for n, count in calls if n == name))
         return
+    late = list(dict.fromkeys(n for n, count in calls if count > 0))  # run once the blocks began
     if late:
         parent, _, leaf = late[0].rpartition(".")
         owner = f"{name}.{parent}" if parent else name
@@ -451,11 +454,10 @@ def _check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pl
             )
 
 
-def _watch(name: str, received: list, late: list, module: nn.Module, args: tuple) -> None:
-    """A forward pre-hook on the stand-in of a piece registered before the blocks, in :func:`check_chain`: ``late``
-    gets its ``name`` where it runs once a block has (``received``)."""
-    if received:
-        late.append(name)
+def _watch(name: str, received: list, calls: list, module: nn.Module, args: tuple) -> None:
+    """A forward pre-hook on the stand-in of a piece registered before the blocks, in :func:`check_chain`: ``calls``
+    gets its ``name`` and how many pieces had run (``received``) when it runs."""
+    calls.append((name, len(received)))
 
 
 class _Probe(nn.Module):

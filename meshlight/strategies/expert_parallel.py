@@ -12,7 +12,8 @@ __all__ = ["MoEStrategy"]
 
 class MoEStrategy(MeshStrategy):
     """Split the experts of every :class:`~meshlight.nn.MoE` layer (or a model's own stacked experts, as Hugging
-    Face's Mixtral and Qwen3-MoE hold them: :func:`~meshlight.parallel.expert.stacked_experts`) over ``ep`` ranks,
+    Face's Mixtral and Qwen3-MoE hold them: :func:`~meshlight.parallel.expert.stacked_experts`; or its list of experts,
+    as litgpt's MoE holds them: :class:`~meshlight.parallel.expert.ListedExpertsParallel`) over ``ep`` ranks,
     exchanging tokens by all-to-all; dense weights are data parallel over all ranks, expert weights over the
     ``world / ep`` ranks holding the same experts.
 

@@ -312,3 +312,41 @@ def test_a_piece_registered_before_the_blocks_but_run_after_them_goes_to_the_las
     del decoder.final_layer_norm
     decoder.final_layer_norm = norm
     check_chain(root, plan_stages(decoder, place.container, 2), (torch.arange(8).view(1, 8),), {}, place)
+
+
+class _NormedTwice(torch.nn.Module):
+    """A norm registered before the blocks and run both before and after them (``twice``), or after them only; a head
+    beside the module holding them (where the probe stops when no piece is registered after the blocks)."""
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__()
+        self.twice = twice
+        self.model = torch.nn.Module()
+        self.model.embed = torch.nn.Embedding(16, 8)
+        self.model.norm = torch.nn.LayerNorm(8)
+        self.model.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 16)
+        self.dummy_inputs = {"ids": torch.arange(4).view(1, 4)}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed(ids)
+        x = self.model.norm(x) if self.twice else x
+        for block in self.model.blocks:
+            x = block(x)
+        return self.head(self.model.norm(x))
+
+
+def test_only_a_piece_run_after_every_block_and_never_before_goes_to_the_last_stage():
+    """The probe on the example inputs moves a piece registered before the blocks to the last stage only where it
+    runs after all of them and nowhere else; one that also runs before them stays where it is registered, and the
+    first step's check refuses it, naming it."""
+    from meshlight.parallel.pipeline_stages import run_after_blocks
+
+    for twice, moved in ((False, ("norm",)), (True, ())):
+        module = _NormedTwice(twice)
+        place = ModelRoot("", "model", "blocks", ("head",))
+        plan = plan_stages(module.model, "blocks", 2)
+        assert run_after_blocks(module, plan, place) == moved, twice
+    with pytest.raises(PipelineError, match=r"runs 'model.norm' after the blocks model.blocks.0 … model.blocks.1, but"
+                                            r" it is registered before 'model.blocks'"):
+        check_chain(module, plan, (torch.arange(4).view(1, 4),), {}, place)

@@ -261,6 +261,8 @@ class LitCausalLM(pl.LightningModule):
     def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         if self.clip:
             self.clip_gradients(optimizer, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+        else:  # the Trainer's gradient_clip_val, if any
+            super().configure_gradient_clipping(optimizer, *args, **kwargs)
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         if not (self.aux_loss or self.own_loss):
