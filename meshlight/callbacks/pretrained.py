@@ -1,5 +1,5 @@
-"""Start training from published weights: a Hugging Face ``save_pretrained`` folder loaded into the model in whatever
-layout the strategy gave it (see :mod:`meshlight.parallel.pretrained`)."""
+"""Start training from published weights: a Hugging Face ``save_pretrained`` folder (or litgpt's ``lit_model.pth``)
+loaded into the model in whatever layout the strategy gave it (see :mod:`meshlight.parallel.pretrained`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ __all__ = ["PretrainedWeights"]
 
 
 class PretrainedWeights(pl.Callback):
-    """Load the safetensors weights in the folder ``path`` into the LightningModule's names under ``prefix``
+    """Load the weights at ``path`` — a ``save_pretrained`` folder's safetensors files, or ``torch.save``'d state
+    dicts (litgpt's ``lit_model.pth``, Hugging Face's older ``pytorch_model*.bin``; the file itself, or its folder;
+    read as tensors only) — into the LightningModule's names under ``prefix``
     (``"model."``: its ``self.model``) once the strategy has placed and split the model, before the first step of
     ``fit`` and its sanity check (or the first batch of ``validate``, ``test``, ``predict``). Each rank reads only the
     part of each tensor it holds; a model built on the meta device in ``configure_model`` is allocated shard by shard

@@ -10,8 +10,7 @@ slices), so a model split over ep and tp reads its experts' parts and nothing el
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import torch
@@ -52,12 +51,10 @@ def per_expert_sources(key: str, shape: tuple[int, ...], stored: Mapping[str, tu
     return None
 
 
-def read_per_expert(folder: Path, files: Mapping[str, str], targets: Mapping[str, tuple[Tensor, Sources]]) -> None:
+def read_per_expert(slice_of: Callable[[str], Any], targets: Mapping[str, tuple[Tensor, Sources]]) -> None:
     """Fill each target (a stacked expert weight, plain or a DTensor: this rank's block of it) from the per-expert
-    tensors ``sources[e][part]`` that :func:`per_expert_sources` found, in the files ``files`` names for each key."""
-    from safetensors import safe_open
-
-    handles: dict[str, Any] = {}
+    tensors ``sources[e][part]`` that :func:`per_expert_sources` found, each key's sliceable view from ``slice_of``
+    (safetensors' ``get_slice``, or a memory-mapped tensor)."""
     for tensor, sources in targets.values():
         block = in_blocks(tensor)  # a fused weight split part by part: read as its plain blocks
         local = block.to_local() if isinstance(block, DTensor) else block
@@ -70,10 +67,7 @@ def read_per_expert(folder: Path, files: Mapping[str, str], targets: Mapping[str
                 start, stop = max(top, index * rows), min(top + local.shape[1], (index + 1) * rows)
                 if start >= stop:
                     continue
-                if files[key] not in handles:
-                    handles[files[key]] = safe_open(str(folder / files[key]), framework="pt")
-                part = handles[files[key]].get_slice(key)[start - index * rows:stop - index * rows,
-                                                          left:left + local.shape[2]]
+                part = slice_of(key)[start - index * rows:stop - index * rows, left:left + local.shape[2]]
                 with torch.no_grad():
                     local[e - first, start - top:stop - top].copy_(part)
         from_blocks(tensor, block)

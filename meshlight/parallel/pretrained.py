@@ -1,5 +1,6 @@
-"""Weights in Hugging Face's layout (``save_pretrained`` folders of safetensors files): loaded into a model of any
-layout, each rank reading only what it holds, and written from a checkpoint of any layout.
+"""Weights in Hugging Face's layout (``save_pretrained`` folders of safetensors files), or saved by ``torch.save``
+(litgpt's ``lit_model.pth``, Hugging Face's older ``pytorch_model*.bin``): loaded into a model of any layout, each rank
+reading only what it holds, and written from a checkpoint of any layout.
 
 :func:`load_pretrained` matches the model's state names under a prefix (``"model."``: a LightningModule's
 ``self.model``) with the files' keys, checks every shape against the whole tensor's, and lets DCP's
@@ -11,7 +12,9 @@ as rectangles and redistributed (stacked experts' fused gate|up, split part by p
 that the files hold once (GPT-2's head, Hugging Face's ``all_tied_weights_keys``) is read from its partner's key, and
 a later pipeline stage's copy of it too. Stacked experts the files hold one by one (Mixtral's and Qwen-MoE's files)
 are read part by part (:mod:`meshlight.parallel.expert_files`). Non-persistent buffers (rotary tables) are not in the
-state and are left as the model computed them.
+state and are left as the model computed them. A ``torch.save`` file is memory-mapped on every rank (read with
+``weights_only``: it runs no code), and each rank copies the rectangles it holds from it: the pages it touches are
+all it reads.
 
 :func:`export_pretrained` reads a meshlight checkpoint in one process (the code path ``meshlight consolidate``
 uses), keeps the names under the prefix without it, and writes safetensors shards with their index, and the model's
@@ -35,6 +38,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshlight.models.gpt import GPT, GPTConfig
 from meshlight.models.hf_layout import (
@@ -78,14 +83,16 @@ class LoadReport:
 
 
 def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model.", strict: bool = True) -> LoadReport:
-    """Load the safetensors files in the folder ``path`` (one file, or shards with their index) into ``module``'s
-    state names under ``prefix``, in place, in any layout; collective where a process group exists.
+    """Load the weights at ``path`` into ``module``'s state names under ``prefix``, in place, in any layout; collective
+    where a process group exists. ``path``: a folder of safetensors files (one, or shards with their index), or of a
+    ``torch.save``'d state dict (``lit_model.pth``, ``pytorch_model*.bin``), or such a file itself.
 
     Raises :class:`PretrainedWeightsError` naming a file that cannot be read, every shape that differs, and — with
     ``strict`` — every name the files lack and every key no name takes (``strict=False`` loads what matches). A
     dtype that differs (bf16 files into fp32 parameters) is cast, and noted in the report's ``cast``."""
     folder = Path(path)
-    stored = _stored_tensors(folder)
+    files = _weights_files(folder)
+    stored = files.stored
     distributed = dist.is_initialized()
     built_on_meta = _allocate(module)
     state = get_model_state_dict(module) if distributed else module.state_dict()
@@ -135,8 +142,11 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
             " files that hold every weight."
         )
     _check(folder, wrong, report, strict)
-    _read(folder, reads, distributed, orders)
-    read_per_expert(folder, {key: file for key, (_, _, file) in stored.items()}, per_expert)
+    if files.tensors is None:
+        _read(folder, reads, distributed, orders)
+    else:
+        _read_mapped(files.tensors, reads, orders)
+    read_per_expert(files.slice, per_expert)
     for loaded, copy in copies:
         if copy is not loaded:
             copy.detach().copy_(loaded.detach())
@@ -203,6 +213,24 @@ def _listed(keys: list[str], limit: int = 8) -> str:
     return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
+def _read_mapped(tensors: Mapping[str, torch.Tensor], reads: dict[str, torch.Tensor],
+                 orders: dict[str, torch.Tensor]) -> None:
+    """:func:`_read` from memory-mapped ``tensors`` (a ``torch.save`` file): each rank copies the block of each stored
+    tensor its state holds (of a fused weight split part by part, its plain blocks: :func:`in_blocks`)."""
+    for key, target in reads.items():
+        block = in_blocks(target)
+        local = block.to_local() if isinstance(block, DTensor) else block
+        offset = (compute_local_shape_and_global_offset(block.shape, block.device_mesh, block.placements)[1]
+                  if isinstance(block, DTensor) else (0,) * block.dim())
+        stored = tensors[key]
+        if key in orders:  # rows in another order: this rank's rows, picked
+            stored = stored[orders[key][offset[0]:offset[0] + local.shape[0]]]
+            offset = (0, *offset[1:])
+        with torch.no_grad():
+            local.copy_(stored[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))])
+        from_blocks(target, block)
+
+
 def _read(folder: Path, reads: dict[str, torch.Tensor], distributed: bool, orders: dict[str, torch.Tensor]) -> None:
     """Each rank reads, of each stored tensor, the part its state holds (DCP with Hugging Face's storage); row ``r``
     of a tensor in ``orders`` from the file's row ``orders[key][r]``."""
@@ -255,15 +283,42 @@ def _meshlight_gpt(module: nn.Module, prefix: str) -> Optional[GPTConfig]:
     return inner.config
 
 
-def _stored_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, str]]:
-    """Every tensor the folder's safetensors files hold: key → (shape, dtype, file). A file that cannot be read (a
-    damaged header, or data shorter than the header says: safetensors checks both) is named."""
+@dataclass
+class _WeightsFiles:
+    """The weights files at a path: ``stored``, key → (shape, dtype, file name); ``tensors``, for ``torch.save``
+    files, each key's memory-mapped tensor (None for safetensors, which DCP's Hugging Face reader reads); ``slice``,
+    a key's sliceable view (safetensors' ``get_slice``, or the tensor)."""
+
+    stored: dict[str, tuple[tuple[int, ...], torch.dtype, str]]
+    tensors: Optional[dict[str, torch.Tensor]]
+    slice: Any
+
+
+#: ``torch.save`` files, by the names their writers give them, before any other ``.pth``/``.bin``/``.pt``
+_TORCH_FILES = ("lit_model.pth", "pytorch_model*.bin", "*.pth", "*.bin", "*.pt")
+
+
+def _weights_files(path: Path) -> _WeightsFiles:
+    """The weights at ``path``: a folder's safetensors files, else its ``torch.save`` files (the first pattern of
+    :data:`_TORCH_FILES` that matches), or the file ``path`` names."""
+    if path.is_file():
+        return _torch_files(path, [path]) if path.suffix != ".safetensors" else _safetensors(path, [path])
+    safetensors = sorted(path.glob("*.safetensors"))
+    if safetensors:
+        return _safetensors(path, safetensors)
+    torch_files = next((found for pattern in _TORCH_FILES if (found := sorted(path.glob(pattern)))), [])
+    if torch_files:
+        return _torch_files(path, torch_files)
+    raise PretrainedWeightsError(f"{str(path)!r} holds no weights files (.safetensors; or lit_model.pth,"
+                                 " pytorch_model.bin, …, as torch.save writes them): pass the folder save_pretrained"
+                                 " (or litgpt) wrote, or the file.")
+
+
+def _safetensors(folder: Path, files: list[Path]) -> _WeightsFiles:
+    """Every tensor the safetensors ``files`` hold. A file that cannot be read (a damaged header, or data shorter
+    than the header says: safetensors checks both) is named."""
     from safetensors import safe_open
 
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise PretrainedWeightsError(f"{str(folder)!r} holds no .safetensors files: pass the folder save_pretrained"
-                                     " wrote.")
     stored = {}
     for file in files:
         try:
@@ -274,7 +329,42 @@ def _stored_tensors(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtyp
         except Exception as error:  # safetensors' own SafetensorError (for a file shorter than its header says too)
             raise PretrainedWeightsError(f"{str(file)!r} cannot be read as safetensors ({error}): the file is"
                                          " damaged or truncated.") from error
-    return stored
+    handles: dict[str, Any] = {}
+
+    def slice_of(key: str) -> Any:
+        name = stored[key][2]
+        if name not in handles:
+            handles[name] = safe_open(str(files[0].parent / name), framework="pt")
+        return handles[name].get_slice(key)
+
+    return _WeightsFiles(stored, None, slice_of)
+
+
+def _torch_files(folder: Path, files: list[Path]) -> _WeightsFiles:
+    """Every tensor the ``torch.save``'d state dicts in ``files`` hold, memory-mapped (a file of the legacy format,
+    which cannot be mapped, is read whole), read as tensors only: a file needing more is refused, named."""
+    tensors: dict[str, torch.Tensor] = {}
+    stored = {}
+    for file in files:
+        try:
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as error:
+                if "mmap" not in str(error):
+                    raise
+                state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as error:  # an unpickling refusal, a damaged zip archive, …
+            raise PretrainedWeightsError(
+                f"{str(file)!r} cannot be read as a state dict of tensors ({error}).") from error
+        if isinstance(state, Mapping) and isinstance(state.get("model"), Mapping):
+            state = state["model"]  # a training checkpoint holding the weights under "model" (litgpt's, Fabric's)
+        if not isinstance(state, Mapping):
+            raise PretrainedWeightsError(f"{str(file)!r} holds a {type(state).__name__}, not a state dict.")
+        for key, tensor in state.items():
+            if isinstance(tensor, torch.Tensor):
+                tensors[key] = tensor
+                stored[key] = (tuple(tensor.shape), tensor.dtype, file.name)
+    return _WeightsFiles(stored, tensors, tensors.__getitem__)
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

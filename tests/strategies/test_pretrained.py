@@ -45,11 +45,20 @@ def save_pretrained(folder: Path, family: str, dtype: torch.dtype = torch.float3
     return folder / family
 
 
+def litgpt_weights(family: str) -> dict[str, torch.Tensor]:
+    """A litgpt model's state dict, from a seed of its own (not the parity models')."""
+    torch.manual_seed(1234)
+    return lit_causal_lm(family).model.state_dict()
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("pretrained")
     for family in ALL_FAMILIES:
         save_pretrained(folder, family)
+    for family in set(pretrained_worker.TORCH_FILES.values()):  # litgpt's own files
+        (folder / family).mkdir()
+        torch.save(litgpt_weights(family), folder / family / "lit_model.pth")
     return folder
 
 
@@ -78,7 +87,8 @@ def runs(folders, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pretrained-runs")
     for world in (2, 8):
         layouts = [name for name, (_, devices, _) in LAYOUTS.items() if devices == world]
-        torchrun(WORKER, world, str(out), str(folders), *layouts, timeout=1200)
+        torchrun(WORKER, world, str(out), str(folders), *layouts, *(["litgpt-files"] if world == 2 else []),
+                 timeout=1200)
     return out
 
 
@@ -97,6 +107,17 @@ def test_pretrained_weights_train_and_export_under_every_layout_as_one_process(r
     assert error <= 1e-4
 
 
+@pytest.mark.parametrize(("layout", "family"), list(pretrained_worker.TORCH_FILES.items()))
+def test_litgpt_files_load_under_every_layout_and_train_as_one_process(runs, folders, layout, family):
+    """litgpt's ``lit_model.pth`` (memory-mapped, each rank copying the blocks it holds) loaded under tp=2 (the fused
+    q|k|v split part by part), pp=2, ZeRO-3, and ep=2 (litgpt's MoE, each rank holding two experts of each list):
+    its losses and final weights within 1e-4 of one process trained from the same file."""
+    control = parity.train("adamw", model=lambda: lit_causal_lm(family),
+                           callbacks=[ml.callbacks.PretrainedWeights(folders / family / "lit_model.pth")])
+    control.pop("module")
+    parity.assert_parity(torch.load(runs / f"{layout}-{family}-pth.pt", weights_only=False), control)
+
+
 def test_loading_in_one_process_equals_from_pretrained_also_on_the_meta_device_and_casts_noting_it(tmp_path):
     folder = save_pretrained(tmp_path, "llama", dtype=torch.bfloat16)
     expected = from_pretrained(folder).float()
@@ -109,6 +130,46 @@ def test_loading_in_one_process_equals_from_pretrained_also_on_the_meta_device_a
         assert report.cast == {("bfloat16", "float32")} and not report.missing and not report.unexpected
         with torch.no_grad():
             torch.testing.assert_close(module.model(input_ids=PROBE).logits, expected(input_ids=PROBE).logits)
+
+
+def test_torch_save_files_load_memory_mapped_as_tensors_only(tmp_path):
+    """litgpt's ``lit_model.pth`` (a flat state dict, or a training checkpoint's ``{"model": …}``; its MoE with
+    experts held as a list too) and Hugging Face's older ``pytorch_model*.bin`` (sharded, Mixtral's experts stored one
+    by one, read part by part into its stacked experts) load into exactly the weights saved. A file whose unpickling
+    would run code is refused, naming it, and nothing runs."""
+    for family, wrapped in (("litgpt", False), ("litgpt_moe", True)):
+        weights = litgpt_weights(family)
+        torch.save({"model": weights} if wrapped else weights, tmp_path / f"{family}.pth")
+        module = lit_causal_lm(family)
+        report = load_pretrained(module, tmp_path / f"{family}.pth")
+        assert not report.missing and not report.unexpected
+        assert all(torch.equal(module.model.state_dict()[k], v) for k, v in weights.items())
+    from safetensors.torch import load_file
+
+    for family in ("llama", "mixtral"):  # transformers 5 writes safetensors only: its shards saved again as .bin
+        torch.manual_seed(1234)
+        saved = transformers.AutoModelForCausalLM.from_config(hf_config(family))
+        saved.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+        shards = sorted((tmp_path / "hf").glob("*.safetensors"))
+        assert len(shards) > 1
+        (tmp_path / family).mkdir()
+        for i, shard in enumerate(shards, 1):
+            torch.save(load_file(str(shard)), tmp_path / family / f"pytorch_model-{i:05d}-of-{len(shards):05d}.bin")
+            shard.unlink()
+        module = lit_causal_lm(family)
+        load_pretrained(module, tmp_path / family)
+        assert all(torch.equal(module.model.state_dict()[k], v) for k, v in saved.state_dict().items())
+
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (exec, (f"import pathlib; pathlib.Path({str(ran)!r}).touch()",))
+
+    torch.save({"transformer.wte.weight": Payload()}, tmp_path / "lit_model.pth")
+    with pytest.raises(PretrainedWeightsError, match=r"lit_model.pth' cannot be read as a state dict of tensors"):
+        load_pretrained(lit_causal_lm("litgpt"), tmp_path)
+    assert not ran.exists()
 
 
 def test_weights_of_another_architecture_are_refused_key_by_key_and_load_partly_when_not_strict(tmp_path):
@@ -146,7 +207,7 @@ def test_a_damaged_or_truncated_file_is_named(tmp_path):
     file.write_bytes(b"\xff" * 16 + data[16:])
     with pytest.raises(PretrainedWeightsError, match=r"model.safetensors' cannot be read as safetensors"):
         load_pretrained(lit_causal_lm("llama"), folder)
-    with pytest.raises(PretrainedWeightsError, match="holds no .safetensors files"):
+    with pytest.raises(PretrainedWeightsError, match=r"holds no weights files \(.safetensors; or lit_model.pth"):
         load_pretrained(lit_causal_lm("llama"), tmp_path / "empty")
 
 

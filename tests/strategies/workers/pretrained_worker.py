@@ -3,7 +3,8 @@
 checkpoint, and exported back (``export_pretrained``); rank 0 saves the losses and the exported model's logits on
 :data:`PROBE` to ``OUT/<layout>-<family>.pt``.
 
-    python tests/forkrun.py 2 tests/strategies/workers/pretrained_worker.py OUT FOLDERS zero3 zero3-meta tp2 pp2
+    python tests/forkrun.py 2 tests/strategies/workers/pretrained_worker.py OUT FOLDERS zero3 zero3-meta tp2 pp2 \
+        litgpt-files
     python tests/forkrun.py 8 tests/strategies/workers/pretrained_worker.py OUT FOLDERS 3d
 """
 
@@ -96,8 +97,32 @@ def exported_logits(folder: Path) -> torch.Tensor:
     return logits_of(from_pretrained(folder))
 
 
+#: litgpt's weights as its own files hold them (``lit_model.pth``, a torch.save'd state dict, in the folder named after
+#: the family), loaded under these layouts: tensor parallelism (the fused q|k|v part by part), pipelining, ZeRO-3, and
+#: its MoE's experts held as a list split over ep=2 (each rank reads its experts only)
+TORCH_FILES = {"tp2": "litgpt", "pp2": "litgpt", "zero3": "litgpt", "ep2": "litgpt_moe"}
+TORCH_FILE_LAYOUTS = {**{name: LAYOUTS[name] for name in ("tp2", "pp2", "zero3")},
+                      "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2)}
+
+
+def litgpt_files(out: Path, folders: Path) -> None:
+    """Each of :data:`TORCH_FILES`' runs trained from its family's ``lit_model.pth``; rank 0 saves its losses and
+    full weights to ``OUT/<layout>-<family>-pth.pt``."""
+    for layout, family in TORCH_FILES.items():
+        strategy, devices, replicas = TORCH_FILE_LAYOUTS[layout]
+        result = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas,
+                              model=lambda family=family: lit_causal_lm(family),
+                              callbacks=[ml.callbacks.PretrainedWeights(folders / family / "lit_model.pth")])
+        result.pop("module")
+        if torch.distributed.get_rank() == 0:
+            torch.save(result, out / f"{layout}-{family}-pth.pt")
+
+
 def main(out: Path, folders: Path, layouts: list[str]) -> None:
     for layout in layouts:
+        if layout == "litgpt-files":
+            litgpt_files(out, folders)
+            continue
         strategy, devices, replicas = LAYOUTS[layout]
         assert devices == int(os.environ["WORLD_SIZE"]), f"{layout} runs on {devices} processes"
         for family in families(layout):
