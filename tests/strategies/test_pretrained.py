@@ -111,11 +111,17 @@ def test_pretrained_weights_train_and_export_under_every_layout_as_one_process(r
 def test_litgpt_files_load_under_every_layout_and_train_as_one_process(runs, folders, layout, family):
     """litgpt's ``lit_model.pth`` (memory-mapped, each rank copying the blocks it holds) loaded under tp=2 (the fused
     q|k|v split part by part), pp=2, ZeRO-3, and ep=2 (litgpt's MoE, each rank holding two experts of each list):
-    its losses and final weights within 1e-4 of one process trained from the same file."""
+    its losses and final weights within 1e-4 of one process trained from the same file. The run's checkpoint,
+    consolidated without the ``model.`` prefix, is a ``lit_model.pth`` litgpt's GPT loads strictly, into exactly the
+    run's weights."""
     control = parity.train("adamw", model=lambda: lit_causal_lm(family),
                            callbacks=[ml.callbacks.PretrainedWeights(folders / family / "lit_model.pth")])
-    control.pop("module")
-    parity.assert_parity(torch.load(runs / f"{layout}-{family}-pth.pt", weights_only=False), control)
+    module = control.pop("module")
+    result = torch.load(runs / f"{layout}-{family}-pth.pt", weights_only=False)
+    parity.assert_parity(result, control)
+    module.model.load_state_dict(torch.load(runs / f"{layout}-{family}.pth", weights_only=True))
+    assert all(torch.equal(weight, result["weights"][f"model.{name}"])
+               for name, weight in module.model.state_dict().items())
 
 
 def test_loading_in_one_process_equals_from_pretrained_also_on_the_meta_device_and_casts_noting_it(tmp_path):

@@ -107,15 +107,21 @@ TORCH_FILE_LAYOUTS = {**{name: LAYOUTS[name] for name in ("tp2", "pp2", "zero3")
 
 def litgpt_files(out: Path, folders: Path) -> None:
     """Each of :data:`TORCH_FILES`' runs trained from its family's ``lit_model.pth``; rank 0 saves its losses and
-    full weights to ``OUT/<layout>-<family>-pth.pt``."""
+    full weights to ``OUT/<layout>-<family>-pth.pt``, and writes the run's checkpoint back as a ``lit_model.pth``
+    (``consolidate``, the names without the LightningModule's ``model.``) to ``OUT/<layout>-<family>.pth``."""
+    from meshlight.parallel.checkpoint import consolidate
+
     for layout, family in TORCH_FILES.items():
         strategy, devices, replicas = TORCH_FILE_LAYOUTS[layout]
+        checkpoint = out / f"{layout}-{family}-pth.ckpt"
         result = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas,
-                              model=lambda family=family: lit_causal_lm(family),
+                              model=lambda family=family: lit_causal_lm(family), save_to=checkpoint,
                               callbacks=[ml.callbacks.PretrainedWeights(folders / family / "lit_model.pth")])
         result.pop("module")
         if torch.distributed.get_rank() == 0:
             torch.save(result, out / f"{layout}-{family}-pth.pt")
+            consolidate(checkpoint, out / f"{layout}-{family}.pth", strip_prefix="model.")
+        torch.distributed.barrier()
 
 
 def main(out: Path, folders: Path, layouts: list[str]) -> None:
