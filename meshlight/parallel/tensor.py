@@ -24,6 +24,8 @@ role              what it does
 ``replicate``     left whole on every rank. Under sequence parallelism (in its region) an Embedding's output is cut
                   to this rank's share of the sequence (learned positions), and a Linear runs on that share with its
                   weights a replicated DTensor, so its gradient is the sum over the shares (a gate)
+``whole``         a sequence mixer left whole on every rank (a linear attention's recurrence, Qwen3.5's): under
+                  sequence parallelism it reads the whole sequence and hands on its share (:class:`_WholeMixer`)
 ================= =========================================================================================
 
 With sequence parallelism the region that runs on this rank's share of the sequence is Megatron-LM's when the model
@@ -77,6 +79,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshlight.parallel.collectives import all_gather_along
 from meshlight.parallel.dtensors import modifiable_local, shallow_copy
 from meshlight.parallel.model_shape import (
     GROUP_ATTRIBUTES,
@@ -175,6 +178,8 @@ def apply_tensor_parallel(
             styles[name] = _Replicated(name, over="sequence")
         elif role == "replicate" and on_share or role == "latent":  # an MoE block's router, experts and shared
             styles[name] = _OnLocalWeights()  # expert's gate; a latent attention's down-projections and their norms
+        elif role == "whole" and on_share:  # (without sequence parallelism every rank computes the same: left plain)
+            styles[name] = _WholeMixer()
     per_head = {parent: names for parent in _colwise_parents(plan)
                 if hidden and (names := per_head_parameters(modules[parent], hidden))}
     tied = _tied_parameters(model)
@@ -663,6 +668,36 @@ class _OnLocalWeights(ParallelStyle):
         return module
 
 
+class _WholeMixer(ParallelStyle):
+    """A sequence mixer kept whole on every rank under sequence parallelism (:data:`~meshlight.parallel.tensor_plan.
+    WHOLE_MIXERS`: a linear attention's recurrence): it reads the whole sequence — its input, this rank's share,
+    all-gathered, the gradient reduce-scattered back — and hands on its output's share of it. Its weights, and its
+    submodules', become replicated DTensors run as plain local values, each rank's gradient (from its share of the
+    output) a part of the sum over tp, reduced with the norms'. Every rank computes the whole mixer."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        distribute_module(module, device_mesh, _replicate_parameters)
+        # (on copies of the whole tree: its forward reads a submodule's weight itself, Qwen3.5's convolution's)
+        module.forward = functools.partial(_forward_on_local_tree, module, type(module).forward)
+        first = list(inspect.signature(type(module).forward).parameters)[1]  # after `self`
+
+        def whole(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (all_gather_along(args[0], 1, group), *args[1:]), kwargs
+            return args, {**kwargs, first: all_gather_along(kwargs[first], 1, group)}
+
+        def share(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            hidden = output[0] if isinstance(output, tuple) else output
+            length = hidden.shape[1] // device_mesh.size()
+            mine = hidden.narrow(1, device_mesh.get_local_rank() * length, length)
+            return (mine, *output[1:]) if isinstance(output, tuple) else mine
+
+        module.register_forward_pre_hook(whole, with_kwargs=True)
+        module.register_forward_hook(share, with_kwargs=True)
+        return module
+
+
 def _split_by_head(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
     """An attention ``module``'s own parameters ``names``, one value per head (GPT-OSS's attention sinks), sharded
     over tp as its heads are; its forward runs on a shallow copy holding this rank's values as plain tensors."""
@@ -717,6 +752,25 @@ def _forward_on_local_weights(module: nn.Module, forward: Any, *args: Any, **kwa
         if isinstance(buffer, DTensor):
             object.__setattr__(local, name, buffer.to_local())
     return forward(local, *args, **kwargs)
+
+
+def _forward_on_local_tree(module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """``forward`` on a copy of ``module`` and of each of its submodules holding their replicated DTensor parameters
+    as this rank's plain values (each gradient this rank's part of a sum), however the forward reaches them."""
+
+    def local(mod: nn.Module) -> nn.Module:
+        copied = shallow_copy(mod)
+        copied._parameters = {}
+        for name, param in mod._parameters.items():  # (None where a Linear has no bias)
+            object.__setattr__(copied, name, param.to_local(grad_placements=[Partial()])
+                               if isinstance(param, DTensor) else param)
+        for name, buffer in mod.named_buffers(recurse=False):
+            if isinstance(buffer, DTensor):
+                object.__setattr__(copied, name, buffer.to_local())
+        copied._modules = {name: local(child) for name, child in mod.named_children()}
+        return copied
+
+    return forward(local(module), *args, **kwargs)
 
 
 def _check_sequence_divisible(tp: int):  # noqa: ANN202 - a forward pre-hook

@@ -44,14 +44,23 @@ from meshlight.parallel.model_shape import (
 from meshlight.parallel.precision import is_norm
 
 __all__ = [
-    "COLUMN_ROLES", "HEAD_BIASES", "PARTS_IN_ORDER", "ROLES", "TensorParallelError", "block_held_groups", "derive_plan",
-    "fused_projection", "head_biases", "model_plan",
-    "moe_blocks_of", "published_roles", "replicated_kv_heads", "resolve_plan", "sequence_region", "stage_plan",
-    "validate_plan",
+    "COLUMN_ROLES", "HEAD_BIASES", "PARTS_IN_ORDER", "ROLES", "WHOLE_MIXERS", "TensorParallelError",
+    "block_held_groups", "derive_plan", "fused_projection", "head_biases", "model_plan", "moe_blocks_of",
+    "published_roles", "replicated_kv_heads", "resolve_plan", "sequence_region", "stage_plan", "validate_plan",
+    "whole_mixers",
 ]
 
 ROLES = ("colwise", "fused_colwise", "rowwise", "embedding", "head", "norm", "head_norm", "colwise_norm", "latent",
-         "replicate")
+         "replicate", "whole")
+#: Sequence mixers that tensor parallelism keeps whole on every rank, by class (``package.module.Class``): the linear
+#: attention (Gated DeltaNet) of Qwen3-Next's and Qwen3.5's hybrid layers — a recurrence over the sequence, its q|k|v
+#: through a depthwise convolution over the sequence. Every rank runs the whole module on the whole sequence (role
+#: ``whole``: :class:`~meshlight.parallel.tensor._WholeMixer`); the attention layers and MLPs beside it are split.
+WHOLE_MIXERS = frozenset({
+    "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
+    "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
+})
 #: where a latent attention (DeepSeek-V2/V3's multi-head latent attention, as Hugging Face and DeepSeek name it) keeps
 #: the widths of the latents every head reads: its down-projections write them (k's with the shared rotary part, of
 #: ``qk_rope_head_dim``), its up-projections read them
@@ -90,6 +99,7 @@ def derive_plan(model: nn.Module) -> Plan:
     plan: Plan = {}
     published = published_roles(model)
     latent: Plan = {}
+    mixers = _whole_mixers(blocks)
     for prefix, readers, writer in _column_row_groups(blocks, hidden):
         latent.update(_latent_roles(modules[prefix], prefix, readers))
         readers = [name for name in readers if name not in latent]
@@ -98,7 +108,20 @@ def derive_plan(model: nn.Module) -> Plan:
         plan.update({name: "fused_colwise" if name in fused else "colwise" for name in readers})
     plan = {**plan, **_structural_roles(model, blocks, hidden), **_colwise_norms(model, blocks, hidden, plan),
             **latent}
-    return {**_left_whole(blocks, plan, hidden), **plan}
+    plan = {name: role for name, role in plan.items() if not _within(name, mixers)}
+    return {**_left_whole(blocks, {**plan, **dict.fromkeys(mixers, "whole")}, hidden), **plan,
+            **dict.fromkeys(mixers, "whole")}
+
+
+def whole_mixers(model: nn.Module) -> list[str]:
+    """The sequence mixers in ``model``'s blocks that tensor parallelism keeps whole on every rank
+    (:data:`WHOLE_MIXERS`), by full name."""
+    return _whole_mixers(_named_blocks(model))
+
+
+def _whole_mixers(blocks: list[tuple[str, nn.Module]]) -> list[str]:
+    return [_join(block_name, name) for block_name, block in blocks for name, module in block.named_modules()
+            if class_path(module) in WHOLE_MIXERS]
 
 
 def _colwise_norms(model: nn.Module, blocks: list[tuple[str, nn.Module]], hidden: int,
@@ -127,7 +150,7 @@ def _column_row_groups(blocks: list[tuple[str, nn.Module]], hidden: int) -> Iter
     list of experts (:func:`~meshlight.parallel.expert.listed_experts`): each expert runs on the tokens routed to it,
     whole on every rank."""
     for block_name, block in blocks:
-        listed = list(listed_experts(block))
+        listed = [*listed_experts(block), *(n for n, m in block.named_modules() if class_path(m) in WHOLE_MIXERS)]
         for group_name, group in block.named_modules():
             if _within(group_name, listed):
                 continue
@@ -565,7 +588,8 @@ def _unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]) -> It
     children; a role names one module: ``replicate`` on a container reaches its Linears through
     :func:`_left_whole`) and MoE layer (split, or folded, by :mod:`meshlight.parallel.expert_tensor` instead of a
     plan)."""
-    covered = (*_colwise_parents(plan), *(name for name, role in plan.items() if isinstance(role, ParallelStyle)))
+    covered = (*_colwise_parents(plan),
+               *(name for name, role in plan.items() if isinstance(role, ParallelStyle) or role == "whole"))
     for block_name, block in blocks:
         experts = [_join(block_name, n) for n, m in block.named_modules() if isinstance(m, MoE)]
         for name, module in block.named_modules():

@@ -37,7 +37,7 @@ from meshlight.parallel.planner import (
     same_devices_hint,
 )
 from meshlight.parallel.recompute import RecomputePolicy
-from meshlight.parallel.tensor_plan import TensorParallelError, model_plan
+from meshlight.parallel.tensor_plan import TensorParallelError, model_plan, whole_mixers
 from meshlight.parallel.transforms import Transforms
 from meshlight.strategies import lightning_internals as lightning
 from meshlight.strategies.mesh import MeshStrategy
@@ -297,7 +297,9 @@ class Hybrid3DStrategy(MeshStrategy):
         splits (experts its config counts, in modules it cannot split); and a model's own stacked experts in a
         layout that cannot be split over tp: tp=1 unless requested, and under a requested tp ``experts="fold"`` (or
         ep=1); experts held as a list (litgpt's), kept whole on every tp rank and split over ep under tp=1 alone:
-        tp=1 unless requested, and ep=1 under a requested tp > 1; pp where the model computes its MoE load-balancing
+        tp=1 unless requested, and ep=1 under a requested tp > 1; sequence mixers every tp rank runs whole
+        (:data:`~meshlight.parallel.tensor_plan.WHOLE_MIXERS`), which the cost model does not price: tp=1 unless
+        requested; pp where the model computes its MoE load-balancing
         loss from every layer's router logits (``output_router_logits``), which pipelining refuses."""
         fixed = {}
         if self._requested["pp"] is None and router_logits_collected(self.lightning_module):
@@ -318,6 +320,9 @@ class Hybrid3DStrategy(MeshStrategy):
                 fixed["tp"] = 1
             elif self._requested["tp"] > 1 and self._requested["ep"] is None:
                 fixed["ep"] = 1
+        if self._requested["tp"] is None and whole_mixers(self.lightning_module):
+            # sequence mixers every tp rank runs whole (Qwen3.5's linear attention): not priced
+            fixed["tp"] = 1
         if any(stacked_split_placements(m) is None for m in stacked_experts(self.lightning_module)):
             # experts split over tp only in a layout meshlight knows; others are kept whole: on every tp rank (ep=1),
             # which the cost model does not price, or spread over the tp ranks by ep folded over them

@@ -817,3 +817,25 @@ def test_vectors_as_wide_as_a_head_are_not_split_with_the_heads_where_the_two_co
     with pytest.raises(TensorParallelError, match=r"model.layers.0.self_attn holds the tensor-parallel group .* and"
                                                   r" also the parameters model.layers.0.self_attn.lambda_q1 \[8\]"):
         validate_plan(model, derive_plan(model), 2, 2)
+
+
+def test_a_linear_attention_is_kept_whole_and_the_layers_beside_it_are_split():
+    """Qwen3.5's Gated DeltaNet (a recurrence over the sequence, its q|k|v through a depthwise convolution over it) is
+    one ``whole`` module, nothing inside it given a role of its own; the gated attention layer, the MLPs and the norms
+    are split as Llama's are (trained at tp=2 and in 3d in test_hf_models). ``Hybrid3DStrategy()`` plans it with tp=1
+    unless tp is given: the cost model would price the mixers as split."""
+    model = lit_causal_lm("qwen3_5")
+    plan = derive_plan(model)
+    mixers = [f"model.model.layers.{i}.linear_attn" for i in range(3)]
+    assert tensor_plan.whole_mixers(model) == mixers
+    assert all(plan[name] == "whole" for name in mixers)
+    assert not [name for name in plan if any(name.startswith(f"{mixer}.") for mixer in mixers)]
+    assert plan["model.model.layers.3.self_attn.q_proj"] == "colwise"
+    assert plan["model.model.layers.3.self_attn.o_proj"] == "rowwise"
+    assert plan["model.model.layers.0.mlp.down_proj"] == "rowwise"
+    validate_plan(model, plan, 2, 2)
+    for arguments, fixed in (({}, {"tp": 1}), ({"tp": 2}, {})):
+        strategy = ml.Hybrid3DStrategy(**arguments)
+        ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
+        strategy.connect(lit_causal_lm("qwen3_5"))
+        assert {k: v for k, v in strategy._unsplittable().items() if k == "tp"} == fixed, arguments

@@ -12,7 +12,8 @@ ones), OLMo 2 and OLMoE (q and k normalized over all heads at once; OLMo 2 at th
 Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its heads') under tensor parallelism,
 BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, BLOOM and Falcon-RW under all three; OPT (its final
 norm registered before its layers) under pipelining and all three; litgpt's MoE (experts held as a list) under expert
-parallelism. One launch per process count."""
+parallelism; Qwen3.5 (in float64: its Gated DeltaNet layers kept whole on every rank) under tensor parallelism and all
+three. One launch per process count."""
 
 from pathlib import Path
 

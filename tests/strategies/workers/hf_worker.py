@@ -44,6 +44,9 @@ BLOCK_MLP = ("opt", "xglm", "biogpt")
 #: pp2-1f1b: its final norm registered before its layers, found by the chain check on its dummy_inputs; OPT-350m's
 #: narrower embeddings, project_in and project_out beside them)
 TUPLE_BLOCKS = ("bloom-fp64", "mpt", "falcon")
+#: sequence mixers kept whole on every tp rank beside split attention and MLPs: Qwen3.5's Gated DeltaNet layers
+#: (float64: hf_models.PARITY_RTOL)
+WHOLE_MIXER_FAMILIES = ("qwen3_5-fp64",)
 #: experts held as a list (litgpt's LLaMAMoE), split over ep: Mixtral's configuration, also with the gradients
 #: clipped, and DeepSeek-V3's (grouped routing, a shared expert, a dense first layer)
 LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
@@ -64,21 +67,21 @@ LAYOUTS = {
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "qwen2-fp64", "gpt2-vocab61", "gpt_neox",
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
                                                             *TP_FAMILIES, *KV_FEWER_THAN_TP, *BY_LAYOUT,
-                                                            *ALIBI, *BLOCK_MLP)),
+                                                            *ALIBI, *BLOCK_MLP, *WHOLE_MIXER_FAMILIES)),
     # one key/value head on all 4 ranks (Qwen3), and two on 2 ranks each (Phi-3's fused q|k|v)
     "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1-fp64", "phi3-kv2-fp64")),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
     # litgpt's listed experts whole on every rank, each computing all the tokens, and Llama 4's shared expert's
     # output, summed over tp, added to in place by the model
     "tp2-no-sp": (lambda: ml.TensorParallelStrategy(tp=2, sequence_parallel=False), 2, 1,
-                  ("deepseek_v3", "litgpt_moe", "llama4")),
+                  ("deepseek_v3", "litgpt_moe", "llama4", *WHOLE_MIXER_FAMILIES)),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
     "ddp": (lambda: "ddp", 2, 2, (*FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
     "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, FAMILIES),
     # Llama 4's forward reads its token embedding's device from the embedding's weight on every stage
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1,
-                 (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt", "opt_narrow")),
+                 (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt", "opt_narrow", *WHOLE_MIXER_FAMILIES)),
     # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models)
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
                                                     microbatches=4), 2, 1, tuple(f"{f}-deep" for f in FAMILIES)),
@@ -90,9 +93,9 @@ LAYOUTS = {
     # are split over tp as Qwen3-MoE's are; DeepSeek-V3's latent attention, its dense first layer a stage of its own;
     # Llama 4's experts that take every token); BLOOM (float64) and Falcon-RW: ALiBi biases handed out by head on
     # each stage, blocks returning tuples; OPT: its final norm registered before its layers, its MLP's Linears on
-    # the block
+    # the block; Qwen3.5 (float64): its linear attention whole on every tp rank
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=2), 8, 2,
-           ("llama", "qwen3", "gpt2", "litgpt", "olmo2", "bloom-fp64", "falcon_rw", "opt")),
+           ("llama", "qwen3", "gpt2", "litgpt", "olmo2", "bloom-fp64", "falcon_rw", "opt", *WHOLE_MIXER_FAMILIES)),
     "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=2), 8, 2,
                ("qwen3_moe", "deepseek_v3", "llama4")),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
