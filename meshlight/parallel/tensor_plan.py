@@ -53,13 +53,16 @@ __all__ = [
 ROLES = ("colwise", "fused_colwise", "rowwise", "embedding", "head", "norm", "head_norm", "colwise_norm", "latent",
          "replicate", "whole")
 #: Sequence mixers that tensor parallelism keeps whole on every rank, by class (``package.module.Class``): the linear
-#: attention (Gated DeltaNet) of Qwen3-Next's and Qwen3.5's hybrid layers — a recurrence over the sequence, its q|k|v
-#: through a depthwise convolution over the sequence. Every rank runs the whole module on the whole sequence (role
-#: ``whole``: :class:`~meshlight.parallel.tensor._WholeMixer`); the attention layers and MLPs beside it are split.
+#: attention (Gated DeltaNet) of Qwen3-Next's, Qwen3.5's (and its MoE's) and OLMo hybrid's layers — a recurrence over
+#: the sequence, its q|k|v through a depthwise convolution over it — and Nemotron-H's Mamba-2 mixer. Every rank runs
+#: the whole module on the whole sequence (role ``whole``: :class:`~meshlight.parallel.tensor._WholeMixer`); the
+#: attention layers, MLPs and experts beside it are split. (Each class here was checked against one process.)
 WHOLE_MIXERS = frozenset({
     "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
     "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
+    "transformers.models.olmo_hybrid.modeling_olmo_hybrid.OlmoHybridGatedDeltaNet",
+    "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer",
 })
 #: where a latent attention (DeepSeek-V2/V3's multi-head latent attention, as Hugging Face and DeepSeek name it) keeps
 #: the widths of the latents every head reads: its down-projections write them (k's with the shared rotary part, of

@@ -51,11 +51,12 @@ TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "dee
 #:   9.3e-5 under ddp (its losses by 3e-5 and 1.2e-5), and by 7e-14 in float64.
 #: - Qwen3.5's linear attention (a gated delta rule run in chunks, torch's reference kernels on CPU) leaves one process
 #:   in fp32 under ddp alike: after 20 AdamW steps at 3e-3 by 4.6e-3 (7.8e-3 at tp=2; losses by 1e-6 and 1e-5), at 1e-2
-#:   by 0.6; in float64 by 5e-15 under ddp, tp=2 and 3d, so it runs there.
+#:   by 0.6; in float64 by 5e-15 under ddp, tp=2 and 3d, so it runs there (its MoE too).
 PARITY_RTOL = {"olmo2": 3e-4, "qwen2": 3e-4, "deepseek_v3": 2e-4, "olmo2-fp64": 1e-10, "qwen2-fp64": 1e-10,
                "deepseek_v3-fp64": 1e-6, **dict.fromkeys(
                    ("qwen3-kv1-fp64", "llama-kv1-fp64", "litgpt-kv1-fp64", "falcon-fp64", "falcon_grouped-fp64",
-                    "gpt_bigcode-fp64", "phi3-kv2-fp64", "persimmon-fp64", "bloom-fp64", "qwen3_5-fp64"), 1e-10)}
+                    "gpt_bigcode-fp64", "phi3-kv2-fp64", "persimmon-fp64", "bloom-fp64", "qwen3_5-fp64",
+                    "qwen3_5_moe-fp64"), 1e-10)}
 
 
 def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: int = KV_HEADS) -> Any:
@@ -118,13 +119,18 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
         return transformers.BioGptConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers,
                                          num_attention_heads=HEADS, intermediate_size=HIDDEN, hidden_dropout_prob=0.0,
                                          attention_probs_dropout_prob=0.0, **block_mlp)
-    if family == "qwen3_5":  # three Gated DeltaNet layers (linear attention: kept whole on every tp rank), then a
-        # gated attention layer (q and its output gate head by head, q and k norms over each head)
-        return transformers.Qwen3_5TextConfig(
-            vocab_size=vocab, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=max(layers, 4),
-            num_attention_heads=HEADS, num_key_value_heads=kv_heads, head_dim=DIM // HEADS, linear_num_key_heads=4,
-            linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=64,
-            use_cache=False, tie_word_embeddings=False)
+    if family.startswith("qwen3_5"):  # three Gated DeltaNet layers (linear attention: kept whole on every tp rank),
+        # then a gated attention layer (q and its output gate head by head, q and k norms over each head);
+        # "qwen3_5_moe": 4 experts, top-2, beside a shared expert, in every layer
+        hybrid = dict(vocab_size=vocab, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=max(layers, 4),
+                      num_attention_heads=HEADS, num_key_value_heads=kv_heads, head_dim=DIM // HEADS,
+                      linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
+                      max_position_embeddings=64, use_cache=False, tie_word_embeddings=False)
+        if family == "qwen3_5_moe":
+            return transformers.Qwen3_5MoeTextConfig(**hybrid, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=HIDDEN // 4,
+                                                     shared_expert_intermediate_size=HIDDEN // 4)
+        return transformers.Qwen3_5TextConfig(**hybrid)
     if family == "gpt_bigcode":  # StarCoder's: multi-query, a fused q|k|v of all q, then one key and one value head
         return transformers.GPTBigCodeConfig(vocab_size=vocab, n_embd=DIM, n_layer=layers, n_head=HEADS, n_inner=HIDDEN,
                                              n_positions=64, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0,

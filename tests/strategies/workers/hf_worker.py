@@ -45,7 +45,7 @@ BLOCK_MLP = ("opt", "xglm", "biogpt")
 #: narrower embeddings, project_in and project_out beside them)
 TUPLE_BLOCKS = ("bloom-fp64", "mpt", "falcon")
 #: sequence mixers kept whole on every tp rank beside split attention and MLPs: Qwen3.5's Gated DeltaNet layers
-#: (float64: hf_models.PARITY_RTOL)
+#: (float64: hf_models.PARITY_RTOL; at tp2 its MoE too, each expert split over tp)
 WHOLE_MIXER_FAMILIES = ("qwen3_5-fp64",)
 #: experts held as a list (litgpt's LLaMAMoE), split over ep: Mixtral's configuration, also with the gradients
 #: clipped, and DeepSeek-V3's (grouped routing, a shared expert, a dense first layer)
@@ -67,7 +67,8 @@ LAYOUTS = {
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "qwen2-fp64", "gpt2-vocab61", "gpt_neox",
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
                                                             *TP_FAMILIES, *KV_FEWER_THAN_TP, *BY_LAYOUT,
-                                                            *ALIBI, *BLOCK_MLP, *WHOLE_MIXER_FAMILIES)),
+                                                            *ALIBI, *BLOCK_MLP, *WHOLE_MIXER_FAMILIES,
+                                                            "qwen3_5_moe-fp64")),
     # one key/value head on all 4 ranks (Qwen3), and two on 2 ranks each (Phi-3's fused q|k|v)
     "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1-fp64", "phi3-kv2-fp64")),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
