@@ -530,8 +530,7 @@ class ListedExpertsParallel:
     def __init__(self, block: nn.Module, experts_name: str, group: dist.ProcessGroup) -> None:
         experts = block.get_submodule(experts_name)
         self.block, self.block_forward = block, LISTED_MOE_FORWARDS[class_path(block)]
-        self.num_experts, self.ranks = len(experts), dist.get_world_size(group)
-        _check_experts_divide(self.num_experts, self.ranks)
+        self.num_experts, self.ranks = len(experts), dist.get_world_size(group)  # (checked: check_listed_experts)
         held = self.num_experts // self.ranks
         first = dist.get_rank(group) * held
         for index in [*range(first), *range(first + held, self.num_experts)]:
