@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
@@ -94,6 +95,16 @@ def in_blocks(value: Any) -> Any:
     if not parted:
         return value
     return value.redistribute(placements=[Shard(p.dim) if i in parted else p for i, p in enumerate(placements)])
+
+
+def block_to_fill(target: Tensor) -> tuple[Tensor, Tensor, tuple[int, ...]]:
+    """What a reader fills of ``target`` (plain, or this rank's part of a DTensor): its :func:`in_blocks` form, that
+    form's local tensor, and where the local tensor starts in the whole one; :func:`from_blocks` puts it back."""
+    block = in_blocks(target)
+    if not isinstance(block, DTensor):
+        return block, block, (0,) * block.dim()
+    offset = compute_local_shape_and_global_offset(block.shape, block.device_mesh, block.placements)[1]
+    return block, block.to_local(), tuple(offset)
 
 
 def from_blocks(target: Any, read: Any) -> Any:

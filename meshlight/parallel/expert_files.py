@@ -15,10 +15,8 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from meshlight.parallel.dtensors import from_blocks, in_blocks
+from meshlight.parallel.dtensors import block_to_fill, from_blocks
 
 __all__ = ["Sources", "file_names", "per_expert_sources", "read_per_expert"]
 
@@ -56,10 +54,7 @@ def read_per_expert(slice_of: Callable[[str], Any], targets: Mapping[str, tuple[
     tensors ``sources[e][part]`` that :func:`per_expert_sources` found, each key's sliceable view from ``slice_of``
     (safetensors' ``get_slice``, or a memory-mapped tensor)."""
     for tensor, sources in targets.values():
-        block = in_blocks(tensor)  # a fused weight split part by part: read as its plain blocks
-        local = block.to_local() if isinstance(block, DTensor) else block
-        offset = (compute_local_shape_and_global_offset(block.shape, block.device_mesh, block.placements)[1]
-                  if isinstance(block, DTensor) else (0,) * block.dim())
+        block, local, offset = block_to_fill(tensor)  # a fused weight split part by part: read as its plain blocks
         rows = block.shape[1] // len(sources[0])  # of each part
         first, top, left = offset
         for e in range(first, first + local.shape[0]):

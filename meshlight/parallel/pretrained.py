@@ -38,8 +38,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshlight.models.gpt import GPT, GPTConfig
 from meshlight.models.hf_layout import (
@@ -51,7 +49,7 @@ from meshlight.models.hf_layout import (
     llama_name,
     rotary_order,
 )
-from meshlight.parallel.dtensors import from_blocks, in_blocks
+from meshlight.parallel.dtensors import block_to_fill, from_blocks, in_blocks
 from meshlight.parallel.expert_files import file_names, per_expert_sources, read_per_expert
 
 __all__ = [
@@ -218,10 +216,7 @@ def _read_mapped(tensors: Mapping[str, torch.Tensor], reads: dict[str, torch.Ten
     """:func:`_read` from memory-mapped ``tensors`` (a ``torch.save`` file): each rank copies the block of each stored
     tensor its state holds (of a fused weight split part by part, its plain blocks: :func:`in_blocks`)."""
     for key, target in reads.items():
-        block = in_blocks(target)
-        local = block.to_local() if isinstance(block, DTensor) else block
-        offset = (compute_local_shape_and_global_offset(block.shape, block.device_mesh, block.placements)[1]
-                  if isinstance(block, DTensor) else (0,) * block.dim())
+        block, local, offset = block_to_fill(target)
         stored = tensors[key]
         if key in orders:  # rows in another order: this rank's rows, picked
             stored = stored[orders[key][offset[0]:offset[0] + local.shape[0]]]
