@@ -21,16 +21,34 @@ from typing import Optional
 from torch import nn
 
 from meshlight.nn.moe import MoE
-from meshlight.parallel.blocks import repeated_blocks
+from meshlight.parallel.blocks import class_path, repeated_blocks
 from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, listed_experts
 
 __all__ = [
     "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "WIDTH_ATTRIBUTES", "ModelShape",
     "ModelShapeError", "attention_heads", "config_shape", "count_holder", "fused_parts", "head_counts", "head_dim_of",
     "head_width", "hidden_size", "is_transposed_linear", "linear_widths", "model_shape", "per_head_parameters",
-    "projection_heads", "projections",
+    "projection_heads", "projections", "WHOLE_MIXERS",
 ]
 
+#: Sequence mixers that tensor parallelism keeps whole on every rank, by class (``package.module.Class``): the linear
+#: attention (Gated DeltaNet) of Qwen3-Next's, Qwen3.5's (and its MoE's) and OLMo hybrid's layers — a recurrence over
+#: the sequence, its q|k|v through a depthwise convolution over it — and Nemotron-H's Mamba-2 mixer. Every rank runs
+#: the whole module on the whole sequence (role ``whole``: :class:`~meshlight.parallel.tensor._WholeMixer`); the
+#: attention layers, MLPs and experts beside it are split. (Each class here was checked against one process.)
+WHOLE_MIXERS = frozenset({
+    "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
+    "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
+    "transformers.models.olmo_hybrid.modeling_olmo_hybrid.OlmoHybridGatedDeltaNet",
+    "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer",
+    "transformers.models.jamba.modeling_jamba.JambaMambaMixer",
+    "transformers.models.bamba.modeling_bamba.BambaMixer",
+    "transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Mixer",
+    "transformers.models.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
+    "transformers.models.zamba.modeling_zamba.ZambaMambaMixer",
+    "transformers.models.zamba2.modeling_zamba2.Zamba2MambaMixer",
+})
 #: Attribute names under which attention modules keep their head counts (tensor parallelism divides them by tp).
 HEAD_COUNT_ATTRIBUTES = (
     "n_heads", "num_heads", "n_head", "num_attention_heads", "heads", "nheads",
@@ -235,9 +253,17 @@ def is_transposed_linear(module: nn.Module) -> bool:
 
 
 def hidden_size(blocks: Iterable[nn.Module]) -> Optional[int]:
-    """The width the most Linears in ``blocks`` read: the hidden state's; None when they hold no Linear."""
-    widths = Counter(width[0] for block in blocks for m in block.modules() if (width := linear_widths(m)))
+    """The width the most Linears in ``blocks`` read, those of sequence mixers kept whole aside (a Mamba mixer's
+    widen the state before its recurrence): the hidden state's; None when they hold no Linear."""
+    widths = Counter(width[0] for block in blocks for m in _outside_whole_mixers(block) if (width := linear_widths(m)))
     return widths.most_common(1)[0][0] if widths else None
+
+
+def _outside_whole_mixers(module: nn.Module) -> Iterable[nn.Module]:
+    yield module
+    if class_path(module) not in WHOLE_MIXERS:
+        for child in module.children():
+            yield from _outside_whole_mixers(child)
 
 
 def projections(module: nn.Module, hidden: int) -> tuple[list[str], Optional[str]]:

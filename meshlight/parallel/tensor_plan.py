@@ -29,6 +29,7 @@ from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, list
 from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.model_shape import (
     HEAD_COUNT_ATTRIBUTES,
+    WHOLE_MIXERS,
     attention_heads,
     fused_parts,
     head_counts,
@@ -52,18 +53,6 @@ __all__ = [
 
 ROLES = ("colwise", "fused_colwise", "rowwise", "embedding", "head", "norm", "head_norm", "colwise_norm", "latent",
          "replicate", "whole")
-#: Sequence mixers that tensor parallelism keeps whole on every rank, by class (``package.module.Class``): the linear
-#: attention (Gated DeltaNet) of Qwen3-Next's, Qwen3.5's (and its MoE's) and OLMo hybrid's layers — a recurrence over
-#: the sequence, its q|k|v through a depthwise convolution over it — and Nemotron-H's Mamba-2 mixer. Every rank runs
-#: the whole module on the whole sequence (role ``whole``: :class:`~meshlight.parallel.tensor._WholeMixer`); the
-#: attention layers, MLPs and experts beside it are split. (Each class here was checked against one process.)
-WHOLE_MIXERS = frozenset({
-    "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
-    "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
-    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
-    "transformers.models.olmo_hybrid.modeling_olmo_hybrid.OlmoHybridGatedDeltaNet",
-    "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer",
-})
 #: where a latent attention (DeepSeek-V2/V3's multi-head latent attention, as Hugging Face and DeepSeek name it) keeps
 #: the widths of the latents every head reads: its down-projections write them (k's with the shared rotary part, of
 #: ``qk_rope_head_dim``), its up-projections read them
@@ -437,13 +426,16 @@ def published_roles(model: nn.Module) -> dict[str, str]:
 
 
 #: Attention (and MLP) classes whose fused q|k|v (gate|up) holds its parts one after another (the forward splits it
-#: by their widths: Phi-3's q|k|v by the config's head counts, its and GLM's gate|up by chunk(2)).
+#: by their widths: Phi-3's q|k|v by the config's head counts, its, GLM's and Granite's gate|up by chunk(2)).
 PARTS_IN_ORDER = frozenset({
     "transformers.models.gpt2.modeling_gpt2.GPT2Attention", "litgpt.model.CausalSelfAttention",
     "transformers.models.phi3.modeling_phi3.Phi3Attention", "transformers.models.phi3.modeling_phi3.Phi3MLP",
     "transformers.models.glm.modeling_glm.GlmMLP", "transformers.models.glm4.modeling_glm4.Glm4MLP",
     "transformers.models.glm4v.modeling_glm4v.Glm4vTextMLP", "transformers.models.openai.modeling_openai.Attention",
     "transformers.models.mpt.modeling_mpt.MptAttention",
+    # Granite 4's shared expert beside its routed ones (gate|up by chunk(2))
+    "transformers.models.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMLP",
+    "transformers.models.granitemoeshared.modeling_granitemoeshared.GraniteMoeSharedMLP",
 })
 
 

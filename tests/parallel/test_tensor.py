@@ -839,3 +839,26 @@ def test_a_linear_attention_is_kept_whole_and_the_layers_beside_it_are_split():
         ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
         strategy.connect(lit_causal_lm("qwen3_5"))
         assert {k: v for k, v in strategy._unsplittable().items() if k == "tp"} == fixed, arguments
+
+
+def test_mamba_hybrids_keep_their_mixers_whole_and_split_what_is_beside_them():
+    """Jamba's, Bamba's, Falcon-H1's and Granite 4's Mamba mixers are ``whole``; the hidden size is read with their
+    Linears aside (a mixer widens the state before its scan: in tiny Jamba the Linears reading 128 outnumber those
+    reading the hidden 64). Granite 4's shared expert's fused gate|up is split part by part (cut by ``chunk(2)``);
+    Falcon-H1's attention beside its mixer in each layer as Llama's. (Trained against one process in
+    test_hf_models.)"""
+    for family, mixer, splits in (
+            ("jamba", "model.model.layers.0.mamba", {"model.model.layers.0.feed_forward.gate_proj": "colwise",
+                                                     "model.model.layers.1.self_attn.o_proj": "rowwise"}),
+            ("bamba", "model.model.layers.0.mamba", {"model.model.layers.1.self_attn.q_proj": "colwise"}),
+            ("falcon_h1", "model.model.layers.0.mamba", {"model.model.layers.0.self_attn.k_proj": "colwise",
+                                                         "model.model.layers.0.feed_forward.down_proj": "rowwise"}),
+            ("granite4", "model.model.layers.0.mamba", {"model.model.layers.0.shared_mlp.input_linear":
+                                                        "fused_colwise",
+                                                        "model.model.layers.0.shared_mlp.output_linear": "rowwise"})):
+        model = lit_causal_lm(family)
+        plan = derive_plan(model)
+        assert mixer in tensor_plan.whole_mixers(model) and plan[mixer] == "whole", family
+        assert not [name for name in plan if name.startswith(f"{mixer}.")], family
+        assert {name: plan[name] for name in splits} == splits, family
+        validate_plan(model, plan, 2, 2)

@@ -52,6 +52,9 @@ TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "dee
 #: - Qwen3.5's linear attention (a gated delta rule run in chunks, torch's reference kernels on CPU) leaves one process
 #:   in fp32 under ddp alike: after 20 AdamW steps at 3e-3 by 4.6e-3 (7.8e-3 at tp=2; losses by 1e-6 and 1e-5), at 1e-2
 #:   by 0.6; in float64 by 5e-15 under ddp, tp=2 and 3d, so it runs there (its MoE too).
+#: - Jamba trains with AdamW at 3e-3 (:func:`training_options`): at 1e-2 its Mamba-1 mixer (Hugging Face's scan in
+#:   torch, partly float32 whatever the model's dtype) makes 20 steps chaotic, leaving one process by 2e-2 under ddp
+#:   alike (1.1e-1 at tp=2; 7.7e-5 in float64, its float32 parts kept); at 3e-3 by 3e-6 under ddp and 1.4e-5 at tp=2.
 PARITY_RTOL = {"olmo2": 3e-4, "qwen2": 3e-4, "deepseek_v3": 2e-4, "olmo2-fp64": 1e-10, "qwen2-fp64": 1e-10,
                "deepseek_v3-fp64": 1e-6, **dict.fromkeys(
                    ("qwen3-kv1-fp64", "llama-kv1-fp64", "litgpt-kv1-fp64", "falcon-fp64", "falcon_grouped-fp64",
@@ -83,6 +86,31 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
         return transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers,
                                           num_attention_heads=HEADS, intermediate_size=HIDDEN, use_cache=False,
                                           max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0)
+    # hybrids of Mamba mixers (kept whole on every tp rank) and attention layers, each mixer before an attention layer;
+    # no mamba kernels on CPU: Hugging Face's reference scan in torch
+    mamba2 = dict(mamba_n_heads=8, mamba_d_head=2 * DIM // 8, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8)
+    if family == "jamba":  # Mamba-1 mixers, 4 experts (top-2) in every other layer
+        return transformers.JambaConfig(**{**common, "num_hidden_layers": max(layers, 2)}, num_experts=4,
+                                        num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+                                        attn_layer_period=2, attn_layer_offset=1,
+                                        mamba_d_state=8, mamba_dt_rank=8, pad_token_id=None, bos_token_id=0,
+                                        eos_token_id=1)
+    if family == "bamba":  # Mamba-2 mixers
+        return transformers.BambaConfig(**{**common, "num_hidden_layers": max(layers, 2)}, **mamba2,
+                                        attn_layer_indices=[1], pad_token_id=None, bos_token_id=0, eos_token_id=1)
+    if family == "falcon_h1":  # a Mamba-2 mixer beside attention in every layer, each scaled by muP multipliers
+        return transformers.FalconH1Config(**common, **mamba2, mamba_d_ssm=2 * DIM, mlp_multipliers=[0.8, 0.6],
+                                           ssm_multipliers=[0.5, 0.7, 0.9, 1.1, 1.3], key_multiplier=0.7,
+                                           attention_in_multiplier=0.9, attention_out_multiplier=0.8,
+                                           ssm_in_multiplier=1.2, ssm_out_multiplier=0.6, embedding_multiplier=2.0,
+                                           lm_head_multiplier=0.5, pad_token_id=None, bos_token_id=0, eos_token_id=1)
+    if family == "granite4":  # Granite 4's hybrid: Mamba-2 mixers, 4 experts (top-2) in every layer beside a shared
+        # expert whose gate|up is fused (cut by chunk(2)), Granite's multipliers
+        return transformers.GraniteMoeHybridConfig(
+            **{**common, "num_hidden_layers": max(layers, 2), "intermediate_size": HIDDEN // 2}, **mamba2,
+            layer_types=["mamba", "attention"] * (max(layers, 2) // 2), num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=HIDDEN, embedding_multiplier=12.0, logits_scaling=4.0, residual_multiplier=0.22,
+            attention_multiplier=1 / 8, pad_token_id=None, bos_token_id=0, eos_token_id=1)
     if family == "falcon_rw":  # Falcon-RW's ALiBi, also folded into the attention mask per head; q|k|v head by head
         return transformers.FalconConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers,
                                          num_attention_heads=HEADS, alibi=True, multi_query=False, bias=True,
@@ -227,9 +255,11 @@ def training_options(family: str) -> dict[str, Any]:
     """The optimizer a parity run trains ``family`` with: AdamW, except SGD for Qwen2, GPT-2, GPT-NeoX, GLM-4,
     StarCoder (GPT-BigCode), Persimmon, OpenAI GPT, BLOOM, Falcon-RW, OPT, XGLM and BioGPT, whose key biases have an
     exactly-zero gradient (softmax ignores a per-query constant) that Adam would turn from float noise into full-size
-    steps that no two layouts take alike."""
+    steps that no two layouts take alike; and AdamW at 3e-3 for Jamba (:data:`PARITY_RTOL` says why)."""
     biased = ("qwen2", "gpt2", "gpt_neox", "glm4", "gpt_bigcode", "persimmon", "openai_gpt", "bloom", "falcon_rw",
               "opt", "opt_narrow", "xglm", "biogpt")
+    if family == "jamba":
+        return {"lr": 3e-3}
     return {"optimizer": "sgd", "lr": 0.3} if family in biased else {}
 
 

@@ -13,7 +13,9 @@ Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its h
 BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, BLOOM and Falcon-RW under all three; OPT (its final
 norm registered before its layers) under pipelining and all three; litgpt's MoE (experts held as a list) under expert
 parallelism; Qwen3.5 (in float64: its Gated DeltaNet layers kept whole on every rank) under tensor parallelism and all
-three. One launch per process count."""
+three; the Mamba hybrids Jamba, Bamba, Falcon-H1 and Granite 4 (their Mamba mixers kept whole on every rank) under
+tensor parallelism, Falcon-H1 and Granite 4 under pipelining, Granite 4 also under expert parallelism and all three.
+One launch per process count."""
 
 from pathlib import Path
 
@@ -64,7 +66,8 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     gate|up by columns, their output bias added once; Mixtral's load-balancing loss from the whole sequence's router
     logits, added by the step to the loss-parallel language-model loss, or by the model to its own from labels); ddp
     and zero3: 2 data replicas; pp2-*: two pipeline stages (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2
-    (sequence parallel) on 8 processes (3d-moe: Qwen3-MoE and DeepSeek-V3, ep=1, each expert split over tp);
+    (sequence parallel) on 8 processes (3d-moe: Qwen3-MoE, DeepSeek-V3, Llama 4 and Granite 4, ep=1, each expert
+    split over tp);
     dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over the tp and data ranks (each rank one whole expert), with sequence
     parallelism and (Mixtral) without; dp2-tp2-ep2-split*: each expert split over tp=2 and the experts over ep=2
     data ranks (Mixtral also without sequence parallelism, under ZeRO-3);
@@ -82,7 +85,7 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     assert len(result["losses"]) == parity.STEPS
     parity.assert_parity(result, controls[control_of(layout, model)], rtol=PARITY_RTOL.get(model, 1e-4))
     # 4 experts: over 2 or 4 ranks, or whole
-    stacked = (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3", "ernie4_5_moe", "llama4")
+    stacked = (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3", "ernie4_5_moe", "llama4", "jamba", "granite4")
     family = model.split("-")[0]
     if family in (*stacked, "litgpt_moe", "litgpt_moe_grouped") and layout != "3d-planned":
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1

@@ -47,6 +47,10 @@ TUPLE_BLOCKS = ("bloom-fp64", "mpt", "falcon")
 #: sequence mixers kept whole on every tp rank beside split attention and MLPs: Qwen3.5's Gated DeltaNet layers
 #: (float64: hf_models.PARITY_RTOL; at tp2 its MoE too, each expert split over tp)
 WHOLE_MIXER_FAMILIES = ("qwen3_5-fp64",)
+#: hybrids of Mamba mixers (kept whole on every tp rank) and attention: Jamba's Mamba-1 with experts in every other
+#: layer, Bamba's Mamba-2, Falcon-H1's mixer beside attention in each layer (its muP multipliers), Granite 4's with
+#: experts and a shared expert (its gate|up fused) in every layer
+MAMBA_HYBRIDS = ("jamba", "bamba", "falcon_h1", "granite4")
 #: experts held as a list (litgpt's LLaMAMoE), split over ep: Mixtral's configuration, also with the gradients
 #: clipped, and DeepSeek-V3's (grouped routing, a shared expert, a dense first layer)
 LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
@@ -68,7 +72,7 @@ LAYOUTS = {
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
                                                             *TP_FAMILIES, *KV_FEWER_THAN_TP, *BY_LAYOUT,
                                                             *ALIBI, *BLOCK_MLP, *WHOLE_MIXER_FAMILIES,
-                                                            "qwen3_5_moe-fp64")),
+                                                            "qwen3_5_moe-fp64", *MAMBA_HYBRIDS)),
     # one key/value head on all 4 ranks (Qwen3), and two on 2 ranks each (Phi-3's fused q|k|v)
     "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1-fp64", "phi3-kv2-fp64")),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
@@ -82,7 +86,8 @@ LAYOUTS = {
     "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, FAMILIES),
     # Llama 4's forward reads its token embedding's device from the embedding's weight on every stage
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1,
-                 (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt", "opt_narrow", *WHOLE_MIXER_FAMILIES)),
+                 (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt", "opt_narrow", *WHOLE_MIXER_FAMILIES, "falcon_h1",
+                  "granite4")),
     # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models)
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
                                                     microbatches=4), 2, 1, tuple(f"{f}-deep" for f in FAMILIES)),
@@ -94,17 +99,19 @@ LAYOUTS = {
     # are split over tp as Qwen3-MoE's are; DeepSeek-V3's latent attention, its dense first layer a stage of its own;
     # Llama 4's experts that take every token); BLOOM (float64) and Falcon-RW: ALiBi biases handed out by head on
     # each stage, blocks returning tuples; OPT: its final norm registered before its layers, its MLP's Linears on
-    # the block; Qwen3.5 (float64): its linear attention whole on every tp rank
+    # the block; Qwen3.5 (float64): its linear attention whole on every tp rank; Granite 4 (3d-moe): its Mamba
+    # mixers whole, its experts split over tp beside its fused shared expert
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=2), 8, 2,
            ("llama", "qwen3", "gpt2", "litgpt", "olmo2", "bloom-fp64", "falcon_rw", "opt", *WHOLE_MIXER_FAMILIES)),
     "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=2), 8, 2,
-               ("qwen3_moe", "deepseek_v3", "llama4")),
+               ("qwen3_moe", "deepseek_v3", "llama4", "granite4")),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
     "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2); litgpt's listed
     # experts too, each rank keeping two of the list (also with the gradients clipped: the norm of each rank's
     # experts summed over ep)
-    "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2, (*MOE_FAMILIES, "mixtral-aux", "qwen3_moe-aux", *LISTED)),
+    "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2, (*MOE_FAMILIES, "mixtral-aux", "qwen3_moe-aux", *LISTED,
+                                                  "granite4")),
     "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=2), 4, 2,
                     (*MOE_FAMILIES, *LISTED)),
     # expert parallelism folded over tp=2 and 2 data ranks: each of the 4 ranks holds one whole expert; with
