@@ -21,6 +21,9 @@ role              what it does
                   multi-head latent attention): whole on every rank, run on plain tensors, its gradient summed over
                   tp; the up-projections that read a latent (``colwise``) run on plain tensors too, each rank's
                   heads (:class:`_OnLocalWeights`)
+``interior``      a module holding parameters between a column→row group's readers and its writer (a learned
+                  activation, Apertus's xIELU): runs on this rank's hidden units, its parameters replicated DTensors
+                  whose gradients are summed over tp (:class:`_Interior`)
 ``replicate``     left whole on every rank. Under sequence parallelism (in its region) an Embedding's output is cut
                   to this rank's share of the sequence (learned positions), and a Linear runs on that share with its
                   weights a replicated DTensor, so its gradient is the sum over the shares (a gate)
@@ -178,6 +181,10 @@ def apply_tensor_parallel(
             styles[name] = _Replicated(name, over="sequence")
         elif role == "replicate" and on_share or role == "latent":  # an MoE block's router, experts and shared
             styles[name] = _OnLocalWeights()  # expert's gate; a latent attention's down-projections and their norms
+        elif role == "interior":
+            owner = name.rpartition(".")[0]
+            writer = next(n for n, r in plan.items() if r == "rowwise" and n.rpartition(".")[0] == owner)
+            styles[name] = _Interior(name, linear_widths(modules[writer])[0])
         elif role == "whole" and on_share:  # (without sequence parallelism every rank computes the same: left plain)
             styles[name] = _WholeMixer()
     per_head = {parent: names for parent in _colwise_parents(plan)
@@ -665,6 +672,34 @@ class _OnLocalWeights(ParallelStyle):
 
         distribute_module(module, device_mesh, partition, plain_inputs)
         module.forward = functools.partial(_forward_on_local_weights, module, type(module).forward)
+        return module
+
+
+class _Interior(_OnLocalWeights):
+    """A module between a column→row group's readers and its writer that holds parameters (a learned activation,
+    Apertus's xIELU): it runs on this rank's hidden units as they are, its parameters replicated, each rank's gradient
+    its units' part of the sum over tp. At its first call its input must be this rank's share of the ``width`` the
+    writer reads; anything else (a module the group's owner runs on its input) is refused, naming it."""
+
+    def __init__(self, name: str, width: int) -> None:
+        super().__init__()
+        self.name, self.width = name, width
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        share = self.width // device_mesh.size()
+
+        def check(mod: nn.Module, args: tuple) -> None:
+            given = args[0] if args else None
+            if not (isinstance(given, Tensor) and given.dim() and given.shape[-1] == share):
+                raise TensorParallelError(
+                    f"{_shown(self.name)} ({type(mod).__name__}) holds parameters beside a tensor-parallel group, so"
+                    " meshlight takes it for a module between the group's projections (a learned activation): it must"
+                    f" read this rank's {share} of the {self.width} hidden units the output projection reads,"
+                    f" [..., {share}], and it was given {_described(given)}. Give it a role in the strategy's plan="
+                    " (or a ParallelStyle), or parallelize the module yourself in configure_model().")
+
+        module.register_forward_pre_hook(check)
         return module
 
 

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 ROLES = ("colwise", "fused_colwise", "rowwise", "embedding", "head", "norm", "head_norm", "colwise_norm", "latent",
-         "replicate", "whole")
+         "interior", "replicate", "whole")
 #: where a latent attention (DeepSeek-V2/V3's multi-head latent attention, as Hugging Face and DeepSeek name it) keeps
 #: the widths of the latents every head reads: its down-projections write them (k's with the shared rotary part, of
 #: ``qk_rope_head_dim``), its up-projections read them
@@ -98,6 +98,7 @@ def derive_plan(model: nn.Module) -> Plan:
         fused = _fused_readers(modules, prefix, readers, writer, hidden, published)
         plan[writer] = "rowwise"
         plan.update({name: "fused_colwise" if name in fused else "colwise" for name in readers})
+        plan.update(_interior(modules[prefix], prefix))
     plan = {**plan, **_structural_roles(model, blocks, hidden), **_colwise_norms(model, blocks, hidden, plan),
             **latent}
     plan = {name: role for name, role in plan.items() if not _within(name, mixers)}
@@ -114,6 +115,17 @@ def whole_mixers(model: nn.Module) -> list[str]:
 def _whole_mixers(blocks: list[tuple[str, nn.Module]]) -> list[str]:
     return [_join(block_name, name) for block_name, block in blocks for name, module in block.named_modules()
             if class_path(module) in WHOLE_MIXERS]
+
+
+def _interior(owner: nn.Module, prefix: str) -> Plan:
+    """The children of a column→row group's ``owner`` (named ``prefix``) that hold parameters of their own alone and
+    are neither Linears nor norms: a learned activation between the readers and the writer (Apertus's xIELU), role
+    ``interior``. Each rank runs it on its hidden units, so each rank's gradient is its units' part of the sum over
+    tp (:class:`~meshlight.parallel.tensor._Interior`, which refuses one whose input turns out to be something else
+    at its first call)."""
+    return {_join(prefix, name): "interior" for name, child in owner.named_children()
+            if not linear_widths(child) and _norm_width(child) in (None, 1)  # (scalars: no norm)
+            and 0 < len(list(child.parameters(recurse=False))) == len(list(child.parameters()))}
 
 
 def _colwise_norms(model: nn.Module, blocks: list[tuple[str, nn.Module]], hidden: int,
@@ -671,7 +683,8 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
                 " ZeRO), or with rotary positions (the config's alibi=False).")
         per_head = per_head_parameters(module, hidden) if hidden else []  # split with the heads
         stray = [f"{_shown(_join(owner, n, p))} {list(t.shape)}" for n, m in module.named_modules()
-                 if (full := _join(owner, n)) not in group and plan.get(full) not in ("head_norm", "colwise_norm")
+                 if (full := _join(owner, n)) not in group
+                 and plan.get(full) not in ("head_norm", "colwise_norm", "interior")
                  and not _within(full, nested)
                  for p, t in m.named_parameters(recurse=False) if n or p not in per_head]
         if stray:

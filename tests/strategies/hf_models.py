@@ -20,10 +20,10 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")  # 4 experts, top-2, in every
 #: families whose structure only tensor parallelism meets differently: their parity runs are tp2's (Qwen2-MoE and
 #: OLMoE: 4 experts, top-2, in every layer, Qwen2-MoE's with a shared expert; DeepSeek-V3: after a dense first layer;
 #: litgpt's in Mixtral's configuration: a list of experts; Llama 4: a dense layer, then 4 experts each taking every
-#: token, top-1, beside a shared expert);
+#: token, top-1, beside a shared expert; Apertus: a learned activation between its MLP's projections);
 #: OLMo 2 and DeepSeek-V3 also in float64 (:data:`PARITY_RTOL`)
 TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "deepseek_v3", "deepseek_v3-fp64",
-               "ernie4_5_moe", "litgpt_moe", "llama4")
+               "ernie4_5_moe", "litgpt_moe", "llama4", "apertus")
 #: parity tolerances other than 1e-4, and why; each with a float64 twin (``-fp64``: :func:`in_float64`) whose runs
 #: match to about 1e-13 (DeepSeek-V3's: below), which shows the gap is rounding, not a different computation:
 #:
@@ -176,6 +176,9 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
     if family == "glm4":  # a fused gate|up cut by chunk(2), partial rotary, norms after attention and the MLP too
         return transformers.Glm4Config(**common, head_dim=DIM // HEADS, pad_token_id=None, bos_token_id=0,
                                        eos_token_id=1)
+    if family == "apertus":  # a learned activation (xIELU: two scalars) between up_proj and down_proj, no gate;
+        # QK-norm
+        return transformers.ApertusConfig(**common, pad_token_id=None, bos_token_id=0, eos_token_id=1)
     if family == "olmo2":  # q and k norms over all heads at once, norms after attention and the MLP
         return transformers.Olmo2Config(**common, pad_token_id=None, bos_token_id=0, eos_token_id=1)
     moe = dict(num_experts_per_tok=2, output_router_logits=False)

@@ -87,6 +87,17 @@ def test_a_norm_over_a_colwise_output_reduces_its_statistics_over_tp_and_refuses
                         result["refusal"]), result["refusal"]
 
 
+def test_a_learned_activation_between_the_projections_sums_its_gradient_over_tp_and_refuses_another_input(
+        distributed):
+    # Apertus's xIELU (trained under tp in test_hf_models): each rank's scalar gradient is its hidden units' part
+    result = distributed[2]["interior"]
+    assert result["difference"] < 1e-12, result["difference"]
+    assert re.fullmatch(r"1 \(LearnedScale\) holds parameters beside a tensor-parallel group, so meshlight takes it"
+                        r" for a module between the group's projections \(a learned activation\): it must read this"
+                        r" rank's 12 of the 24 hidden units the output projection reads, \[\.\.\., 12\], and it was"
+                        r" given a 3-D tensor \(2, 3, 16\)\. Give it a role .*", result["refusal"]), result["refusal"]
+
+
 @pytest.mark.parametrize("keep", [False, True], ids=["gathered-again", "kept-gathered"])
 @pytest.mark.parametrize("name", list(tensor_worker.ACTIVATION_CONFIGS))
 def test_the_planners_activation_memory_is_what_autograd_saves_per_block(distributed, name, keep):

@@ -217,6 +217,43 @@ def colwise_norms() -> dict[str, object]:
     return {"differences": differences, "refusal": refusal}
 
 
+class LearnedScale(torch.nn.Module):
+    """An activation with a learned scalar, as Apertus's xIELU holds two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * torch.nn.functional.silu(x)
+
+
+def interior_gradients() -> dict[str, object]:
+    """A learned activation between a colwise ``up`` (16 → 24) and a rowwise ``down`` (``interior``) in float64: its
+    scalar's gradient, summed over the ranks, against the whole MLP's; and the error when it is given the MLP's input
+    (16 wide, not this rank's share of 24)."""
+    from meshlight.parallel.tensor import reduce_partial_gradients
+    from meshlight.parallel.tensor_plan import TensorParallelError
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(torch.nn.Linear(16, 24), LearnedScale(), torch.nn.Linear(24, 16)).double()
+    split = torch.nn.Sequential(torch.nn.Linear(16, 24), LearnedScale(), torch.nn.Linear(24, 16)).double()
+    split.load_state_dict(whole.state_dict())
+    apply_tensor_parallel(split, mesh, {"0": "colwise", "1": "interior", "2": "rowwise"}, sequence_parallel=False)
+    x = torch.randn(2, 3, 16, dtype=torch.float64)
+    whole(x).square().sum().backward()
+    split(x).square().sum().backward()
+    reduce_partial_gradients(split.parameters())
+    difference = (_local(split[1].scale.grad) - whole[1].scale.grad).abs().item()
+    try:
+        split[1](x)  # the MLP's input: a module the MLP runs before its projections
+        refusal = ""
+    except TensorParallelError as error:
+        refusal = str(error)
+    return {"difference": difference, "refusal": refusal}
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
 
@@ -360,6 +397,7 @@ if __name__ == "__main__":
     if world == 2:
         results["partial_gradient_reduction"] = partial_gradient_reduction()
         results["colwise_norms"] = colwise_norms()
+        results["interior"] = interior_gradients()
         results["blocks_only_dropout"] = blocks_only_dropout_probe()
         results["mixed_tensor_notes"] = mixed_tensor_notes()
         results["saved_activations"] = {(name, keep): saved_activation_values(name, world, keep)[0]
