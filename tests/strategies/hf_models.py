@@ -111,6 +111,20 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
             layer_types=["mamba", "attention"] * (max(layers, 2) // 2), num_local_experts=4, num_experts_per_tok=2,
             shared_intermediate_size=HIDDEN, embedding_multiplier=12.0, logits_scaling=4.0, residual_multiplier=0.22,
             attention_multiplier=1 / 8, pad_token_id=None, bos_token_id=0, eos_token_id=1)
+    if family.startswith("lfm2"):  # LFM2's short convolution over the sequence (gated, depthwise) before an attention
+        # layer with QK-norm; "lfm2_moe": a dense first layer, then 4 experts (top-2, sigmoid routing)
+        lfm2 = dict(**{**common, "num_hidden_layers": max(layers, 2)}, layer_types=["conv", "full_attention"],
+                    pad_token_id=None, bos_token_id=0, eos_token_id=1)
+        if family == "lfm2_moe":
+            return transformers.Lfm2MoeConfig(**lfm2, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=HIDDEN // 2)
+        return transformers.Lfm2Config(**lfm2)
+    if family == "minimax":  # MiniMax-Text-01's lightning attention (linear, decaying per head) before a softmax
+        # attention layer, 4 experts (top-2) in every layer
+        return transformers.MiniMaxConfig(**{**common, "num_hidden_layers": max(layers, 2)}, head_dim=DIM // HEADS,
+                                          layer_types=["linear_attention", "full_attention"], num_local_experts=4,
+                                          num_experts_per_tok=2, block_size=8, router_jitter_noise=0.0,
+                                          pad_token_id=None, bos_token_id=0, eos_token_id=1)
     if family == "falcon_rw":  # Falcon-RW's ALiBi, also folded into the attention mask per head; q|k|v head by head
         return transformers.FalconConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers,
                                          num_attention_heads=HEADS, alibi=True, multi_query=False, bias=True,

@@ -1,21 +1,21 @@
-"""Models users bring, unchanged, under meshlight's strategies: each dense family — Hugging Face's Llama, Mistral,
-Qwen2 (q/k/v biases), Qwen3 (QK-norm, an explicit head_dim) and GPT-2 (Conv1D, a fused q|k|v, learned positions,
-its head tied to the token embedding), and litgpt's GPT (a fused q|k|v for grouped queries, its blocks in a
-ModuleDict namespace the root's forward runs) — matches one process's training within 1e-4 over 20 steps, under
-tensor (+ sequence) parallelism, data parallelism, pipeline parallelism (1F1B and interleaved, the LM head beside the
-module holding the layers) and (Llama, Qwen3, GPT-2 and litgpt) all three; and Mixtral, Qwen3-MoE and GPT-OSS
-(attention sinks, sliding-window layers, experts stored transposed with biases) under expert parallelism, with and
-without pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also with dp and pp; Phi-3 (a
-fused q|k|v sliced by the config's head counts, a fused gate|up), Qwen2-MoE (a shared expert beside the routed
-ones), OLMo 2 and OLMoE (q and k normalized over all heads at once; OLMo 2 at the tolerance
+"""Models users bring, unchanged, under meshlight's strategies: each dense family — Hugging Face's Llama, Mistral, Qwen2
+(q/k/v biases), Qwen3 (QK-norm, an explicit head_dim) and GPT-2 (Conv1D, a fused q|k|v, learned positions, its head
+tied to the token embedding), and litgpt's GPT (a fused q|k|v for grouped queries, its blocks in a ModuleDict
+namespace the root's forward runs) — matches one process's training within 1e-4 over 20 steps, under tensor (+
+sequence) parallelism, data parallelism, pipeline parallelism (1F1B and interleaved, the LM head beside the module
+holding the layers) and (Llama, Qwen3, GPT-2 and litgpt) all three; and Mixtral, Qwen3-MoE and GPT-OSS (attention
+sinks, sliding-window layers, experts stored transposed with biases) under expert parallelism, with and without
+pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also with dp and pp; Phi-3 (a fused q|k|v
+sliced by the config's head counts, a fused gate|up), Qwen2-MoE (a shared expert beside the routed ones), OLMo 2 and
+OLMoE (q and k normalized over all heads at once; OLMo 2 at the tolerance
 :data:`~tests.strategies.hf_models.PARITY_RTOL` says, and in float64) under tensor parallelism; BLOOM, MPT and
 Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its heads') under tensor parallelism,
 BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, BLOOM and Falcon-RW under all three; OPT (its final
 norm registered before its layers) under pipelining and all three; litgpt's MoE (experts held as a list) under expert
-parallelism; Qwen3.5 (in float64: its Gated DeltaNet layers kept whole on every rank) under tensor parallelism and all
-three; the Mamba hybrids Jamba, Bamba, Falcon-H1 and Granite 4 (their Mamba mixers kept whole on every rank) under
-tensor parallelism, Falcon-H1 and Granite 4 under pipelining, Granite 4 also under expert parallelism and all three.
-One launch per process count."""
+parallelism; Qwen3.5 (in float64: its Gated DeltaNet layers kept whole on every rank) under tensor parallelism and
+all three; the hybrids Jamba, Bamba, Falcon-H1, Granite 4 (their Mamba mixers kept whole on every rank), LFM2 (its
+short convolutions), LFM2-MoE and MiniMax (its lightning attention) under tensor parallelism, Falcon-H1 and Granite 4
+under pipelining, Granite 4 also under expert parallelism and all three. One launch per process count."""
 
 from pathlib import Path
 
@@ -85,7 +85,8 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     assert len(result["losses"]) == parity.STEPS
     parity.assert_parity(result, controls[control_of(layout, model)], rtol=PARITY_RTOL.get(model, 1e-4))
     # 4 experts: over 2 or 4 ranks, or whole
-    stacked = (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3", "ernie4_5_moe", "llama4", "jamba", "granite4")
+    stacked = (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3", "ernie4_5_moe", "llama4", "jamba", "granite4",
+               "lfm2_moe", "minimax")
     family = model.split("-")[0]
     if family in (*stacked, "litgpt_moe", "litgpt_moe_grouped") and layout != "3d-planned":
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1

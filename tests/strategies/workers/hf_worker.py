@@ -47,10 +47,11 @@ TUPLE_BLOCKS = ("bloom-fp64", "mpt", "falcon")
 #: sequence mixers kept whole on every tp rank beside split attention and MLPs: Qwen3.5's Gated DeltaNet layers
 #: (float64: hf_models.PARITY_RTOL; at tp2 its MoE too, each expert split over tp)
 WHOLE_MIXER_FAMILIES = ("qwen3_5-fp64",)
-#: hybrids of Mamba mixers (kept whole on every tp rank) and attention: Jamba's Mamba-1 with experts in every other
-#: layer, Bamba's Mamba-2, Falcon-H1's mixer beside attention in each layer (its muP multipliers), Granite 4's with
-#: experts and a shared expert (its gate|up fused) in every layer
-MAMBA_HYBRIDS = ("jamba", "bamba", "falcon_h1", "granite4")
+#: hybrids of other sequence mixers (kept whole on every tp rank) and attention: Jamba's Mamba-1 with experts in every
+#: other layer, Bamba's Mamba-2, Falcon-H1's mixer beside attention in each layer (its muP multipliers), Granite 4's
+#: with experts and a shared expert (its gate|up fused) in every layer; LFM2's short convolutions (and its MoE's),
+#: MiniMax's lightning attention (with experts)
+HYBRIDS = ("jamba", "bamba", "falcon_h1", "granite4", "lfm2", "lfm2_moe", "minimax")
 #: experts held as a list (litgpt's LLaMAMoE), split over ep: Mixtral's configuration, also with the gradients
 #: clipped, and DeepSeek-V3's (grouped routing, a shared expert, a dense first layer)
 LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
@@ -72,7 +73,7 @@ LAYOUTS = {
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
                                                             *TP_FAMILIES, *KV_FEWER_THAN_TP, *BY_LAYOUT,
                                                             *ALIBI, *BLOCK_MLP, *WHOLE_MIXER_FAMILIES,
-                                                            "qwen3_5_moe-fp64", *MAMBA_HYBRIDS)),
+                                                            "qwen3_5_moe-fp64", *HYBRIDS)),
     # one key/value head on all 4 ranks (Qwen3), and two on 2 ranks each (Phi-3's fused q|k|v)
     "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1-fp64", "phi3-kv2-fp64")),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
