@@ -15,7 +15,8 @@ norm registered before its layers) under pipelining and all three; litgpt's MoE 
 parallelism; Qwen3.5 (in float64: its Gated DeltaNet layers kept whole on every rank) under tensor parallelism and
 all three; the hybrids Jamba, Bamba, Falcon-H1, Granite 4 (their Mamba mixers kept whole on every rank), LFM2 (its
 short convolutions), LFM2-MoE and MiniMax (its lightning attention) under tensor parallelism, Falcon-H1 and Granite 4
-under pipelining, Granite 4 also under expert parallelism and all three. One launch per process count."""
+under pipelining, Granite 4 also under expert parallelism and all three; Apertus (a learned activation between its
+MLP's projections) under tensor parallelism, with and without sequence parallelism. One launch per process count."""
 
 from pathlib import Path
 
