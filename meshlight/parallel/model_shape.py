@@ -33,11 +33,12 @@ __all__ = [
 
 #: Sequence mixers that tensor parallelism keeps whole on every rank, by class (``package.module.Class``): the linear
 #: attention (Gated DeltaNet) of Qwen3-Next's, Qwen3.5's (and its MoE's) and OLMo hybrid's layers — a recurrence over
-#: the sequence, its q|k|v through a depthwise convolution over it — MiniMax's lightning attention, the Mamba mixers of
-#: Nemotron-H, Jamba, Bamba, Falcon-H1, Granite 4 and Zamba, and LFM2's short convolutions. Every rank runs the whole
-#: module on the whole sequence (role ``whole``: :class:`~meshlight.parallel.tensor._WholeMixer`); the attention
-#: layers, MLPs and experts beside it are split. (Each class here was checked against one process, but Zamba's, whose
-#: shared transformer block tensor parallelism refuses.) Their Linears do not count towards :func:`hidden_size`.
+#: the sequence, its q|k|v through a depthwise convolution over it — Kimi Linear's KDA, MiniMax's lightning attention,
+#: the Mamba mixers of Nemotron-H, Jamba, Bamba, Falcon-H1, Granite 4 and Zamba, and LFM2's short convolutions. Every
+#: rank runs the whole module on the whole sequence (role ``whole``: :class:`~meshlight.parallel.tensor._WholeMixer`);
+#: the attention layers, MLPs and experts beside it are split. (Each class here was checked against one process, but
+#: Zamba's, whose shared transformer block tensor parallelism refuses.) Their Linears do not count towards
+#: :func:`hidden_size`.
 WHOLE_MIXERS = frozenset({
     "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
     "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
@@ -53,6 +54,7 @@ WHOLE_MIXERS = frozenset({
     "transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention",
     "transformers.models.lfm2.modeling_lfm2.Lfm2ShortConv",
     "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv",
+    "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",
 })
 #: Attribute names under which attention modules keep their head counts (tensor parallelism divides them by tp).
 HEAD_COUNT_ATTRIBUTES = (

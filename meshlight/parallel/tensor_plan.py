@@ -544,14 +544,16 @@ def _latent_roles(owner: nn.Module, prefix: str, readers: list[str]) -> Plan:
     """A latent attention's roles (multi-head latent attention: ``owner`` keeps the
     :data:`LATENT_RANK_ATTRIBUTES`): the ``readers`` of the hidden state that write a latent (of a rank it keeps, plus
     ``qk_rope_head_dim`` for k's shared rotary part), and the norms over a latent, ``latent`` — whole on every rank,
-    as every head reads them; the Linears that read a latent, ``colwise`` — they make the heads. Empty for other
+    as every head reads them; the Linears that read a latent, and a q projection of the hidden state where q has no
+    latent (``q_lora_rank`` None), ``colwise`` — they make the heads. Empty for other
     modules (their readers are q, k, v: :func:`_fused_readers`)."""
     ranks = {rank for a in LATENT_RANK_ATTRIBUTES if isinstance(rank := getattr(owner, a, None), int)}
     if not ranks:
         return {}
     shared = getattr(owner, "qk_rope_head_dim", 0) or 0
     writes = {name: linear_widths(owner.get_submodule(name.rpartition(".")[2]))[1] for name in readers}
-    roles: Plan = {name: "latent" for name, width in writes.items() if width in ranks or width - shared in ranks}
+    roles: Plan = {name: "latent" if width in ranks or width - shared in ranks else "colwise"  # (q without a latent:
+                   for name, width in writes.items()}  # DeepSeek-V2-Lite's, Kimi Linear's; its heads' widths)
     for name, child in owner.named_children():
         if _norm_width(child) in ranks:
             roles[_join(prefix, name)] = "latent"

@@ -55,6 +55,9 @@ TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "dee
 #: - Jamba trains with AdamW at 3e-3 (:func:`training_options`): at 1e-2 its Mamba-1 mixer (Hugging Face's scan in
 #:   torch, partly float32 whatever the model's dtype) makes 20 steps chaotic, leaving one process by 2e-2 under ddp
 #:   alike (1.1e-1 at tp=2; 7.7e-5 in float64, its float32 parts kept); at 3e-3 by 3e-6 under ddp and 1.4e-5 at tp=2.
+#: - Kimi Linear's KDA layers leave one process in fp32 by 2.9e-4 under ddp (5.4e-3 at tp=2, losses within 1.7e-4);
+#:   in float64 by 7.1e-6 under ddp and 6.2e-6 at tp=2 — the floor its float32 parts (a gated norm, the forget gate)
+#:   set — so it runs there, within 1e-4.
 PARITY_RTOL = {"olmo2": 3e-4, "qwen2": 3e-4, "deepseek_v3": 2e-4, "olmo2-fp64": 1e-10, "qwen2-fp64": 1e-10,
                "deepseek_v3-fp64": 1e-6, **dict.fromkeys(
                    ("qwen3-kv1-fp64", "llama-kv1-fp64", "litgpt-kv1-fp64", "falcon-fp64", "falcon_grouped-fp64",
@@ -125,6 +128,14 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
                                           layer_types=["linear_attention", "full_attention"], num_local_experts=4,
                                           num_experts_per_tok=2, block_size=8, router_jitter_noise=0.0,
                                           pad_token_id=None, bos_token_id=0, eos_token_id=1)
+    if family == "kimi_linear":  # Kimi Linear: a KDA linear attention layer (short convolutions over the sequence)
+        # before a latent attention layer; a dense first layer, then 4 experts (top-2) beside a shared one
+        return transformers.KimiLinearConfig(
+            **{**common, "num_hidden_layers": max(layers, 2), "num_key_value_heads": HEADS},
+            layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+            linear_head_dim=DIM // HEADS, linear_num_heads=HEADS, kv_lora_rank=16, q_lora_rank=None,
+            qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=HIDDEN // 2, pad_token_id=None, bos_token_id=0, eos_token_id=1)
     if family == "falcon_rw":  # Falcon-RW's ALiBi, also folded into the attention mask per head; q|k|v head by head
         return transformers.FalconConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers,
                                          num_attention_heads=HEADS, alibi=True, multi_query=False, bias=True,

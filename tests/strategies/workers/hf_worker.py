@@ -50,8 +50,9 @@ WHOLE_MIXER_FAMILIES = ("qwen3_5-fp64",)
 #: hybrids of other sequence mixers (kept whole on every tp rank) and attention: Jamba's Mamba-1 with experts in every
 #: other layer, Bamba's Mamba-2, Falcon-H1's mixer beside attention in each layer (its muP multipliers), Granite 4's
 #: with experts and a shared expert (its gate|up fused) in every layer; LFM2's short convolutions (and its MoE's),
-#: MiniMax's lightning attention (with experts)
-HYBRIDS = ("jamba", "bamba", "falcon_h1", "granite4", "lfm2", "lfm2_moe", "minimax")
+#: MiniMax's lightning attention (with experts); Kimi Linear's KDA linear attention beside a latent attention whose q
+#: has no latent (float64: hf_models.PARITY_RTOL)
+HYBRIDS = ("jamba", "bamba", "falcon_h1", "granite4", "lfm2", "lfm2_moe", "minimax", "kimi_linear-fp64")
 #: experts held as a list (litgpt's LLaMAMoE), split over ep: Mixtral's configuration, also with the gradients
 #: clipped, and DeepSeek-V3's (grouped routing, a shared expert, a dense first layer)
 LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
