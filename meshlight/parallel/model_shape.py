@@ -25,10 +25,10 @@ from meshlight.parallel.blocks import class_path, repeated_blocks
 from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, listed_experts
 
 __all__ = [
-    "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "WIDTH_ATTRIBUTES", "ModelShape",
-    "ModelShapeError", "attention_heads", "config_shape", "count_holder", "fused_parts", "head_counts", "head_dim_of",
-    "head_width", "hidden_size", "is_transposed_linear", "linear_widths", "model_shape", "per_head_parameters",
-    "projection_heads", "projections", "WHOLE_MIXERS",
+    "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "WHOLE_MIXERS", "WIDTH_ATTRIBUTES",
+    "ModelShape", "ModelShapeError", "attention_heads", "config_shape", "count_holder", "fused_parts",
+    "head_counts", "head_dim_of", "head_width", "hidden_size", "is_transposed_linear", "linear_widths",
+    "model_shape", "per_head_parameters", "projection_heads", "projections",
 ]
 
 #: Sequence mixers that tensor parallelism keeps whole on every rank, by class (``package.module.Class``): the linear
@@ -37,7 +37,7 @@ __all__ = [
 #: the Mamba mixers of Nemotron-H, Jamba, Bamba, Falcon-H1, Granite 4 and Zamba, and LFM2's short convolutions. Every
 #: rank runs the whole module on the whole sequence (role ``whole``: :class:`~meshlight.parallel.tensor._WholeMixer`);
 #: the attention layers, MLPs and experts beside it are split. (Each class here was checked against one process, but
-#: Zamba's, whose shared transformer block tensor parallelism refuses.) Their Linears do not count towards
+#: Zamba's and Zamba2's, whose shared transformer blocks tensor parallelism refuses.) Their Linears do not count towards
 #: :func:`hidden_size`.
 WHOLE_MIXERS = frozenset({
     "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",

@@ -678,8 +678,8 @@ class _OnLocalWeights(ParallelStyle):
 class _Interior(_OnLocalWeights):
     """A module between a column→row group's readers and its writer that holds parameters (a learned activation,
     Apertus's xIELU): it runs on this rank's hidden units as they are, its parameters replicated, each rank's gradient
-    its units' part of the sum over tp. At its first call its input must be this rank's share of the ``width`` the
-    writer reads; anything else (a module the group's owner runs on its input) is refused, naming it."""
+    its units' part of the sum over tp. Its input must be this rank's share of the ``width`` the writer reads;
+    anything else (a module the group's owner runs on its input) is refused at its first call, naming it."""
 
     def __init__(self, name: str, width: int) -> None:
         super().__init__()
@@ -704,7 +704,7 @@ class _Interior(_OnLocalWeights):
 
 
 class _WholeMixer(ParallelStyle):
-    """A sequence mixer kept whole on every rank under sequence parallelism (:data:`~meshlight.parallel.tensor_plan.
+    """A sequence mixer kept whole on every rank under sequence parallelism (:data:`~meshlight.parallel.model_shape.
     WHOLE_MIXERS`: a linear attention's recurrence): it reads the whole sequence — its input, this rank's share,
     all-gathered, the gradient reduce-scattered back — and hands on its output's share of it. Its weights, and its
     submodules', become replicated DTensors run as plain local values, each rank's gradient (from its share of the

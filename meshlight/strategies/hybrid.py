@@ -298,7 +298,7 @@ class Hybrid3DStrategy(MeshStrategy):
         layout that cannot be split over tp: tp=1 unless requested, and under a requested tp ``experts="fold"`` (or
         ep=1); experts held as a list (litgpt's), kept whole on every tp rank and split over ep under tp=1 alone:
         tp=1 unless requested, and ep=1 under a requested tp > 1; sequence mixers every tp rank runs whole
-        (:data:`~meshlight.parallel.tensor_plan.WHOLE_MIXERS`), which the cost model does not price: tp=1 unless
+        (:data:`~meshlight.parallel.model_shape.WHOLE_MIXERS`), which the cost model does not price: tp=1 unless
         requested; pp where the model computes its MoE load-balancing
         loss from every layer's router logits (``output_router_logits``), which pipelining refuses."""
         fixed = {}
