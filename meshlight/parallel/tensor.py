@@ -183,7 +183,13 @@ def apply_tensor_parallel(
             styles[name] = _OnLocalWeights()  # expert's gate; a latent attention's down-projections and their norms
         elif role == "interior":
             owner = name.rpartition(".")[0]
-            writer = next(n for n, r in plan.items() if r == "rowwise" and n.rpartition(".")[0] == owner)
+            writer = next((n for n, r in plan.items() if r == "rowwise" and n.rpartition(".")[0] == owner), None)
+            if writer is None:
+                raise TensorParallelError(
+                    f"{_shown(name)} has the role 'interior' (a module between a column→row group's projections),"
+                    f" but {_shown(owner) or 'the model'} holds no 'rowwise' projection beside it to tell this rank's"
+                    " share of the hidden units: give the group's output projection the role 'rowwise', or give this"
+                    " module another role.")
             styles[name] = _Interior(name, linear_widths(modules[writer])[0])
         elif role == "whole" and on_share:  # (without sequence parallelism every rank computes the same: left plain)
             styles[name] = _WholeMixer()

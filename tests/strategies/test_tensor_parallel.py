@@ -96,6 +96,8 @@ def test_a_learned_activation_between_the_projections_sums_its_gradient_over_tp_
                         r" for a module between the group's projections \(a learned activation\): it must read this"
                         r" rank's 12 of the 24 hidden units the output projection reads, \[\.\.\., 12\], and it was"
                         r" given a 3-D tensor \(2, 3, 16\)\. Give it a role .*", result["refusal"]), result["refusal"]
+    assert re.fullmatch(r"1 has the role 'interior' .* but the model holds no 'rowwise' projection beside it .*",
+                        result["no_writer"]), result["no_writer"]
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["gathered-again", "kept-gathered"])

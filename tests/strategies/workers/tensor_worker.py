@@ -231,7 +231,7 @@ class LearnedScale(torch.nn.Module):
 def interior_gradients() -> dict[str, object]:
     """A learned activation between a colwise ``up`` (16 → 24) and a rowwise ``down`` (``interior``) in float64: its
     scalar's gradient, summed over the ranks, against the whole MLP's; and the error when it is given the MLP's input
-    (16 wide, not this rank's share of 24)."""
+    (16 wide, not this rank's share of 24), and when a plan gives no output projection beside it."""
     from meshlight.parallel.tensor import reduce_partial_gradients
     from meshlight.parallel.tensor_plan import TensorParallelError
 
@@ -251,7 +251,13 @@ def interior_gradients() -> dict[str, object]:
         refusal = ""
     except TensorParallelError as error:
         refusal = str(error)
-    return {"difference": difference, "refusal": refusal}
+    try:  # a plan naming no output projection beside it
+        apply_tensor_parallel(torch.nn.Sequential(torch.nn.Linear(16, 24), LearnedScale()), mesh,
+                              {"0": "colwise", "1": "interior"}, sequence_parallel=False)
+        no_writer = ""
+    except TensorParallelError as error:
+        no_writer = str(error)
+    return {"difference": difference, "refusal": refusal, "no_writer": no_writer}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
