@@ -49,7 +49,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.collectives import all_gather_along
 from meshlight.parallel.dtensors import as_dtensor_like, dtensor_spec
-from meshlight.parallel.expert import expert_layers, gather_router_logits
+from meshlight.parallel.expert import expert_layers
+from meshlight.parallel.router_logits import gather_router_logits
 
 __all__ = [
     "ATTENTION_METHODS",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,6 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Shard
 from meshlight.nn.experts import GroupedExperts, local_weight, scale_gradient
 from meshlight.nn.moe import MoE
 from meshlight.parallel.blocks import class_path
-from meshlight.parallel.collectives import all_gather_along
 from meshlight.parallel.dtensors import shallow_copy
 from meshlight.parallel.expert_tensor import (
     ExpertTensorParallel,
@@ -65,14 +64,11 @@ __all__ = [
     "dense_experts",
     "expert_data_mesh",
     "expert_layers",
-    "gather_router_logits",
     "has_experts",
     "is_stacked_experts",
     "listed_expert_parameters",
     "listed_experts",
     "listed_experts_split",
-    "plain_language_model_loss",
-    "router_logits_collected",
     "sharded_experts",
     "split_dense_experts",
     "splittable_listed_experts",
@@ -210,66 +206,6 @@ def listed_expert_parameters(module: nn.Module) -> list[nn.Parameter]:
     be."""
     return [p for split in listed_experts_split(module) for expert in split.local for p in expert.parameters()
             if p.requires_grad]
-
-
-def router_logits_collected(module: nn.Module) -> bool:
-    """Whether ``module`` (or a submodule) collects its routers' logits for a load-balancing loss of its own
-    (Hugging Face's ``config.output_router_logits=True``)."""
-    return any(getattr(getattr(m, "config", None), "output_router_logits", False) is True for m in module.modules())
-
-
-def gather_router_logits(module: nn.Module, group: dist.ProcessGroup, *, replicated_loss: bool,
-                         split: Callable[[], bool] = lambda: True) -> None:
-    """Make the router logits a model's own MoE layers collect for its load-balancing loss (Hugging Face's
-    ``output_router_logits``) cover the whole sequence where ``group``'s ranks each hold a share of it (sequence
-    parallelism's tp ranks, the cp ranks): the loss is a product of means over the tokens, not a sum of shares. Each
-    layer's logits are all-gathered along the sequence where the base model returns them, before the model computes
-    the loss, so every rank of ``group`` computes the whole sequence's; the routing itself still runs on the share.
-    Backward reduce-scatters their gradients: the sum of what every rank's copy of the loss gives its share, which is
-    what the ranks' weighted losses need (cp: scaled by cp over the ranks, averaged with the data). Where every rank's
-    loss is the same one (``replicated_loss``: the tp ranks'), that sum is divided by the group's size. ``split``:
-    whether the sequence is split at this call (cp splits it inside its steps only)."""
-    size = dist.get_world_size(group)
-    scale = 1.0 / size if replicated_loss else 1.0
-
-    def whole(output: Any, share: Tensor) -> Tensor:
-        hidden = getattr(output, "last_hidden_state", None)
-        batch = hidden.shape[0] if isinstance(hidden, Tensor) else 1
-        tokens = share.reshape(batch, -1, share.shape[-1])  # the router's rows are [batch × share, experts]
-        return all_gather_along(scale_gradient(tokens, scale), 1, group).reshape(-1, share.shape[-1])
-
-    def hook(base: nn.Module, args: tuple, output: Any) -> None:
-        logits = getattr(output, "router_logits", None)
-        if logits and split():
-            output.router_logits = tuple(whole(output, share) for share in logits)
-
-    for model in {id(m.base_model): m.base_model for m in module.modules() if _can_return_router_logits(m)}.values():
-        model.register_forward_hook(hook)
-
-
-def plain_language_model_loss(module: nn.Module) -> None:
-    """Under loss parallelism the cross-entropy of vocabulary-sharded logits is a replicated DTensor. Hugging Face's
-    MoE models add their plain load-balancing loss to it inside their forward (given ``labels``, with
-    ``output_router_logits``), which would hand that plain scalar a DTensor gradient their loss function's backward
-    cannot take: their loss function returns the loss as a plain tensor instead. The logits stay sharded for it."""
-
-    def plain(loss_function: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        def whole(*args: Any, **kwargs: Any) -> Tensor:
-            loss = loss_function(*args, **kwargs)
-            # a copy: the model adds to it in place
-            return loss.full_tensor().clone() if isinstance(loss, DTensor) else loss
-
-        return whole
-
-    for model in module.modules():
-        if _can_return_router_logits(model) and hasattr(model, "loss_function"):
-            model.loss_function = plain(model.loss_function)
-
-
-def _can_return_router_logits(module: nn.Module) -> bool:
-    """A Hugging Face model whose base model can return its routers' logits."""
-    config = getattr(module, "config", None)
-    return hasattr(config, "output_router_logits") and isinstance(getattr(module, "base_model", None), nn.Module)
 
 
 def sharded_experts(module: nn.Module) -> list[nn.Module]:

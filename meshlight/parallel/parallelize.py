@@ -25,12 +25,10 @@ from meshlight.parallel.expert import (
     apply_expert_parallel,
     check_listed_experts,
     dense_experts,
-    gather_router_logits,
     has_experts,
     is_dense_experts,
     is_stacked_experts,
     listed_experts,
-    plain_language_model_loss,
     sharded_experts,
     split_dense_experts,
     stacked_experts,
@@ -39,6 +37,7 @@ from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.layout import ParallelLayout, axis
 from meshlight.parallel.offload import apply_activation_offload
 from meshlight.parallel.recompute import apply_recompute
+from meshlight.parallel.router_logits import gather_router_logits, plain_language_model_loss
 from meshlight.parallel.tensor import apply_tensor_parallel, sequence_share_input
 from meshlight.parallel.tensor_plan import model_plan, validate_plan
 from meshlight.parallel.tensor_plan import sequence_region as find_sequence_region

@@ -5,6 +5,7 @@ materialization of stages built on the meta device. How a model is split and sch
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -19,6 +20,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from meshlight.parallel.pipeline import ModelRoot, PipelineError, StagePlan
 from meshlight.parallel.rank_zero import rank_zero_warn
+from meshlight.parallel.router_logits import CarriedRouterLogits, router_logits_collected
 
 __all__ = [
     "BlockOutput",
@@ -131,13 +133,16 @@ class Stage(nn.Module):
     their output's shape, and the stage's first block gets the stage's input in place of what reached it. A stage
     before the last stops at the output of its last block and hands that on (the hidden state, where blocks return
     tuples: ``block_output``); the last runs the root's forward to its end (norm, head, a loss it computes). What
-    the last returns reaches the schedule as its tensors, and :meth:`rebuild` makes it whole again."""
+    the last returns reaches the schedule as its tensors, and :meth:`rebuild` makes it whole again. Where the model
+    computes its load-balancing loss from every layer's router logits, they travel beside the hidden state
+    (:class:`~meshlight.parallel.router_logits.CarriedRouterLogits`)."""
 
     def __init__(self, root: nn.Module, blocks: Sequence[str], first: bool, last: bool, as_embeddings: bool,
                  block_output: Optional[BlockOutput] = None) -> None:
         super().__init__()
         self.root = root
         self.block_output = block_output or BlockOutput()
+        self._router_logits = CarriedRouterLogits(root, blocks) if router_logits_collected(root) else None
         self.first, self.last = first, last
         self._as_embeddings = as_embeddings
         self._blocks = (blocks[0], blocks[-1])
@@ -164,32 +169,46 @@ class Stage(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self._hooked:
             self._hook_blocks()
+        received: tuple = ()
         if not self.first:
+            if self._router_logits is not None:  # the earlier layers' router logits come after the hidden state
+                args, received = args[:1], args[1:]
             self._input, given = args[0], _whole_shaped(args[0])
             args, kwargs = ((args[1:], {**kwargs, "inputs_embeds": given}) if self._as_embeddings else
                             ((given, *args[1:]), kwargs))
-        try:
-            output = self.root(*args, **kwargs)
-        except _StageDone as done:
-            return done.output
-        finally:
-            self._input = None
+        carried = self._router_logits
+        with carried.running(received) if carried else contextlib.nullcontext():
+            try:
+                output = self.root(*args, **kwargs)
+            except _StageDone as done:
+                return carried.handed_on(done.output) if carried else done.output
+            finally:
+                self._input = None
         if not self.last:
             raise PipelineError(f"{type(self.root).__name__}.forward returned without running its blocks.")
         if isinstance(output, torch.Tensor):
             return output
         leaves, spec = tree_flatten(output)
         self._output = (leaves, spec)
-        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+        # a scalar (a loss the model computed) as one element, which the schedule can concatenate over microbatches
+        return tuple(leaf.reshape(1) if leaf.dim() == 0 else leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
     def rebuild(self, output: Any) -> Any:
         """What the root's forward returned, from the tensors the schedule holds of it (``output``: one microbatch's,
-        or all merged); the leaves that are not tensors are the latest call's."""
+        or all merged, where a scalar is the mean of the microbatches'); the leaves that are not tensors are the
+        latest call's."""
         if self._output is None:
             return output
         leaves, spec = self._output
         tensors = iter((output,) if isinstance(output, torch.Tensor) else output)  # torch unwraps a 1-tuple
-        return tree_unflatten([next(tensors) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
+        return tree_unflatten([_as_returned(next(tensors), leaf) if isinstance(leaf, torch.Tensor) else leaf
+                               for leaf in leaves], spec)
+
+
+def _as_returned(held: torch.Tensor, returned: torch.Tensor) -> torch.Tensor:
+    """A tensor the schedule holds as the root's forward returned it: a scalar it holds as one element per
+    microbatch becomes their mean."""
+    return held.mean() if returned.dim() == 0 else held
 
 
 def _whole_shaped(stage_input: Any) -> Any:

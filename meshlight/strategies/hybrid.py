@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from meshlight.parallel.activation_compression import ActivationCompressionPolicy
 from meshlight.parallel.blocks import BlockSelection, repeated_blocks
 from meshlight.parallel.dtensors import has_dtensor_parameters
-from meshlight.parallel.expert import has_experts, listed_experts, router_logits_collected, stacked_experts
+from meshlight.parallel.expert import has_experts, listed_experts, stacked_experts
 from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, _fix_hint, data_sizes
 from meshlight.parallel.offload import OffloadPolicy, apart_from_host
@@ -299,13 +299,8 @@ class Hybrid3DStrategy(MeshStrategy):
         ep=1); experts held as a list (litgpt's), kept whole on every tp rank and split over ep under tp=1 alone:
         tp=1 unless requested, and ep=1 under a requested tp > 1; sequence mixers every tp rank runs whole
         (:data:`~meshlight.parallel.model_shape.WHOLE_MIXERS`), which the cost model does not price: tp=1 unless
-        requested; pp where the model computes its MoE load-balancing
-        loss from every layer's router logits (``output_router_logits``), which pipelining refuses."""
+        requested."""
         fixed = {}
-        if self._requested["pp"] is None and router_logits_collected(self.lightning_module):
-            fixed["pp"] = 1
-            rank_zero_info("Planning with pp=1: the model computes its load-balancing loss from every layer's router"
-                           " logits (config.output_router_logits=True), which a pipeline stage does not hold.")
         if self._requested["tp"] is None and not has_dtensor_parameters(self.lightning_module):
             try:
                 model_plan(self.lightning_module, self.tensor_parallel.plan)

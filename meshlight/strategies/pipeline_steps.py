@@ -42,7 +42,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from meshlight.parallel.expert import router_logits_collected
 from meshlight.parallel.layout import ParallelLayout
 from meshlight.parallel.pipeline import (
     ModelRoot,
@@ -91,12 +90,6 @@ def setup_pipeline(
     index)``), and return the steps runner and a module holding the stages (the strategy's model)."""
     place = model_root(lightning_module)
     root = lightning_module.get_submodule(place.name)
-    if router_logits_collected(root):
-        raise PipelineError(
-            f"{type(root).__name__} computes its MoE load-balancing loss (config.output_router_logits=True) from the"
-            " router logits of all its layers, while each pipeline stage runs only its own: set"
-            " output_router_logits=False, or train it without pipelining (expert and data parallelism)."
-        )
     pipelined = root.get_submodule(place.pipelined)
     num_stages = layout.pp * options.virtual_stages
     plan = plan_stages(pipelined, place.container, num_stages, options.split)

@@ -297,17 +297,19 @@ class LitCausalLM(pl.LightningModule):
     model computes it for the batch it is given; ``data_shards``: the step runs the model on that many equal parts of
     its batch and averages (one process computing what ``data_shards`` data-parallel ranks do: the load-balancing
     loss is not linear in the batch). The parts are those ``data_shards`` ranks read: every ``data_shards``-th
-    sample. ``clip``: the gradients are clipped to this norm before each step (by the strategy's norm over every
-    rank's part), where it is not 0."""
+    sample. ``microbatches``: each part is cut again into that many (contiguous) pieces, as a pipeline's schedule
+    cuts a rank's batch. ``clip``: the gradients are clipped to this norm before each step (by the strategy's norm
+    over every rank's part), where it is not 0."""
 
     def __init__(self, family: str, lr: float = 1e-2, optimizer: str = "adamw", vocab: int = VOCAB,
                  aux_loss: float = 0.0, data_shards: int = 1, layers: int = LAYERS, own_loss: bool = False,
-                 kv_heads: int = KV_HEADS, clip: float = 0.0) -> None:
+                 kv_heads: int = KV_HEADS, clip: float = 0.0, microbatches: int = 1) -> None:
         super().__init__()
         import transformers
 
         self.family, self.lr, self.optimizer = family, lr, optimizer
         self.aux_loss, self.data_shards, self.own_loss, self.clip = aux_loss, data_shards, own_loss, clip
+        self.microbatches = microbatches
         torch.manual_seed(0)
         if family in ("litgpt", "litgpt_moe", "litgpt_moe_grouped"):
             self.model = litgpt_model(vocab, layers, moe=family == "litgpt_moe", kv_heads=kv_heads,
@@ -344,7 +346,8 @@ class LitCausalLM(pl.LightningModule):
             return F.cross_entropy(_at_least_float32(self(inputs).flatten(0, -2)), targets.flatten())
         losses = []
         # rank r of a DistributedSampler reads every data_shards-th sample of the batch one process reads
-        shards = [[part[r::self.data_shards] for part in batch] for r in range(self.data_shards)]
+        shards = [[part[r::self.data_shards].tensor_split(self.microbatches)[m] for part in batch]
+                  for r in range(self.data_shards) for m in range(self.microbatches)]
         for inputs, targets in shards:
             if self.own_loss:  # the model's, from labels it shifts itself (the load-balancing loss added in it)
                 losses.append(self.model(input_ids=inputs, labels=unshifted(targets)).loss)
@@ -371,13 +374,13 @@ def unshifted(targets: Tensor) -> Tensor:
     return torch.cat([torch.full_like(targets[:, :1], -100), targets[:, :-1]], dim=1)
 
 
-def lit_causal_lm(name: str, data_shards: int = 1) -> LitCausalLM:
+def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> LitCausalLM:
     """The parity model called ``name``: a family (``"llama"``), a family with a vocabulary of its own
     (``"llama-vocab61"``), an MoE family with its load-balancing loss on (``"mixtral-aux"``: coefficient 0.02; the
     model adding it to its own loss from labels: ``"mixtral-aux-labels"``), or a family with :data:`DEEP_LAYERS` layers
     (``"llama-deep"``), or with key/value heads of its own (``"llama-kv1"``), or its gradients clipped to a norm of
     0.05 before each step (``"litgpt_moe-clip"``: every step clipped, its norm 0.8–2.1 before), with the family's
-    :func:`training_options`; ``data_shards``: see :class:`LitCausalLM`."""
+    :func:`training_options`; ``data_shards``, ``microbatches``: see :class:`LitCausalLM`."""
     clip = name.endswith("-clip")
     name = name.removesuffix("-clip")
     own_loss = name.endswith("-labels")
@@ -390,7 +393,8 @@ def lit_causal_lm(name: str, data_shards: int = 1) -> LitCausalLM:
     # with the load-balancing loss, AdamW at 1e-2 leaves float noise at 1.1e-4 in some weights; at 3e-3 it stays below
     options = {"lr": 3e-3} if aux else training_options(family)
     module = LitCausalLM(family, **options, vocab=int(vocab or VOCAB), aux_loss=0.02 if aux else 0.0,
-                         data_shards=data_shards, layers=DEEP_LAYERS if deep else LAYERS, own_loss=own_loss,
+                         data_shards=data_shards, microbatches=microbatches, layers=DEEP_LAYERS if deep else LAYERS,
+                         own_loss=own_loss,
                          kv_heads=int(kv_heads or KV_HEADS), clip=0.05 if clip else 0.0)
     return in_float64(module) if fp64 else module
 

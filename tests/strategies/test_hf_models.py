@@ -1,23 +1,23 @@
 """Models users bring, unchanged, under meshlight's strategies: each dense family — Hugging Face's Llama, Mistral, Qwen2
-(q/k/v biases), Qwen3 (QK-norm, an explicit head_dim) and GPT-2 (Conv1D, a fused q|k|v, learned positions, its head
-tied to the token embedding), and litgpt's GPT (a fused q|k|v for grouped queries, its blocks in a ModuleDict
-namespace the root's forward runs) — matches one process's training within 1e-4 over 20 steps, under tensor (+
-sequence) parallelism, data parallelism, pipeline parallelism (1F1B and interleaved, the LM head beside the module
-holding the layers) and (Llama, Qwen3, GPT-2 and litgpt) all three; and Mixtral, Qwen3-MoE and GPT-OSS (attention
-sinks, sliding-window layers, experts stored transposed with biases) under expert parallelism, with and without
-pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also with dp and pp; Phi-3 (a fused q|k|v
-sliced by the config's head counts, a fused gate|up), Qwen2-MoE (a shared expert beside the routed ones), OLMo 2 and
-OLMoE (q and k normalized over all heads at once; OLMo 2 at the tolerance
-:data:`~tests.strategies.hf_models.PARITY_RTOL` says, and in float64) under tensor parallelism; BLOOM, MPT and
-Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its heads') under tensor parallelism,
-BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, BLOOM and Falcon-RW under all three; OPT (its final
-norm registered before its layers) under pipelining and all three; litgpt's MoE (experts held as a list) under expert
-parallelism; Qwen3.5 (in float64: its Gated DeltaNet layers kept whole on every rank) under tensor parallelism and
-all three; the hybrids Jamba, Bamba, Falcon-H1, Granite 4 (their Mamba mixers kept whole on every rank), LFM2 (its
-short convolutions), LFM2-MoE, MiniMax (its lightning attention) and Kimi Linear (its KDA layers; in float64) under
-tensor parallelism, Falcon-H1 and Granite 4 under pipelining, Granite 4 also under expert parallelism and all three;
-Apertus (a learned activation between its MLP's projections) under tensor parallelism, with and without sequence
-parallelism. One launch per process count."""
+(q/k/v biases), Qwen3 (QK-norm, an explicit head_dim) and GPT-2 (Conv1D, a fused q|k|v, learned positions, its head tied
+to the token embedding), and litgpt's GPT (a fused q|k|v for grouped queries, its blocks in a ModuleDict namespace the
+root's forward runs) — matches one process's training within 1e-4 over 20 steps, under tensor (+ sequence) parallelism,
+data parallelism, pipeline parallelism (1F1B and interleaved, the LM head beside the module holding the layers) and
+(Llama, Qwen3, GPT-2 and litgpt) all three; and Mixtral, Qwen3-MoE and GPT-OSS (attention sinks, sliding-window layers,
+experts stored transposed with biases) under expert parallelism, with and without pipelining, and under tensor
+parallelism (their attention split), Qwen3-MoE also with dp and pp; Phi-3 (a fused q|k|v sliced by the config's head
+counts, a fused gate|up), Qwen2-MoE (a shared expert beside the routed ones), OLMo 2 and OLMoE (q and k normalized over
+all heads at once; OLMo 2 at the tolerance :data:`~tests.strategies.hf_models.PARITY_RTOL` says, and in float64) under
+tensor parallelism; BLOOM, MPT and Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its
+heads') under tensor parallelism, BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, Falcon-RW under all
+three; OPT (its final norm registered before its layers) under pipelining; litgpt's MoE (experts held as a list) under
+expert parallelism; Mixtral and Qwen3-MoE with their load-balancing loss under pipelining (every layer's router logits
+carried down the stages), with expert parallelism and all three; Qwen3.5 (in float64: its Gated DeltaNet layers kept
+whole on every rank) under tensor parallelism and all three; the hybrids Jamba, Bamba, Falcon-H1, Granite 4 (their Mamba
+mixers kept whole on every rank), LFM2 (its short convolutions), LFM2-MoE, MiniMax (its lightning attention) and Kimi
+Linear (its KDA layers; in float64) under tensor parallelism, Falcon-H1 and Granite 4 under pipelining, Granite 4 also
+under expert parallelism and all three; Apertus (a learned activation between its MLP's projections) under tensor
+parallelism, with and without sequence parallelism. One launch per process count."""
 
 from pathlib import Path
 
@@ -32,20 +32,24 @@ from tests.strategies.workers import hf_worker
 WORKER = Path(hf_worker.__file__)
 
 
-def control_of(layout: str, model: str) -> tuple[str, int]:
+def control_of(layout: str, model: str) -> tuple[str, int, int]:
     """The control a layout's run of ``model`` is matched against: with the load-balancing loss on, one process
-    computes it per data-parallel rank's part (ep2: 2 replicas; tp2: 1, over the whole sequence's routing)."""
-    return model, hf_worker.LAYOUTS[layout][2] if "-aux" in model else 1
+    computes it per data-parallel rank's part (ep2: 2 replicas; tp2: 1, over the whole sequence's routing) and per
+    pipeline microbatch of it."""
+    if "-aux" not in model:
+        return model, 1, 1
+    return model, hf_worker.LAYOUTS[layout][2], hf_worker.MICROBATCHES.get(layout, 1)
 
 
 @pytest.fixture(scope="module")
-def controls() -> dict[tuple[str, int], dict]:
+def controls() -> dict[tuple[str, int, int], dict]:
     results = {}
-    for name, shards in {control_of(layout, name) for layout, (*_, models) in hf_worker.LAYOUTS.items()
-                         for name in models}:
-        result = parity.train("adamw", model=lambda name=name, shards=shards: lit_causal_lm(name, data_shards=shards))
+    for name, shards, pieces in {control_of(layout, name) for layout, (*_, models) in hf_worker.LAYOUTS.items()
+                                 for name in models}:
+        result = parity.train("adamw", model=lambda name=name, shards=shards, pieces=pieces: lit_causal_lm(
+            name, data_shards=shards, microbatches=pieces))
         result.pop("module")
-        results[name, shards] = result
+        results[name, shards, pieces] = result
     return results
 
 
@@ -69,7 +73,8 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     logits, added by the step to the loss-parallel language-model loss, or by the model to its own from labels); ddp
     and zero3: 2 data replicas; pp2-*: two pipeline stages (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2
     (sequence parallel) on 8 processes (3d-moe: Qwen3-MoE, DeepSeek-V3, Llama 4 and Granite 4, ep=1, each expert
-    split over tp);
+    split over tp; Qwen3-MoE with its load-balancing loss, per data rank's part and microbatch, from router logits
+    gathered over tp and carried down the pipeline);
     dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over the tp and data ranks (each rank one whole expert), with sequence
     parallelism and (Mixtral) without; dp2-tp2-ep2-split*: each expert split over tp=2 and the experts over ep=2
     data ranks (Mixtral also without sequence parallelism, under ZeRO-3);
@@ -77,10 +82,12 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     ``-kv1`` / ``-kv2`` at tp2 and tp4: fewer key/value heads than ranks, each rank computing the one its query heads
     read (Llama's k and v, Phi-3's and litgpt's fused q|k|v, beside Qwen3's norm over each head); BLOOM, MPT and
     Falcon-RW at tp2, each attention handed its heads' ALiBi biases; BLOOM, MPT and Falcon at pp2-1f1b, their
-    blocks returning tuples;
+    blocks returning tuples; Mixtral at pp2-1f1b adding its load-balancing loss to its own loss from labels, each
+    microbatch's from every layer's router logits, which the earlier stage hands on beside the hidden state;
     3d-planned: Hybrid3DStrategy() with no sizes, planned from each config; ep2 and
-    dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (ep2 also with their
-    load-balancing loss, which each data-parallel rank computes over its part of the batch), and litgpt's experts
+    dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (with their load-balancing
+    loss, which each data-parallel rank computes over its part of the batch — under pipelining each microbatch's),
+    and litgpt's experts
     held as a list, each rank keeping two of them (also with every step's gradients clipped, by a norm that sums
     the ranks' experts)."""
     result = torch.load(runs / f"{layout}-{model}.pt", weights_only=False)

@@ -76,15 +76,3 @@ def test_bad_input_fails_on_every_rank_before_training_without_hanging(bad_input
     raised = [rank[case] for rank in bad_input if case in rank]
     assert len(raised) in (2, 4)
     assert all(BAD_INPUT[case] in message for message in raised), raised[0]
-
-
-def test_a_load_balancing_loss_over_all_layers_is_refused_under_pipelining():
-    pytest.importorskip("transformers")
-    from meshlight.parallel.pipeline import PipelineError
-    from meshlight.strategies.pipeline_steps import PipelineOptions, setup_pipeline
-    from tests.strategies.hf_models import lit_causal_lm
-
-    with pytest.raises(PipelineError, match=r"MixtralForCausalLM computes its MoE load-balancing loss"
-                                            r" \(config.output_router_logits=True\) from the router logits of all its"
-                                            r" layers, while each pipeline stage runs only its own"):
-        setup_pipeline(lit_causal_lm("mixtral-aux"), None, None, PipelineOptions(), torch.device("cpu"), None)

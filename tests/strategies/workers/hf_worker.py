@@ -57,6 +57,10 @@ HYBRIDS = ("jamba", "bamba", "falcon_h1", "granite4", "lfm2", "lfm2_moe", "minim
 #: clipped, and DeepSeek-V3's (grouped routing, a shared expert, a dense first layer)
 LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 
+#: the microbatches each pipelined layout's schedule cuts a rank's batch into: a model's own load-balancing loss is
+#: computed per forward call, one per microbatch (the one-process control computes it over the same pieces)
+MICROBATCHES = {"pp2-1f1b": 4, "pp2-interleaved": 4, "3d": 2, "3d-moe": 2, "dp2-pp2-ep2": 2}
+
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
     # GPT-2 also with a vocabulary tp does not divide (its head tied to the embedding, both split 31 + 30); GPT-NeoX's
@@ -87,27 +91,30 @@ LAYOUTS = {
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
     "ddp": (lambda: "ddp", 2, 2, (*FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
     "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, FAMILIES),
-    # Llama 4's forward reads its token embedding's device from the embedding's weight on every stage
-    "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=4), 2, 1,
+    # Llama 4's forward reads its token embedding's device from the embedding's weight on every stage; Mixtral adds
+    # its load-balancing loss to its own loss, from every layer's router logits (carried down the pipeline)
+    "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=MICROBATCHES["pp2-1f1b"]), 2, 1,
                  (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt", "opt_narrow", *WHOLE_MIXER_FAMILIES, "falcon_h1",
-                  "granite4")),
+                  "granite4", "mixtral-aux-labels")),
     # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models)
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
-                                                    microbatches=4), 2, 1, tuple(f"{f}-deep" for f in FAMILIES)),
+                                                    microbatches=MICROBATCHES["pp2-interleaved"]), 2, 1,
+                        tuple(f"{f}-deep" for f in FAMILIES)),
     # one microbatch per stage: the schedules' microbatch counts are tested in test_pipeline.py
     # on 8 processes a run costs ~18 s (about 9 runs on 2): the families whose structure the 3-D split meets
     # differently — Llama's (Mistral's is the same; Qwen2 adds q/k/v biases, which tp=2 and pp=2 cover), QK-norm with an
     # explicit head_dim, GPT-2's Conv1D and head tied across the first and last stage, litgpt's fused grouped q|k|v,
     # OLMo 2's q and k norms over all heads sharded over tp and then over dp — and two MoE families (Mixtral's experts
     # are split over tp as Qwen3-MoE's are; DeepSeek-V3's latent attention, its dense first layer a stage of its own;
-    # Llama 4's experts that take every token); BLOOM (float64) and Falcon-RW: ALiBi biases handed out by head on
-    # each stage, blocks returning tuples; OPT: its final norm registered before its layers, its MLP's Linears on
-    # the block; Qwen3.5 (float64): its linear attention whole on every tp rank; Granite 4 (3d-moe): its Mamba
-    # mixers whole, its experts split over tp beside its fused shared expert
-    "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=2), 8, 2,
-           ("llama", "qwen3", "gpt2", "litgpt", "olmo2", "bloom-fp64", "falcon_rw", "opt", *WHOLE_MIXER_FAMILIES)),
-    "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=2), 8, 2,
-               ("qwen3_moe", "deepseek_v3", "llama4", "granite4")),
+    # Llama 4's experts that take every token); Falcon-RW: ALiBi biases handed out by head on each stage, blocks
+    # returning tuples (BLOOM's and OPT's traits beside it are their tp's or their pp's alone: tp2 and pp2-1f1b);
+    # Qwen3.5 (float64): its linear attention whole on every tp rank; Granite 4 (3d-moe): its Mamba mixers whole, its
+    # experts split over tp beside its fused shared expert; Qwen3-MoE with its load-balancing loss, from router logits
+    # gathered over the sequence's shares and carried down the pipeline
+    "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=MICROBATCHES["3d"]), 8, 2,
+           ("llama", "qwen3", "gpt2", "litgpt", "olmo2", "falcon_rw", *WHOLE_MIXER_FAMILIES)),
+    "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=MICROBATCHES["3d-moe"]), 8, 2,
+               ("qwen3_moe-aux", "deepseek_v3", "llama4", "granite4")),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
     "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2); litgpt's listed
@@ -115,8 +122,9 @@ LAYOUTS = {
     # experts summed over ep)
     "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2, (*MOE_FAMILIES, "mixtral-aux", "qwen3_moe-aux", *LISTED,
                                                   "granite4")),
-    "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=2), 4, 2,
-                    (*MOE_FAMILIES, *LISTED)),
+    # (Qwen3-MoE with its load-balancing loss, over each data rank's part, per microbatch)
+    "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=MICROBATCHES["dp2-pp2-ep2"]), 4,
+                    2, ("mixtral", "qwen3_moe-aux", "gpt_oss", *LISTED)),
     # expert parallelism folded over tp=2 and 2 data ranks: each of the 4 ranks holds one whole expert; with
     # sequence parallelism each tp rank sends its share of the tokens, without it its part of the (same) tokens
     "dp2-tp2-ep4": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4), 4, 2, MOE_FAMILIES),
