@@ -25,7 +25,8 @@ from meshlight.parallel.blocks import class_path, repeated_blocks
 from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, listed_experts
 
 __all__ = [
-    "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "WHOLE_MIXERS", "WIDTH_ATTRIBUTES",
+    "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "KEY_SELECTORS", "WHOLE_MIXERS",
+    "WIDTH_ATTRIBUTES",
     "ModelShape", "ModelShapeError", "attention_heads", "config_shape", "count_holder", "fused_parts",
     "head_counts", "head_dim_of", "head_width", "hidden_size", "is_transposed_linear", "linear_widths",
     "model_shape", "per_head_parameters", "projection_heads", "projections",
@@ -55,6 +56,15 @@ WHOLE_MIXERS = frozenset({
     "transformers.models.lfm2.modeling_lfm2.Lfm2ShortConv",
     "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv",
     "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",
+})
+#: Modules inside an attention that pick, from its whole input, the keys each query attends to — DeepSeek Sparse
+#: Attention's lightning indexer (DeepSeek-V3.2's, GLM-5's), which scores every key with heads of its own and returns
+#: each query's top-k: every tp rank runs it whole on the whole input (role ``latent``), so that all ranks' heads
+#: attend to the same keys. (Hugging Face's runs without gradients: DeepSeek trains it apart.) Their Linears do not
+#: count towards :func:`hidden_size`.
+KEY_SELECTORS = frozenset({
+    "transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32Indexer",
+    "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaIndexer",
 })
 #: Attribute names under which attention modules keep their head counts (tensor parallelism divides them by tp).
 HEAD_COUNT_ATTRIBUTES = (
@@ -260,17 +270,17 @@ def is_transposed_linear(module: nn.Module) -> bool:
 
 
 def hidden_size(blocks: Iterable[nn.Module]) -> Optional[int]:
-    """The width the most Linears in ``blocks`` read, those of sequence mixers kept whole aside (a Mamba mixer's
-    widen the state before its recurrence): the hidden state's; None when they hold no Linear."""
-    widths = Counter(width[0] for block in blocks for m in _outside_whole_mixers(block) if (width := linear_widths(m)))
+    """The width the most Linears in ``blocks`` read, those of modules kept whole aside (a Mamba mixer's widen the
+    state before its recurrence): the hidden state's; None when they hold no Linear."""
+    widths = Counter(width[0] for block in blocks for m in _outside_kept_whole(block) if (width := linear_widths(m)))
     return widths.most_common(1)[0][0] if widths else None
 
 
-def _outside_whole_mixers(module: nn.Module) -> Iterable[nn.Module]:
+def _outside_kept_whole(module: nn.Module) -> Iterable[nn.Module]:
     yield module
-    if class_path(module) not in WHOLE_MIXERS:
+    if class_path(module) not in WHOLE_MIXERS | KEY_SELECTORS:
         for child in module.children():
-            yield from _outside_whole_mixers(child)
+            yield from _outside_kept_whole(child)
 
 
 def projections(module: nn.Module, hidden: int) -> tuple[list[str], Optional[str]]:

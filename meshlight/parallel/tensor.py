@@ -18,7 +18,8 @@ role              what it does
 ``colwise_norm``  a norm over a colwise projection's whole output (OLMo 2's q and k norms over all heads at once):
                   its vectors sharded as that output, its statistics summed over tp (:class:`_ColwiseNorm`)
 ``latent``        a latent attention's down-projection to a latent every head reads, or a norm over it (DeepSeek's
-                  multi-head latent attention): whole on every rank, run on plain tensors, its gradient summed over
+                  multi-head latent attention), or a module picking the keys every head reads (a sparse attention's
+                  indexer, with its submodules): whole on every rank, run on plain tensors, its gradient summed over
                   tp; the up-projections that read a latent (``colwise``) run on plain tensors too, each rank's
                   heads (:class:`_OnLocalWeights`)
 ``interior``      a module holding parameters between a column→row group's readers and its writer (a learned
@@ -677,7 +678,9 @@ class _OnLocalWeights(ParallelStyle):
                          and all(p.is_replicate() for p in t.placements) else t for t in inputs)
 
         distribute_module(module, device_mesh, partition, plain_inputs)
-        module.forward = functools.partial(_forward_on_local_weights, module, type(module).forward)
+        # (replicated, its submodules' weights too: a key selector's own projections)
+        forward = _forward_on_local_weights if self.sharded else _forward_on_local_tree
+        module.forward = functools.partial(forward, module, type(module).forward)
         return module
 
 

@@ -29,6 +29,7 @@ from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, list
 from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.model_shape import (
     HEAD_COUNT_ATTRIBUTES,
+    KEY_SELECTORS,
     WHOLE_MIXERS,
     attention_heads,
     fused_parts,
@@ -91,7 +92,7 @@ def derive_plan(model: nn.Module) -> Plan:
     plan: Plan = {}
     published = published_roles(model)
     latent: Plan = {}
-    mixers = _whole_mixers(blocks)
+    mixers, selectors = _whole_mixers(blocks), _kept_whole(blocks, KEY_SELECTORS)
     for prefix, readers, writer in _column_row_groups(blocks, hidden):
         latent.update(_latent_roles(modules[prefix], prefix, readers))
         readers = [name for name in readers if name not in latent]
@@ -101,9 +102,9 @@ def derive_plan(model: nn.Module) -> Plan:
         plan.update(_interior(modules[prefix], prefix))
     plan = {**plan, **_structural_roles(model, blocks, hidden), **_colwise_norms(model, blocks, hidden, plan),
             **latent}
-    plan = {name: role for name, role in plan.items() if not _within(name, mixers)}
-    return {**_left_whole(blocks, {**plan, **dict.fromkeys(mixers, "whole")}, hidden), **plan,
-            **dict.fromkeys(mixers, "whole")}
+    plan = {name: role for name, role in plan.items() if not _within(name, [*mixers, *selectors])}
+    whole = {**dict.fromkeys(mixers, "whole"), **dict.fromkeys(selectors, "latent")}
+    return {**_left_whole(blocks, {**plan, **whole}, hidden), **plan, **whole}
 
 
 def whole_mixers(model: nn.Module) -> list[str]:
@@ -113,8 +114,13 @@ def whole_mixers(model: nn.Module) -> list[str]:
 
 
 def _whole_mixers(blocks: list[tuple[str, nn.Module]]) -> list[str]:
+    return _kept_whole(blocks, WHOLE_MIXERS)
+
+
+def _kept_whole(blocks: list[tuple[str, nn.Module]], classes: frozenset[str]) -> list[str]:
+    """The modules of ``classes`` in the blocks, by full name."""
     return [_join(block_name, name) for block_name, block in blocks for name, module in block.named_modules()
-            if class_path(module) in WHOLE_MIXERS]
+            if class_path(module) in classes]
 
 
 def _interior(owner: nn.Module, prefix: str) -> Plan:
@@ -154,7 +160,8 @@ def _column_row_groups(blocks: list[tuple[str, nn.Module]], hidden: int) -> Iter
     list of experts (:func:`~meshlight.parallel.expert.listed_experts`): each expert runs on the tokens routed to it,
     whole on every rank."""
     for block_name, block in blocks:
-        listed = [*listed_experts(block), *(n for n, m in block.named_modules() if class_path(m) in WHOLE_MIXERS)]
+        listed = [*listed_experts(block), *(n for n, m in block.named_modules()
+                                            if class_path(m) in WHOLE_MIXERS | KEY_SELECTORS)]
         for group_name, group in block.named_modules():
             if _within(group_name, listed):
                 continue
@@ -687,7 +694,7 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
         stray = [f"{_shown(_join(owner, n, p))} {list(t.shape)}" for n, m in module.named_modules()
                  if (full := _join(owner, n)) not in group
                  and plan.get(full) not in ("head_norm", "colwise_norm", "interior")
-                 and not _within(full, nested)
+                 and not _within(full, [*nested, *group])
                  for p, t in m.named_parameters(recurse=False) if n or p not in per_head]
         if stray:
             raise TensorParallelError(
@@ -801,7 +808,7 @@ def _beside_group(module: nn.Module, owner: str, group: list[str], nested: list[
     """What ``module`` (named ``owner``) holds beside its column→row ``group`` and the ``nested`` owners of groups
     of their own: Linears and Embeddings, and (``norms``) the modules the plan gives the role "norm"."""
     return [full for n, m in module.named_modules() if n and (full := _join(owner, n)) not in group
-            and not _within(full, nested)
+            and not _within(full, [*nested, *group])  # (a key selector's own Linears: it is one of the group)
             and (linear_widths(m) or isinstance(m, nn.Embedding) or (norms and plan.get(full) == "norm"))]
 
 

@@ -862,3 +862,20 @@ def test_mamba_hybrids_keep_their_mixers_whole_and_split_what_is_beside_them():
         assert not [name for name in plan if name.startswith(f"{mixer}.")], family
         assert {name: plan[name] for name in splits} == splits, family
         validate_plan(model, plan, 2, 2)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_a_sparse_attentions_key_selector_runs_whole_beside_the_latent_attention_it_picks_keys_for(family):
+    """DeepSeek Sparse Attention (DeepSeek-V3.2's, GLM-5's): the lightning indexer, inside the attention, reads its
+    whole input and picks each query's keys; it takes the role ``latent`` as a whole (its own projections get no
+    role), so every rank's heads attend to the same keys; the latent attention around it is split as DeepSeek-V3's.
+    (Trained against one process in test_hf_models.)"""
+    model = lit_causal_lm(family)
+    plan = derive_plan(model)
+    attention = "model.model.layers.1.self_attn"
+    assert plan[f"{attention}.indexer"] == "latent"
+    assert not [name for name in plan if name.startswith(f"{attention}.indexer.")]
+    assert {name.rpartition(".")[2]: plan[name] for name in plan if name.rpartition(".")[0] == attention} == {
+        "q_a_proj": "latent", "q_a_layernorm": "latent", "kv_a_proj_with_mqa": "latent", "kv_a_layernorm": "latent",
+        "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise", "indexer": "latent"}
+    validate_plan(model, plan, 2, 2)

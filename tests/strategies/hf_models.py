@@ -20,10 +20,11 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")  # 4 experts, top-2, in every
 #: families whose structure only tensor parallelism meets differently: their parity runs are tp2's (Qwen2-MoE and
 #: OLMoE: 4 experts, top-2, in every layer, Qwen2-MoE's with a shared expert; DeepSeek-V3: after a dense first layer;
 #: litgpt's in Mixtral's configuration: a list of experts; Llama 4: a dense layer, then 4 experts each taking every
-#: token, top-1, beside a shared expert; Apertus: a learned activation between its MLP's projections);
+#: token, top-1, beside a shared expert; Apertus: a learned activation between its MLP's projections; DeepSeek-V3.2 and
+#: GLM-5: DeepSeek-V3's attention with a sparse attention's key selector inside it, kept whole on every rank);
 #: OLMo 2 and DeepSeek-V3 also in float64 (:data:`PARITY_RTOL`)
 TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "deepseek_v3", "deepseek_v3-fp64",
-               "ernie4_5_moe", "litgpt_moe", "llama4", "apertus")
+               "ernie4_5_moe", "litgpt_moe", "llama4", "apertus", "deepseek_v32", "glm_moe_dsa")
 #: parity tolerances other than 1e-4, and why; each with a float64 twin (``-fp64``: :func:`in_float64`) whose runs
 #: match to about 1e-13 (DeepSeek-V3's: below), which shows the gap is rounding, not a different computation:
 #:
@@ -214,6 +215,15 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
             moe_intermediate_size=HIDDEN // 2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
             kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=None, bos_token_id=0,
             eos_token_id=1)
+    if family in ("deepseek_v32", "glm_moe_dsa"):  # DeepSeek-V3's latent attention and MoE, with DeepSeek Sparse
+        # Attention: a lightning indexer (4 heads of its own, no gradients) picks the 6 keys each query attends to
+        config = transformers.DeepseekV32Config if family == "deepseek_v32" else transformers.GlmMoeDsaConfig
+        layers_of = {} if family == "deepseek_v32" else {"mlp_layer_types": ["dense"] + ["sparse"] * (layers - 1)}
+        return config(**{**common, "num_key_value_heads": HEADS}, **moe, **layers_of, n_routed_experts=4,
+                      n_shared_experts=1, moe_intermediate_size=HIDDEN // 2, n_group=1, topk_group=1,
+                      first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=4,
+                      qk_nope_head_dim=8, v_head_dim=8, index_n_heads=4, index_head_dim=8, index_topk=6,
+                      pad_token_id=None, bos_token_id=0, eos_token_id=1)
     if family.startswith("llama4"):  # a dense layer, then a MoE one: 4 experts stored transposed, each run on every
         # token scaled by its sigmoid router score (zero where not chosen: top-1), added in place into a shared
         # expert's output; chunked attention (chunks of 4 tokens) with rotary and an L2 QK-norm, then a layer without
