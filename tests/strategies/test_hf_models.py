@@ -13,12 +13,12 @@ heads') under tensor parallelism, BLOOM, MPT and Falcon (blocks returning tuples
 three; OPT (its final norm registered before its layers) under pipelining; litgpt's MoE (experts held as a list) under
 expert parallelism; Mixtral and Qwen3-MoE with their load-balancing loss under pipelining (every layer's router logits
 carried down the stages), with expert parallelism and all three; Qwen3.5 (in float64: its Gated DeltaNet layers kept
-whole on every rank) under tensor parallelism and all three; the hybrids Jamba, Bamba, Falcon-H1, Granite 4 (their Mamba
-mixers kept whole on every rank), LFM2 (its short convolutions), LFM2-MoE, MiniMax (its lightning attention) and Kimi
-Linear (its KDA layers; in float64) under tensor parallelism, Falcon-H1 and Granite 4 under pipelining, Granite 4 also
-under expert parallelism and all three; Apertus (a learned activation between its MLP's projections) under tensor
-parallelism, with and without sequence parallelism; DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention: its key
-selector kept whole on every rank) under tensor parallelism. One launch per process count."""
+whole on every rank) under tensor parallelism; the hybrids Jamba, Bamba, Falcon-H1, Granite 4 (their Mamba mixers kept
+whole on every rank), LFM2 (its short convolutions), LFM2-MoE, MiniMax (its lightning attention) and Kimi Linear (its
+KDA layers; in float64) under tensor parallelism, Falcon-H1 and Granite 4 under pipelining, Granite 4 also under expert
+parallelism and all three; Apertus (a learned activation between its MLP's projections) under tensor parallelism, with
+and without sequence parallelism; DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention: its key selector kept whole on
+every rank) under tensor parallelism. One launch per process count."""
 
 from pathlib import Path
 

@@ -84,9 +84,9 @@ LAYOUTS = {
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
     # litgpt's listed experts whole on every rank, each computing all the tokens, and Llama 4's shared expert's
     # output, summed over tp, added to in place by the model; Apertus's learned activation's scalars, their gradients
-    # summed over tp as under sequence parallelism
+    # summed over tp as under sequence parallelism (a mixer kept whole is left as it is there: every rank computes it)
     "tp2-no-sp": (lambda: ml.TensorParallelStrategy(tp=2, sequence_parallel=False), 2, 1,
-                  ("deepseek_v3", "litgpt_moe", "llama4", *WHOLE_MIXER_FAMILIES, "apertus")),
+                  ("deepseek_v3", "litgpt_moe", "llama4", "apertus")),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
     "ddp": (lambda: "ddp", 2, 2, (*FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
@@ -94,12 +94,13 @@ LAYOUTS = {
     # Llama 4's forward reads its token embedding's device from the embedding's weight on every stage; Mixtral adds
     # its load-balancing loss to its own loss, from every layer's router logits (carried down the pipeline)
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=MICROBATCHES["pp2-1f1b"]), 2, 1,
-                 (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt", "opt_narrow", *WHOLE_MIXER_FAMILIES, "falcon_h1",
-                  "granite4", "mixtral-aux-labels")),
-    # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models)
+                 (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt", "opt_narrow", "falcon_h1", "granite4",
+                  "mixtral-aux-labels")),
+    # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models); Mistral
+    # is Llama's structure under its own classes (1F1B runs it)
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
                                                     microbatches=MICROBATCHES["pp2-interleaved"]), 2, 1,
-                        tuple(f"{f}-deep" for f in FAMILIES)),
+                        tuple(f"{f}-deep" for f in FAMILIES if f != "mistral")),
     # one microbatch per stage: the schedules' microbatch counts are tested in test_pipeline.py
     # on 8 processes a run costs ~18 s (about 9 runs on 2): the families whose structure the 3-D split meets
     # differently — Llama's (Mistral's is the same; Qwen2 adds q/k/v biases, which tp=2 and pp=2 cover), QK-norm with an
@@ -108,11 +109,11 @@ LAYOUTS = {
     # are split over tp as Qwen3-MoE's are; DeepSeek-V3's latent attention, its dense first layer a stage of its own;
     # Llama 4's experts that take every token); Falcon-RW: ALiBi biases handed out by head on each stage, blocks
     # returning tuples (BLOOM's and OPT's traits beside it are their tp's or their pp's alone: tp2 and pp2-1f1b);
-    # Qwen3.5 (float64): its linear attention whole on every tp rank; Granite 4 (3d-moe): its Mamba mixers whole, its
-    # experts split over tp beside its fused shared expert; Qwen3-MoE with its load-balancing loss, from router logits
-    # gathered over the sequence's shares and carried down the pipeline
+    # Granite 4 (3d-moe): its Mamba mixers whole on every tp rank (as Qwen3.5's linear attention, whose float64 run
+    # here cost 32 s), its experts split over tp beside its fused shared expert; Qwen3-MoE with its load-balancing
+    # loss, from router logits gathered over the sequence's shares and carried down the pipeline
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=MICROBATCHES["3d"]), 8, 2,
-           ("llama", "qwen3", "gpt2", "litgpt", "olmo2", "falcon_rw", *WHOLE_MIXER_FAMILIES)),
+           ("llama", "qwen3", "gpt2", "litgpt", "olmo2", "falcon_rw")),
     "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=MICROBATCHES["3d-moe"]), 8, 2,
                ("qwen3_moe-aux", "deepseek_v3", "llama4", "granite4")),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
