@@ -25,7 +25,7 @@ from meshlight.parallel.blocks import class_path, repeated_blocks
 from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, listed_experts
 
 __all__ = [
-    "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "KEY_SELECTORS", "WHOLE_MIXERS",
+    "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "KEPT_WHOLE", "KEY_SELECTORS", "WHOLE_MIXERS",
     "WIDTH_ATTRIBUTES",
     "ModelShape", "ModelShapeError", "attention_heads", "config_shape", "count_holder", "fused_parts",
     "head_counts", "head_dim_of", "head_width", "hidden_size", "is_transposed_linear", "linear_widths",
@@ -66,6 +66,8 @@ KEY_SELECTORS = frozenset({
     "transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32Indexer",
     "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaIndexer",
 })
+#: The modules tensor parallelism keeps whole on every rank, by class: their insides get no role.
+KEPT_WHOLE = WHOLE_MIXERS | KEY_SELECTORS
 #: Attribute names under which attention modules keep their head counts (tensor parallelism divides them by tp).
 HEAD_COUNT_ATTRIBUTES = (
     "n_heads", "num_heads", "n_head", "num_attention_heads", "heads", "nheads",
@@ -278,7 +280,7 @@ def hidden_size(blocks: Iterable[nn.Module]) -> Optional[int]:
 
 def _outside_kept_whole(module: nn.Module) -> Iterable[nn.Module]:
     yield module
-    if class_path(module) not in WHOLE_MIXERS | KEY_SELECTORS:
+    if class_path(module) not in KEPT_WHOLE:
         for child in module.children():
             yield from _outside_kept_whole(child)
 

@@ -58,7 +58,7 @@ def gather_router_logits(module: nn.Module, group: dist.ProcessGroup, *, replica
         if logits and split():
             output.router_logits = tuple(whole(output, share) for share in logits)
 
-    for model in {id(m.base_model): m.base_model for m in module.modules() if _can_return_router_logits(m)}.values():
+    for model in _base_models(module):
         model.register_forward_hook(hook)
 
 
@@ -81,6 +81,11 @@ def plain_language_model_loss(module: nn.Module) -> None:
             model.loss_function = plain(model.loss_function)
 
 
+def _base_models(module: nn.Module) -> list[nn.Module]:
+    """The base models (each once) of the Hugging Face models in ``module`` that can return their routers' logits."""
+    return list({id(m.base_model): m.base_model for m in module.modules() if _can_return_router_logits(m)}.values())
+
+
 def _can_return_router_logits(module: nn.Module) -> bool:
     """A Hugging Face model whose base model can return its routers' logits."""
     config = getattr(module, "config", None)
@@ -92,7 +97,7 @@ def routers(module: nn.Module) -> list[tuple[nn.Module, int]]:
     model's class names under ``_can_record_outputs["router_logits"]`` — each with the position of the logits in what
     it returns."""
     found: dict[int, tuple[nn.Module, int]] = {}
-    for model in {id(m.base_model): m.base_model for m in module.modules() if _can_return_router_logits(m)}.values():
+    for model in _base_models(module):
         specs = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
         for spec in specs if isinstance(specs, list) else [specs] if specs is not None else []:
             # as transformers reads them: a class or a class name's suffix, recorded at index 1 unless an
@@ -124,8 +129,7 @@ class CarriedRouterLogits:
         for router, index in routers(root):
             if id(router) in mine:
                 router.register_forward_hook(functools.partial(self._capture, index))
-        bases = {id(m.base_model): m.base_model for m in root.modules() if _can_return_router_logits(m)}
-        for base in bases.values():  # first: sequence parallelism's gather then covers what was received too
+        for base in _base_models(root):  # first: sequence parallelism's gather then covers what was received too
             base.register_forward_hook(self._prepend_received, prepend=True)
 
     @contextmanager

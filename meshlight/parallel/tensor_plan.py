@@ -29,6 +29,7 @@ from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, list
 from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.model_shape import (
     HEAD_COUNT_ATTRIBUTES,
+    KEPT_WHOLE,
     KEY_SELECTORS,
     WHOLE_MIXERS,
     attention_heads,
@@ -161,7 +162,7 @@ def _column_row_groups(blocks: list[tuple[str, nn.Module]], hidden: int) -> Iter
     whole on every rank."""
     for block_name, block in blocks:
         listed = [*listed_experts(block), *(n for n, m in block.named_modules()
-                                            if class_path(m) in WHOLE_MIXERS | KEY_SELECTORS)]
+                                            if class_path(m) in KEPT_WHOLE)]
         for group_name, group in block.named_modules():
             if _within(group_name, listed):
                 continue
