@@ -21,7 +21,8 @@ that take every token instead (:func:`dense_experts`, Llama 4's) have nothing to
 each of them (:class:`DenseExpertsParallel`), and expert parallelism leaves them alone. Experts held as a list, each
 an MLP module of its own (litgpt's ``LLaMAMoE``), are split where meshlight knows their block's forward
 (:data:`LISTED_MOE_FORWARDS`): each rank keeps its experts in the list, under the names one process gives them, and
-the block's own routing sends the tokens (:class:`ListedExpertsParallel`).
+the block's own routing sends the tokens (:class:`ListedExpertsParallel`); under tensor parallelism they are folded
+(whole experts, ep spanning the tp ranks), never split over them.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from meshlight.parallel.expert_tensor import (
     stacked_expert_width,
     stacked_split_placements,
 )
-from meshlight.parallel.layout import DATA_AXES, axis, hybrid_mesh, same_experts_axis
+from meshlight.parallel.layout import DATA_AXES, ParallelLayout, axis, hybrid_mesh, same_experts_axis
 
 __all__ = [
     "AllToAllDispatcher",
@@ -175,17 +176,19 @@ def splittable_listed_experts(module: nn.Module) -> dict[str, nn.ModuleList]:
             if class_path(module.get_submodule(name.rpartition(".")[0])) in LISTED_MOE_FORWARDS}
 
 
-def check_listed_experts(module: nn.Module, ep: int, tp: int) -> None:
-    """Experts held as a list are split over ``ep`` data ranks alone, each rank holding as many."""
-    listed = splittable_listed_experts(module) if ep > 1 else {}
-    if listed and tp > 1:
+def check_listed_experts(module: nn.Module, layout: ParallelLayout) -> None:
+    """Experts held as a list are split over ``ep`` ranks whole, each rank holding as many: data ranks, or under
+    tensor parallelism ranks spanning the tp ranks too (``experts="fold"``); split over tp they cannot be."""
+    listed = splittable_listed_experts(module) if layout.ep > 1 else {}
+    if listed and layout.tp > 1 and not layout.folded:
         raise NotImplementedError(
-            f"ep={ep} with tp={tp}: {next(iter(listed)).rpartition('.')[0]} holds its experts as a list (litgpt's"
-            " MoE), which expert parallelism splits over data ranks alone. Use tp=1 to split them over ep, or ep=1 to"
-            " keep them whole on every tp rank."
+            f"{layout.describe()}: {next(iter(listed)).rpartition('.')[0]} holds its experts as a list (litgpt's"
+            " MoE), which meshlight does not split over the tp ranks (experts='split'). Fold expert parallelism over"
+            f" them instead: experts='fold' with ep in {layout.folded_ep_choices()}, or ep=1 (the experts whole on"
+            " every tp rank)."
         )
     for experts in listed.values():
-        _check_experts_divide(len(experts), ep)
+        _check_experts_divide(len(experts), layout.ep, layout.tp if layout.folded else 1)
 
 
 def has_experts(module: nn.Module) -> bool:
@@ -267,10 +270,18 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, *, seque
             layer.dispatcher = AllToAllDispatcher(mesh["ep"].get_group(), layer.num_experts // ep)
     for experts in stacked_experts(module):
         _split_stacked(experts, mesh, ep, sequence_parallel=sequence_parallel, fold=fold, data_ranks=data_ranks)
-    if ep > 1:  # (under tp=1: check_listed_experts)
+    if ep > 1:  # (under tp: folded, checked by check_listed_experts)
         for name in splittable_listed_experts(module):
             parent, _, list_name = name.rpartition(".")
-            ListedExpertsParallel(module.get_submodule(parent), list_name, mesh["ep"].get_group())
+            ListedExpertsParallel(module.get_submodule(parent), list_name, mesh["ep"].get_group(),
+                                  data_ranks=data_ranks, tensor_parallel=_same_tokens(mesh, fold, sequence_parallel))
+
+
+def _same_tokens(mesh: DeviceMesh, fold: bool, sequence_parallel: bool) -> Optional[ExpertTensorParallel]:
+    """Folded without sequence parallelism, the tp ranks hold the same tokens, and each sends its part of them."""
+    if fold and not sequence_parallel:
+        return ExpertTensorParallel(mesh["tp"].get_group(), sequence_parallel=False, fold=True)
+    return None
 
 
 def _split_stacked(experts: nn.Module, mesh: DeviceMesh, ep: int, *, sequence_parallel: bool, fold: bool,
@@ -287,10 +298,7 @@ def _split_stacked(experts: nn.Module, mesh: DeviceMesh, ep: int, *, sequence_pa
                                                fold=False)
     elif ep > 1:
         split_mesh, placements = mesh["ep"], _over_experts
-        # folded, without sequence parallelism: the tp ranks hold the same tokens, and each sends its part of them
-        same_tokens = fold and not sequence_parallel
-        tensor_parallel = (ExpertTensorParallel(mesh["tp"].get_group(), sequence_parallel=False, fold=True)
-                           if same_tokens else None)
+        tensor_parallel = _same_tokens(mesh, fold, sequence_parallel)
     else:
         return
     if _split(experts, experts.num_experts, split_mesh, placements):
@@ -458,16 +466,22 @@ class ListedExpertsParallel:
     ``r·L + L − 1`` (rank ``r``, ``L`` = experts ÷ ep) in their places in the list, and the others are dropped from it:
     a checkpoint names each expert as one process does. The block's own routing (:data:`LISTED_MOE_FORWARDS`) chooses,
     each (token, choice) pair travels to the rank holding its expert (:class:`AllToAllDispatcher`) and back, and is
-    weighted here, as :class:`StackedExpertsParallel` does. Each expert's gradient collects the tokens of the ep ranks
-    and is scaled by 1/ep, as :class:`GroupedExperts`' are: data parallelism averages it over the ranks holding the
-    same experts alone. Every rank builds the whole list first, as one process does, and drops the others' experts
-    here: expert parallelism lowers the memory of training such a model, not of building it."""
+    weighted here, as :class:`StackedExpertsParallel` does. Each expert's gradient collects the tokens of the
+    ``data_ranks`` whose tokens reach it (ep, or ep ÷ tp where ``group`` spans the tp ranks too) and is scaled by their
+    inverse, as :class:`GroupedExperts`' are: data parallelism averages it over the ranks holding the same experts
+    alone. ``tensor_parallel``: where ``group`` spans tp ranks that hold the same tokens (folded, without sequence
+    parallelism), each sends its part of the pairs; the outputs are summed over tp, and the gradients of the tokens
+    and of the router's weights, each rank's partial, in backward. Every rank builds the whole list first, as one
+    process does, and drops the others' experts here: expert parallelism lowers the memory of training such a model,
+    not of building it."""
 
-    def __init__(self, block: nn.Module, experts_name: str, group: dist.ProcessGroup) -> None:
+    def __init__(self, block: nn.Module, experts_name: str, group: dist.ProcessGroup, *, data_ranks: int,
+                 tensor_parallel: Optional[ExpertTensorParallel] = None) -> None:
         experts = block.get_submodule(experts_name)
         self.block, self.block_forward = block, LISTED_MOE_FORWARDS[class_path(block)]
-        self.num_experts, self.ranks = len(experts), dist.get_world_size(group)  # (checked: check_listed_experts)
-        held = self.num_experts // self.ranks
+        self.num_experts, ranks = len(experts), dist.get_world_size(group)  # (checked: check_listed_experts)
+        self.data_ranks, self.tensor_parallel = data_ranks, tensor_parallel
+        held = self.num_experts // ranks
         first = dist.get_rank(group) * held
         for index in [*range(first), *range(first + held, self.num_experts)]:
             del experts._modules[str(index)]  # not `del experts[index]`, which would number the rest anew
@@ -479,14 +493,18 @@ class ListedExpertsParallel:
         return self.block_forward(self.block, x, self._routed)
 
     def _routed(self, rows: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
+        tp = self.tensor_parallel
         pairs = torch.arange(chosen.numel(), device=rows.device)
-        return _dispatched(rows, chosen, weights, pairs, self.num_experts, self.dispatcher, self._local_experts)
+        if tp is not None:
+            rows, weights, pairs = tp.whole(rows), tp.whole(weights), tp.own_slots(pairs, len(pairs))
+        out = _dispatched(rows, chosen, weights, pairs, self.num_experts, self.dispatcher, self._local_experts)
+        return out if tp is None else tp.share(out)
 
     def _local_experts(self, rows: Tensor, counts: Tensor) -> Tensor:
-        """This rank's experts, each on its group of ``rows``; the gradient reaching their weights scaled by 1/ep
-        (and what reaches the rows back by ep)."""
+        """This rank's experts, each on its group of ``rows``; the gradient reaching their weights scaled by
+        1/``data_ranks`` (and what reaches the rows back by ``data_ranks``)."""
         parts = rows.split(counts.tolist())
-        return torch.cat([scale_gradient(expert(scale_gradient(part, self.ranks)), 1.0 / self.ranks)
+        return torch.cat([scale_gradient(expert(scale_gradient(part, self.data_ranks)), 1.0 / self.data_ranks)
                           for expert, part in zip(self.local, parts)])
 
 

@@ -31,6 +31,7 @@ from meshlight.parallel.expert import (
     listed_experts,
     sharded_experts,
     split_dense_experts,
+    splittable_listed_experts,
     stacked_experts,
 )
 from meshlight.parallel.expert_tensor import stacked_split_placements
@@ -96,7 +97,7 @@ def parallelize(
         )
     if layout.tp > 1 and stacked_experts(module):
         _check_stacked_experts_under_tp(module, layout)
-    check_listed_experts(module, layout.ep, layout.tp)
+    check_listed_experts(module, layout)
     if is_data_parallel(module):
         return module
     # Every transform starts from the same weights on every rank (DDP would broadcast; FSDP and TP do not).
@@ -106,11 +107,12 @@ def parallelize(
         options = tensor_parallel
         plan = plan if plan is not None else model_plan(module, options.plan)
         validate_plan(module, plan, layout.tp, layout.world_size, sequence_parallel=options.sequence_parallel)
-        # a model's own experts stay plain here where expert parallelism spreads them over the tp ranks (folded) or
-        # splits each over them
+        # a model's own experts stay plain here where expert parallelism spreads them over the tp ranks (folded, a
+        # list's too) or splits each over them
         split = {name for name, m in module.named_modules() if is_stacked_experts(m) and _split_over_tp(m, layout)
                  or is_dense_experts(m)}
-        plan = {name: role for name, role in plan.items() if name not in split}
+        listed = tuple(f"{name}." for name in (splittable_listed_experts(module) if layout.ep > 1 else ()))
+        plan = {name: role for name, role in plan.items() if name not in split and not name.startswith(listed)}
         if sequence_region == "auto":
             sequence_region = find_sequence_region(module, plan) if options.sequence_parallel else None
         apply_tensor_parallel(module, mesh["tp"], plan, sequence_parallel=options.sequence_parallel,

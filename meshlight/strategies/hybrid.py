@@ -295,9 +295,8 @@ class Hybrid3DStrategy(MeshStrategy):
         """Sizes the engines cannot give this model, fixed at 1 for the planner where not requested: tp where no
         tensor-parallel plan splits its blocks (fused projections), ep where it has no experts expert parallelism
         splits (experts its config counts, in modules it cannot split); and a model's own stacked experts in a
-        layout that cannot be split over tp: tp=1 unless requested, and under a requested tp ``experts="fold"`` (or
-        ep=1); experts held as a list (litgpt's), kept whole on every tp rank and split over ep under tp=1 alone:
-        tp=1 unless requested, and ep=1 under a requested tp > 1; sequence mixers every tp rank runs whole
+        layout that cannot be split over tp, and experts held as a list (litgpt's): tp=1 unless requested, and under
+        a requested tp ``experts="fold"`` (or ep=1); sequence mixers every tp rank runs whole
         (:data:`~meshlight.parallel.model_shape.WHOLE_MIXERS`), which the cost model does not price: tp=1 unless
         requested."""
         fixed = {}
@@ -309,18 +308,13 @@ class Hybrid3DStrategy(MeshStrategy):
                 rank_zero_info(f"Planning with tp=1: tensor parallelism cannot split this model ({error})")
         if self._requested["ep"] is None and not has_experts(self.lightning_module):
             fixed["ep"] = 1
-        if listed_experts(self.lightning_module):
-            # experts held as a list stay whole on every tp rank (each runs its share of the tokens): not priced
-            if self._requested["tp"] is None:
-                fixed["tp"] = 1
-            elif self._requested["tp"] > 1 and self._requested["ep"] is None:
-                fixed["ep"] = 1
         if self._requested["tp"] is None and whole_mixers(self.lightning_module):
             # sequence mixers every tp rank runs whole (Qwen3.5's linear attention): not priced
             fixed["tp"] = 1
-        if any(stacked_split_placements(m) is None for m in stacked_experts(self.lightning_module)):
-            # experts split over tp only in a layout meshlight knows; others are kept whole: on every tp rank (ep=1),
-            # which the cost model does not price, or spread over the tp ranks by ep folded over them
+        if listed_experts(self.lightning_module) or any(stacked_split_placements(m) is None
+                                                         for m in stacked_experts(self.lightning_module)):
+            # experts split over tp only in a layout meshlight knows (not a list's); others are kept whole: on every
+            # tp rank (ep=1), which the cost model does not price, or spread over the tp ranks by ep folded over them
             if self._requested["tp"] is None:
                 fixed["tp"] = 1
             elif self._requested["tp"] > 1 and self._requested["ep"] != 1 and self._experts_given is None:

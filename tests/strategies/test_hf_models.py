@@ -11,14 +11,14 @@ all heads at once; OLMo 2 at the tolerance :data:`~tests.strategies.hf_models.PA
 tensor parallelism; BLOOM, MPT and Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its
 heads') under tensor parallelism, BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, Falcon-RW under all
 three; OPT (its final norm registered before its layers) under pipelining; litgpt's MoE (experts held as a list) under
-expert parallelism; Mixtral and Qwen3-MoE with their load-balancing loss under pipelining (every layer's router logits
-carried down the stages), with expert parallelism and all three; Qwen3.5 (in float64: its Gated DeltaNet layers kept
-whole on every rank) under tensor parallelism; the hybrids Jamba, Bamba, Falcon-H1, Granite 4 (their Mamba mixers kept
-whole on every rank), LFM2 (its short convolutions), LFM2-MoE, MiniMax (its lightning attention) and Kimi Linear (its
-KDA layers; in float64) under tensor parallelism, Falcon-H1 and Granite 4 under pipelining, Granite 4 also under expert
-parallelism and all three; Apertus (a learned activation between its MLP's projections) under tensor parallelism, with
-and without sequence parallelism; DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention: its key selector kept whole on
-every rank) under tensor parallelism. One launch per process count."""
+expert parallelism, alone, folded over tp and in all four; Mixtral and Qwen3-MoE with their load-balancing loss under
+pipelining (every layer's router logits carried down the stages), with expert parallelism and all three; Qwen3.5 (in
+float64: its Gated DeltaNet layers kept whole on every rank) under tensor parallelism; the hybrids Jamba, Bamba,
+Falcon-H1, Granite 4 (their Mamba mixers kept whole on every rank), LFM2 (its short convolutions), LFM2-MoE, MiniMax
+(its lightning attention) and Kimi Linear (its KDA layers; in float64) under tensor parallelism, Falcon-H1 and Granite 4
+under pipelining, Granite 4 also under expert parallelism and all three; Apertus (a learned activation between its MLP's
+projections) under tensor parallelism, with and without sequence parallelism; DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse
+Attention: its key selector kept whole on every rank) under tensor parallelism. One launch per process count."""
 
 from pathlib import Path
 
@@ -76,8 +76,10 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     (sequence parallel) on 8 processes (3d-moe: Qwen3-MoE, DeepSeek-V3, Llama 4 and Granite 4, ep=1, each expert
     split over tp; Qwen3-MoE with its load-balancing loss, per data rank's part and microbatch, from router logits
     gathered over tp and carried down the pipeline);
-    dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over the tp and data ranks (each rank one whole expert), with sequence
-    parallelism and (Mixtral) without; dp2-tp2-ep2-split*: each expert split over tp=2 and the experts over ep=2
+    dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over the tp and data ranks (each rank one whole expert; litgpt's of
+    its lists too), with sequence parallelism and (Mixtral, litgpt's MoE with its gradients clipped) without; 3d-ep2:
+    litgpt's MoE under dp=2 × pp=2 × tp=2 with ep=2 folded over tp (each rank two whole experts of each list);
+    dp2-tp2-ep2-split*: each expert split over tp=2 and the experts over ep=2
     data ranks (Mixtral also without sequence parallelism, under ZeRO-3);
     tp2-loss-parallel: a vocabulary of 61, which tp=2 splits 31 + 30, the logits left split for the loss;
     ``-kv1`` / ``-kv2`` at tp2 and tp4: fewer key/value heads than ranks, each rank computing the one its query heads
@@ -162,15 +164,20 @@ def test_experts_held_as_a_list_resume_exactly_and_load_under_other_layouts(runs
     parity.assert_parity(results["on_ddp"], second_half)
 
 
-def test_experts_held_as_a_list_are_refused_under_tensor_and_expert_parallelism_together():
-    """Expert parallelism splits a list of experts over data ranks alone; with tp it is refused before any
-    collective, naming both ways out, as an expert count ep does not divide is."""
+def test_experts_held_as_a_list_are_refused_split_over_tensor_parallel_ranks():
+    """Expert parallelism spreads a list of experts whole over ranks: data ranks, or under tp ranks spanning the tp
+    ranks too (experts="fold", the default where ep is a multiple of tp). Split over the tp ranks, or over an ep that
+    cannot fold, it is refused before any collective, naming the ways out, as an expert count ep does not divide
+    is."""
     from meshlight.parallel.layout import ParallelLayout
     from meshlight.parallel.parallelize import parallelize
 
-    with pytest.raises(NotImplementedError, match=r"ep=2 with tp=2: model.transformer.h.0.mlp holds its experts as a"
-                                                  r" list \(litgpt's MoE\).*Use tp=1 to split them over ep, or ep=1"):
-        parallelize(lit_causal_lm("litgpt_moe"), ParallelLayout(dp_replicate=2, tp=2, ep=2), mesh=None)
+    with pytest.raises(NotImplementedError, match=r"tp=2 · ep=2: model.transformer.h.0.mlp holds its experts as a"
+                                                  r" list \(litgpt's MoE\), which meshlight does not split over the tp"
+                                                  r" ranks \(experts='split'\). Fold expert parallelism over them"
+                                                  r" instead: experts='fold' with ep in \[2, 4\], or ep=1"):
+        parallelize(lit_causal_lm("litgpt_moe"), ParallelLayout(dp_replicate=2, tp=2, ep=2, experts="split"),
+                    mesh=None)
     with pytest.raises(ValueError, match=r"num_experts=4 is not divisible by ep=3.*Choose ep in \[1, 2, 4\]"):
         parallelize(lit_causal_lm("litgpt_moe"), ParallelLayout(dp_replicate=3, ep=3), mesh=None)
 

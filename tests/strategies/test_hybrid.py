@@ -205,21 +205,16 @@ def test_the_planner_splits_a_models_own_experts_over_tp_where_it_can_else_keeps
             ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
             strategy.connect(lit_causal_lm(family))
             assert strategy._unsplittable() == {}, (family, arguments)
-    # experts in a layout it cannot split are kept whole: tp stays 1 unless given, and under a given tp expert
-    # parallelism folds over the tp ranks (or is 1, the experts whole on each); experts given are the user's
-    for arguments, fixed in (({}, {"tp": 1}), ({"tp": 2}, {"experts": "fold"}), ({"tp": 2, "ep": 1}, {}),
-                             ({"tp": 2, "experts": "split"}, {})):
-        strategy = ml.Hybrid3DStrategy(**arguments)
-        ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
-        strategy.connect(experts_in_another_layout(lit_causal_lm("mixtral")))
-        assert strategy._unsplittable() == fixed, arguments
-    # experts held as a list (litgpt's) stay whole on every tp rank, which the cost model does not price: tp stays 1
-    # unless given; expert parallelism splits them under tp=1 alone
-    for arguments, fixed in (({}, {"tp": 1}), ({"tp": 2}, {"ep": 1}), ({"tp": 1}, {})):
-        strategy = ml.Hybrid3DStrategy(**arguments)
-        ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
-        strategy.connect(lit_causal_lm("litgpt_moe"))
-        assert strategy._unsplittable() == fixed, arguments
+    # experts in a layout it cannot split, and experts held as a list (litgpt's), are kept whole: tp stays 1 unless
+    # given, and under a given tp expert parallelism folds over the tp ranks (or is 1, the experts whole on each);
+    # experts given are the user's
+    for model in (lambda: experts_in_another_layout(lit_causal_lm("mixtral")), lambda: lit_causal_lm("litgpt_moe")):
+        for arguments, fixed in (({}, {"tp": 1}), ({"tp": 2}, {"experts": "fold"}), ({"tp": 2, "ep": 1}, {}),
+                                 ({"tp": 2, "experts": "split"}, {}), ({"tp": 1}, {})):
+            strategy = ml.Hybrid3DStrategy(**arguments)
+            ml.Trainer(strategy=strategy, devices=arguments.get("tp", 1), accelerator="cpu", logger=False)
+            strategy.connect(model())
+            assert strategy._unsplittable() == fixed, arguments
     # a load-balancing loss from every layer's router logits: they travel down the pipeline, nothing is fixed
     strategy = ml.Hybrid3DStrategy()
     ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", logger=False)

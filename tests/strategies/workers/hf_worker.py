@@ -59,7 +59,7 @@ LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 
 #: the microbatches each pipelined layout's schedule cuts a rank's batch into: a model's own load-balancing loss is
 #: computed per forward call, one per microbatch (the one-process control computes it over the same pieces)
-MICROBATCHES = {"pp2-1f1b": 4, "pp2-interleaved": 4, "3d": 2, "3d-moe": 2, "dp2-pp2-ep2": 2}
+MICROBATCHES = {"pp2-1f1b": 4, "pp2-interleaved": 4, "3d": 2, "3d-moe": 2, "3d-ep2": 2, "dp2-pp2-ep2": 2}
 
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
@@ -113,7 +113,11 @@ LAYOUTS = {
     # here cost 32 s), its experts split over tp beside its fused shared expert; Qwen3-MoE with its load-balancing
     # loss, from router logits gathered over the sequence's shares and carried down the pipeline
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=MICROBATCHES["3d"]), 8, 2,
-           ("llama", "qwen3", "gpt2", "litgpt", "olmo2", "falcon_rw")),
+           ("llama", "qwen3", "gpt2", "olmo2", "falcon_rw")),
+    # litgpt's fused grouped q|k|v split over tp, and its experts held as a list spread over the tp ranks by ep
+    # folded over them (each rank two whole experts of each list, each tp rank sending its share of the tokens)
+    "3d-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=2, microbatches=MICROBATCHES["3d-ep2"]), 8, 2,
+               ("litgpt_moe",)),
     "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=MICROBATCHES["3d-moe"]), 8, 2,
                ("qwen3_moe-aux", "deepseek_v3", "llama4", "granite4")),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
@@ -126,11 +130,12 @@ LAYOUTS = {
     # (Qwen3-MoE with its load-balancing loss, over each data rank's part, per microbatch)
     "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=MICROBATCHES["dp2-pp2-ep2"]), 4,
                     2, ("mixtral", "qwen3_moe-aux", "gpt_oss", *LISTED)),
-    # expert parallelism folded over tp=2 and 2 data ranks: each of the 4 ranks holds one whole expert; with
-    # sequence parallelism each tp rank sends its share of the tokens, without it its part of the (same) tokens
-    "dp2-tp2-ep4": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4), 4, 2, MOE_FAMILIES),
+    # expert parallelism folded over tp=2 and 2 data ranks: each of the 4 ranks holds one whole expert (of a list
+    # too: litgpt's); with sequence parallelism each tp rank sends its share of the tokens, without it its part of
+    # the (same) tokens (litgpt's also with every step's gradients clipped)
+    "dp2-tp2-ep4": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4), 4, 2, (*MOE_FAMILIES, "litgpt_moe_grouped")),
     "dp2-tp2-ep4-no-sp": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4, sequence_parallel=False), 4, 2,
-                          ("mixtral",)),
+                          ("mixtral", "litgpt_moe-clip")),
     # each expert split over tp=2 (the fused gate|up part by part), the experts over ep=2 data ranks: each rank runs
     # its half of 2 experts on the whole tokens of its tp group; without sequence parallelism under ZeRO-3 as well
     "dp2-tp2-ep2-split": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split"), 4, 2, MOE_FAMILIES),
