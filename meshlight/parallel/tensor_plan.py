@@ -88,6 +88,7 @@ def derive_plan(model: nn.Module) -> Plan:
             " automatic tensor-parallel plan works on; pass a plan, e.g. TensorParallelStrategy(plan={"
             '"layers.*.attn.q": "colwise", …}).'
         )
+    _check_per_layer_inputs(blocks)
     hidden = _hidden_size(blocks)
     modules = dict(model.named_modules())
     plan: Plan = {}
@@ -735,6 +736,20 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
                 f"{seen}. Each rank holds 1/tp of q, k and v: reshaping them by the full head count would train"
                 " heads 1/tp as wide, a different model, without an error. Name the count n_heads (and n_kv_heads),"
                 " or store head_dim and reshape with view(batch, seq, -1, head_dim)."
+            )
+
+
+def _check_per_layer_inputs(blocks: list[tuple[str, nn.Module]]) -> None:
+    """Blocks handed a per-layer input beside the hidden state (Gemma 3n's and Gemma 4's per-layer embeddings, which
+    scale a narrow projection of the block's output, ``hidden_size_per_layer_input`` wide) are refused: the model
+    computes that input for all of them at once, whole, outside the blocks."""
+    for name, block in blocks:
+        if width := getattr(block, "hidden_size_per_layer_input", 0):
+            raise TensorParallelError(
+                f"{name} ({type(block).__name__}) takes a per-layer input beside the hidden state (per-layer"
+                f" embeddings, hidden_size_per_layer_input={width}), which the model computes for every layer at"
+                " once: meshlight's automatic tensor-parallel plan does not split it. Train this model with tp=1"
+                " (data parallelism or ZeRO shard it: strategy=\"ddp\" or \"zero3\")."
             )
 
 

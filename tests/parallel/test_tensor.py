@@ -879,3 +879,17 @@ def test_a_sparse_attentions_key_selector_runs_whole_beside_the_latent_attention
         "q_a_proj": "latent", "q_a_layernorm": "latent", "kv_a_proj_with_mqa": "latent", "kv_a_layernorm": "latent",
         "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise", "indexer": "latent"}
     validate_plan(model, plan, 2, 2)
+
+
+def test_blocks_handed_per_layer_embeddings_are_refused_naming_data_parallelism():
+    """Gemma 4's edge models (and Gemma 3n) hand every layer its slice of per-layer embeddings, computed for all of
+    them at once outside the blocks, which scales a narrow projection of the block's output: the automatic plan
+    refuses it before any collective (a column split would multiply half that projection by the whole input), and
+    the planner keeps tp=1 for it. Gemma 4's other models (no per-layer input) are split as Gemma 3's."""
+    with pytest.raises(TensorParallelError, match=r"model.model.layers.0 \(Gemma4TextDecoderLayer\) takes a per-layer"
+                                                  r" input .*hidden_size_per_layer_input=8.*Train this model with"
+                                                  r" tp=1"):
+        derive_plan(lit_causal_lm("gemma4_edge"))
+    plan = derive_plan(lit_causal_lm("gemma4"))
+    assert plan["model.model.layers.1.self_attn.k_proj"] == "colwise"  # k = v there: no v_proj
+    assert "model.model.layers.1.self_attn.v_proj" not in plan

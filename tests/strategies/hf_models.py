@@ -59,11 +59,14 @@ TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe", "dee
 #: - Kimi Linear's KDA layers leave one process in fp32 by 2.9e-4 under ddp (5.4e-3 at tp=2, losses within 1.7e-4);
 #:   in float64 by 7.1e-6 under ddp and 6.2e-6 at tp=2 — the floor its float32 parts (a gated norm, the forget gate)
 #:   set — so it runs there, within 1e-4.
+#: - Gemma 4's MoE leaves one process in fp32 by 1.3e-4 at tp=2 in its first layer's q projection (1.1e-4 under
+#:   dp=2 × tp=2 × ep=4, 5.5e-6 under ddp; its losses within 9e-6), and by 6e-14 in float64, so it runs there under
+#:   tp (in fp32 under ep and pp, within 1e-4).
 PARITY_RTOL = {"olmo2": 3e-4, "qwen2": 3e-4, "deepseek_v3": 2e-4, "olmo2-fp64": 1e-10, "qwen2-fp64": 1e-10,
                "deepseek_v3-fp64": 1e-6, **dict.fromkeys(
                    ("qwen3-kv1-fp64", "llama-kv1-fp64", "litgpt-kv1-fp64", "falcon-fp64", "falcon_grouped-fp64",
                     "gpt_bigcode-fp64", "phi3-kv2-fp64", "persimmon-fp64", "bloom-fp64", "qwen3_5-fp64",
-                    "qwen3_5_moe-fp64"), 1e-10)}
+                    "qwen3_5_moe-fp64", "gemma4_moe-fp64"), 1e-10)}
 
 
 def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: int = KV_HEADS) -> Any:
@@ -205,6 +208,29 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
     if family == "apertus":  # a learned activation (xIELU: two scalars) between up_proj and down_proj, no gate;
         # QK-norm
         return transformers.ApertusConfig(**common, pad_token_id=None, bos_token_id=0, eos_token_id=1)
+    # Gemma's: the token embedding scaled by sqrt(hidden), tied to the head; a sliding-window layer, then a global one;
+    # norms before and after attention and the MLP (Gemma 2 and 3: scaling by 1 + w)
+    gemma = dict(**{**common, "num_hidden_layers": max(layers, 2), "tie_word_embeddings": True},
+                 head_dim=DIM // HEADS, sliding_window=4, pad_token_id=None, bos_token_id=0, eos_token_id=1,
+                 layer_types=["sliding_attention", "full_attention"] * (max(layers, 2) // 2))
+    if family == "gemma2":  # the attention's logits and the final ones soft-capped (tanh); queries scaled by
+        # query_pre_attn_scalar
+        return transformers.Gemma2Config(**gemma, query_pre_attn_scalar=16)
+    if family == "gemma3":  # QK-norm, no soft-capping, a rotary base per layer type
+        return transformers.Gemma3TextConfig(**gemma, query_pre_attn_scalar=16)
+    if family.startswith("gemma4"):  # Gemma 3's with a wider head on the global layer, where the keys are also the
+        # values (k = v) and key/value heads are fewer, its rotary partial ("proportional"); a value norm without scale;
+        # a scalar per layer. "gemma4_moe": 4 experts (top-2) beside the MLP in every layer, its router normalizing its
+        # input; "gemma4_edge": E2B's per-layer embeddings, its last 2 of 4 layers reusing earlier layers' keys and
+        # values (refused by tensor and pipeline parallelism)
+        experts = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=HIDDEN // 2)
+        edge = dict(**{**gemma, "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2},
+                    hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab, num_kv_shared_layers=2)
+        if family == "gemma4_edge":
+            return transformers.Gemma4TextConfig(**edge, global_head_dim=16)
+        return transformers.Gemma4TextConfig(**gemma, global_head_dim=16, num_global_key_value_heads=2,
+                                             attention_k_eq_v=True, hidden_size_per_layer_input=0,
+                                             **(experts if family == "gemma4_moe" else {}))
     if family == "olmo2":  # q and k norms over all heads at once, norms after attention and the MLP
         return transformers.Olmo2Config(**common, pad_token_id=None, bos_token_id=0, eos_token_id=1)
     moe = dict(num_experts_per_tok=2, output_router_logits=False)
@@ -262,8 +288,9 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
 
 def attention_implementation(family: str) -> str:
     """The attention a parity model of ``family`` (a config's ``model_type``) runs: sdpa, but eager for GPT-OSS, whose
-    attention sinks no sdpa kernel takes, and OpenAI GPT, BLOOM, MPT and XGLM, which have no other."""
-    return "eager" if family in ("gpt_oss", "openai_gpt", "bloom", "mpt", "xglm") else "sdpa"
+    attention sinks no sdpa kernel takes, Gemma 2, whose soft-capped logits none does, and OpenAI GPT, BLOOM, MPT and
+    XGLM, which have no other."""
+    return "eager" if family in ("gpt_oss", "gemma2", "openai_gpt", "bloom", "mpt", "xglm") else "sdpa"
 
 
 def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False, kv_heads: int = KV_HEADS,
@@ -420,8 +447,10 @@ def in_float64(module: LitCausalLM) -> LitCausalLM:
         for name, norm in parent.named_children():
             eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
             if type(norm).__name__.endswith(("RMSNorm", "L2Norm")) and isinstance(eps, float):
-                weight = getattr(norm, "weight", None)  # (Llama 4's L2 norm of each head has none)
-                torch_norm = torch.nn.RMSNorm(weight.shape if weight is not None else parent.head_dim, eps=eps,
+                # (Llama 4's L2 norm of each head has none, nor Gemma 4's of the values and of its router's input)
+                weight = getattr(norm, "weight", None)
+                width = getattr(parent, "head_dim", getattr(parent, "hidden_size", None))
+                torch_norm = torch.nn.RMSNorm(weight.shape if weight is not None else width, eps=eps,
                                               elementwise_affine=weight is not None)
                 if weight is not None:
                     torch_norm.weight = weight

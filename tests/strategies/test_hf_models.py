@@ -18,7 +18,10 @@ Falcon-H1, Granite 4 (their Mamba mixers kept whole on every rank), LFM2 (its sh
 (its lightning attention) and Kimi Linear (its KDA layers; in float64) under tensor parallelism, Falcon-H1 and Granite 4
 under pipelining, Granite 4 also under expert parallelism and all three; Apertus (a learned activation between its MLP's
 projections) under tensor parallelism, with and without sequence parallelism; DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse
-Attention: its key selector kept whole on every rank) under tensor parallelism. One launch per process count."""
+Attention: its key selector kept whole on every rank) under tensor parallelism; Gemma 2 (soft-capped logits), Gemma 3
+and Gemma 4 (keys that are also the values on its global layers) under tensor parallelism, Gemma 3 and Gemma 4's MoE
+under pipelining, the MoE also under expert parallelism (and in float64 under tensor parallelism). One launch per
+process count."""
 
 from pathlib import Path
 
@@ -98,7 +101,7 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     parity.assert_parity(result, controls[control_of(layout, model)], rtol=PARITY_RTOL.get(model, 1e-4))
     # 4 experts: over 2 or 4 ranks, or whole
     stacked = (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "ernie4_5_moe",
-               "llama4", "jamba", "granite4", "lfm2_moe", "minimax", "kimi_linear")
+               "llama4", "jamba", "granite4", "lfm2_moe", "minimax", "kimi_linear", "gemma4_moe")
     family = model.split("-")[0]
     if family in (*stacked, "litgpt_moe", "litgpt_moe_grouped") and layout != "3d-planned":
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1

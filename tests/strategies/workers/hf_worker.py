@@ -53,6 +53,10 @@ WHOLE_MIXER_FAMILIES = ("qwen3_5-fp64",)
 #: MiniMax's lightning attention (with experts); Kimi Linear's KDA linear attention beside a latent attention whose q
 #: has no latent (float64: hf_models.PARITY_RTOL)
 HYBRIDS = ("jamba", "bamba", "falcon_h1", "granite4", "lfm2", "lfm2_moe", "minimax", "kimi_linear-fp64")
+#: Gemma 2 (soft-capped attention logits, eager attention), Gemma 3 (QK-norm) and Gemma 4 (k = v on its global layers,
+#: their heads wider and fewer key/value heads), each with its head tied to its scaled token embedding; Gemma 4's MoE
+#: (experts beside the MLP, its router's own norm and scales; in float64: hf_models.PARITY_RTOL)
+GEMMA = ("gemma2", "gemma3", "gemma4", "gemma4_moe-fp64")
 #: experts held as a list (litgpt's LLaMAMoE), split over ep: Mixtral's configuration, also with the gradients
 #: clipped, and DeepSeek-V3's (grouped routing, a shared expert, a dense first layer)
 LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
@@ -78,7 +82,7 @@ LAYOUTS = {
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
                                                             *TP_FAMILIES, *KV_FEWER_THAN_TP, *BY_LAYOUT,
                                                             *ALIBI, *BLOCK_MLP, *WHOLE_MIXER_FAMILIES,
-                                                            "qwen3_5_moe-fp64", *HYBRIDS)),
+                                                            "qwen3_5_moe-fp64", *HYBRIDS, *GEMMA)),
     # one key/value head on all 4 ranks (Qwen3), and two on 2 ranks each (Phi-3's fused q|k|v)
     "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1-fp64", "phi3-kv2-fp64")),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
@@ -95,7 +99,7 @@ LAYOUTS = {
     # its load-balancing loss to its own loss, from every layer's router logits (carried down the pipeline)
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=MICROBATCHES["pp2-1f1b"]), 2, 1,
                  (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt", "opt_narrow", "falcon_h1", "granite4",
-                  "mixtral-aux-labels")),
+                  "mixtral-aux-labels", "gemma3", "gemma4_moe")),
     # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models); Mistral
     # is Llama's structure under its own classes (1F1B runs it)
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
@@ -126,7 +130,7 @@ LAYOUTS = {
     # experts too, each rank keeping two of the list (also with the gradients clipped: the norm of each rank's
     # experts summed over ep)
     "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2, (*MOE_FAMILIES, "mixtral-aux", "qwen3_moe-aux", *LISTED,
-                                                  "granite4")),
+                                                  "granite4", "gemma4_moe")),
     # (Qwen3-MoE with its load-balancing loss, over each data rank's part, per microbatch)
     "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=MICROBATCHES["dp2-pp2-ep2"]), 4,
                     2, ("mixtral", "qwen3_moe-aux", "gpt_oss", *LISTED)),
