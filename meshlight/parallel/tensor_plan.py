@@ -96,7 +96,7 @@ def derive_plan(model: nn.Module) -> Plan:
     latent: Plan = {}
     mixers, selectors = _whole_mixers(blocks), _kept_whole(blocks, KEY_SELECTORS)
     for prefix, readers, writer in _column_row_groups(blocks, hidden):
-        latent.update(_latent_roles(modules[prefix], prefix, readers))
+        latent.update(_latent_roles(modules[prefix], prefix, readers, writer, hidden))
         readers = [name for name in readers if name not in latent]
         fused = _fused_readers(modules, prefix, readers, writer, hidden, published)
         plan[writer] = "rowwise"
@@ -549,16 +549,26 @@ def _fused_readers(modules: Mapping[str, nn.Module], group: str, readers: list[s
     return set(fused)
 
 
-def _latent_roles(owner: nn.Module, prefix: str, readers: list[str]) -> Plan:
+def _latent_roles(owner: nn.Module, prefix: str, readers: list[str], writer: str, hidden: int) -> Plan:
     """A latent attention's roles (multi-head latent attention: ``owner`` keeps the
     :data:`LATENT_RANK_ATTRIBUTES`): the ``readers`` of the hidden state that write a latent (of a rank it keeps, plus
     ``qk_rope_head_dim`` for k's shared rotary part), and the norms over a latent, ``latent`` — whole on every rank,
     as every head reads them; the Linears that read a latent, and a q projection of the hidden state where q has no
-    latent (``q_lora_rank`` None), ``colwise`` — they make the heads. Empty for other
-    modules (their readers are q, k, v: :func:`_fused_readers`)."""
+    latent (``q_lora_rank`` None), ``colwise`` — they make the heads; never the ``writer`` (the output projection,
+    rowwise) nor a reader of the hidden state, though the width either reads may equal a latent's rank. Empty for
+    other modules (their readers are q, k, v: :func:`_fused_readers`). A latent as wide as the hidden state is
+    refused: its norm and up-projection would read as the block's."""
     ranks = {rank for a in LATENT_RANK_ATTRIBUTES if isinstance(rank := getattr(owner, a, None), int)}
     if not ranks:
         return {}
+    if hidden in ranks:
+        named = ", ".join(f"{a}={hidden}" for a in LATENT_RANK_ATTRIBUTES if getattr(owner, a, None) == hidden)
+        raise TensorParallelError(
+            f"{prefix} is a latent attention whose latent is as wide as the hidden state ({named}, hidden size"
+            f" {hidden}): the automatic tensor-parallel plan tells a latent's norm and up-projection from the block's"
+            " by their widths. Pass the attention's roles in the strategy's plan= (the latents' down-projections and"
+            " norms 'latent', their up-projections 'colwise', the output projection 'rowwise')."
+        )
     shared = getattr(owner, "qk_rope_head_dim", 0) or 0
     writes = {name: linear_widths(owner.get_submodule(name.rpartition(".")[2]))[1] for name in readers}
     roles: Plan = {name: "latent" if width in ranks or width - shared in ranks else "colwise"  # (q without a latent:
@@ -566,7 +576,7 @@ def _latent_roles(owner: nn.Module, prefix: str, readers: list[str]) -> Plan:
     for name, child in owner.named_children():
         if _norm_width(child) in ranks:
             roles[_join(prefix, name)] = "latent"
-        elif (width := linear_widths(child)) and width[0] in ranks:
+        elif (width := linear_widths(child)) and width[0] in ranks and _join(prefix, name) not in (*readers, writer):
             roles[_join(prefix, name)] = "colwise"
     return roles
 

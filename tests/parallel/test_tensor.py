@@ -893,3 +893,30 @@ def test_blocks_handed_per_layer_embeddings_are_refused_naming_data_parallelism(
     plan = derive_plan(lit_causal_lm("gemma4"))
     assert plan["model.model.layers.1.self_attn.k_proj"] == "colwise"  # k = v there: no v_proj
     assert "model.model.layers.1.self_attn.v_proj" not in plan
+
+
+def test_a_latent_attentions_output_projection_stays_rowwise_when_it_reads_a_latents_width():
+    """The Linears reading a latent (q's, k|v's) make the heads, colwise; the output projection reads the heads'
+    outputs, whose width may equal a latent's rank by chance (q_lora_rank = 8 heads × v_head_dim 4): it stays the
+    group's rowwise writer (it was planned colwise, and nothing in the group wrote the hidden state back; with it
+    rowwise, tp=2 matches one process to 7.8e-8 in float64, checked once). A latent as wide as the hidden state
+    cannot be told from the block's norm and readers by width: refused, naming plan=."""
+    import transformers
+
+    from tests.strategies.hf_models import hf_config
+
+    def model(v_head_dim: int, q_lora_rank: int) -> nn.Module:
+        config = hf_config("deepseek_v3")
+        config.v_head_dim, config.q_lora_rank = v_head_dim, q_lora_rank
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    coinciding = model(4, 32)
+    plan = derive_plan(coinciding)
+    attention = "model.layers.1.self_attn"
+    assert {name: plan[f"{attention}.{name}"] for name in ("q_a_proj", "q_b_proj", "kv_b_proj", "o_proj")} == {
+        "q_a_proj": "latent", "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"}
+    validate_plan(coinciding, plan, 2, 2)
+    with pytest.raises(TensorParallelError, match=r"model.layers.0.self_attn is a latent attention whose latent is as"
+                                                  r" wide as the hidden state \(q_lora_rank=64, hidden size 64\).*"
+                                                  r"plan="):
+        derive_plan(model(8, 64))
