@@ -106,16 +106,16 @@ LAYOUTS = {
                                                     microbatches=MICROBATCHES["pp2-interleaved"]), 2, 1,
                         tuple(f"{f}-deep" for f in FAMILIES if f != "mistral")),
     # one microbatch per stage: the schedules' microbatch counts are tested in test_pipeline.py
-    # on 8 processes a run costs ~18 s (about 9 runs on 2): the families whose structure the 3-D split meets
-    # differently — Llama's (Mistral's is the same; Qwen2 adds q/k/v biases, which tp=2 and pp=2 cover), QK-norm with an
-    # explicit head_dim, GPT-2's Conv1D and head tied across the first and last stage, litgpt's fused grouped q|k|v,
-    # OLMo 2's q and k norms over all heads sharded over tp and then over dp — and two MoE families (Mixtral's experts
-    # are split over tp as Qwen3-MoE's are; DeepSeek-V3's latent attention, its dense first layer a stage of its own;
-    # Llama 4's experts that take every token); Falcon-RW: ALiBi biases handed out by head on each stage, blocks
+    # on 8 processes a run costs ~10 s (about 5 runs on 2): the families whose structure the 3-D split meets differently
+    # — Llama's (Mistral's is the same; Qwen2 adds q/k/v biases, which tp=2 and pp=2 cover), QK-norm with an explicit
+    # head_dim, GPT-2's Conv1D and head tied across the first and last stage, litgpt's fused grouped q|k|v (3d-ep2: its
+    # MoE's), OLMo 2's q and k norms over all heads sharded over tp and then over dp — and two MoE families (Mixtral's
+    # experts are split over tp as Qwen3-MoE's are; DeepSeek-V3's latent attention, its dense first layer a stage of its
+    # own; Llama 4's experts that take every token); Falcon-RW: ALiBi biases handed out by head on each stage, blocks
     # returning tuples (BLOOM's and OPT's traits beside it are their tp's or their pp's alone: tp2 and pp2-1f1b);
-    # Granite 4 (3d-moe): its Mamba mixers whole on every tp rank (as Qwen3.5's linear attention, whose float64 run
-    # here cost 32 s), its experts split over tp beside its fused shared expert; Qwen3-MoE with its load-balancing
-    # loss, from router logits gathered over the sequence's shares and carried down the pipeline
+    # Granite 4 (3d-moe): its Mamba mixers whole on every tp rank (as Qwen3.5's linear attention, whose float64 run here
+    # cost 32 s), its experts split over tp beside its fused shared expert; Qwen3-MoE with its load-balancing loss, from
+    # router logits gathered over the sequence's shares and carried down the pipeline
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=MICROBATCHES["3d"]), 8, 2,
            ("llama", "qwen3", "gpt2", "olmo2", "falcon_rw")),
     # litgpt's fused grouped q|k|v split over tp, and its experts held as a list spread over the tp ranks by ep
