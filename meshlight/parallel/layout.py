@@ -204,6 +204,8 @@ def build_device_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     built = _MESHES.get((layout, device_type))
     if built is not None and built[0] is dist.group.WORLD:
         return built[1]
+    for key in [key for key, (world, _) in _MESHES.items() if world is not dist.group.WORLD]:
+        del _MESHES[key]  # built in a default group destroyed since: never reused, and not kept alive here
     mesh = _build_device_mesh(layout, device_type)
     _MESHES[layout, device_type] = (dist.group.WORLD, mesh)
     return mesh

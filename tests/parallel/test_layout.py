@@ -122,11 +122,12 @@ def test_experts_fold_over_tp_where_ep_is_a_multiple_of_it_unless_split_is_asked
 
 def test_a_layout_built_again_in_the_same_default_group_reuses_its_mesh():
     """Torch frees no process group it makes, and each gloo group left behind slows every later collective: a second
-    fit under the same layout gets the first's mesh (its groups); another layout, or a new default group, its own."""
+    fit under the same layout gets the first's mesh (its groups); another layout, or a new default group, its own —
+    and the meshes of a destroyed default group are let go."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from meshlight.parallel.layout import build_device_mesh
+    from meshlight.parallel.layout import _MESHES, build_device_mesh
 
     dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
     mesh = build_device_mesh(ParallelLayout(dp_replicate=2, pp=2, tp=2), "cpu")
@@ -135,6 +136,7 @@ def test_a_layout_built_again_in_the_same_default_group_reuses_its_mesh():
     dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
     assert build_device_mesh(ParallelLayout(dp_replicate=2, pp=2, tp=2), "cpu") is not mesh
+    assert [world for world, _ in _MESHES.values()] == [dist.group.WORLD]
 
 
 def test_context_parallel_ranks_join_the_data_parallel_reductions():

@@ -885,14 +885,18 @@ def test_blocks_handed_per_layer_embeddings_are_refused_naming_data_parallelism(
     """Gemma 4's edge models (and Gemma 3n) hand every layer its slice of per-layer embeddings, computed for all of
     them at once outside the blocks, which scales a narrow projection of the block's output: the automatic plan
     refuses it before any collective (a column split would multiply half that projection by the whole input), and
-    the planner keeps tp=1 for it. Gemma 4's other models (no per-layer input) are split as Gemma 3's."""
+    the planner keeps tp=1 for it. Gemma 4's other models (no per-layer input) are planned: on the global layer, whose
+    keys are also its values, k and q split by heads and the output projection by rows."""
     with pytest.raises(TensorParallelError, match=r"model.model.layers.0 \(Gemma4TextDecoderLayer\) takes a per-layer"
                                                   r" input .*hidden_size_per_layer_input=8.*Train this model with"
                                                   r" tp=1"):
         derive_plan(lit_causal_lm("gemma4_edge"))
-    plan = derive_plan(lit_causal_lm("gemma4"))
-    assert plan["model.model.layers.1.self_attn.k_proj"] == "colwise"  # k = v there: no v_proj
-    assert "model.model.layers.1.self_attn.v_proj" not in plan
+    model = lit_causal_lm("gemma4")
+    plan = derive_plan(model)
+    attention = "model.model.layers.1.self_attn"
+    assert {name: plan[f"{attention}.{name}"] for name in ("q_proj", "k_proj", "o_proj")} == {
+        "q_proj": "colwise", "k_proj": "colwise", "o_proj": "rowwise"}
+    validate_plan(model, plan, 2, 2)
 
 
 def test_a_latent_attentions_output_projection_stays_rowwise_when_it_reads_a_latents_width():

@@ -223,11 +223,11 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
         # a scalar per layer. "gemma4_moe": 4 experts (top-2) beside the MLP in every layer, its router normalizing its
         # input; "gemma4_edge": E2B's per-layer embeddings, its last 2 of 4 layers reusing earlier layers' keys and
         # values (refused by tensor and pipeline parallelism)
-        experts = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=HIDDEN // 2)
-        edge = dict(**{**gemma, "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2},
-                    hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab, num_kv_shared_layers=2)
         if family == "gemma4_edge":
-            return transformers.Gemma4TextConfig(**edge, global_head_dim=16)
+            edge = {**gemma, "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2}
+            return transformers.Gemma4TextConfig(**edge, global_head_dim=16, hidden_size_per_layer_input=8,
+                                                 vocab_size_per_layer_input=vocab, num_kv_shared_layers=2)
+        experts = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=HIDDEN // 2)
         return transformers.Gemma4TextConfig(**gemma, global_head_dim=16, num_global_key_value_heads=2,
                                              attention_k_eq_v=True, hidden_size_per_layer_input=0,
                                              **(experts if family == "gemma4_moe" else {}))
