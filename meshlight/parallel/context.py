@@ -50,6 +50,7 @@ from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.collectives import all_gather_along
 from meshlight.parallel.dtensors import as_dtensor_like, dtensor_spec
 from meshlight.parallel.expert import expert_layers
+from meshlight.parallel.model_shape import encoder_blocks
 from meshlight.parallel.router_logits import gather_router_logits
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "LocalBatch",
     "SequenceShares",
     "balanced_positions",
+    "check_no_encoder",
     "check_sequence_length",
     "gathered_kv_attention",
     "split_batch",
@@ -79,6 +81,19 @@ _HF_PLAIN_ATTENTION = (None, "sdpa", "eager", "flash_attention_2", "flash_attent
 
 class ContextParallelError(ValueError):
     """Something context parallelism cannot split; the message names it and what to change."""
+
+
+def check_no_encoder(model: nn.Module) -> None:
+    """Refuse a model with blocks beside its decoder's (:func:`~meshlight.parallel.model_shape.encoder_blocks`: a
+    multimodal model's vision encoder), whose inputs do not follow a cut of the token sequence."""
+    encoders = encoder_blocks(model)
+    if encoders:
+        raise ContextParallelError(
+            f"{type(model).__name__} holds blocks beside its decoder's ({', '.join(encoders)}: an encoder whose output"
+            " joins the token embeddings at its tokens' places, as a multimodal model's vision tower's does). Context"
+            " parallelism splits the token sequence, which such a model's inputs do not follow (the image's pixels are"
+            " not cut with its tokens): train it with cp=1."
+        )
 
 
 def balanced_positions(seq_len: int, cp: int, rank: int, device: Optional[torch.device] = None) -> Tensor:
@@ -344,6 +359,7 @@ class ContextParallel:
 
     def add_model(self, model: nn.Module) -> None:
         """Hook ``model`` (a LightningModule, or a pipeline stage holding some of its modules)."""
+        check_no_encoder(model)
         self._buffers |= {id(b) for b in model.buffers()}
         # (a pipeline stage's stand-ins for other stages' blocks hold no parameters and attend to nothing)
         blocks = {id(b) for b in repeated_blocks(model) if any(True for _ in b.parameters())}

@@ -12,6 +12,7 @@ proposes is still one the engine accepts, because ``Hybrid3DStrategy`` holds tp 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -21,15 +22,15 @@ from typing import Optional
 from torch import nn
 
 from meshlight.nn.moe import MoE
-from meshlight.parallel.blocks import class_path, repeated_blocks
+from meshlight.parallel.blocks import class_path, holds_blocks, repeated_blocks
 from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, listed_experts
 
 __all__ = [
-    "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "KEPT_WHOLE", "KEY_SELECTORS", "WHOLE_MIXERS",
-    "WIDTH_ATTRIBUTES",
-    "ModelShape", "ModelShapeError", "attention_heads", "config_shape", "count_holder", "fused_parts",
-    "head_counts", "head_dim_of", "head_width", "hidden_size", "is_transposed_linear", "linear_widths",
-    "model_shape", "per_head_parameters", "projection_heads", "projections",
+    "BETWEEN_BLOCKS", "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "KEPT_WHOLE",
+    "KEY_SELECTORS", "WHOLE_MIXERS", "WIDTH_ATTRIBUTES", "ModelShape", "ModelShapeError", "attention_heads",
+    "config_shape", "count_holder", "decoder_blocks", "encoder_blocks", "fused_parts", "head_counts", "head_dim_of",
+    "head_width", "hidden_size", "is_transposed_linear", "linear_widths", "model_shape", "per_head_parameters",
+    "projection_heads", "projections",
 ]
 
 #: Sequence mixers that tensor parallelism keeps whole on every rank, by class (``package.module.Class``): the linear
@@ -65,6 +66,14 @@ WHOLE_MIXERS = frozenset({
 KEY_SELECTORS = frozenset({
     "transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32Indexer",
     "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaIndexer",
+})
+#: Decoders whose forward changes the hidden state between their blocks, by class (``package.module.Class``):
+#: Qwen3-VL's and its MoE's, whose deepstack adds the vision encoder's features from its early blocks to the image
+#: tokens' hidden states after the decoder's first layers. Under sequence parallelism over the blocks only, the hidden
+#: state is gathered after each of their blocks and cut to the share again before the next.
+BETWEEN_BLOCKS = frozenset({
+    "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextModel",
+    "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextModel",
 })
 #: The modules tensor parallelism keeps whole on every rank, by class: their insides get no role.
 KEPT_WHOLE = WHOLE_MIXERS | KEY_SELECTORS
@@ -118,14 +127,14 @@ class ModelShape:
 
 
 def model_shape(module: nn.Module) -> ModelShape:
-    """The shape of ``module``: its config's (:func:`config_shape`) where it has one, else from its repeated blocks
-    (:func:`~meshlight.parallel.blocks.repeated_blocks`): the hidden size the most Linears in them read, the first
+    """The shape of ``module``: its config's (:func:`config_shape`) where it has one, else from its decoder's blocks
+    (:func:`decoder_blocks`): the hidden size the most Linears in them read, the first
     block's attention heads (:func:`attention_heads`), the largest Embedding's vocabulary and the
     ``meshlight.nn.MoE`` layers' experts."""
     stated = config_shape(module)
     if stated is not None:
         return stated
-    blocks = repeated_blocks(module)
+    blocks = decoder_blocks(module)
     if not blocks:
         raise ModelShapeError(f"{type(module).__name__} has no repeated blocks (an nn.ModuleList of layers).")
     hidden = hidden_size(blocks) or 0
@@ -162,8 +171,14 @@ def config_shape(module: nn.Module) -> Optional[ModelShape]:
     names (``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``,
     ``num_local_experts``, …, GPT-2's through its attribute map) or litgpt's (``n_layer``, ``n_head``,
     ``n_query_groups``, ``padded_vocab_size``, ``n_expert``, …); None where no config says so. Fused projections
-    (GPT-2's ``Conv1D``, litgpt's ``qkv``) hide the heads from the structure, not from the config."""
-    for submodule in module.modules():
+    (GPT-2's ``Conv1D``, litgpt's ``qkv``) hide the heads from the structure, not from the config. The configs of the
+    modules holding the decoder's blocks (:func:`decoder_blocks`) come first, outermost first: a multimodal model's
+    text config, not its vision encoder's."""
+    decoder = decoder_blocks(module)
+    first = next((name for name, m in module.named_modules() if decoder and m is decoder[0]), "")
+    parts = first.split(".") if first else []
+    holders = [module.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
+    for submodule in (*holders, *module.modules()):
         stated = functools.partial(_stated, getattr(submodule, "config", None))
         layers, hidden = stated("num_hidden_layers", "n_layer"), stated("hidden_size", "n_embd")
         heads = stated("num_attention_heads", "n_head")
@@ -171,8 +186,8 @@ def config_shape(module: nn.Module) -> Optional[ModelShape]:
             continue
         experts = stated("num_local_experts", "num_experts", "n_routed_experts", "n_expert", default=0)
         mlp_width = (stated("moe_intermediate_size") if experts else None) or stated(
-            "intermediate_size", "n_inner", "ffn_dim") or _widest_projection(repeated_blocks(module), hidden)
-        moe_blocks = [block for block in map(moe_block, repeated_blocks(module)) if block is not None]
+            "intermediate_size", "n_inner", "ffn_dim") or _widest_projection(decoder, hidden)
+        moe_blocks = [block for block in map(moe_block, decoder) if block is not None]
         shared = stated("shared_expert_intermediate_size", default=stated(
             "n_shared_experts", "n_shared_expert", default=0) * mlp_width) or shared_width(moe_blocks[:1], hidden)
         # the dense layers' width, where the config states one beside the experts' (Llama 4's, DeepSeek's)
@@ -185,7 +200,7 @@ def config_shape(module: nn.Module) -> Optional[ModelShape]:
             vocab=stated("padded_vocab_size", "vocab_size", default=0), experts=experts,
             top_k=stated("num_experts_per_tok", "n_expert_per_token", default=1) if experts else 1,
             moe_layers=(len(moe_blocks) or layers) if experts else 0, tied_head=head_tied(module),
-            gated_mlp=mlp_gated(repeated_blocks(module), hidden, mlp_width),
+            gated_mlp=mlp_gated(decoder, hidden, mlp_width),
             shared_mlp_width=shared if experts else 0, dense_mlp_width=dense if experts else 0,
         )
 
@@ -276,6 +291,56 @@ def hidden_size(blocks: Iterable[nn.Module]) -> Optional[int]:
     state before its recurrence): the hidden state's; None when they hold no Linear."""
     widths = Counter(width[0] for block in blocks for m in _outside_kept_whole(block) if (width := linear_widths(m)))
     return widths.most_common(1)[0][0] if widths else None
+
+
+def decoder_blocks(module: nn.Module) -> list[nn.Module]:
+    """``module``'s repeated blocks (:func:`~meshlight.parallel.blocks.repeated_blocks`) that the token embedding
+    feeds: where a model holds other blocks beside them — a multimodal model's vision or audio encoder, whose output
+    joins the token embeddings before the decoder's first layer — those of the one container as wide as the token
+    embedding and nearest it (Qwen2.5-VL's ``model.language_model.layers``, not ``model.visual.blocks``); all of them
+    where no single container is (one container, or an encoder and a decoder alike, T5's). The token embedding: the
+    Embedding outside the blocks with the vocabulary a Linear outside them (the LM head) produces, else the largest."""
+    decoder = _decoder_container(module)
+    return decoder[1] if decoder else repeated_blocks(module)
+
+
+def encoder_blocks(module: nn.Module) -> list[str]:
+    """The containers of blocks beside the decoder's (:func:`decoder_blocks`), by name: a multimodal model's
+    encoders."""
+    decoder = _decoder_container(module)
+    return [name for name, _ in _block_containers(module) if decoder and name != decoder[0]]
+
+
+def _decoder_container(module: nn.Module) -> Optional[tuple[str, list[nn.Module]]]:
+    """(name, blocks) of the decoder's container (:func:`decoder_blocks`) where ``module`` holds more than one."""
+    containers = list(_block_containers(module))
+    if len(containers) < 2:
+        return None
+    inside = {id(m) for _, blocks in containers for block in blocks for m in block.modules()}
+    outside = [(name, m) for name, m in module.named_modules() if id(m) not in inside]
+    embeddings = [(name, m) for name, m in outside if isinstance(m, nn.Embedding)]
+    produced = {m.out_features for _, m in outside if isinstance(m, nn.Linear)}
+    token = next(((n, m) for n, m in embeddings if m.num_embeddings in produced), None) or max(
+        embeddings, key=lambda entry: entry[1].num_embeddings, default=None)
+    if token is None:
+        return None
+    name, embedding = token
+    as_wide = [entry for entry in containers if hidden_size(entry[1]) == embedding.embedding_dim] or containers
+    shared = [len(os.path.commonprefix([n.split("."), name.split(".")])) for n, _ in as_wide]
+    nearest = [entry for entry, depth in zip(as_wide, shared) if depth == max(shared)]
+    return nearest[0] if len(nearest) == 1 else None
+
+
+def _block_containers(module: nn.Module, prefix: str = "") -> Iterable[tuple[str, list[nn.Module]]]:
+    """(name, blocks) of each outermost container of blocks in ``module``, in the order
+    :func:`~meshlight.parallel.blocks.repeated_blocks` finds them."""
+    for name, child in module.named_children():
+        full = f"{prefix}{name}"
+        if holds_blocks(child):
+            entries = child.values() if isinstance(child, nn.ModuleDict) else child
+            yield full, [entry for entry in entries if next(entry.parameters(), None) is not None]
+        else:
+            yield from _block_containers(child, f"{full}.")
 
 
 def _outside_kept_whole(module: nn.Module) -> Iterable[nn.Module]:

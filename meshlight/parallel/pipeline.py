@@ -25,6 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from meshlight.parallel.blocks import holds_blocks
+from meshlight.parallel.model_shape import encoder_blocks
 
 __all__ = [
     "SCHEDULES",
@@ -104,7 +105,16 @@ def validate_schedule(schedule: str, pp: int, virtual_stages: int, microbatches:
 def find_pipelined_module(root: nn.Module) -> tuple[str, nn.Module, str]:
     """``(name, module, container)``: the module that owns the outermost container of blocks in ``root``
     (:func:`~meshlight.parallel.data_parallel.holds_blocks`; e.g. ``model`` holding ``blocks``), and that
-    container's attribute name."""
+    container's attribute name. A model with blocks beside its decoder's (a multimodal model's encoder:
+    :func:`~meshlight.parallel.model_shape.encoder_blocks`) is refused."""
+    encoders = encoder_blocks(root)
+    if encoders:
+        raise PipelineError(
+            f"{type(root).__name__} holds blocks beside its decoder's ({', '.join(encoders)}: an encoder whose output"
+            " joins the token embeddings, as a multimodal model's vision tower does). Pipelining cuts one chain of"
+            " blocks and does not place such an encoder on a stage yet: train this model with tensor, expert or data"
+            " parallelism (pp=1; under tensor parallelism the encoder runs whole on every tp rank)."
+        )
     for name, module in root.named_modules():
         for child_name, child in module.named_children():
             if holds_blocks(child):

@@ -83,9 +83,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshlight.parallel.blocks import class_path
 from meshlight.parallel.collectives import all_gather_along
 from meshlight.parallel.dtensors import modifiable_local, shallow_copy
 from meshlight.parallel.model_shape import (
+    BETWEEN_BLOCKS,
     GROUP_ATTRIBUTES,
     WIDTH_ATTRIBUTES,
     head_counts,
@@ -222,10 +224,13 @@ def apply_tensor_parallel(
             raise ValueError(f"sequence_region {sequence_region} names no blocks of this {type(model).__name__}: it"
                              " must come from sequence_region() of the same model (or of the model a stage is cut"
                              " from).")
-        if first in blocks:
-            modules[first].register_forward_pre_hook(_cut_to_share(mesh))
-        if last in blocks:
-            modules[last].register_forward_hook(_gather_sequence(mesh))
+        # a decoder that changes the hidden state between its blocks (BETWEEN_BLOCKS) gets it whole there
+        between = any(class_path(module) in BETWEEN_BLOCKS for module in modules.values())
+        for name in blocks:
+            if name == first or between:
+                modules[name].register_forward_pre_hook(_cut_to_share(mesh))
+            if name == last or between:
+                modules[name].register_forward_hook(_gather_sequence(mesh))
         enter, leave = _stream_of_own(mesh.get_local_rank())
         for name in blocks:
             modules[name].register_forward_pre_hook(enter, prepend=True)

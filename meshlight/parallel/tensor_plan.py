@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshlight.nn.moe import MoE
-from meshlight.parallel.blocks import class_path, repeated_blocks
+from meshlight.parallel.blocks import class_path
 from meshlight.parallel.checkpoint import _shorten
 from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, listed_experts
 from meshlight.parallel.expert_tensor import stacked_split_placements
@@ -33,6 +33,7 @@ from meshlight.parallel.model_shape import (
     KEY_SELECTORS,
     WHOLE_MIXERS,
     attention_heads,
+    decoder_blocks,
     fused_parts,
     head_counts,
     head_dim_of,
@@ -670,8 +671,8 @@ def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:
     gathered over the sequence, as a DTensor, and it computes 1/tp of the heads (parameters beside the group
     would see only those) — and an attention group must say how many heads it has."""
     modules = dict(model.named_modules())
-    blocks = {id(b) for b in repeated_blocks(model)}
-    hidden = hidden_size(repeated_blocks(model))
+    blocks = {id(b) for b in decoder_blocks(model)}
+    hidden = hidden_size(decoder_blocks(model))
     owners = _colwise_parents(plan)
     block_held = block_held_groups(model, plan)
     for owner in owners:
@@ -764,7 +765,7 @@ def _check_per_layer_inputs(blocks: list[tuple[str, nn.Module]]) -> None:
 
 
 def _named_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    blocks = {id(b) for b in repeated_blocks(model)}
+    blocks = {id(b) for b in decoder_blocks(model)}
     return [(name, module) for name, module in model.named_modules() if id(module) in blocks]
 
 
@@ -805,7 +806,7 @@ def block_held_groups(model: nn.Module, plan: Mapping[str, Any]) -> set[str]:
     sequence parallelism: the group's first Linear gathers its input itself
     (:func:`~meshlight.parallel.tensor.apply_tensor_parallel`)."""
     modules = dict(model.named_modules())
-    blocks = repeated_blocks(model)
+    blocks = decoder_blocks(model)
     hidden = hidden_size(blocks)
     block_ids = {id(b) for b in blocks}
     owners = _colwise_parents(plan)

@@ -225,3 +225,44 @@ def test_a_config_that_refuses_to_state_a_per_layer_value_states_none():
 
     assert stated_attribute(PerLayerConfig(), "head_dim") is None
     assert head_dim_of(PerLayerConfig(), own=True) is None
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe", "llava", "gemma3_vision"])
+def test_a_vision_language_models_decoder_is_told_from_its_vision_encoder(family):
+    """A vision-language model holds two lists of blocks: its vision encoder's, narrower, and its decoder's, which the
+    token embedding feeds. The decoder's are the model's blocks for the planner (its text config's shape), tensor
+    parallelism (roles for the decoder's Linears alone: the encoder runs whole on every rank) and pipelining and
+    context parallelism, which refuse the model before training, naming the encoder, pp=1 and cp=1."""
+    pytest.importorskip("transformers")
+    from meshlight.parallel.context import ContextParallelError, check_no_encoder
+    from meshlight.parallel.model_shape import decoder_blocks, encoder_blocks
+    from meshlight.parallel.pipeline import PipelineError, find_pipelined_module
+    from meshlight.parallel.tensor_plan import model_plan
+    from tests.strategies import hf_models, hf_vlm
+
+    module = hf_vlm.lit_vlm(family)
+    encoder = {"qwen2_5_vl": "model.model.visual.blocks", "qwen3_vl_moe": "model.model.visual.blocks",
+               "llava": "model.model.vision_tower.encoder.layers",
+               "gemma3_vision": "model.model.vision_tower.encoder.layers"}[family]
+    # (Qwen3-VL's deepstack mergers, a list of modules of one kind, are blocks too)
+    deepstack = ["model.model.visual.deepstack_merger_list"] if family == "qwen3_vl_moe" else []
+    assert encoder_blocks(module) == [encoder, *deepstack]
+    layers = module.model.model.language_model.layers
+    assert decoder_blocks(module) == list(layers)
+    shape = model_shape(module)
+    assert (shape.blocks, shape.hidden, shape.heads, shape.kv_heads, shape.vocab) == (
+        hf_models.LAYERS, hf_models.DIM, hf_models.HEADS, hf_models.KV_HEADS, hf_vlm.VOCAB)
+    assert shape.experts == (4 if family == "qwen3_vl_moe" else 0)
+    plan = model_plan(module)
+    assert plan and not [name for name in plan if name.startswith(encoder.rsplit(".", 1)[0])]
+    assert plan["model.model.language_model.layers.0.self_attn.o_proj"] == "rowwise"
+    with pytest.raises(ContextParallelError, match=rf"holds blocks beside its decoder's \({encoder}.*Context"
+                                                   r" parallelism splits the token sequence.*train it with cp=1"):
+        check_no_encoder(module)
+    with pytest.raises(PipelineError, match=rf"holds blocks beside its decoder's \({encoder}.*: an encoder whose output"
+                                            r" joins the token embeddings.*\(pp=1; under tensor parallelism the"
+                                            r" encoder runs whole on every tp rank\)"):
+        find_pipelined_module(module)
+    # one list of blocks, or two of one width as near the token embedding (an encoder-decoder's): all of them
+    assert decoder_blocks(module.model.model.language_model) == list(layers)
+    assert encoder_blocks(module.model.model.language_model) == []

@@ -194,6 +194,23 @@ def test_the_planner_leaves_out_tensor_parallelism_for_a_model_no_plan_splits(ca
             " fused projection (model.transformer.h.0.attn.c_attn)") in caplog.text
 
 
+def test_the_planner_leaves_out_pipelining_for_a_vision_language_model(caplog):
+    """Pipelining does not place a vision encoder beside the decoder: pp stays 1 unless given (given, it is refused
+    before training, naming the encoder, as cp > 1 is); tp and ep stay the planner's (the encoder whole on every tp
+    rank)."""
+    pytest.importorskip("transformers")
+    from tests.strategies.hf_vlm import lit_vlm
+
+    for family, fixed in (("llava", {"pp": 1, "ep": 1}), ("qwen3_vl_moe", {"pp": 1})):
+        strategy = ml.Hybrid3DStrategy()
+        ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", logger=False)
+        strategy.connect(lit_vlm(family))
+        with caplog.at_level("INFO"):
+            assert strategy._unsplittable() == fixed, family
+    assert ("Planning with pp=1: pipelining does not place the encoder beside this model's decoder"
+            " (model.model.vision_tower.encoder.layers)") in caplog.text
+
+
 def test_the_planner_splits_a_models_own_experts_over_tp_where_it_can_else_keeps_them_whole():
     pytest.importorskip("transformers")
     from tests.strategies.hf_models import experts_in_another_layout, lit_causal_lm

@@ -57,6 +57,11 @@ HYBRIDS = ("jamba", "bamba", "falcon_h1", "granite4", "lfm2", "lfm2_moe", "minim
 #: their heads wider and fewer key/value heads), each with its head tied to its scaled token embedding; Gemma 4's MoE
 #: (experts beside the MLP, its router's own norm and scales; in float64: hf_models.PARITY_RTOL)
 GEMMA = ("gemma2", "gemma3", "gemma4", "gemma4_moe-fp64")
+#: vision-language models (tests.strategies.hf_vlm), their vision encoder whole on every tp rank beside the split
+#: decoder: Qwen2.5-VL (3-D rotary positions), Qwen3-VL (its deepstack features added to the hidden state between
+#: decoder layers, which sequence parallelism gathers there; in float64: hf_models.PARITY_RTOL) and its MoE, LLaVA
+#: (CLIP and Llama) and Gemma 3 (SigLIP, attention bidirectional over an image's tokens)
+VLM = ("qwen2_5_vl", "qwen3_vl-fp64", "qwen3_vl_moe", "llava", "gemma3_vision")
 #: experts held as a list (litgpt's LLaMAMoE), split over ep: Mixtral's configuration, also with the gradients
 #: clipped, and DeepSeek-V3's (grouped routing, a shared expert, a dense first layer)
 LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
@@ -82,7 +87,7 @@ LAYOUTS = {
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
                                                             *TP_FAMILIES, *KV_FEWER_THAN_TP, *BY_LAYOUT,
                                                             *ALIBI, *BLOCK_MLP, *WHOLE_MIXER_FAMILIES,
-                                                            "qwen3_5_moe-fp64", *HYBRIDS, *GEMMA)),
+                                                            "qwen3_5_moe-fp64", *HYBRIDS, *GEMMA, *VLM)),
     # one key/value head on all 4 ranks (Qwen3), and two on 2 ranks each (Phi-3's fused q|k|v)
     "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1-fp64", "phi3-kv2-fp64")),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
@@ -94,7 +99,7 @@ LAYOUTS = {
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
     "ddp": (lambda: "ddp", 2, 2, (*FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
-    "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, FAMILIES),
+    "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, (*FAMILIES, "qwen3_vl")),
     # Llama 4's forward reads its token embedding's device from the embedding's weight on every stage; Mixtral adds
     # its load-balancing loss to its own loss, from every layer's router logits (carried down the pipeline)
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=MICROBATCHES["pp2-1f1b"]), 2, 1,
@@ -130,14 +135,15 @@ LAYOUTS = {
     # experts too, each rank keeping two of the list (also with the gradients clipped: the norm of each rank's
     # experts summed over ep)
     "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2, (*MOE_FAMILIES, "mixtral-aux", "qwen3_moe-aux", *LISTED,
-                                                  "granite4", "gemma4_moe")),
+                                                  "granite4", "gemma4_moe", "qwen3_vl_moe")),
     # (Qwen3-MoE with its load-balancing loss, over each data rank's part, per microbatch)
     "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=MICROBATCHES["dp2-pp2-ep2"]), 4,
                     2, ("mixtral", "qwen3_moe-aux", "gpt_oss", *LISTED)),
     # expert parallelism folded over tp=2 and 2 data ranks: each of the 4 ranks holds one whole expert (of a list
     # too: litgpt's); with sequence parallelism each tp rank sends its share of the tokens, without it its part of
     # the (same) tokens (litgpt's also with every step's gradients clipped)
-    "dp2-tp2-ep4": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4), 4, 2, (*MOE_FAMILIES, "litgpt_moe_grouped")),
+    "dp2-tp2-ep4": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4), 4, 2, (*MOE_FAMILIES, "litgpt_moe_grouped",
+                                                                              "qwen3_vl_moe")),
     "dp2-tp2-ep4-no-sp": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4, sequence_parallel=False), 4, 2,
                           ("mixtral", "litgpt_moe-clip")),
     # each expert split over tp=2 (the fused gate|up part by part), the experts over ep=2 data ranks: each rank runs
