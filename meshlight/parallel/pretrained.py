@@ -95,6 +95,7 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
     built_on_meta = _allocate(module)
     state = get_model_state_dict(module) if distributed else module.state_dict()
     aliases = _tied_keys(module, prefix)
+    renamed = _renamed_keys(module, prefix, stored)
     gpt = _meshlight_gpt(module, prefix)
     report, reads, copies, wrong, orders, per_expert = LoadReport(), {}, [], [], {}, {}
     for name, tensor in state.items():
@@ -106,7 +107,7 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
             order = rotary_order(name, tensor.shape[0], gpt.head_dim)
             if order is not None:
                 orders[key] = torch.argsort(order)
-        source = next((name for name in file_names(key) if name in stored), aliases.get(key))
+        source = _stored_name(key, stored, renamed) or _stored_name(aliases.get(key), stored, renamed)
         if source not in stored and (experts := per_expert_sources(key, tuple(tensor.shape), stored)):
             per_expert[key] = (tensor, experts)  # stacked experts the files hold one by one
             report.cast.update(_cast(stored[experts[0][0]][1], tensor.dtype))
@@ -365,6 +366,41 @@ def _torch_files(folder: Path, files: list[Path]) -> _WeightsFiles:
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _stored_name(key: Optional[str], stored: Mapping[str, Any], renamed: Mapping[str, str]) -> Optional[str]:
+    """The files' key holding weight ``key``: its own name or an older one of its MoE block
+    (:func:`~meshlight.parallel.expert_files.file_names`), or the key Hugging Face renames to it (``renamed``)."""
+    if key is None:
+        return None
+    return next((name for name in (*file_names(key), renamed.get(key)) if name in stored), None)
+
+
+def _renamed_keys(module: nn.Module, prefix: str, stored: Mapping[str, Any]) -> dict[str, str]:
+    """Weight name (without ``prefix``) → the files' key that Hugging Face's loading renames to it, where the model
+    under ``prefix`` is a ``transformers`` model whose published files keep an older layout (its conversion mapping:
+    LLaVA's and Gemma 3's ``language_model.model.*``, Qwen2.5-VL's ``model.layers.*`` and ``visual.*``, for
+    ``model.language_model.*`` and ``model.visual.*``). Renamings only: converters of the weights themselves (experts
+    stored one by one) are :mod:`meshlight.parallel.expert_files`'."""
+    inner = module.get_submodule(prefix.rstrip(".")) if prefix else module
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # (no transformers, or one without conversion mappings: its files use the model's names)
+        return {}
+    if not isinstance(inner, PreTrainedModel):
+        return {}
+    renamings = [t for t in get_model_conversion_mapping(inner) if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return {}
+    names = dict.fromkeys(inner.state_dict(), True)
+    renamed: dict[str, str] = {}
+    for key in stored:
+        name, _ = rename_source_key(key, renamings, [], inner.base_model_prefix, names)
+        if name != key and name in names:
+            renamed.setdefault(name, key)
+    return renamed
 
 
 def _tied_keys(module: nn.Module, prefix: str) -> dict[str, str]:

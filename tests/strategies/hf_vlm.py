@@ -74,6 +74,11 @@ def vlm_config(family: str) -> Any:
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
 
 
+def family_of(config: Any) -> str:
+    """The family (:data:`FAMILIES`) of a vision-language model's ``config``."""
+    return {"gemma3": "gemma3_vision"}.get(config.model_type, config.model_type)
+
+
 def image_inputs(family: str, text: Tensor) -> dict[str, Tensor]:
     """The model's inputs for samples of an image and then ``text`` (``[batch, length]``): the token ids — the image's
     start, its tokens, its end — and each sample's pixels, drawn from its tokens (so that samples differ)."""

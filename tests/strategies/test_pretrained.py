@@ -1,5 +1,5 @@
 """Hugging Face weights in and out: a ``save_pretrained`` folder loaded by ``PretrainedWeights`` under ZeRO-3 (also into
-a model built on the meta device), tp=2 (GPT-OSS, OLMo 2, DeepSeek-V3, Llama 4 and Falcon too), pp=2 and dp=2 × pp=2
+a model built on the meta device), tp=2 (GPT-OSS, OLMo 2, DeepSeek-V3, Llama 4, Falcon and LLaVA too), pp=2 and dp=2 × pp=2
 × tp=2 (GPT-2 and meshlight's GPT) trains as one process trained from ``from_pretrained`` does, and the checkpoint it
 leaves exports (``export_pretrained``) to a folder ``from_pretrained`` loads into that one-process run's trained
 model; mismatches and damaged files are named."""
@@ -21,6 +21,8 @@ from meshlight.parallel.pretrained import PretrainedWeightsError, export_pretrai
 from tests.launch import torchrun  # noqa: E402
 from tests.strategies import parity  # noqa: E402
 from tests.strategies.hf_models import hf_config, lit_causal_lm  # noqa: E402
+from tests.strategies.hf_vlm import FAMILIES as VLM_FAMILIES  # noqa: E402
+from tests.strategies.hf_vlm import lit_vlm, vlm_config  # noqa: E402
 from tests.strategies.workers import pretrained_worker  # noqa: E402
 from tests.strategies.workers.pretrained_worker import (  # noqa: E402
     GPT_LLAMA,
@@ -39,9 +41,13 @@ def save_pretrained(folder: Path, family: str, dtype: torch.dtype = torch.float3
     """A ``save_pretrained`` folder of ``family``'s tiny model (``gpt``: the Llama equivalent of meshlight's GPT in
     GPT_LLAMA), from a seed of its own (not the parity models')."""
     torch.manual_seed(1234)
-    config = (transformers.LlamaConfig.from_dict(json.loads(llama_config_json(GPT_LLAMA))) if family == "gpt"
-              else hf_config(family))
-    transformers.AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(folder / family)
+    if family in VLM_FAMILIES:
+        model = transformers.AutoModelForImageTextToText.from_config(vlm_config(family))
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.LlamaConfig.from_dict(json.loads(llama_config_json(GPT_LLAMA))) if family == "gpt"
+            else hf_config(family))
+    model.to(dtype).save_pretrained(folder / family)
     return folder / family
 
 
@@ -289,3 +295,23 @@ def test_an_untied_head_the_files_lack_is_missing_not_read_from_the_embedding(tm
     save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
     with pytest.raises(PretrainedWeightsError, match=r"the files lack lm_head.weight"):
         load_pretrained(lit_causal_lm("llama"), folder)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "gemma3_vision"])
+def test_a_vision_language_models_published_layout_loads_as_from_pretrained_does(tmp_path, family):
+    """transformers 5 saves these models' weights under their published (older) names — LLaVA's and Gemma 3's
+    ``language_model.model.*`` and ``vision_tower.*``, Qwen2.5-VL's ``model.layers.*`` and ``visual.*`` — and renames
+    them on loading: load_pretrained reads each weight from the key that renaming maps to it, every weight exactly
+    as from_pretrained loads it, none missing and no key left over."""
+    from safetensors import safe_open
+
+    folder = save_pretrained(tmp_path, family)
+    module = lit_vlm(family)
+    with safe_open(str(folder / "model.safetensors"), "pt") as files:
+        assert not [key for key in files.keys() if key.startswith("model.language_model.")]  # not the model's names
+    report = load_pretrained(module, folder)
+    assert not report.missing and not report.unexpected
+    expected = transformers.AutoModelForImageTextToText.from_pretrained(folder).state_dict()
+    loaded = module.model.state_dict()
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[name], weight) for name, weight in expected.items())

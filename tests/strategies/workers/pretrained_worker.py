@@ -21,6 +21,7 @@ from meshlight.models import GPT, GPTConfig
 from meshlight.parallel.pretrained import export_pretrained
 from tests.strategies import parity
 from tests.strategies.hf_models import attention_implementation, lit_causal_lm
+from tests.strategies.hf_vlm import family_of, image_inputs
 
 # GPT-2: Conv1D, a fused q|k|v split for tp, its head tied to the embedding; gpt: meshlight's GPT in a Llama
 # configuration, loading a Llama folder and exported as one (its q and k rows reordered for Llama's rotary channels)
@@ -47,10 +48,11 @@ def families(layout: str) -> tuple[str, ...]:
     GPT-OSS as well (its sinks split with the heads, its transposed experts by columns and rows), OLMo 2 (its q and k
     norms split as q and k are), DeepSeek-V3 (its latents' projections and norms whole, its up-projections by
     heads), Llama 4 (its experts stored stacked and transposed, each split over tp, the fused gate|up part by
-    part) and Falcon-7B's multi-query layout (its one key/value head, a part of the fused q|k|v, on every rank)."""
+    part), Falcon-7B's multi-query layout (its one key/value head, a part of the fused q|k|v, on every rank) and
+    LLaVA (its files under the older names transformers renames on loading; its vision encoder whole on every rank)."""
     if LAYOUTS[layout][1] == 8:
         return ("gpt2", "gpt")
-    tp2 = (*FAMILIES, "mixtral", "gpt_oss", "olmo2", "deepseek_v3", "llama4", "falcon")
+    tp2 = (*FAMILIES, "mixtral", "gpt_oss", "olmo2", "deepseek_v3", "llama4", "falcon", "llava")
     return {"zero3": (*FAMILIES, "mixtral"), "tp2": tp2}.get(layout, FAMILIES)
 
 
@@ -78,9 +80,15 @@ def model_of(family: str, *, meta: bool = False) -> Any:
 
 
 def logits_of(model: torch.nn.Module) -> torch.Tensor:
-    """``model``'s logits on :data:`PROBE` (meshlight's GPT returns them; Hugging Face's, in its output)."""
+    """``model``'s logits on :data:`PROBE` (meshlight's GPT returns them; Hugging Face's, in its output; a
+    vision-language model's after an image: :func:`~tests.strategies.hf_vlm.image_inputs`)."""
     with torch.no_grad():
-        output = model(PROBE) if isinstance(model, GPT) else model(input_ids=PROBE)
+        if isinstance(model, GPT):
+            output = model(PROBE)
+        elif hasattr(model.config, "vision_config"):
+            output = model(**image_inputs(family_of(model.config), PROBE))
+        else:
+            output = model(input_ids=PROBE)
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
@@ -88,9 +96,11 @@ def from_pretrained(folder: Path) -> Any:
     """``from_pretrained`` of ``folder`` with the attention its family's parity model runs."""
     import transformers
 
-    family = transformers.AutoConfig.from_pretrained(str(folder)).model_type
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    if hasattr(config, "vision_config"):
+        return transformers.AutoModelForImageTextToText.from_pretrained(str(folder), attn_implementation="sdpa")
     return transformers.AutoModelForCausalLM.from_pretrained(
-        str(folder), attn_implementation=attention_implementation(family))
+        str(folder), attn_implementation=attention_implementation(config.model_type))
 
 
 def exported_logits(folder: Path) -> torch.Tensor:
