@@ -1,8 +1,8 @@
 """Hugging Face weights in and out: a ``save_pretrained`` folder loaded by ``PretrainedWeights`` under ZeRO-3 (also into
-a model built on the meta device), tp=2 (GPT-OSS, OLMo 2, DeepSeek-V3, Llama 4, Falcon and LLaVA too), pp=2 and dp=2 × pp=2
-× tp=2 (GPT-2 and meshlight's GPT) trains as one process trained from ``from_pretrained`` does, and the checkpoint it
-leaves exports (``export_pretrained``) to a folder ``from_pretrained`` loads into that one-process run's trained
-model; mismatches and damaged files are named."""
+a model built on the meta device), tp=2 (GPT-OSS, OLMo 2, DeepSeek-V3, Llama 4, Falcon and LLaVA too), pp=2 and
+dp=2 × pp=2 × tp=2 (GPT-2 and meshlight's GPT) trains as one process trained from ``from_pretrained`` does, and the
+checkpoint it leaves exports (``export_pretrained``) to a folder ``from_pretrained`` loads into that one-process run's
+trained model; mismatches and damaged files are named."""
 
 import json
 from pathlib import Path
