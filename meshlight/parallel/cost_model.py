@@ -1,9 +1,9 @@
 """The layout planner's cost model: what one candidate layout costs each rank, analytically.
 
 - **Memory**: parameters, gradients and optimizer state of the rank's share of the model (tensor, pipeline and
-  expert splits, then ZeRO over the data ranks — dp × cp: context-parallel ranks hold the same weights — as
-  meshlight's FSDP2 ZeRO holds them: stages 1–2 keep the gathered parameters beside the shard, stage 3 a block
-  gathered and the next one's gather in flight, stage 1 whole gradients, stages 2–3 one block's whole gradients
+  expert splits — a multimodal model's encoder whole on every tp rank of the first stage —, then ZeRO over the data
+  ranks — dp × cp: context-parallel ranks hold the same weights — as meshlight's FSDP2 ZeRO holds them: stages 1–2
+  keep the gathered parameters beside the shard, stage 3 a block gathered and the next one's gather in flight, stage 1 whole gradients, stages 2–3 one block's whole gradients
   at a time; inside a pipeline schedule every stage peaks as stage 1 does, since PyTorch's schedules keep the
   parameters gathered and the gradients whole until the schedule's last backward; at the run's bytes per value —
   :func:`precision_bytes` — less what the ``Offload`` callback keeps in host memory), plus activations: per layer
@@ -194,7 +194,8 @@ def estimate(
     # --- model state: the most loaded stage (blocks, plus the embedding or the head at either end)
     stage_share = layers_per_stage / model.layers
     ends = max(model.embedding_params, model.head_params) if pp > 1 else model.embedding_params + model.head_params
-    dense = (model.block_params * stage_share + ends) / tp
+    # (an encoder beside the decoder, whole on every tp rank of the first stage)
+    dense = (model.block_params * stage_share + ends) / tp + model.encoder_params
     folded = experts == "fold" and tp > 1 and ep > 1
     # folded, whole experts over ep ranks that span tp: the ranks holding the same ones are data·tp/ep
     experts_shard = model.expert_params * stage_share / (ep if folded else tp * ep)

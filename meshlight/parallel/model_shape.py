@@ -28,9 +28,9 @@ from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, list
 __all__ = [
     "BETWEEN_BLOCKS", "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "KEPT_WHOLE",
     "KEY_SELECTORS", "WHOLE_MIXERS", "WIDTH_ATTRIBUTES", "ModelShape", "ModelShapeError", "attention_heads",
-    "config_shape", "count_holder", "decoder_blocks", "encoder_blocks", "fused_parts", "head_counts", "head_dim_of",
-    "head_width", "hidden_size", "is_transposed_linear", "linear_widths", "model_shape", "per_head_parameters",
-    "projection_heads", "projections",
+    "config_shape", "count_holder", "decoder_blocks", "encoder_blocks", "encoder_parameters", "fused_parts",
+    "head_counts", "head_dim_of", "head_width", "hidden_size", "is_transposed_linear", "linear_widths", "model_shape",
+    "per_head_parameters", "projection_heads", "projections",
 ]
 
 #: Sequence mixers that tensor parallelism keeps whole on every rank, by class (``package.module.Class``): the linear
@@ -124,6 +124,9 @@ class ModelShape:
     shared_mlp_width: int = 0
     #: the MLP width of an MoE model's layers without experts, 0 for ``mlp_width``
     dense_mlp_width: int = 0
+    #: parameters of the encoders beside the decoder (a multimodal model's vision tower and its projector), which
+    #: tensor parallelism keeps whole on every rank (:func:`encoder_parameters`)
+    encoder_params: int = 0
 
 
 def model_shape(module: nn.Module) -> ModelShape:
@@ -149,7 +152,7 @@ def model_shape(module: nn.Module) -> ModelShape:
         mlp_width=mlp_width, gated_mlp=mlp_gated(blocks, hidden, mlp_width),
         vocab=max((m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)), default=0),
         experts=moes[0].num_experts if moes else 0, top_k=moes[0].top_k if moes else 1, moe_layers=len(moes),
-        tied_head=head_tied(module),
+        tied_head=head_tied(module), encoder_params=encoder_parameters(module),
     )
 
 
@@ -202,6 +205,7 @@ def config_shape(module: nn.Module) -> Optional[ModelShape]:
             moe_layers=(len(moe_blocks) or layers) if experts else 0, tied_head=head_tied(module),
             gated_mlp=mlp_gated(decoder, hidden, mlp_width),
             shared_mlp_width=shared if experts else 0, dense_mlp_width=dense if experts else 0,
+            encoder_params=encoder_parameters(module),
         )
 
 
@@ -309,6 +313,29 @@ def encoder_blocks(module: nn.Module) -> list[str]:
     encoders."""
     decoder = _decoder_container(module)
     return [name for name, _ in _block_containers(module) if decoder and name != decoder[0]]
+
+
+def encoder_parameters(module: nn.Module) -> int:
+    """How many parameters ``module`` holds outside the module holding its decoder's blocks (Qwen2.5-VL's
+    ``model.language_model``) and outside its LM head — a multimodal model's encoders and projector (0 for a model
+    without :func:`encoder_blocks`); a parameter shared with the decoder (a tied head) is the decoder's."""
+    decoder = _decoder_container(module)
+    if decoder is None or not encoder_blocks(module):
+        return 0
+    holder = module.get_submodule(decoder[0].rpartition(".")[0])
+    token = max((m for m in holder.modules() if isinstance(m, nn.Embedding)), key=lambda m: m.num_embeddings,
+                default=None)
+    decoder_params = {id(p) for p in holder.parameters()}
+    # each encoder's own subtree: below the deepest module it shares with the decoder (Qwen2.5-VL's model.visual)
+    path = decoder[0].split(".")
+    roots = [".".join(name.split(".")[:len(os.path.commonprefix([name.split("."), path])) + 1])
+             for name in encoder_blocks(module)]
+    encoders = {id(m) for root in roots for m in module.get_submodule(root).modules()}
+    if token is not None:  # the LM head: outside the encoders, from the decoder's width to its vocabulary
+        decoder_params |= {id(p) for m in module.modules() if isinstance(m, nn.Linear) and id(m) not in encoders
+                           and (m.in_features, m.out_features) == (token.embedding_dim, token.num_embeddings)
+                           for p in m.parameters()}
+    return sum(p.numel() for p in module.parameters() if id(p) not in decoder_params)
 
 
 def _decoder_container(module: nn.Module) -> Optional[tuple[str, list[nn.Module]]]:

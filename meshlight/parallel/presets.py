@@ -49,6 +49,9 @@ class ModelSpec:
     dense_ffn: int = 0
     #: MoE layers where a model places them otherwise than every ``moe_every``-th (after dense first layers), 0: that
     moe_count: int = 0
+    #: parameters of encoders beside the decoder (a multimodal model's vision tower and projector), held whole on
+    #: every tensor-parallel rank of the first stage; their compute is not priced (it depends on the images)
+    encoder_params: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -107,13 +110,15 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        return self.block_params + self.expert_params + self.embedding_params + self.head_params + self.norm_params
+        return (self.block_params + self.expert_params + self.embedding_params + self.head_params + self.norm_params
+                + self.encoder_params)
 
     @property
     def active_params(self) -> int:
-        """Non-embedding parameters one token uses (``top_k`` of the experts)."""
-        return self.params - self.embedding_params - self.expert_params + self.moe_layers * self.top_k * (
-            self.mlp_params)
+        """Non-embedding parameters one token of the decoder uses (``top_k`` of the experts; an encoder's aside)."""
+        return self.params - self.embedding_params - self.expert_params - self.encoder_params + (
+            self.moe_layers * self.top_k * (
+            self.mlp_params))
 
     def activation_values_per_token(self, tp: int) -> float:
         """Values one block's backward keeps per token (no recomputation), as autograd saves them in meshlight's
@@ -169,7 +174,7 @@ class ModelSpec:
                    top_k=shape.top_k, moe_count=shape.moe_layers, dense_ffn=shape.dense_mlp_width,
                    tie_embeddings=shape.tied_head, swiglu=shape.gated_mlp is not False, name=name,
                    head_size=shape.head_dim if shape.head_dim and shape.head_dim * heads != shape.hidden else 0,
-                   shared_ffn=shape.shared_mlp_width)
+                   shared_ffn=shape.shared_mlp_width, encoder_params=shape.encoder_params)
 
     def replace(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)

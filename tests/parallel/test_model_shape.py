@@ -253,6 +253,14 @@ def test_a_vision_language_models_decoder_is_told_from_its_vision_encoder(family
     assert (shape.blocks, shape.hidden, shape.heads, shape.kv_heads, shape.vocab) == (
         hf_models.LAYERS, hf_models.DIM, hf_models.HEADS, hf_models.KV_HEADS, hf_vlm.VOCAB)
     assert shape.experts == (4 if family == "qwen3_vl_moe" else 0)
+    # the planner holds the encoder's parameters whole on every tp rank: LLaVA's (a Llama decoder) counted exactly
+    held = sum(p.numel() for p in module.parameters())
+    outside = sum(p.numel() for name, p in module.named_parameters() if "language_model" not in name
+                  and not name.startswith("model.lm_head"))
+    assert shape.encoder_params == outside > 0
+    spec = model_spec_of(module)
+    assert spec.params == pytest.approx(held, rel=0 if family == "llava" else 0.08)
+    assert spec.active_params == model_spec_of(module.model.model.language_model).active_params
     plan = model_plan(module)
     assert plan and not [name for name in plan if name.startswith(encoder.rsplit(".", 1)[0])]
     assert plan["model.model.language_model.layers.0.self_attn.o_proj"] == "rowwise"
