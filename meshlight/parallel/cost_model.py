@@ -1,25 +1,24 @@
 """The layout planner's cost model: what one candidate layout costs each rank, analytically.
 
-- **Memory**: parameters, gradients and optimizer state of the rank's share of the model (tensor, pipeline and
-  expert splits — a multimodal model's encoder whole on every tp rank of the first stage —, then ZeRO over the data
-  ranks — dp × cp: context-parallel ranks hold the same weights — as meshlight's FSDP2 ZeRO holds them: stages 1–2
-  keep the gathered parameters beside the shard, stage 3 a block gathered and the next one's gather in flight, stage 1 whole gradients, stages 2–3 one block's whole gradients
-  at a time; inside a pipeline schedule every stage peaks as stage 1 does, since PyTorch's schedules keep the
-  parameters gathered and the gradients whole until the schedule's last backward; at the run's bytes per value —
-  :func:`precision_bytes` — less what the ``Offload`` callback keeps in host memory), plus activations: per layer
-  and micro-batch what autograd saves in meshlight's blocks (:meth:`ModelSpec.activation_values_per_token`,
-  checked against saved-tensor hooks in the tests; about ``22·h/tp`` values per token for Llama shapes: the
-  inputs of the column-parallel projections are kept split and gathered again in backward, as in
-  Megatron-Core), the block's input (``h/tp``) with full recomputation plus one
-  block's activations while it is recomputed; a 1F1B stage holds ``pp`` micro-batches
-  in flight (interleaving multiplies that by ``1 + (pp−1)/(pp·v)``; GPipe and looped BFS hold all of them); the
-  last stage also holds fp32 logits; blocks whose activations are offloaded keep two blocks' worth in transit.
-  Context parallelism (``cp``) leaves each rank ``seq/cp`` tokens of every sequence, and a block's backward keeps
-  the K/V its attention gathered over the whole sequence (``2·seq·heads·head_dim/tp`` values: K/V heads repeated
-  to the query heads for the GPU kernels; :func:`_context_parallel_values`), in a recomputed block only while it
-  is recomputed.
-  What the ``Offload`` callback moves out (optimizer state with the master shards and their gradients, the
-  offloaded activations) must fit the device's share of host memory, as the rest must fit the device.
+- **Memory**: parameters, gradients and optimizer state of the rank's share of the model (tensor, pipeline and expert
+  splits — a multimodal model's encoder whole on every tp rank of the first stage —, then ZeRO over the data ranks —
+  dp × cp: context-parallel ranks hold the same weights — as meshlight's FSDP2 ZeRO holds them: stages 1–2 keep the
+  gathered parameters beside the shard, stage 3 a block gathered and the next one's gather in flight, stage 1 whole
+  gradients, stages 2–3 one block's whole gradients at a time; inside a pipeline schedule every stage peaks as stage 1
+  does, since PyTorch's schedules keep the parameters gathered and the gradients whole until the schedule's last
+  backward; at the run's bytes per value — :func:`precision_bytes` — less what the ``Offload`` callback keeps in host
+  memory), plus activations: per layer and micro-batch what autograd saves in meshlight's blocks
+  (:meth:`ModelSpec.activation_values_per_token`, checked against saved-tensor hooks in the tests; about ``22·h/tp``
+  values per token for Llama shapes: the inputs of the column-parallel projections are kept split and gathered again
+  in backward, as in Megatron-Core), the block's input (``h/tp``) with full recomputation plus one block's activations
+  while it is recomputed; a 1F1B stage holds ``pp`` micro-batches in flight (interleaving multiplies that by ``1 +
+  (pp−1)/(pp·v)``; GPipe and looped BFS hold all of them); the last stage also holds fp32 logits; blocks whose
+  activations are offloaded keep two blocks' worth in transit. Context parallelism (``cp``) leaves each rank
+  ``seq/cp`` tokens of every sequence, and a block's backward keeps the K/V its attention gathered over the whole
+  sequence (``2·seq·heads·head_dim/tp`` values: K/V heads repeated to the query heads for the GPU kernels;
+  :func:`_context_parallel_values`), in a recomputed block only while it is recomputed. What the ``Offload`` callback
+  moves out (optimizer state with the master shards and their gradients, the offloaded activations) must fit the
+  device's share of host memory, as the rest must fit the device.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak for the run's matmuls
   (:attr:`Hardware.compute_flops`: 16-bit, or fp32 as torch's float32 matmul precision runs it; a head tied to the
   embedding counted, :meth:`ModelSpec.executed_flops_per_token`; recomputation adds a forward), plus the
