@@ -20,8 +20,10 @@ under pipelining, Granite 4 also under expert parallelism and all three; Apertus
 projections) under tensor parallelism, with and without sequence parallelism; DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse
 Attention: its key selector kept whole on every rank) under tensor parallelism; Gemma 2 (soft-capped logits), Gemma 3
 and Gemma 4 (keys that are also the values on its global layers) under tensor parallelism, Gemma 3 and Gemma 4's MoE
-under pipelining, the MoE also under expert parallelism (and in float64 under tensor parallelism). One launch per
-process count."""
+under pipelining, the MoE also under expert parallelism (and in float64 under tensor parallelism); the vision-language
+models Qwen2.5-VL, Qwen3-VL (in float64), Qwen3-VL-MoE, LLaVA and Gemma 3 under tensor parallelism (their vision
+encoder whole on every rank), Qwen3-VL under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3, and Qwen3-VL-MoE under
+expert parallelism, alone and folded over tp. One launch per process count."""
 
 from pathlib import Path
 
@@ -84,6 +86,8 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     litgpt's MoE under dp=2 × pp=2 × tp=2 with ep=2 folded over tp (each rank two whole experts of each list);
     dp2-tp2-ep2-split*: each expert split over tp=2 and the experts over ep=2
     data ranks (Mixtral also without sequence parallelism, under ZeRO-3);
+    dp2-tp2-zero3: LLaVA, its vision encoder's parameters plain beside the decoder's tensor-parallel ones, sharded
+    over the data ranks;
     tp2-loss-parallel: a vocabulary of 61, which tp=2 splits 31 + 30, the logits left split for the loss;
     ``-kv1`` / ``-kv2`` at tp2 and tp4: fewer key/value heads than ranks, each rank computing the one its query heads
     read (Llama's k and v, Phi-3's and litgpt's fused q|k|v, beside Qwen3's norm over each head); BLOOM, MPT and

@@ -149,6 +149,8 @@ LAYOUTS = {
     # each expert split over tp=2 (the fused gate|up part by part), the experts over ep=2 data ranks: each rank runs
     # its half of 2 experts on the whole tokens of its tp group; without sequence parallelism under ZeRO-3 as well
     "dp2-tp2-ep2-split": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split"), 4, 2, MOE_FAMILIES),
+    # a vision-language model's encoder, its parameters plain beside the decoder's tensor-parallel ones, under ZeRO-3
+    "dp2-tp2-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, zero=3), 4, 2, ("llava",)),
     "dp2-tp2-ep2-split-no-sp-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split", zero=3,
                                                                   sequence_parallel=False), 4, 2, ("mixtral",)),
 }
