@@ -28,9 +28,9 @@ from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, list
 __all__ = [
     "BETWEEN_BLOCKS", "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "KEPT_WHOLE",
     "KEY_SELECTORS", "WHOLE_MIXERS", "WIDTH_ATTRIBUTES", "ModelShape", "ModelShapeError", "attention_heads",
-    "config_shape", "count_holder", "decoder_blocks", "encoder_blocks", "encoder_parameters", "fused_parts",
-    "head_counts", "head_dim_of", "head_width", "hidden_size", "is_transposed_linear", "linear_widths", "model_shape",
-    "per_head_parameters", "projection_heads", "projections",
+    "config_shape", "count_holder", "decoder_blocks", "decoder_container", "encoder_blocks", "encoder_parameters",
+    "fused_parts", "head_counts", "head_dim_of", "head_width", "hidden_size", "is_transposed_linear", "linear_widths",
+    "model_shape", "per_head_parameters", "projection_heads", "projections",
 ]
 
 #: Sequence mixers that tensor parallelism keeps whole on every rank, by class (``package.module.Class``): the linear
@@ -306,6 +306,13 @@ def decoder_blocks(module: nn.Module) -> list[nn.Module]:
     Embedding outside the blocks with the vocabulary a Linear outside them (the LM head) produces, else the largest."""
     decoder = _decoder_container(module)
     return decoder[1] if decoder else repeated_blocks(module)
+
+
+def decoder_container(module: nn.Module) -> Optional[str]:
+    """The name of the container of the decoder's blocks (:func:`decoder_blocks`) where ``module`` holds more than one
+    container of blocks and one of them is the decoder's; None otherwise."""
+    decoder = _decoder_container(module)
+    return decoder[0] if decoder else None
 
 
 def encoder_blocks(module: nn.Module) -> list[str]:

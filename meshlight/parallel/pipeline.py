@@ -24,8 +24,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from meshlight.parallel.blocks import holds_blocks
-from meshlight.parallel.model_shape import encoder_blocks
+from meshlight.parallel.blocks import class_path, holds_blocks
+from meshlight.parallel.model_shape import BETWEEN_BLOCKS, decoder_container, encoder_blocks
 
 __all__ = [
     "SCHEDULES",
@@ -105,16 +105,21 @@ def validate_schedule(schedule: str, pp: int, virtual_stages: int, microbatches:
 def find_pipelined_module(root: nn.Module) -> tuple[str, nn.Module, str]:
     """``(name, module, container)``: the module that owns the outermost container of blocks in ``root``
     (:func:`~meshlight.parallel.data_parallel.holds_blocks`; e.g. ``model`` holding ``blocks``), and that
-    container's attribute name. A model with blocks beside its decoder's (a multimodal model's encoder:
-    :func:`~meshlight.parallel.model_shape.encoder_blocks`) is refused."""
-    encoders = encoder_blocks(root)
-    if encoders:
-        raise PipelineError(
-            f"{type(root).__name__} holds blocks beside its decoder's ({', '.join(encoders)}: an encoder whose output"
-            " joins the token embeddings, as a multimodal model's vision tower does). Pipelining cuts one chain of"
-            " blocks and does not place such an encoder on a stage yet: train this model with tensor, expert or data"
-            " parallelism (pp=1; under tensor parallelism the encoder runs whole on every tp rank)."
-        )
+    container's attribute name; in a model with blocks beside its decoder's (a multimodal model's encoder:
+    :func:`~meshlight.parallel.model_shape.encoder_blocks`), the decoder's container. A decoder that adds to its
+    hidden state between its blocks what an encoder computed (:data:`~meshlight.parallel.model_shape.BETWEEN_BLOCKS`:
+    Qwen3-VL's deepstack) is refused: a later stage does not run the encoder."""
+    decoder = decoder_container(root)
+    if decoder is not None:
+        holder, _, container = decoder.rpartition(".")
+        between = [name for name, m in root.named_modules() if class_path(m) in BETWEEN_BLOCKS]
+        if between:
+            raise PipelineError(
+                f"{type(root).__name__}'s decoder ({between[0]}) adds its encoder's features to the hidden state"
+                " between its layers (Qwen3-VL's deepstack), which a later pipeline stage, not running the encoder,"
+                " would not have: train this model with tensor, expert or data parallelism (pp=1)."
+            )
+        return holder, root.get_submodule(holder), container
     for name, module in root.named_modules():
         for child_name, child in module.named_children():
             if holds_blocks(child):
@@ -130,12 +135,15 @@ class ModelRoot:
     """Where the pipelined module sits in the model a step calls. ``name``: the root in the LightningModule, the
     innermost module above (or at) the pipelined module that holds every parameter; ``pipelined``: the pipelined
     module's name inside the root (``""``: the root is the pipelined module); ``container``: its blocks; ``heads``:
-    the root's modules with parameters beside the pipelined module (an LM head), which the last stage owns."""
+    the root's modules with parameters beside the pipelined module (an LM head), which the last stage owns;
+    ``encoders``: in a model with encoders beside its decoder (a multimodal model's), those of them registered before
+    the pipelined module (a vision tower, its projector), which the first stage owns."""
 
     name: str
     pipelined: str
     container: str
     heads: tuple[str, ...]
+    encoders: tuple[str, ...] = ()
 
 
 def model_root(module: nn.Module) -> ModelRoot:
@@ -147,7 +155,8 @@ def model_root(module: nn.Module) -> ModelRoot:
     parts = name.split(".") if name else []
     depth = next(d for d in range(len(parts), -1, -1)
                  if all(n.startswith("".join(f"{p}." for p in parts[:d])) for n in names))
-    ancestor, heads = module.get_submodule(".".join(parts[:depth])), []
+    ancestor, heads, encoders = module.get_submodule(".".join(parts[:depth])), [], []
+    multimodal = bool(encoder_blocks(module))
     for index, step in enumerate([*parts[depth:], None]):
         own = [n for n, _ in ancestor.named_parameters(recurse=False)]
         if own:
@@ -156,9 +165,13 @@ def model_root(module: nn.Module) -> ModelRoot:
         if step is None:
             break
         prefix = "".join(f"{p}." for p in parts[depth:depth + index])
-        heads += [prefix + child for child, module_ in ancestor.named_children() if child != step and _numel(module_)]
+        children = [child for child, _ in ancestor.named_children()]
+        for child, module_ in ancestor.named_children():
+            if child != step and _numel(module_):
+                before = multimodal and children.index(child) < children.index(step)
+                (encoders if before else heads).append(prefix + child)
         ancestor = getattr(ancestor, step)
-    return ModelRoot(".".join(parts[:depth]), ".".join(parts[depth:]), container, tuple(heads))
+    return ModelRoot(".".join(parts[:depth]), ".".join(parts[depth:]), container, tuple(heads), tuple(encoders))
 
 
 def plan_stages(module: nn.Module, container: str, num_stages: int, split: SplitSpec = None,

@@ -23,6 +23,8 @@ from meshlight.parallel.rank_zero import rank_zero_warn
 from meshlight.parallel.router_logits import CarriedRouterLogits, router_logits_collected
 
 __all__ = [
+    "ENCODER_INPUTS",
+    "TOKEN_IDS",
     "BlockOutput",
     "PassThrough",
     "Stage",
@@ -34,6 +36,7 @@ __all__ = [
     "run_after_blocks",
     "split_stages",
     "tied_parameters",
+    "without_encoder_inputs",
 ]
 
 
@@ -64,6 +67,30 @@ class PassThrough(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.block_output.wrap(args[0]) if self.block_output else args[0]
+
+
+#: Keyword arguments of a multimodal model's forward that only its encoders read (Hugging Face's names): a later
+#: pipeline stage's forward is given None for them, so that the model skips its encoders, which the first stage runs.
+ENCODER_INPUTS = ("pixel_values", "pixel_values_videos")
+#: The keyword under which a multimodal model's token ids reach the stages after the first (the schedule hands those
+#: the hidden state in their place): their forward counts the image tokens' places and positions from them.
+TOKEN_IDS = "_meshlight_token_ids"
+
+
+class _EncoderStandIn(nn.Module):
+    """Stands in, on a stage after the first, for an encoder the first stage runs: such a stage's forward is given
+    none of :data:`ENCODER_INPUTS`, so the model skips its encoders; one called all the same is refused."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError(
+            f"A later pipeline stage ran {self.name}, an encoder the first stage owns: meshlight gives later stages"
+            f" None for the forward's {list(ENCODER_INPUTS)}, so that the model skips its encoders, but this model"
+            " passed its encoder another input. Train it with pp=1."
+        )
 
 
 def split_stages(module: nn.Module, plan: StagePlan, stages: Sequence[int],
@@ -128,19 +155,22 @@ class Stage(nn.Module):
     """One pipeline stage: the model root's forward on a view in which the pieces of other stages stand in.
 
     A stage after the first passes its input where the root takes its first input (or as ``inputs_embeds`` when the
-    root's forward takes that, as Hugging Face models do), so that the forward computes what the blocks need beside
-    it (masks, positions, rotary tables) as one process would; the embeddings of earlier stages return zeros of
-    their output's shape, and the stage's first block gets the stage's input in place of what reached it. A stage
-    before the last stops at the output of its last block and hands that on (the hidden state, where blocks return
-    tuples: ``block_output``); the last runs the root's forward to its end (norm, head, a loss it computes). What
-    the last returns reaches the schedule as its tensors, and :meth:`rebuild` makes it whole again. Where the model
-    computes its load-balancing loss from every layer's router logits, they travel beside the hidden state
+    root's forward takes that, as Hugging Face models do; a multimodal model's gets its token ids there instead,
+    under :data:`TOKEN_IDS`, and None for its encoders' inputs, :data:`ENCODER_INPUTS`), so that the forward
+    computes what the blocks need beside it (masks, positions, rotary tables, the image tokens' places) as one
+    process would; the embeddings of earlier stages return zeros of their output's shape, and the stage's first
+    block gets the stage's input in place of what reached it. A stage before the last stops at the output of its
+    last block and hands that on (the hidden state, where blocks return tuples: ``block_output``); the last runs the
+    root's forward to its end (norm, head, a loss it computes). What the last returns reaches the schedule as its
+    tensors, and :meth:`rebuild` makes it whole again. Where the model computes its load-balancing loss from every
+    layer's router logits, they travel beside the hidden state
     (:class:`~meshlight.parallel.router_logits.CarriedRouterLogits`)."""
 
     def __init__(self, root: nn.Module, blocks: Sequence[str], first: bool, last: bool, as_embeddings: bool,
-                 block_output: Optional[BlockOutput] = None) -> None:
+                 block_output: Optional[BlockOutput] = None, multimodal: bool = False) -> None:
         super().__init__()
         self.root = root
+        self._multimodal = multimodal
         self.block_output = block_output or BlockOutput()
         self._router_logits = CarriedRouterLogits(root, blocks) if router_logits_collected(root) else None
         self.first, self.last = first, last
@@ -170,12 +200,16 @@ class Stage(nn.Module):
         if not self._hooked:
             self._hook_blocks()
         received: tuple = ()
+        ids = kwargs.pop(TOKEN_IDS, None)
         if not self.first:
             if self._router_logits is not None:  # the earlier layers' router logits come after the hidden state
                 args, received = args[:1], args[1:]
             self._input, given = args[0], _whole_shaped(args[0])
-            args, kwargs = ((args[1:], {**kwargs, "inputs_embeds": given}) if self._as_embeddings else
-                            ((given, *args[1:]), kwargs))
+            if self._multimodal:  # its own token ids (image places, positions), its encoders skipped
+                args, kwargs = (ids, *args[1:]), without_encoder_inputs(kwargs)
+            else:
+                args, kwargs = ((args[1:], {**kwargs, "inputs_embeds": given}) if self._as_embeddings else
+                                ((given, *args[1:]), kwargs))
         carried = self._router_logits
         with carried.running(received) if carried else contextlib.nullcontext():
             try:
@@ -223,6 +257,11 @@ def _whole_shaped(stage_input: Any) -> Any:
     return torch.zeros(stage_input.shape, dtype=stage_input.dtype, device=local.device)
 
 
+def without_encoder_inputs(kwargs: dict) -> dict:
+    """A multimodal model's forward arguments with None for :data:`ENCODER_INPUTS` (its encoders are skipped)."""
+    return {key: None if key in ENCODER_INPUTS else value for key, value in kwargs.items()}
+
+
 class _ZerosLike(nn.Module):
     """Stands in for an embedding of an earlier stage: zeros of its output's shape for token ids (the stage's first
     block gets the stage's input instead), so that what the forward adds to it (learned positions) still fits. Its
@@ -264,6 +303,9 @@ def root_stages(root: nn.Module, place: ModelRoot, plan: StagePlan, stages: Sequ
     if last not in stages:
         for head in place.heads:
             root.set_submodule(head, PassThrough())
+    if 0 not in stages:
+        for encoder in place.encoders:
+            root.set_submodule(encoder, _EncoderStandIn(encoder))
     as_embeddings = "inputs_embeds" in inspect.signature(type(root).forward).parameters
     prefix = f"{place.pipelined}." if place.pipelined else ""
     result = []
@@ -271,9 +313,11 @@ def root_stages(root: nn.Module, place: ModelRoot, plan: StagePlan, stages: Sequ
         replacements = {place.pipelined: view}
         if stage != last:
             replacements.update({head: PassThrough() for head in place.heads})
+        if stage != 0:
+            replacements.update({encoder: _EncoderStandIn(encoder) for encoder in place.encoders})
         blocks = [f"{prefix}{plan.container}.{key}" for key in plan.blocks[stage]]
         result.append(Stage(_replaced(root, replacements), blocks, stage == 0, stage == last, as_embeddings,
-                            block_output))
+                            block_output, multimodal=bool(place.encoders)))
     return result
 
 
@@ -293,7 +337,8 @@ def tied_parameters(root: nn.Module, place: ModelRoot, plan: StagePlan) -> list[
     last = plan.num_stages - 1
     users: dict[int, dict[int, str]] = {}
     for stage in range(plan.num_stages):
-        pieces = sorted(prefix + name for name in plan.owned(stage)) + (list(place.heads) if stage == last else [])
+        pieces = (sorted(prefix + name for name in plan.owned(stage)) + (list(place.heads) if stage == last else [])
+                  + (list(place.encoders) if stage == 0 else []))
         for piece in pieces:
             for name, param in root.get_submodule(piece).named_parameters(remove_duplicate=False):
                 users.setdefault(id(param), {}).setdefault(stage, f"{piece}.{name}")
@@ -348,6 +393,9 @@ def check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict,
     MPT's do): the probes return it alone, and in a tuple where that breaks the chain. Returns whether the blocks
     return tuples (:class:`BlockOutput`)."""
     alone: list[tuple[str, Any]] = []
+    kwargs = {key: value for key, value in kwargs.items() if key != TOKEN_IDS}
+    if place is not None and place.encoders:  # (the first stage's encoders are not checked: they run before the blocks)
+        kwargs = without_encoder_inputs(kwargs)
     try:
         _check_chain(root, plan, args, kwargs, place, alone, tuples=False)
         return False

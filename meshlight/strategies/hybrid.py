@@ -18,9 +18,8 @@ from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import has_experts, listed_experts, stacked_experts
 from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, _fix_hint, data_sizes
-from meshlight.parallel.model_shape import encoder_blocks
 from meshlight.parallel.offload import OffloadPolicy, apart_from_host
-from meshlight.parallel.pipeline import default_virtual_stages
+from meshlight.parallel.pipeline import PipelineError, default_virtual_stages, find_pipelined_module
 from meshlight.parallel.planner import (
     Candidate,
     Hardware,
@@ -299,13 +298,16 @@ class Hybrid3DStrategy(MeshStrategy):
         layout that cannot be split over tp, and experts held as a list (litgpt's): tp=1 unless requested, and under
         a requested tp ``experts="fold"`` (or ep=1); sequence mixers every tp rank runs whole
         (:data:`~meshlight.parallel.model_shape.WHOLE_MIXERS`), which the cost model does not price: tp=1 unless
-        requested; and pp where pipelining cannot cut the model (a multimodal model's encoder beside its decoder:
-        :func:`~meshlight.parallel.pipeline.find_pipelined_module`)."""
+        requested; and pp where pipelining refuses the model's structure
+        (:func:`~meshlight.parallel.pipeline.find_pipelined_module`: Qwen3-VL's encoder features added between its
+        decoder's layers)."""
         fixed = {}
-        if self._requested["pp"] is None and encoder_blocks(self.lightning_module):
-            fixed["pp"] = 1
-            rank_zero_info("Planning with pp=1: pipelining does not place the encoder beside this model's decoder"
-                           f" ({', '.join(encoder_blocks(self.lightning_module))}).")
+        if self._requested["pp"] is None:
+            try:
+                find_pipelined_module(self.lightning_module)
+            except PipelineError as error:
+                fixed["pp"] = 1
+                rank_zero_info(f"Planning with pp=1: pipelining cannot split this model ({error})")
         if self._requested["tp"] is None and not has_dtensor_parameters(self.lightning_module):
             try:
                 model_plan(self.lightning_module, self.tensor_parallel.plan)

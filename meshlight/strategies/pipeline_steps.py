@@ -55,6 +55,7 @@ from meshlight.parallel.pipeline import (
     stages_of_rank,
 )
 from meshlight.parallel.pipeline_stages import (
+    TOKEN_IDS,
     Stage,
     check_chain,
     first_positional,
@@ -286,7 +287,10 @@ class PipelineSteps:
             with self._recorder.discard(self.lightning_module):
                 step(*step_args)
         except _Captured as captured:
-            return first_positional(self.root, captured.args, captured.kwargs)
+            args, kwargs = first_positional(self.root, captured.args, captured.kwargs)
+            if self.place.encoders and args:  # later stages count image places and positions from the token ids
+                kwargs = {**kwargs, TOKEN_IDS: args[0]}
+            return args, kwargs
         finally:
             del self.root.forward
         raise PipelineError(
@@ -348,6 +352,8 @@ class PipelineSteps:
         for arg in tree_flatten((args, kwargs))[0]:
             if isinstance(arg, Tensor) and arg.dim() > 0:
                 _check_divisible(arg.shape[0], self.microbatches)
+        for pixels, grid in _FLATTENED_PATCHES:
+            _check_patches(kwargs.get(pixels), kwargs.get(grid), pixels, self.microbatches)
         signature = _signature(args)
         if signature not in self._chained:
             tuples = check_chain(self.root, self.plan, args, kwargs, self.place)
@@ -416,6 +422,28 @@ def _dtypes(loss: Any, logged: list[tuple[str, Any, dict]]) -> list[torch.dtype]
     """The dtypes of the loss and of the numbers logged (not metrics), in the order a step's results carry them."""
     values = [loss] + [value for _, value, _ in logged if not isinstance(value, tuple)]
     return [value.dtype if isinstance(value, Tensor) else torch.float32 for value in values]
+
+
+#: a multimodal model's images as patches flattened over the batch beside each image's grid (Qwen-VL's keywords)
+_FLATTENED_PATCHES = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+
+
+def _check_patches(pixels: Any, grid: Any, name: str, microbatches: int) -> None:
+    """Images given as patches flattened over the batch (``[patches, values]``, each image's ``[t, h, w]`` in
+    ``grid``) are cut, as every argument is, into equal microbatches along dimension 0: each microbatch's patches
+    must be its images' own."""
+    if not (isinstance(pixels, Tensor) and pixels.dim() == 2 and isinstance(grid, Tensor) and grid.dim() == 2):
+        return
+    per_image = grid.prod(-1).tolist()
+    images, patches = len(per_image) // microbatches, pixels.shape[0] // microbatches
+    held = [sum(per_image[i * images:(i + 1) * images]) for i in range(microbatches)]
+    if any(count != patches for count in held):
+        raise PipelineError(
+            f"{name} holds the images' patches flattened over the batch ({pixels.shape[0]} patches of"
+            f" {len(per_image)} images), which the pipeline schedule cuts into {microbatches} equal microbatches"
+            f" along dimension 0: each would get {patches} patches, but their images hold {held}. Give every"
+            " microbatch images of as many patches (images of one size per microbatch), or train with pp=1."
+        )
 
 
 #: keyword arguments of ``schedule.step``/``eval`` that the schedule keeps instead of passing to the stages

@@ -109,7 +109,7 @@ class LitVLM(pl.LightningModule):
                                                                           attn_implementation="sdpa")
 
     def forward(self, text: Tensor) -> Tensor:
-        dtype = self.model.lm_head.weight.dtype
+        dtype = next(self.model.parameters()).dtype
         inputs = {key: value.to(dtype) if value.is_floating_point() else value
                   for key, value in image_inputs(self.family, text).items()}
         logits = self.model(**inputs).logits

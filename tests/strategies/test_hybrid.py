@@ -194,21 +194,22 @@ def test_the_planner_leaves_out_tensor_parallelism_for_a_model_no_plan_splits(ca
             " fused projection (model.transformer.h.0.attn.c_attn)") in caplog.text
 
 
-def test_the_planner_leaves_out_pipelining_for_a_vision_language_model(caplog):
-    """Pipelining does not place a vision encoder beside the decoder: pp stays 1 unless given (given, it is refused
-    before training, naming the encoder, as cp > 1 is); tp and ep stay the planner's (the encoder whole on every tp
-    rank)."""
+def test_the_planner_pipelines_a_vision_language_model_unless_its_decoder_adds_encoder_features_between_layers(
+        caplog):
+    """A vision-language model's encoder goes to the first pipeline stage: pp stays the planner's (LLaVA's). Qwen3-VL
+    adds its encoder's features between its decoder's layers, which later stages would not have: pp stays 1 unless
+    given (given, it is refused before training, naming the decoder)."""
     pytest.importorskip("transformers")
     from tests.strategies.hf_vlm import lit_vlm
 
-    for family, fixed in (("llava", {"pp": 1, "ep": 1}), ("qwen3_vl_moe", {"pp": 1})):
+    for family, fixed in (("llava", {"ep": 1}), ("qwen3_vl_moe", {"pp": 1})):
         strategy = ml.Hybrid3DStrategy()
         ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", logger=False)
         strategy.connect(lit_vlm(family))
         with caplog.at_level("INFO"):
             assert strategy._unsplittable() == fixed, family
-    assert ("Planning with pp=1: pipelining does not place the encoder beside this model's decoder"
-            " (model.model.vision_tower.encoder.layers)") in caplog.text
+    assert ("Planning with pp=1: pipelining cannot split this model (LitVLM's decoder (model.model.language_model)"
+            " adds its encoder's features to the hidden state between its layers (Qwen3-VL's deepstack)") in caplog.text
 
 
 def test_the_planner_splits_a_models_own_experts_over_tp_where_it_can_else_keeps_them_whole():

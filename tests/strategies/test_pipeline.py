@@ -76,3 +76,20 @@ def test_bad_input_fails_on_every_rank_before_training_without_hanging(bad_input
     raised = [rank[case] for rank in bad_input if case in rank]
     assert len(raised) in (2, 4)
     assert all(BAD_INPUT[case] in message for message in raised), raised[0]
+
+
+def test_images_as_patches_flattened_over_the_batch_are_refused_where_microbatches_would_cut_across_images():
+    """Qwen-VL's images come as their patches flattened over the batch beside each image's grid: the schedule cuts
+    every argument into equal microbatches along dimension 0, which keeps each image's patches with it only where
+    every microbatch's images hold as many patches. Otherwise it is refused before anything is sent."""
+    from meshlight.parallel.pipeline import PipelineError
+    from meshlight.strategies.pipeline_steps import _check_patches
+
+    grid = torch.tensor([[1, 4, 4], [1, 2, 2], [1, 4, 4], [1, 2, 2]])  # 16, 4, 16 and 4 patches
+    _check_patches(torch.zeros(40, 8), grid, "pixel_values", 2)  # 20 and 20
+    _check_patches(torch.zeros(40, 8, 1), grid, "pixel_values", 2)  # not flattened patches: not checked
+    with pytest.raises(PipelineError, match=r"pixel_values holds the images' patches flattened over the batch \(40"
+                                            r" patches of 4 images\).*2 equal microbatches along dimension 0: each"
+                                            r" would get 20 patches, but their images hold \[32, 8\].*or train with"
+                                            r" pp=1"):
+        _check_patches(torch.zeros(40, 8), grid[[0, 2, 1, 3]], "pixel_values", 2)

@@ -62,6 +62,9 @@ GEMMA = ("gemma2", "gemma3", "gemma4", "gemma4_moe-fp64")
 #: decoder layers, which sequence parallelism gathers there; in float64: hf_models.PARITY_RTOL) and its MoE, LLaVA
 #: (CLIP and Llama) and Gemma 3 (SigLIP, attention bidirectional over an image's tokens)
 VLM = ("qwen2_5_vl", "qwen3_vl-fp64", "qwen3_vl_moe", "llava", "gemma3_vision")
+#: the vision-language models pipelining splits: the encoder on the first stage, later stages skipping it and
+#: counting the image tokens' places and positions from the token ids (Qwen2.5-VL's 3-D rotary positions too)
+VLM_PIPELINED = ("qwen2_5_vl", "llava", "gemma3_vision")
 #: experts held as a list (litgpt's LLaMAMoE), split over ep: Mixtral's configuration, also with the gradients
 #: clipped, and DeepSeek-V3's (grouped routing, a shared expert, a dense first layer)
 LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
@@ -104,7 +107,7 @@ LAYOUTS = {
     # its load-balancing loss to its own loss, from every layer's router logits (carried down the pipeline)
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=MICROBATCHES["pp2-1f1b"]), 2, 1,
                  (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt", "opt_narrow", "falcon_h1", "granite4",
-                  "mixtral-aux-labels", "gemma3", "gemma4_moe")),
+                  "mixtral-aux-labels", "gemma3", "gemma4_moe", *VLM_PIPELINED)),
     # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models); Mistral
     # is Llama's structure under its own classes (1F1B runs it)
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
@@ -112,17 +115,18 @@ LAYOUTS = {
                         tuple(f"{f}-deep" for f in FAMILIES if f != "mistral")),
     # one microbatch per stage: the schedules' microbatch counts are tested in test_pipeline.py
     # on 8 processes a run costs ~10 s (about 5 runs on 2): the families whose structure the 3-D split meets differently
-    # — Llama's (Mistral's is the same; Qwen2 adds q/k/v biases, which tp=2 and pp=2 cover), QK-norm with an explicit
-    # head_dim, GPT-2's Conv1D and head tied across the first and last stage, litgpt's fused grouped q|k|v (3d-ep2: its
-    # MoE's), OLMo 2's q and k norms over all heads sharded over tp and then over dp — and two MoE families (Mixtral's
-    # experts are split over tp as Qwen3-MoE's are; DeepSeek-V3's latent attention, its dense first layer a stage of its
-    # own; Llama 4's experts that take every token); Falcon-RW: ALiBi biases handed out by head on each stage, blocks
-    # returning tuples (BLOOM's and OPT's traits beside it are their tp's or their pp's alone: tp2 and pp2-1f1b);
-    # Granite 4 (3d-moe): its Mamba mixers whole on every tp rank (as Qwen3.5's linear attention, whose float64 run here
-    # cost 32 s), its experts split over tp beside its fused shared expert; Qwen3-MoE with its load-balancing loss, from
-    # router logits gathered over the sequence's shares and carried down the pipeline
+    # — Llama's, in Qwen2.5-VL's decoder (Qwen2's: Llama's with q/k/v biases; Mistral's is Llama's too) with its vision
+    # encoder on the first stage, whole on its tp ranks, QK-norm with an explicit head_dim, GPT-2's Conv1D and head tied
+    # across the first and last stage, litgpt's fused grouped q|k|v (3d-ep2: its MoE's), OLMo 2's q and k norms over all
+    # heads sharded over tp and then over dp — and two MoE families (Mixtral's experts are split over tp as Qwen3-MoE's
+    # are; DeepSeek-V3's latent attention, its dense first layer a stage of its own; Llama 4's experts that take every
+    # token); Falcon-RW: ALiBi biases handed out by head on each stage, blocks returning tuples (BLOOM's and OPT's
+    # traits beside it are their tp's or their pp's alone: tp2 and pp2-1f1b); Granite 4 (3d-moe): its Mamba mixers whole
+    # on every tp rank (as Qwen3.5's linear attention, whose float64 run here cost 32 s), its experts split over tp
+    # beside its fused shared expert; Qwen3-MoE with its load-balancing loss, from router logits gathered over the
+    # sequence's shares and carried down the pipeline
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=MICROBATCHES["3d"]), 8, 2,
-           ("llama", "qwen3", "gpt2", "olmo2", "falcon_rw")),
+           ("qwen2_5_vl", "qwen3", "gpt2", "olmo2", "falcon_rw")),
     # litgpt's fused grouped q|k|v split over tp, and its experts held as a list spread over the tp ranks by ep
     # folded over them (each rank two whole experts of each list, each tp rank sending its share of the tokens)
     "3d-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=2, microbatches=MICROBATCHES["3d-ep2"]), 8, 2,
