@@ -136,8 +136,8 @@ class ModelRoot:
     innermost module above (or at) the pipelined module that holds every parameter; ``pipelined``: the pipelined
     module's name inside the root (``""``: the root is the pipelined module); ``container``: its blocks; ``heads``:
     the root's modules with parameters beside the pipelined module (an LM head), which the last stage owns;
-    ``encoders``: in a model with encoders beside its decoder (a multimodal model's), those of them registered before
-    the pipelined module (a vision tower, its projector), which the first stage owns."""
+    ``encoders``: in a model with encoders beside its decoder (a multimodal model's), the modules beside the
+    pipelined module but the LM head's (a vision tower, its projector), which the first stage owns."""
 
     name: str
     pipelined: str
@@ -156,7 +156,11 @@ def model_root(module: nn.Module) -> ModelRoot:
     depth = next(d for d in range(len(parts), -1, -1)
                  if all(n.startswith("".join(f"{p}." for p in parts[:d])) for n in names))
     ancestor, heads, encoders = module.get_submodule(".".join(parts[:depth])), [], []
-    multimodal = bool(encoder_blocks(module))
+    # a multimodal model's modules beside the decoder are its encoders (and projectors), but the one holding the LM
+    # head: no encoder's blocks, a Linear from the decoder's token embedding's width to its vocabulary
+    encoders_held = {id(module.get_submodule(n)) for n in encoder_blocks(module)}
+    token = max((m for m in module.get_submodule(name).modules() if isinstance(m, nn.Embedding)),
+                key=lambda m: m.num_embeddings, default=None) if encoders_held else None
     for index, step in enumerate([*parts[depth:], None]):
         own = [n for n, _ in ancestor.named_parameters(recurse=False)]
         if own:
@@ -165,11 +169,13 @@ def model_root(module: nn.Module) -> ModelRoot:
         if step is None:
             break
         prefix = "".join(f"{p}." for p in parts[depth:depth + index])
-        children = [child for child, _ in ancestor.named_children()]
         for child, module_ in ancestor.named_children():
             if child != step and _numel(module_):
-                before = multimodal and children.index(child) < children.index(step)
-                (encoders if before else heads).append(prefix + child)
+                head = token is None or not encoders_held & {id(m) for m in module_.modules()} and any(
+                    isinstance(m, nn.Linear) and (m.in_features, m.out_features) == (token.embedding_dim,
+                                                                                     token.num_embeddings)
+                    for m in module_.modules())
+                (heads if head else encoders).append(prefix + child)
         ancestor = getattr(ancestor, step)
     return ModelRoot(".".join(parts[:depth]), ".".join(parts[depth:]), container, tuple(heads), tuple(encoders))
 

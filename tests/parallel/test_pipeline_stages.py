@@ -2,6 +2,8 @@
 the chain check, weights tied across the first and last stage, a head beside the module holding the blocks, and
 meta-device materialization."""
 
+import re
+
 import pytest
 import torch
 
@@ -350,3 +352,34 @@ def test_only_a_piece_run_after_every_block_and_never_before_goes_to_the_last_st
     with pytest.raises(PipelineError, match=r"runs 'model.norm' after the blocks model.blocks.0 … model.blocks.1, but"
                                             r" it is registered before 'model.blocks'"):
         check_chain(module, plan, (torch.arange(4).view(1, 4),), {}, place)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "gemma3_vision", "idefics3", "ernie4_5_vl_moe", "qwen3_vl"])
+def test_a_vision_language_models_encoders_go_to_the_first_stage_and_its_head_to_the_last(family):
+    """The decoder's holder is pipelined; beside it, the module holding the LM head (a Linear from the token
+    embedding's width to its vocabulary, outside the encoders) is the last stage's and every other one — encoders,
+    projectors, also where registered after the decoder (ERNIE 4.5-VL's) — the first stage's. A later stage's encoders
+    refuse to run. Qwen3-VL's decoder adds its encoder's features between its layers: refused."""
+    pytest.importorskip("transformers")
+    from meshlight.parallel.pipeline_stages import ENCODER_INPUTS
+    from tests.strategies.hf_vlm import lit_vlm
+
+    module = lit_vlm(family)
+    if family == "qwen3_vl":
+        with pytest.raises(PipelineError, match=r"adds its encoder's features to the hidden state between its layers"):
+            model_root(module)
+        return
+    place = model_root(module)
+    decoder = "text_model" if family == "idefics3" else "language_model"
+    assert (place.name, place.pipelined, place.container, place.heads) == ("model", f"model.{decoder}", "layers",
+                                                                           ("lm_head",))
+    assert place.encoders == {"qwen2_5_vl": ("model.visual",), "idefics3": ("model.vision_model", "model.connector"),
+                              "ernie4_5_vl_moe": ("model.vision_tower", "model.resampler_model")}.get(
+        family, ("model.vision_tower", "model.multi_modal_projector"))
+    root = module.model
+    plan = plan_stages(root.get_submodule(place.pipelined), place.container, 2)
+    later = root_stages(root, place, plan, [1])[0]
+    with pytest.raises(PipelineError, match=rf"A later pipeline stage ran {place.encoders[0]}, an encoder the first"
+                                            r" stage owns: .*None for the forward's"
+                                            rf" {re.escape(str(list(ENCODER_INPUTS)))}.*Train it with pp=1"):
+        later.root.get_submodule(place.encoders[0])(torch.zeros(1))

@@ -22,7 +22,9 @@ IMAGE, START, END = 30, 29, 28
 IMAGE_TOKENS = 4
 #: the encoder's width (narrower than the decoder's), heads and blocks
 VISION_DIM, VISION_HEADS, VISION_LAYERS = 32, 4, 2
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "gemma3_vision")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "gemma3_vision", "idefics3", "ernie4_5_vl_moe")
+#: families whose images come as patches flattened over the batch beside each image's grid (Qwen's layout)
+FLATTENED = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "ernie4_5_vl_moe")
 
 
 def vlm_config(family: str) -> Any:
@@ -71,6 +73,23 @@ def vlm_config(family: str) -> Any:
             text_config=text, mm_tokens_per_image=IMAGE_TOKENS, image_token_index=IMAGE, boi_token_index=START,
             eoi_token_index=END, tie_word_embeddings=False,
             vision_config={**vision, "model_type": "siglip_vision_model", "image_size": 8, "patch_size": 2})
+    if family == "idefics3":
+        # SigLIP: an 8×8 image in 2×2 patches, pixel-shuffled 2×2 into 4 tokens; the decoder is a Llama
+        return transformers.Idefics3Config(
+            text_config={**text, "model_type": "llama"}, image_token_id=IMAGE, scale_factor=2, use_cache=False,
+            vision_config={**vision, "image_size": 8, "patch_size": 2}, tie_word_embeddings=False)
+    if family == "ernie4_5_vl_moe":
+        # registered after its decoder: the encoder, then the resampler merging 2×2 patches; experts for the text
+        # tokens and for the image's (token types), after a dense first layer
+        text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+                    moe_intermediate_size=[HIDDEN // 2, HIDDEN // 2], moe_k=2, moe_num_experts=4,
+                    moe_num_shared_experts=1, mlp_layer_types=["dense", "sparse"], head_dim=DIM // HEADS)
+        return transformers.Ernie4_5_VLMoeConfig(
+            text_config=text, tie_word_embeddings=False,
+            vision_config=dict(depth=VISION_LAYERS, hidden_size=VISION_DIM, intermediate_size=2 * VISION_DIM,
+                               num_heads=VISION_HEADS, patch_size=4, spatial_merge_size=2, temporal_merge_size=2),
+            image_token_id=IMAGE, video_token_id=IMAGE + 1, image_start_token_id=START, image_end_token_id=END,
+            video_start_token_id=START, video_end_token_id=END)
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
 
 
@@ -85,13 +104,20 @@ def image_inputs(family: str, text: Tensor) -> dict[str, Tensor]:
     batch = text.shape[0]
     ids = torch.cat([torch.tensor([START] + [IMAGE] * IMAGE_TOKENS + [END]).expand(batch, -1), text], dim=1)
     seed = 1 + text.float().sum(1) / 50
-    if family.startswith("qwen"):  # 16 patches of 3 channels × 2 frames × 4 × 4 per image, their grid
-        pixels = torch.sin(torch.arange(16 * 96).view(1, 16, 96) * 0.01 * seed.view(batch, 1, 1))
-        return dict(input_ids=ids, pixel_values=pixels.flatten(0, 1), image_grid_thw=torch.tensor([[1, 4, 4]] * batch),
-                    mm_token_type_ids=(ids == IMAGE).int())
+    if family in FLATTENED:  # 16 patches of 3 channels × 2 frames (Ernie's: 1) × 4 × 4 per image, their grid
+        width = 48 if family == "ernie4_5_vl_moe" else 96
+        pixels = torch.sin(torch.arange(16 * width).view(1, 16, width) * 0.01 * seed.view(batch, 1, 1))
+        inputs = dict(input_ids=ids, pixel_values=pixels.flatten(0, 1),
+                      image_grid_thw=torch.tensor([[1, 4, 4]] * batch), mm_token_type_ids=(ids == IMAGE).int())
+        if family == "ernie4_5_vl_moe":  # the image's tokens, its start and end go to the image's experts
+            inputs["moe_mm_token_type_ids"] = ((ids == IMAGE) | (ids == START) | (ids == END)).int()
+        return inputs
     pixels = torch.sin(torch.arange(3 * 8 * 8).view(1, 3, 8, 8) * 0.05 * seed.view(batch, 1, 1, 1))
     if family == "gemma3_vision":
         return dict(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long())
+    if family == "idefics3":  # one image per sample, every pixel real
+        return dict(input_ids=ids, pixel_values=pixels[:, None],
+                    pixel_attention_mask=torch.ones(batch, 1, 8, 8, dtype=torch.bool))
     return dict(input_ids=ids, pixel_values=pixels)
 
 
@@ -130,10 +156,10 @@ class LitVLM(pl.LightningModule):
 def lit_vlm(name: str) -> LitVLM:
     """The parity model called ``name``: a family (``"llava"``), or its float64 twin (``"qwen3_vl-fp64"``). Those with
     key biases (Qwen2.5-VL's decoder, CLIP's and SigLIP's encoders) train with SGD at 0.3, as
-    :func:`~tests.strategies.hf_models.training_options` says why; Qwen3-VL's MoE with AdamW at 3e-3 (at 1e-2 its
-    routing's near-ties drift past 1e-4 by rounding alone)."""
+    :func:`~tests.strategies.hf_models.training_options` says why; the MoE ones (Qwen3-VL's, ERNIE 4.5-VL's) with
+    AdamW at 3e-3 (at 1e-2 their routing's near-ties drift past 1e-4 by rounding alone)."""
     family = name.removesuffix("-fp64")
-    options = ({"optimizer": "sgd", "lr": 0.3} if family in ("qwen2_5_vl", "llava", "gemma3_vision") else
-               {"lr": 3e-3} if family == "qwen3_vl_moe" else {})
+    options = ({"optimizer": "sgd", "lr": 0.3} if family in ("qwen2_5_vl", "llava", "gemma3_vision", "idefics3") else
+               {"lr": 3e-3} if family in ("qwen3_vl_moe", "ernie4_5_vl_moe") else {})
     module = LitVLM(family, **options)
     return in_float64(module) if name.endswith("-fp64") else module
