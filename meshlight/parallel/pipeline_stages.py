@@ -453,8 +453,12 @@ def _check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pl
     container = root.get_submodule(container_name)
     keys = list(container.keys()) if isinstance(container, nn.ModuleDict) else [str(i) for i in range(len(container))]
     probed = [probes[f"{container_name}.{k}"] for k in keys]
-    for key, probe in zip(keys, probed):  # the blocks this rank holds stay in the view, not called: a forward may
-        probe.held = container[key if isinstance(container, nn.ModuleDict) else int(key)]  # read its device from them
+    for key, probe in zip(keys, probed):
+        # a parameter of each block this rank holds stays in the view, for a forward that reads its device or dtype
+        # from its parameters (Idefics3's); not the block itself, whose modules a forward may hook (router logits)
+        held = next(container[key if isinstance(container, nn.ModuleDict) else int(key)].parameters(), None)
+        if held is not None:
+            probe.register_parameter("held", held)
     # an embedding's stand-in hands on zeros of its output's dtype, which what runs before the blocks may read (an
     # eager attention mask takes its minimum)
     calls: list[tuple[str, int]] = []  # pieces registered before the blocks as they run: name, pieces run before
