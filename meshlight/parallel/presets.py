@@ -116,9 +116,8 @@ class ModelSpec:
     @property
     def active_params(self) -> int:
         """Non-embedding parameters one token of the decoder uses (``top_k`` of the experts; an encoder's aside)."""
-        return self.params - self.embedding_params - self.expert_params - self.encoder_params + (
-            self.moe_layers * self.top_k * (
-            self.mlp_params))
+        routed = self.moe_layers * self.top_k * self.mlp_params
+        return self.params - self.embedding_params - self.expert_params - self.encoder_params + routed
 
     def activation_values_per_token(self, tp: int) -> float:
         """Values one block's backward keeps per token (no recomputation), as autograd saves them in meshlight's
