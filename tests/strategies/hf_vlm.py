@@ -66,7 +66,7 @@ def vlm_config(family: str) -> Any:
             vision_config={**vision, "model_type": "clip_vision_model", "image_size": 8, "patch_size": 4},
             vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False)
     if family == "gemma3_vision":
-        # SigLIP: an 8×8 image in 2×2 patches, pooled 2×2 into 4 tokens; attention bidirectional over an image's
+        # SigLIP: an 8×8 image in 2×2 patches, pooled 2×2 into 4 tokens; attention bidirectional over an image's tokens
         text.update(head_dim=DIM // HEADS, sliding_window=8, query_pre_attn_scalar=DIM // HEADS,
                     layer_types=["sliding_attention", "full_attention"], model_type="gemma3_text")
         return transformers.Gemma3Config(
