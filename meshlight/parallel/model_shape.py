@@ -30,7 +30,7 @@ __all__ = [
     "KEY_SELECTORS", "WHOLE_MIXERS", "WIDTH_ATTRIBUTES", "ModelShape", "ModelShapeError", "attention_heads",
     "config_shape", "count_holder", "decoder_blocks", "decoder_container", "encoder_blocks", "encoder_parameters",
     "fused_parts", "head_counts", "head_dim_of", "head_width", "hidden_size", "is_transposed_linear", "linear_widths",
-    "model_shape", "per_head_parameters", "projection_heads", "projections",
+    "lm_heads", "model_shape", "per_head_parameters", "projection_heads", "projections",
 ]
 
 #: Sequence mixers that tensor parallelism keeps whole on every rank, by class (``package.module.Class``): the linear
@@ -330,19 +330,28 @@ def encoder_parameters(module: nn.Module) -> int:
     if decoder is None or not encoder_blocks(module):
         return 0
     holder = module.get_submodule(decoder[0].rpartition(".")[0])
+    decoder_params = {id(p) for m in (holder, *lm_heads(module)) for p in m.parameters()}
+    return sum(p.numel() for p in module.parameters() if id(p) not in decoder_params)
+
+
+def lm_heads(module: nn.Module) -> list[nn.Module]:
+    """A multimodal model's LM head: the Linears outside its encoders' subtrees (below the deepest module each shares
+    with the decoder: Qwen2.5-VL's ``model.visual``) from the decoder's token embedding's width to its vocabulary;
+    none for a model without :func:`encoder_blocks`."""
+    decoder = _decoder_container(module)
+    if decoder is None or not encoder_blocks(module):
+        return []
+    holder = module.get_submodule(decoder[0].rpartition(".")[0])
     token = max((m for m in holder.modules() if isinstance(m, nn.Embedding)), key=lambda m: m.num_embeddings,
                 default=None)
-    decoder_params = {id(p) for p in holder.parameters()}
-    # each encoder's own subtree: below the deepest module it shares with the decoder (Qwen2.5-VL's model.visual)
+    if token is None:
+        return []
     path = decoder[0].split(".")
     roots = [".".join(name.split(".")[:len(os.path.commonprefix([name.split("."), path])) + 1])
              for name in encoder_blocks(module)]
     encoders = {id(m) for root in roots for m in module.get_submodule(root).modules()}
-    if token is not None:  # the LM head: outside the encoders, from the decoder's width to its vocabulary
-        decoder_params |= {id(p) for m in module.modules() if isinstance(m, nn.Linear) and id(m) not in encoders
-                           and (m.in_features, m.out_features) == (token.embedding_dim, token.num_embeddings)
-                           for p in m.parameters()}
-    return sum(p.numel() for p in module.parameters() if id(p) not in decoder_params)
+    return [m for m in module.modules() if isinstance(m, nn.Linear) and id(m) not in encoders
+            and (m.in_features, m.out_features) == (token.embedding_dim, token.num_embeddings)]
 
 
 def _decoder_container(module: nn.Module) -> Optional[tuple[str, list[nn.Module]]]:

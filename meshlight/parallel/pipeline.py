@@ -25,7 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from meshlight.parallel.blocks import class_path, holds_blocks
-from meshlight.parallel.model_shape import BETWEEN_BLOCKS, decoder_container, encoder_blocks
+from meshlight.parallel.model_shape import BETWEEN_BLOCKS, decoder_container, encoder_blocks, lm_heads
 
 __all__ = [
     "SCHEDULES",
@@ -156,11 +156,10 @@ def model_root(module: nn.Module) -> ModelRoot:
     depth = next(d for d in range(len(parts), -1, -1)
                  if all(n.startswith("".join(f"{p}." for p in parts[:d])) for n in names))
     ancestor, heads, encoders = module.get_submodule(".".join(parts[:depth])), [], []
-    # a multimodal model's modules beside the decoder are its encoders (and projectors), but the one holding the LM
-    # head: no encoder's blocks, a Linear from the decoder's token embedding's width to its vocabulary
-    encoders_held = {id(module.get_submodule(n)) for n in encoder_blocks(module)}
-    token = max((m for m in module.get_submodule(name).modules() if isinstance(m, nn.Embedding)),
-                key=lambda m: m.num_embeddings, default=None) if encoders_held else None
+    # a multimodal model's modules beside the decoder are its encoders (and projectors), but the one holding its LM
+    # head (a Linear from the decoder's token embedding's width to its vocabulary, outside the encoders)
+    multimodal = bool(encoder_blocks(module))
+    lm_head = {id(m) for m in lm_heads(module)}
     for index, step in enumerate([*parts[depth:], None]):
         own = [n for n, _ in ancestor.named_parameters(recurse=False)]
         if own:
@@ -171,10 +170,7 @@ def model_root(module: nn.Module) -> ModelRoot:
         prefix = "".join(f"{p}." for p in parts[depth:depth + index])
         for child, module_ in ancestor.named_children():
             if child != step and _numel(module_):
-                head = token is None or not encoders_held & {id(m) for m in module_.modules()} and any(
-                    isinstance(m, nn.Linear) and (m.in_features, m.out_features) == (token.embedding_dim,
-                                                                                     token.num_embeddings)
-                    for m in module_.modules())
+                head = not multimodal or any(id(m) in lm_head for m in module_.modules())
                 (heads if head else encoders).append(prefix + child)
         ancestor = getattr(ancestor, step)
     return ModelRoot(".".join(parts[:depth]), ".".join(parts[depth:]), container, tuple(heads), tuple(encoders))
