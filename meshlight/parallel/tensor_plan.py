@@ -350,6 +350,8 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
         constraints.append(("hidden size", hidden, None, "width"))
     _check_groups(model, plan)
     _reject_unsplit(_named_blocks(model), plan, sequence_parallel)
+    if sequence_parallel:
+        _reject_moe_arguments(_named_blocks(model))
     for parent in _colwise_parents(plan):
         constraints += [(_join(parent, attribute), count, parent, "heads")
                         for attribute, count in head_counts(modules[parent]).items()]
@@ -664,6 +666,27 @@ def _reject_unsplit(blocks: list[tuple[str, nn.Module]], plan: Mapping[str, Any]
                 f"{_shown(full)} ({type(module).__name__}) holds parameters the automatic tensor-parallel plan"
                 f" cannot split: {listed}{why}. {fix}."
             )
+
+
+def _reject_moe_arguments(blocks: list[tuple[str, nn.Module]]) -> None:
+    """Under sequence parallelism a block's MoE layer (the module it calls that holds its MoE blocks) runs on this
+    rank's share of the sequence, and its experts gather the shares' tokens over tp. One whose forward takes more
+    than the hidden state — ERNIE 4.5-VL's token types, which route each token to the text or the image experts — would
+    meet a whole sequence's values beside a share's tokens, and send the tp ranks unequal numbers of tokens: refused,
+    naming it."""
+    for block_name, block in blocks:
+        for moe in sorted(moe_blocks_of(block) - {""}):  # (a block that is its own MoE block: its experts beside it)
+            layer_name = moe.split(".")[0]
+            layer = block.get_submodule(layer_name)
+            extra = list(inspect.signature(layer.forward).parameters)[1:]
+            if extra:
+                raise TensorParallelError(
+                    f"{_shown(_join(block_name, layer_name))} ({type(layer).__name__}) takes {', '.join(extra)} beside"
+                    " its hidden state: under sequence parallelism it would run on this rank's share of the sequence"
+                    " with values for the whole sequence, and its experts would gather unequal numbers of tokens from"
+                    " the tp ranks. Pass sequence_parallel=False (tensor parallelism without it splits this model),"
+                    " or train it with pipeline, expert or data parallelism."
+                )
 
 
 def _check_groups(model: nn.Module, plan: Mapping[str, Any]) -> None:

@@ -279,3 +279,21 @@ def test_a_vision_language_models_decoder_is_told_from_its_vision_encoder(family
     # one list of blocks, or two of one width as near the token embedding (an encoder-decoder's): all of them
     assert decoder_blocks(module.model.model.language_model) == list(layers)
     assert encoder_blocks(module.model.model.language_model) == []
+
+
+def test_an_moe_layer_routing_by_token_type_is_refused_under_sequence_parallelism_alone():
+    """ERNIE 4.5-VL's MoE layer takes each token's type (text or image, which picks its experts) beside the hidden
+    state: under sequence parallelism it would meet the whole sequence's types beside a share's tokens, so tp with
+    sequence parallelism refuses it before training, naming the layer and sequence_parallel=False — the layout its
+    parity run trains under (tests/strategies/test_hf_models.py: tp2-no-sp)."""
+    pytest.importorskip("transformers")
+    from meshlight.parallel.tensor_plan import TensorParallelError, model_plan, validate_plan
+    from tests.strategies import hf_vlm
+
+    module = hf_vlm.lit_vlm("ernie4_5_vl_moe")
+    plan = model_plan(module)
+    with pytest.raises(TensorParallelError, match=r"model.model.language_model.layers.1.mlp \(Ernie4_5_VLMoeMoeBlock\)"
+                                                  r" takes moe_mm_token_type_ids beside its hidden state.*Pass"
+                                                  r" sequence_parallel=False"):
+        validate_plan(module, plan, 2, 2)
+    validate_plan(module, plan, 2, 2, sequence_parallel=False)

@@ -23,9 +23,10 @@ kept whole on every rank) under tensor parallelism; Gemma 2 (soft-capped logits)
 also the values on its global layers) under tensor parallelism, Gemma 3 and Gemma 4's MoE under pipelining, the MoE also
 under expert parallelism (and in float64 under tensor parallelism); the vision-language models Qwen2.5-VL, Qwen3-VL (in
 float64), Qwen3-VL-MoE, LLaVA and Gemma 3 under tensor parallelism (their vision encoder whole on every rank),
-Qwen2.5-VL, LLaVA, Idefics3 (in float64) and ERNIE 4.5-VL under pipelining (the encoder on the first stage), Qwen2.5-VL
-under all three, Qwen3-VL under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3, and Qwen3-VL-MoE under expert parallelism,
-alone and folded over tp. One launch per process count."""
+Qwen2.5-VL, LLaVA, Idefics3 (in float64) and ERNIE 4.5-VL under pipelining (the encoder on the first stage), ERNIE
+4.5-VL under tensor parallelism without sequence parallelism (its MoE layer takes each token's type), Qwen2.5-VL under
+all three, Qwen3-VL under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3, and Qwen3-VL-MoE under expert parallelism, alone
+and folded over tp. One launch per process count."""
 
 from pathlib import Path
 
@@ -104,7 +105,8 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     parity.assert_parity(result, controls[control_of(layout, model)], rtol=PARITY_RTOL.get(model, 1e-4))
     # 4 experts: over 2 or 4 ranks, or whole
     stacked = (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "ernie4_5_moe",
-               "llama4", "jamba", "granite4", "lfm2_moe", "minimax", "kimi_linear", "gemma4_moe", "qwen3_vl_moe")
+               "llama4", "jamba", "granite4", "lfm2_moe", "minimax", "kimi_linear", "gemma4_moe", "qwen3_vl_moe",
+               "ernie4_5_vl_moe")
     family = model.split("-")[0]
     if family in (*stacked, "litgpt_moe", "litgpt_moe_grouped") and layout != "3d-planned":
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1

@@ -99,9 +99,10 @@ LAYOUTS = {
     # litgpt's listed experts whole on every rank, each computing all the tokens, and Llama 4's shared expert's
     # output, summed over tp, added to in place by the model (in float64: hf_models.PARITY_RTOL); Apertus's learned
     # activation's scalars, their gradients summed over tp as under sequence parallelism (a mixer kept whole is left
-    # as it is there: every rank computes it)
+    # as it is there: every rank computes it); ERNIE 4.5-VL, whose MoE layer takes each token's type (text or image)
+    # beside the hidden state, which sequence parallelism refuses
     "tp2-no-sp": (lambda: ml.TensorParallelStrategy(tp=2, sequence_parallel=False), 2, 1,
-                  ("deepseek_v3", "litgpt_moe", "llama4-fp64", "apertus")),
+                  ("deepseek_v3", "litgpt_moe", "llama4-fp64", "apertus", "ernie4_5_vl_moe")),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
     "ddp": (lambda: "ddp", 2, 2, (*FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
