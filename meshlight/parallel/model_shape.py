@@ -28,9 +28,10 @@ from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, list
 __all__ = [
     "BETWEEN_BLOCKS", "GROUP_ATTRIBUTES", "HEAD_COUNT_ATTRIBUTES", "HEAD_DIM_ATTRIBUTES", "KEPT_WHOLE",
     "KEY_SELECTORS", "WHOLE_MIXERS", "WIDTH_ATTRIBUTES", "ModelShape", "ModelShapeError", "attention_heads",
-    "config_shape", "count_holder", "decoder_blocks", "decoder_container", "encoder_blocks", "encoder_parameters",
-    "fused_parts", "head_counts", "head_dim_of", "head_width", "hidden_size", "is_transposed_linear", "linear_widths",
-    "lm_heads", "model_shape", "per_head_parameters", "projection_heads", "projections",
+    "blocks_fed_between", "config_shape", "count_holder", "decoder_blocks", "decoder_container", "encoder_blocks",
+    "encoder_parameters", "fused_parts", "head_counts", "head_dim_of", "head_width", "hidden_size",
+    "is_transposed_linear", "linear_widths", "lm_heads", "model_shape", "per_head_parameters", "projection_heads",
+    "projections",
 ]
 
 #: Sequence mixers that tensor parallelism keeps whole on every rank, by class (``package.module.Class``): the linear
@@ -67,14 +68,17 @@ KEY_SELECTORS = frozenset({
     "transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32Indexer",
     "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaIndexer",
 })
-#: Decoders whose forward changes the hidden state between their blocks, by class (``package.module.Class``):
-#: Qwen3-VL's and its MoE's, whose deepstack adds the vision encoder's features from its early blocks to the image
-#: tokens' hidden states after the decoder's first layers. Under sequence parallelism over the blocks only, the hidden
-#: state is gathered after each of their blocks and cut to the share again before the next.
-BETWEEN_BLOCKS = frozenset({
-    "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextModel",
-    "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextModel",
-})
+#: Decoders whose forward changes the hidden state between their first blocks, by class (``package.module.Class``) →
+#: the model's config entry listing what it adds, one item per block fed: Qwen3-VL's and its MoE's deepstack adds the
+#: vision encoder's features from some of its blocks (``vision_config.deepstack_visual_indexes``) to the image tokens'
+#: hidden states after as many of the decoder's first layers (:func:`blocks_fed_between`). Under sequence parallelism
+#: over the blocks only, the hidden state is gathered after each of those blocks and cut to the share again before the
+#: next; pipelining keeps them, and the block after them, on the first stage, which runs the encoder.
+BETWEEN_BLOCKS = {
+    "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextModel": "vision_config.deepstack_visual_indexes",
+    "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextModel":
+        "vision_config.deepstack_visual_indexes",
+}
 #: The modules tensor parallelism keeps whole on every rank, by class: their insides get no role.
 KEPT_WHOLE = WHOLE_MIXERS | KEY_SELECTORS
 #: Attribute names under which attention modules keep their head counts (tensor parallelism divides them by tp).
@@ -127,6 +131,9 @@ class ModelShape:
     #: parameters of the encoders beside the decoder (a multimodal model's vision tower and its projector), which
     #: tensor parallelism keeps whole on every rank (:func:`encoder_parameters`)
     encoder_params: int = 0
+    #: the fewest blocks the first pipeline stage holds: those after which the decoder adds its encoder's features,
+    #: and the next (:func:`blocks_fed_between`)
+    first_stage_blocks: int = 1
 
 
 def model_shape(module: nn.Module) -> ModelShape:
@@ -153,6 +160,7 @@ def model_shape(module: nn.Module) -> ModelShape:
         vocab=max((m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)), default=0),
         experts=moes[0].num_experts if moes else 0, top_k=moes[0].top_k if moes else 1, moe_layers=len(moes),
         tied_head=head_tied(module), encoder_params=encoder_parameters(module),
+        first_stage_blocks=(blocks_fed_between(module) or 0) + 1,
     )
 
 
@@ -205,7 +213,7 @@ def config_shape(module: nn.Module) -> Optional[ModelShape]:
             moe_layers=(len(moe_blocks) or layers) if experts else 0, tied_head=head_tied(module),
             gated_mlp=mlp_gated(decoder, hidden, mlp_width),
             shared_mlp_width=shared if experts else 0, dense_mlp_width=dense if experts else 0,
-            encoder_params=encoder_parameters(module),
+            encoder_params=encoder_parameters(module), first_stage_blocks=(blocks_fed_between(module) or 0) + 1,
         )
 
 
@@ -313,6 +321,21 @@ def decoder_container(module: nn.Module) -> Optional[str]:
     container of blocks and one of them is the decoder's; None otherwise."""
     decoder = _decoder_container(module)
     return decoder[0] if decoder else None
+
+
+def blocks_fed_between(module: nn.Module) -> Optional[int]:
+    """How many of its first blocks ``module``'s decoder (a :data:`BETWEEN_BLOCKS` class) adds what its encoder
+    computed after, as the model's config says (Qwen3-VL: one per deepstack layer of its vision encoder); every block
+    of the decoder where no config says; None for other models."""
+    decoder = next((m for m in module.modules() if class_path(m) in BETWEEN_BLOCKS), None)
+    if decoder is None:
+        return None
+    path = BETWEEN_BLOCKS[class_path(decoder)].split(".")
+    for config in (m.config for m in module.modules() if hasattr(m, "config")):
+        value = functools.reduce(lambda held, attribute: getattr(held, attribute, None), path, config)
+        if value is not None:
+            return len(value)
+    return len(decoder_blocks(decoder))
 
 
 def encoder_blocks(module: nn.Module) -> list[str]:

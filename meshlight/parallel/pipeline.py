@@ -24,8 +24,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from meshlight.parallel.blocks import class_path, holds_blocks
-from meshlight.parallel.model_shape import BETWEEN_BLOCKS, decoder_container, encoder_blocks, lm_heads
+from meshlight.parallel.blocks import holds_blocks
+from meshlight.parallel.model_shape import blocks_fed_between, decoder_container, encoder_blocks, lm_heads
 
 __all__ = [
     "SCHEDULES",
@@ -33,6 +33,7 @@ __all__ = [
     "PipelineError",
     "StagePlan",
     "build_schedule",
+    "check_fed_blocks",
     "default_virtual_stages",
     "find_pipelined_module",
     "model_root",
@@ -106,19 +107,10 @@ def find_pipelined_module(root: nn.Module) -> tuple[str, nn.Module, str]:
     """``(name, module, container)``: the module that owns the outermost container of blocks in ``root``
     (:func:`~meshlight.parallel.data_parallel.holds_blocks`; e.g. ``model`` holding ``blocks``), and that
     container's attribute name; in a model with blocks beside its decoder's (a multimodal model's encoder:
-    :func:`~meshlight.parallel.model_shape.encoder_blocks`), the decoder's container. A decoder that adds to its
-    hidden state between its blocks what an encoder computed (:data:`~meshlight.parallel.model_shape.BETWEEN_BLOCKS`:
-    Qwen3-VL's deepstack) is refused: a later stage does not run the encoder."""
+    :func:`~meshlight.parallel.model_shape.encoder_blocks`), the decoder's container."""
     decoder = decoder_container(root)
     if decoder is not None:
         holder, _, container = decoder.rpartition(".")
-        between = [name for name, m in root.named_modules() if class_path(m) in BETWEEN_BLOCKS]
-        if between:
-            raise PipelineError(
-                f"{type(root).__name__}'s decoder ({between[0]}) adds its encoder's features to the hidden state"
-                " between its layers (Qwen3-VL's deepstack), which a later pipeline stage, not running the encoder,"
-                " would not have: train this model with tensor, expert or data parallelism (pp=1)."
-            )
         return holder, root.get_submodule(holder), container
     for name, module in root.named_modules():
         for child_name, child in module.named_children():
@@ -177,14 +169,15 @@ def model_root(module: nn.Module) -> ModelRoot:
 
 
 def plan_stages(module: nn.Module, container: str, num_stages: int, split: SplitSpec = None,
-                run_after: Sequence[str] = ()) -> StagePlan:
+                run_after: Sequence[str] = (), first_blocks: int = 1) -> StagePlan:
     """Assign blocks to ``num_stages`` contiguous stages.
 
     ``split``: ``None`` or ``"parameters"`` balances parameter counts (the pieces before the blocks count
     toward stage 0, those after toward the last stage); ``"layers"`` balances block counts; a list of block
     names (``["blocks.4"]`` or full names ending so) starts a new stage at each. Pieces are before or after the
     blocks as registered, except those named in ``run_after``: registered before them, run after them (OPT's
-    final norm), in the order they run.
+    final norm), in the order they run. ``first_blocks``: the fewest blocks the balanced splits give stage 0 (a
+    decoder adding its encoder's features after its first blocks: :func:`check_fed_blocks`).
     """
     blocks = getattr(module, container)
     keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
@@ -198,13 +191,23 @@ def plan_stages(module: nn.Module, container: str, num_stages: int, split: Split
             f"{num_stages} pipeline stages but only {len(keys)} blocks in {container!r}: every stage needs at least"
             f" one block; use pp·virtual_stages <= {len(keys)}."
         )
+    if num_stages - 1 > len(keys) - first_blocks:
+        raise PipelineError(
+            f"{num_stages} pipeline stages over {len(keys)} blocks in {container!r}, of which the first stage holds"
+            f" {first_blocks} (the decoder adds its encoder's features after its first {first_blocks - 1}, which"
+            f" only the first stage has): use pp·virtual_stages <= {len(keys) - first_blocks + 1}."
+        )
     if split is None or split == "parameters":
         sizes = [_numel(blocks[k] if isinstance(blocks, nn.ModuleDict) else blocks[int(k)]) for k in keys]
         extra = (sum(_numel(getattr(module, n)) for n in pre), sum(_numel(getattr(module, n)) for n in post))
-        bounds = _balanced_bounds(sizes, num_stages, extra)
+        bounds = _balanced_bounds(sizes, num_stages, extra, first_blocks)
     elif split == "layers":
         base, remainder = divmod(len(keys), num_stages)
         counts = [base + (1 if s >= num_stages - remainder else 0) for s in range(num_stages)]
+        if counts[0] < first_blocks:  # the rest over the later stages, as evenly
+            base, remainder = divmod(len(keys) - first_blocks, num_stages - 1)
+            counts = [first_blocks] + [base + (1 if s >= num_stages - 1 - remainder else 0)
+                                       for s in range(num_stages - 1)]
         bounds = [sum(counts[:s]) for s in range(num_stages + 1)]
     elif isinstance(split, str):
         raise PipelineError(f"split={split!r}: use 'parameters', 'layers' or a list of block names.")
@@ -217,6 +220,26 @@ def plan_stages(module: nn.Module, container: str, num_stages: int, split: Split
             )
         bounds = [0, *starts, len(keys)]
     return StagePlan(container, pre, post, tuple(tuple(keys[bounds[s]:bounds[s + 1]]) for s in range(num_stages)))
+
+
+def check_fed_blocks(root: nn.Module, plan: StagePlan) -> None:
+    """A decoder that adds what its encoder computed to the hidden state after its first blocks
+    (:func:`~meshlight.parallel.model_shape.blocks_fed_between`: Qwen3-VL's deepstack) must keep them, and the block
+    after them, on the first stage, which runs the encoder (a stage ends at its last block's output, before the
+    model's forward adds anything after it); refused otherwise, naming the split that does."""
+    fed = blocks_fed_between(root)
+    if fed and len(plan.blocks[0]) <= fed:
+        keys = [key for stage in plan.blocks for key in stage]
+        raise PipelineError(
+            f"{type(root).__name__}'s decoder adds its encoder's features to the hidden state after each of its first"
+            f" {fed} layers (Qwen3-VL's deepstack), which only the first pipeline stage has: that stage must hold more"
+            f" than {fed} layers, and it holds {len(plan.blocks[0])} ({', '.join(plan.blocks[0])}) of {len(keys)}."
+            f" Start the second stage later (split=['{plan.container}.{keys[fed + 1]}', …]) or use fewer stages."
+            if fed + 1 < len(keys) else
+            f"{type(root).__name__}'s decoder adds its encoder's features to the hidden state after each of its first"
+            f" {fed} layers (Qwen3-VL's deepstack), which only the first pipeline stage has; with {len(keys)} layers"
+            " no later stage can begin after them: train this model with pp=1."
+        )
 
 
 def rank_holding(stage: int, pp: int, schedule: str) -> int:
@@ -253,9 +276,10 @@ def build_schedule(
         ) from error
 
 
-def _balanced_bounds(sizes: list[int], parts: int, extra: tuple[int, int]) -> list[int]:
-    """Contiguous partition of ``sizes`` into ``parts`` (each non-empty) minimizing the largest part, where
-    the first part also carries ``extra[0]`` and the last ``extra[1]``. Returns the ``parts + 1`` bounds."""
+def _balanced_bounds(sizes: list[int], parts: int, extra: tuple[int, int], first: int = 1) -> list[int]:
+    """Contiguous partition of ``sizes`` into ``parts`` (each non-empty, the first of ``first`` sizes at least)
+    minimizing the largest part, where the first part also carries ``extra[0]`` and the last ``extra[1]``. Returns
+    the ``parts + 1`` bounds."""
     n = len(sizes)
     prefix = [0]
     for size in sizes:
@@ -268,7 +292,7 @@ def _balanced_bounds(sizes: list[int], parts: int, extra: tuple[int, int]) -> li
     # best[p][i]: the smallest possible largest load of parts 0..p covering sizes[:i]
     best = [[infinity] * (n + 1) for _ in range(parts)]
     cut = [[0] * (n + 1) for _ in range(parts)]
-    for i in range(1, n + 1):
+    for i in range(first, n + 1):
         best[0][i] = load(0, i, 0)
     for p in range(1, parts):
         for i in range(p + 1, n + 1):

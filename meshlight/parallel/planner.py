@@ -248,7 +248,7 @@ def _layouts(
             _expert_layouts(model, d, t, ep, experts), (0, 1, 2, 3) if zero is None else [zero],
             pipelines.schedules if p > 1 else [("1f1b", 1)], (False, True) if recompute is None else [recompute],
         ):
-            if p * v > model.layers:
+            if p * v > (model.layers - model.first_stage_layers + 1 if p > 1 else model.layers):
                 continue
             # without pipelining, microbatches are gradient accumulation: the trainer's when it gives the batch
             accumulate = p == 1 and local_batch is not None

@@ -52,6 +52,9 @@ class ModelSpec:
     #: parameters of encoders beside the decoder (a multimodal model's vision tower and projector), held whole on
     #: every tensor-parallel rank of the first stage; their compute is not priced (it depends on the images)
     encoder_params: int = 0
+    #: the fewest layers the first pipeline stage holds (Qwen3-VL's: those its encoder's features are added after,
+    #: and the next), which bounds the stages: ``pp · virtual_stages ≤ layers − first_stage_layers + 1``
+    first_stage_layers: int = 1
 
     @property
     def head_dim(self) -> int:
@@ -173,7 +176,8 @@ class ModelSpec:
                    top_k=shape.top_k, moe_count=shape.moe_layers, dense_ffn=shape.dense_mlp_width,
                    tie_embeddings=shape.tied_head, swiglu=shape.gated_mlp is not False, name=name,
                    head_size=shape.head_dim if shape.head_dim and shape.head_dim * heads != shape.hidden else 0,
-                   shared_ffn=shape.shared_mlp_width, encoder_params=shape.encoder_params)
+                   shared_ffn=shape.shared_mlp_width, encoder_params=shape.encoder_params,
+                   first_stage_layers=shape.first_stage_blocks)
 
     def replace(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)

@@ -83,13 +83,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from meshlight.parallel.blocks import class_path
 from meshlight.parallel.collectives import all_gather_along
 from meshlight.parallel.dtensors import modifiable_local, shallow_copy
 from meshlight.parallel.model_shape import (
-    BETWEEN_BLOCKS,
     GROUP_ATTRIBUTES,
     WIDTH_ATTRIBUTES,
+    blocks_fed_between,
     head_counts,
     hidden_size,
     is_transposed_linear,
@@ -224,12 +223,13 @@ def apply_tensor_parallel(
             raise ValueError(f"sequence_region {sequence_region} names no blocks of this {type(model).__name__}: it"
                              " must come from sequence_region() of the same model (or of the model a stage is cut"
                              " from).")
-        # a decoder that changes the hidden state between its blocks (BETWEEN_BLOCKS) gets it whole there
-        between = any(class_path(module) in BETWEEN_BLOCKS for module in modules.values())
+        # a decoder that changes the hidden state after its first blocks (Qwen3-VL's deepstack) gets it whole there
+        fed = blocks_fed_between(model) or 0
         for name in blocks:
-            if name == first or between:
+            index = int(key) if (key := name.rpartition(".")[2]).isdigit() else len(blocks)
+            if name == first or 0 < index <= fed:
                 modules[name].register_forward_pre_hook(_cut_to_share(mesh))
-            if name == last or between:
+            if name == last or index < fed:
                 modules[name].register_forward_hook(_gather_sequence(mesh))
         enter, leave = _stream_of_own(mesh.get_local_rank())
         for name in blocks:

@@ -299,8 +299,7 @@ class Hybrid3DStrategy(MeshStrategy):
         a requested tp ``experts="fold"`` (or ep=1); sequence mixers every tp rank runs whole
         (:data:`~meshlight.parallel.model_shape.WHOLE_MIXERS`), which the cost model does not price: tp=1 unless
         requested; and pp where pipelining refuses the model's structure
-        (:func:`~meshlight.parallel.pipeline.find_pipelined_module`: Qwen3-VL's encoder features added between its
-        decoder's layers)."""
+        (:func:`~meshlight.parallel.pipeline.find_pipelined_module`: no container of blocks)."""
         fixed = {}
         if self._requested["pp"] is None:
             try:

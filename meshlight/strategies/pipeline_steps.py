@@ -43,12 +43,14 @@ from torch.distributed.pipelining import PipelineStage
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from meshlight.parallel.layout import ParallelLayout
+from meshlight.parallel.model_shape import blocks_fed_between
 from meshlight.parallel.pipeline import (
     ModelRoot,
     PipelineError,
     SplitSpec,
     StagePlan,
     build_schedule,
+    check_fed_blocks,
     model_root,
     plan_stages,
     rank_holding,
@@ -93,10 +95,13 @@ def setup_pipeline(
     root = lightning_module.get_submodule(place.name)
     pipelined = root.get_submodule(place.pipelined)
     num_stages = layout.pp * options.virtual_stages
-    plan = plan_stages(pipelined, place.container, num_stages, options.split)
+    # a decoder adding its encoder's features after its first blocks keeps them, and the next, on the first stage
+    first_blocks = (blocks_fed_between(root) or 0) + 1
+    plan = plan_stages(pipelined, place.container, num_stages, options.split, first_blocks=first_blocks)
     run_after = run_after_blocks(root, plan, place)
     if run_after:
-        plan = plan_stages(pipelined, place.container, num_stages, options.split, run_after)
+        plan = plan_stages(pipelined, place.container, num_stages, options.split, run_after, first_blocks)
+    check_fed_blocks(root, plan)
     tied = tied_parameters(root, place, plan)
     indices = stages_of_rank(mesh["pp"].get_local_rank(), layout.pp, options.virtual_stages, options.schedule)
     tied_weights = TiedWeights(root, tied, mesh, indices, num_stages, options.schedule)

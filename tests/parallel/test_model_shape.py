@@ -237,7 +237,7 @@ def test_a_vision_language_models_decoder_is_told_from_its_vision_encoder(family
     pytest.importorskip("transformers")
     from meshlight.parallel.context import ContextParallelError, check_no_encoder
     from meshlight.parallel.model_shape import decoder_blocks, encoder_blocks
-    from meshlight.parallel.pipeline import PipelineError, find_pipelined_module
+    from meshlight.parallel.pipeline import find_pipelined_module
     from meshlight.parallel.tensor_plan import model_plan
     from tests.strategies import hf_models, hf_vlm
 
@@ -268,14 +268,10 @@ def test_a_vision_language_models_decoder_is_told_from_its_vision_encoder(family
     with pytest.raises(ContextParallelError, match=rf"holds blocks beside its decoder's \({encoder}.*Context"
                                                    r" parallelism splits the token sequence.*train it with cp=1"):
         check_no_encoder(module)
-    # pipelining cuts the decoder's blocks (its encoder on the first stage), unless the decoder adds the encoder's
-    # features between its layers (Qwen3-VL's deepstack), which later stages would not have
-    if family == "qwen3_vl_moe":
-        with pytest.raises(PipelineError, match=r"LitVLM's decoder \(model.model.language_model\) adds its encoder's"
-                                                r" features to the hidden state between its layers.*\(pp=1\)"):
-            find_pipelined_module(module)
-    else:
-        assert find_pipelined_module(module)[0::2] == ("model.model.language_model", "layers")
+    # pipelining cuts the decoder's blocks (its encoder on the first stage; where the decoder adds the encoder's
+    # features after its first layers, Qwen3-VL's deepstack, the first stage holds them and the next)
+    assert find_pipelined_module(module)[0::2] == ("model.model.language_model", "layers")
+    assert shape.first_stage_blocks == (2 if family == "qwen3_vl_moe" else 1)
     # one list of blocks, or two of one width as near the token embedding (an encoder-decoder's): all of them
     assert decoder_blocks(module.model.model.language_model) == list(layers)
     assert encoder_blocks(module.model.model.language_model) == []

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from meshlight.models import GPT, GPTConfig
-from meshlight.parallel.pipeline import ModelRoot, PipelineError, find_pipelined_module, model_root, plan_stages
+from meshlight.parallel.model_shape import blocks_fed_between
+from meshlight.parallel.pipeline import (
+    ModelRoot,
+    PipelineError,
+    check_fed_blocks,
+    find_pipelined_module,
+    model_root,
+    plan_stages,
+)
 from meshlight.parallel.pipeline_stages import (
     PassThrough,
     TiedParameter,
@@ -359,24 +367,38 @@ def test_a_vision_language_models_encoders_go_to_the_first_stage_and_its_head_to
     """The decoder's holder is pipelined; beside it, the module holding the LM head (a Linear from the token
     embedding's width to its vocabulary, outside the encoders) is the last stage's and every other one — encoders,
     projectors, also where registered after the decoder (ERNIE 4.5-VL's) — the first stage's. A later stage's encoders
-    refuse to run. Qwen3-VL's decoder adds its encoder's features between its layers: refused."""
+    refuse to run. Qwen3-VL's decoder adds its encoder's features after its first layer (its deepstack, here one
+    layer): the balanced splits keep that layer and the next on the first stage; a split that does not, or more stages
+    than the layers after it allow, is refused before anything runs."""
     pytest.importorskip("transformers")
     from meshlight.parallel.pipeline_stages import ENCODER_INPUTS
     from tests.strategies.hf_vlm import lit_vlm
 
     module = lit_vlm(family)
-    if family == "qwen3_vl":
-        with pytest.raises(PipelineError, match=r"adds its encoder's features to the hidden state between its layers"):
-            model_root(module)
-        return
     place = model_root(module)
     decoder = "text_model" if family == "idefics3" else "language_model"
     assert (place.name, place.pipelined, place.container, place.heads) == ("model", f"model.{decoder}", "layers",
                                                                            ("lm_head",))
-    assert place.encoders == {"qwen2_5_vl": ("model.visual",), "idefics3": ("model.vision_model", "model.connector"),
+    assert place.encoders == {"qwen2_5_vl": ("model.visual",), "qwen3_vl": ("model.visual",),
+                              "idefics3": ("model.vision_model", "model.connector"),
                               "ernie4_5_vl_moe": ("model.vision_tower", "model.resampler_model")}.get(
         family, ("model.vision_tower", "model.multi_modal_projector"))
     root = module.model
+    if family == "qwen3_vl":
+        deep = lit_vlm("qwen3_vl-deep").model
+        decoder = deep.get_submodule(place.pipelined)
+        assert blocks_fed_between(deep) == 1
+        for split in (None, "parameters", "layers"):
+            assert plan_stages(decoder, "layers", 3, split, first_blocks=2).blocks == (("0", "1"), ("2",), ("3",))
+        check_fed_blocks(deep, plan_stages(decoder, "layers", 2, first_blocks=2))
+        with pytest.raises(PipelineError, match=r"Qwen3VLForConditionalGeneration's decoder adds its encoder's features"
+                                                r" to the hidden state after each of its first 1 layers.*must hold more"
+                                                r" than 1 layers, and it holds 1 \(0\) of 4. Start the second stage"
+                                                r" later \(split=\['layers.2', …\]\)"):
+            check_fed_blocks(deep, plan_stages(decoder, "layers", 2, ["layers.1"]))
+        with pytest.raises(PipelineError, match=r"4 pipeline stages over 4 blocks in 'layers', of which the first stage"
+                                                r" holds 2 .*use pp·virtual_stages <= 3"):
+            plan_stages(decoder, "layers", 4, first_blocks=2)
     plan = plan_stages(root.get_submodule(place.pipelined), place.container, 2)
     later = root_stages(root, place, plan, [1])[0]
     with pytest.raises(PipelineError, match=rf"A later pipeline stage ran {place.encoders[0]}, an encoder the first"

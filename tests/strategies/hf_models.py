@@ -81,7 +81,7 @@ PARITY_RTOL = {"olmo2": 3e-4, "qwen2": 3e-4, "deepseek_v3": 2e-4, "olmo2-fp64": 
                     "gpt_bigcode-fp64", "phi3-kv2-fp64", "persimmon-fp64", "bloom-fp64", "qwen3_5-fp64",
                     "qwen3_5_moe-fp64", "gemma4_moe-fp64", "olmoe-fp64", "llama4-fp64"), 1e-10),
                # (a fused q|k|v bias, whose key part's gradient is exactly zero: Adam's steps on its rounding noise)
-               "qwen3_vl-fp64": 1e-7, "idefics3-fp64": 1e-10}
+               "qwen3_vl-fp64": 1e-7, "qwen3_vl-deep-fp64": 1e-7, "idefics3-fp64": 1e-10}
 
 
 def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: int = KV_HEADS) -> Any:
@@ -436,7 +436,7 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
     (:data:`~tests.strategies.hf_vlm.FAMILIES`): :func:`~tests.strategies.hf_vlm.lit_vlm`'s model."""
     from tests.strategies import hf_vlm
 
-    if name.removesuffix("-fp64") in hf_vlm.FAMILIES:
+    if name.removesuffix("-fp64").removesuffix("-deep") in hf_vlm.FAMILIES:
         return hf_vlm.lit_vlm(name)
     clip = name.endswith("-clip")
     name = name.removesuffix("-clip")

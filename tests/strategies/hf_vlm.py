@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tests.strategies.hf_models import DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, _at_least_float32, in_float64
+from tests.strategies.hf_models import DEEP_LAYERS, DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, _at_least_float32, in_float64
 
 #: the vocabulary: the parity data's 16 tokens, then the special ones
 VOCAB = 32
@@ -27,12 +27,12 @@ FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "gemma3_vision", 
 FLATTENED = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "ernie4_5_vl_moe")
 
 
-def vlm_config(family: str) -> Any:
+def vlm_config(family: str, layers: int = LAYERS) -> Any:
     """A tiny config of ``family``: a decoder as :func:`~tests.strategies.hf_models.hf_config`'s (8 query, 4
-    key/value heads, 64 wide, 2 layers) and a 2-block vision encoder 32 wide whose image makes 4 tokens."""
+    key/value heads, 64 wide, ``layers`` layers) and a 2-block vision encoder 32 wide whose image makes 4 tokens."""
     import transformers
 
-    text = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=LAYERS,
+    text = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=layers,
                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
                 tie_word_embeddings=False, use_cache=False, attention_dropout=0.0)
     vision = dict(hidden_size=VISION_DIM, intermediate_size=2 * VISION_DIM, num_attention_heads=VISION_HEADS,
@@ -125,13 +125,13 @@ class LitVLM(pl.LightningModule):
     """Training of a Hugging Face ``AutoModelForImageTextToText`` on ``(text, targets)`` batches, each sample's image
     before its text (:func:`image_inputs`); the loss is the text's next-token loss."""
 
-    def __init__(self, family: str, lr: float = 1e-2, optimizer: str = "adamw") -> None:
+    def __init__(self, family: str, lr: float = 1e-2, optimizer: str = "adamw", layers: int = LAYERS) -> None:
         super().__init__()
         import transformers
 
         self.family, self.lr, self.optimizer = family, lr, optimizer
         torch.manual_seed(0)
-        self.model = transformers.AutoModelForImageTextToText.from_config(vlm_config(family),
+        self.model = transformers.AutoModelForImageTextToText.from_config(vlm_config(family, layers),
                                                                           attn_implementation="sdpa")
 
     def forward(self, text: Tensor) -> Tensor:
@@ -154,12 +154,13 @@ class LitVLM(pl.LightningModule):
 
 
 def lit_vlm(name: str) -> LitVLM:
-    """The parity model called ``name``: a family (``"llava"``), or its float64 twin (``"qwen3_vl-fp64"``). Those with
-    key biases (Qwen2.5-VL's decoder, CLIP's and SigLIP's encoders) train with SGD at 0.3, as
+    """The parity model called ``name``: a family (``"llava"``), with :data:`~tests.strategies.hf_models.DEEP_LAYERS`
+    decoder layers (``"qwen3_vl-deep"``), or its float64 twin (``"qwen3_vl-fp64"``, ``"qwen3_vl-deep-fp64"``). Those
+    with key biases (Qwen2.5-VL's decoder, CLIP's and SigLIP's encoders) train with SGD at 0.3, as
     :func:`~tests.strategies.hf_models.training_options` says why; the MoE ones (Qwen3-VL's, ERNIE 4.5-VL's) with
     AdamW at 3e-3 (at 1e-2 their routing's near-ties drift past 1e-4 by rounding alone)."""
-    family = name.removesuffix("-fp64")
+    family = name.removesuffix("-fp64").removesuffix("-deep")
     options = ({"optimizer": "sgd", "lr": 0.3} if family in ("qwen2_5_vl", "llava", "gemma3_vision", "idefics3") else
                {"lr": 3e-3} if family in ("qwen3_vl_moe", "ernie4_5_vl_moe") else {})
-    module = LitVLM(family, **options)
+    module = LitVLM(family, **options, layers=DEEP_LAYERS if "-deep" in name else LAYERS)
     return in_float64(module) if name.endswith("-fp64") else module

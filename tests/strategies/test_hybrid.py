@@ -194,22 +194,25 @@ def test_the_planner_leaves_out_tensor_parallelism_for_a_model_no_plan_splits(ca
             " fused projection (model.transformer.h.0.attn.c_attn)") in caplog.text
 
 
-def test_the_planner_pipelines_a_vision_language_model_unless_its_decoder_adds_encoder_features_between_layers(
-        caplog):
-    """A vision-language model's encoder goes to the first pipeline stage: pp stays the planner's (LLaVA's). Qwen3-VL
-    adds its encoder's features between its decoder's layers, which later stages would not have: pp stays 1 unless
-    given (given, it is refused before training, naming the decoder)."""
+def test_the_planner_pipelines_a_vision_language_model_keeping_the_layers_its_encoder_feeds_on_the_first_stage():
+    """A vision-language model's encoder goes to the first pipeline stage: pp stays the planner's (LLaVA's and
+    Qwen3-VL's). Qwen3-VL's decoder adds its encoder's features after its first layers (its deepstack: one here), which
+    only the first stage has: that stage holds them and the next, which bounds the stages at pp · virtual_stages ≤
+    layers − 1 (its 2 layers: no pipeline; its 4: 3 stages at most, so no interleaving over 2 ranks)."""
     pytest.importorskip("transformers")
+    from meshlight.parallel.planner import HARDWARE, model_spec_of, plan
     from tests.strategies.hf_vlm import lit_vlm
 
-    for family, fixed in (("llava", {"ep": 1}), ("qwen3_vl_moe", {"pp": 1})):
+    for family in ("llava", "qwen3_vl_moe"):
         strategy = ml.Hybrid3DStrategy()
         ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", logger=False)
         strategy.connect(lit_vlm(family))
-        with caplog.at_level("INFO"):
-            assert strategy._unsplittable() == fixed, family
-    assert ("Planning with pp=1: pipelining cannot split this model (LitVLM's decoder (model.model.language_model)"
-            " adds its encoder's features to the hidden state between its layers (Qwen3-VL's deepstack)") in caplog.text
+        assert strategy._unsplittable() == ({"ep": 1} if family == "llava" else {}), family
+    spec = model_spec_of(lit_vlm("qwen3_vl-deep"))
+    assert (spec.layers, spec.first_stage_layers) == (4, 2)
+    layouts = {(c.pp, c.virtual_stages) for c in plan(spec, HARDWARE["h100"], 4, 8, dp=1)}
+    assert max(pp * stages for pp, stages in layouts) == 2 and (2, 1) in layouts
+    assert model_spec_of(lit_vlm("llava")).first_stage_layers == 1
 
 
 def test_the_planner_splits_a_models_own_experts_over_tp_where_it_can_else_keeps_them_whole():

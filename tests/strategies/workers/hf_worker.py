@@ -65,8 +65,9 @@ VLM = ("qwen2_5_vl", "qwen3_vl-fp64", "qwen3_vl_moe", "llava", "gemma3_vision")
 #: the vision-language models pipelining splits: the encoder on the first stage, later stages skipping it and
 #: counting the image tokens' places and positions from the token ids (Qwen2.5-VL's 3-D rotary positions too);
 #: Idefics3's decoder reading its device from its parameters (in float64: hf_models.PARITY_RTOL), ERNIE 4.5-VL's
-#: encoder registered after its decoder (Gemma 3's is LLaVA's structure)
-VLM_PIPELINED = ("qwen2_5_vl", "llava", "idefics3-fp64", "ernie4_5_vl_moe")
+#: encoder registered after its decoder (Gemma 3's is LLaVA's structure), and Qwen3-VL-MoE with 4 layers, its
+#: deepstack adding the encoder's features after the first, which stays on the first stage with the next
+VLM_PIPELINED = ("qwen2_5_vl", "llava", "idefics3-fp64", "ernie4_5_vl_moe", "qwen3_vl_moe-deep")
 #: experts held as a list (litgpt's LLaMAMoE), split over ep: Mixtral's configuration, also with the gradients
 #: clipped, and DeepSeek-V3's (grouped routing, a shared expert, a dense first layer)
 LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
@@ -128,9 +129,11 @@ LAYOUTS = {
     # traits beside it are their tp's or their pp's alone: tp2 and pp2-1f1b); Granite 4 (3d-moe): its Mamba mixers whole
     # on every tp rank (as Qwen3.5's linear attention, whose float64 run here cost 32 s), its experts split over tp
     # beside its fused shared expert; Qwen3-MoE with its load-balancing loss, from router logits gathered over the
-    # sequence's shares and carried down the pipeline
+    # sequence's shares and carried down the pipeline; Qwen3-VL (4 layers, in float64: hf_models.PARITY_RTOL), its
+    # deepstack adding the encoder's features after its first layer on the first stage, where sequence parallelism
+    # gathers the hidden state for it and cuts it again
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=MICROBATCHES["3d"]), 8, 2,
-           ("qwen2_5_vl", "qwen3", "gpt2", "olmo2", "falcon_rw")),
+           ("qwen2_5_vl", "qwen3", "gpt2", "olmo2", "falcon_rw", "qwen3_vl-deep-fp64")),
     # litgpt's fused grouped q|k|v split over tp, and its experts held as a list spread over the tp ranks by ep
     # folded over them (each rank two whole experts of each list, each tp rank sending its share of the tokens)
     "3d-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=2, microbatches=MICROBATCHES["3d-ep2"]), 8, 2,
