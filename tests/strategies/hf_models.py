@@ -395,7 +395,7 @@ class LitCausalLM(pl.LightningModule):
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         if not (self.aux_loss or self.own_loss):
             inputs, targets = batch
-            return F.cross_entropy(_at_least_float32(self(inputs).flatten(0, -2)), targets.flatten())
+            return F.cross_entropy(at_least_float32(self(inputs).flatten(0, -2)), targets.flatten())
         losses = []
         # rank r of a DistributedSampler reads every data_shards-th sample of the batch one process reads
         shards = [[part[r::self.data_shards].tensor_split(self.microbatches)[m] for part in batch]
@@ -405,7 +405,7 @@ class LitCausalLM(pl.LightningModule):
                 losses.append(self.model(input_ids=inputs, labels=unshifted(targets)).loss)
                 continue
             output = self.model(input_ids=inputs)
-            loss = F.cross_entropy(_at_least_float32(output.logits.flatten(0, -2)), targets.flatten())
+            loss = F.cross_entropy(at_least_float32(output.logits.flatten(0, -2)), targets.flatten())
             if isinstance(loss, DTensor):  # under loss parallelism (tp), before meeting the plain load-balancing loss
                 loss = loss.full_tensor()
             losses.append(loss + self.aux_loss * output.aux_loss)
@@ -417,7 +417,7 @@ class LitCausalLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def _at_least_float32(logits: Tensor) -> Tensor:
+def at_least_float32(logits: Tensor) -> Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 

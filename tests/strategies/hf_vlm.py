@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tests.strategies.hf_models import DEEP_LAYERS, DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, _at_least_float32, in_float64
+from tests.strategies.hf_models import DEEP_LAYERS, DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, at_least_float32, in_float64
 
 #: the vocabulary: the parity data's 16 tokens, then the special ones
 VOCAB = 32
@@ -143,7 +143,7 @@ class LitVLM(pl.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         text, targets = batch
-        loss = F.cross_entropy(_at_least_float32(self(text)).flatten(0, -2), targets.flatten())
+        loss = F.cross_entropy(at_least_float32(self(text)).flatten(0, -2), targets.flatten())
         self.log("train/loss", loss, sync_dist=True)
         return loss
 
