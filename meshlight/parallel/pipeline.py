@@ -129,7 +129,8 @@ class ModelRoot:
     module's name inside the root (``""``: the root is the pipelined module); ``container``: its blocks; ``heads``:
     the root's modules with parameters beside the pipelined module (an LM head), which the last stage owns;
     ``encoders``: in a model with encoders beside its decoder (a multimodal model's), the modules beside the
-    pipelined module but the LM head's (a vision tower, its projector), which the first stage owns."""
+    pipelined module but the LM head's (a vision tower, its projector), and the parameters held by the modules above
+    it (LLaVA-NeXT's ``image_newline``), which the first stage owns."""
 
     name: str
     pipelined: str
@@ -154,12 +155,14 @@ def model_root(module: nn.Module) -> ModelRoot:
     lm_head = {id(m) for m in lm_heads(module)}
     for index, step in enumerate([*parts[depth:], None]):
         own = [n for n, _ in ancestor.named_parameters(recurse=False)]
-        if own:
+        prefix = "".join(f"{p}." for p in parts[depth:depth + index])
+        if own and multimodal and step is not None:  # beside the decoder, as its encoders are (LLaVA-NeXT's
+            encoders += [prefix + name for name in own]  # image_newline, which ends each row of an image's features)
+        elif own:
             raise PipelineError(f"{type(ancestor).__name__} holds parameters of its own ({own}); put them in a child"
                                 " module so that one stage owns them.")
         if step is None:
             break
-        prefix = "".join(f"{p}." for p in parts[depth:depth + index])
         for child, module_ in ancestor.named_children():
             if child != step and _numel(module_):
                 head = not multimodal or any(id(m) in lm_head for m in module_.modules())

@@ -124,9 +124,16 @@ def _stage_view(module: nn.Module, plan: StagePlan, stage: int, block_output: Bl
     return _replaced(module, replacements)
 
 
-def _replaced(module: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
+def is_parameter(root: nn.Module, name: str) -> bool:
+    """Whether ``name`` (dotted, relative to ``root``) is a parameter rather than a module."""
+    holder, _, attribute = name.rpartition(".")
+    return attribute in root.get_submodule(holder)._parameters
+
+
+def _replaced(module: nn.Module, replacements: dict[str, Optional[nn.Module]]) -> nn.Module:
     """A view of ``module`` with the submodules named (dotted, relative to it) replaced: ``module`` and each module
-    on the way down are shallow-copied, so the originals and the modules not on those paths stay shared."""
+    on the way down are shallow-copied, so the originals and the modules not on those paths stay shared. A
+    parameter named with None is left out of the view."""
     if "" in replacements:
         return replacements[""]
     view = copy.copy(module)
@@ -141,7 +148,10 @@ def _replaced(module: nn.Module, replacements: dict[str, nn.Module]) -> nn.Modul
         child, _, rest = name.partition(".")
         below.setdefault(child, {})[rest] = replacement
     for child, inner in below.items():
-        view._modules[child] = _replaced(module._modules[child], inner)
+        if inner == {"": None}:  # (a parameter: freed already where this rank holds no first stage)
+            view._parameters = {name: p for name, p in module._parameters.items() if name != child}
+        else:
+            view._modules[child] = _replaced(module._modules[child], inner)
     return view
 
 
@@ -303,9 +313,14 @@ def root_stages(root: nn.Module, place: ModelRoot, plan: StagePlan, stages: Sequ
     if last not in stages:
         for head in place.heads:
             root.set_submodule(head, PassThrough())
+    parameters = {encoder for encoder in place.encoders if is_parameter(root, encoder)}
     if 0 not in stages:
         for encoder in place.encoders:
-            root.set_submodule(encoder, _EncoderStandIn(encoder))
+            if encoder in parameters:  # freed: a later stage's forward, given no images, does not read it
+                holder, _, name = encoder.rpartition(".")
+                del root.get_submodule(holder)._parameters[name]
+            else:
+                root.set_submodule(encoder, _EncoderStandIn(encoder))
     as_embeddings = "inputs_embeds" in inspect.signature(type(root).forward).parameters
     prefix = f"{place.pipelined}." if place.pipelined else ""
     result = []
@@ -313,8 +328,9 @@ def root_stages(root: nn.Module, place: ModelRoot, plan: StagePlan, stages: Sequ
         replacements = {place.pipelined: view}
         if stage != last:
             replacements.update({head: PassThrough() for head in place.heads})
-        if stage != 0:
-            replacements.update({encoder: _EncoderStandIn(encoder) for encoder in place.encoders})
+        if stage != 0:  # (a parameter: left out of the view)
+            replacements.update({encoder: None if encoder in parameters else _EncoderStandIn(encoder)
+                                 for encoder in place.encoders})
         blocks = [f"{prefix}{plan.container}.{key}" for key in plan.blocks[stage]]
         result.append(Stage(_replaced(root, replacements), blocks, stage == 0, stage == last, as_embeddings,
                             block_output, multimodal=bool(place.encoders)))
@@ -340,8 +356,10 @@ def tied_parameters(root: nn.Module, place: ModelRoot, plan: StagePlan) -> list[
         pieces = (sorted(prefix + name for name in plan.owned(stage)) + (list(place.heads) if stage == last else [])
                   + (list(place.encoders) if stage == 0 else []))
         for piece in pieces:
-            for name, param in root.get_submodule(piece).named_parameters(remove_duplicate=False):
-                users.setdefault(id(param), {}).setdefault(stage, f"{piece}.{name}")
+            held = ([("", root.get_parameter(piece))] if is_parameter(root, piece) else
+                    root.get_submodule(piece).named_parameters(remove_duplicate=False))
+            for name, param in held:
+                users.setdefault(id(param), {}).setdefault(stage, f"{piece}.{name}".rstrip("."))
     tied = []
     for names in users.values():
         if len(names) == 1:

@@ -44,6 +44,20 @@ def test_split_keeps_only_the_pieces_of_this_ranks_stages():
     assert views[1].head is model.head and views[0].blocks[2] is model.blocks[2]
 
 
+def test_a_parameter_above_the_blocks_of_a_model_without_encoders_is_refused_naming_it():
+    """No stage would own it (a multimodal model's is the first stage's, as its encoders are)."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(1))
+            self.gpt = gpt()
+
+    with pytest.raises(PipelineError, match=r"Scaled holds parameters of its own \(\['scale'\]\); put them in a"
+                                            r" child module so that one stage owns them"):
+        model_root(Scaled())
+
+
 def test_each_stage_runs_only_its_own_hooks():
     # the strategy hooks stages (FSDP's root, sequence-parallel inputs); a view sharing the module's hook dicts
     # would run them for the rank's other stages and for the step's call to the whole module
@@ -362,14 +376,16 @@ def test_only_a_piece_run_after_every_block_and_never_before_goes_to_the_last_st
         check_chain(module, plan, (torch.arange(4).view(1, 4),), {}, place)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "gemma3_vision", "idefics3", "ernie4_5_vl_moe", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "gemma3_vision", "idefics3", "ernie4_5_vl_moe", "qwen3_vl",
+                                    "llava_next"])
 def test_a_vision_language_models_encoders_go_to_the_first_stage_and_its_head_to_the_last(family):
-    """The decoder's holder is pipelined; beside it, the module holding the LM head (a Linear from the token
-    embedding's width to its vocabulary, outside the encoders) is the last stage's and every other one — encoders,
-    projectors, also where registered after the decoder (ERNIE 4.5-VL's) — the first stage's. A later stage's encoders
-    refuse to run. Qwen3-VL's decoder adds its encoder's features after its first layer (its deepstack, here one
-    layer): the balanced splits keep that layer and the next on the first stage; a split that does not, or more stages
-    than the layers after it allow, is refused before anything runs."""
+    """The decoder's holder is pipelined; beside it, the module holding the LM head (a Linear from the token embedding's
+    width to its vocabulary, outside the encoders) is the last stage's and every other one — encoders, projectors, also
+    where registered after the decoder (ERNIE 4.5-VL's) — the first stage's, as are the parameters of the modules above
+    the decoder (LLaVA-NeXT's image_newline: a later stage's view, and the model on a rank holding no first stage, leave
+    it out). A later stage's encoders refuse to run. Qwen3-VL's decoder adds its encoder's features after its first
+    layer (its deepstack, here one layer): the balanced splits keep that layer and the next on the first stage; a split
+    that does not, or more stages than the layers after it allow, is refused before anything runs."""
     pytest.importorskip("transformers")
     from meshlight.parallel.pipeline_stages import ENCODER_INPUTS
     from tests.strategies.hf_vlm import lit_vlm
@@ -381,7 +397,9 @@ def test_a_vision_language_models_encoders_go_to_the_first_stage_and_its_head_to
                                                                            ("lm_head",))
     assert place.encoders == {"qwen2_5_vl": ("model.visual",), "qwen3_vl": ("model.visual",),
                               "idefics3": ("model.vision_model", "model.connector"),
-                              "ernie4_5_vl_moe": ("model.vision_tower", "model.resampler_model")}.get(
+                              "ernie4_5_vl_moe": ("model.vision_tower", "model.resampler_model"),
+                              "llava_next": ("model.image_newline", "model.vision_tower",
+                                             "model.multi_modal_projector")}.get(
         family, ("model.vision_tower", "model.multi_modal_projector"))
     root = module.model
     if family == "qwen3_vl":
@@ -400,8 +418,16 @@ def test_a_vision_language_models_encoders_go_to_the_first_stage_and_its_head_to
                                                 r" holds 2 .*use pp·virtual_stages <= 3"):
             plan_stages(decoder, "layers", 4, first_blocks=2)
     plan = plan_stages(root.get_submodule(place.pipelined), place.container, 2)
+    if family == "llava_next":  # the first stage's view holds image_newline, the later one's not
+        both = lit_vlm(family).model
+        first, second = root_stages(both, place, plan, [0, 1])
+        assert "model.image_newline" in dict(first.root.named_parameters())
+        assert "model.image_newline" not in dict(second.root.named_parameters())
+        assert "model.image_newline" in dict(both.named_parameters())
     later = root_stages(root, place, plan, [1])[0]
-    with pytest.raises(PipelineError, match=rf"A later pipeline stage ran {place.encoders[0]}, an encoder the first"
+    assert "model.image_newline" not in dict(root.named_parameters())
+    encoder = place.encoders[-2 if family == "llava_next" else 0]
+    with pytest.raises(PipelineError, match=rf"A later pipeline stage ran {encoder}, an encoder the first"
                                             r" stage owns: .*None for the forward's"
                                             rf" {re.escape(str(list(ENCODER_INPUTS)))}.*Train it with pp=1"):
-        later.root.get_submodule(place.encoders[0])(torch.zeros(1))
+        later.root.get_submodule(encoder)(torch.zeros(1))

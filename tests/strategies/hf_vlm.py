@@ -18,11 +18,14 @@ from tests.strategies.hf_models import DEEP_LAYERS, DIM, HEADS, HIDDEN, KV_HEADS
 #: the vocabulary: the parity data's 16 tokens, then the special ones
 VOCAB = 32
 IMAGE, START, END = 30, 29, 28
-#: image tokens per sample (the encoder's patches after merging or pooling)
+#: image tokens per sample (the encoder's patches after merging or pooling); LLaVA-NeXT's: the base image's 4, then its
+#: one high-resolution tile's 2 × 2, each row ended by ``image_newline``
 IMAGE_TOKENS = 4
+TOKENS_OF = {"llava_next": 10}
 #: the encoder's width (narrower than the decoder's), heads and blocks
 VISION_DIM, VISION_HEADS, VISION_LAYERS = 32, 4, 2
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "gemma3_vision", "idefics3", "ernie4_5_vl_moe")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "gemma3_vision", "idefics3", "ernie4_5_vl_moe",
+            "llava_next")
 #: families whose images come as patches flattened over the batch beside each image's grid (Qwen's layout)
 FLATTENED = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "ernie4_5_vl_moe")
 
@@ -65,6 +68,13 @@ def vlm_config(family: str, layers: int = LAYERS) -> Any:
             text_config={**text, "model_type": "llama"}, image_token_index=IMAGE, image_seq_length=IMAGE_TOKENS,
             vision_config={**vision, "model_type": "clip_vision_model", "image_size": 8, "patch_size": 4},
             vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False)
+    if family == "llava_next":
+        # LLaVA's, with one 8×8 tile beside the base image (the only resolution offered) and a parameter of the model's
+        # own, image_newline, ending each row of the tile's features
+        return transformers.LlavaNextConfig(
+            text_config={**text, "model_type": "llama"}, image_token_index=IMAGE, image_grid_pinpoints=[[8, 8]],
+            vision_config={**vision, "model_type": "clip_vision_model", "image_size": 8, "patch_size": 4},
+            vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False)
     if family == "gemma3_vision":
         # SigLIP: an 8×8 image in 2×2 patches, pooled 2×2 into 4 tokens; attention bidirectional over an image's tokens
         text.update(head_dim=DIM // HEADS, sliding_window=8, query_pre_attn_scalar=DIM // HEADS,
@@ -102,7 +112,8 @@ def image_inputs(family: str, text: Tensor) -> dict[str, Tensor]:
     """The model's inputs for samples of an image and then ``text`` (``[batch, length]``): the token ids — the image's
     start, its tokens, its end — and each sample's pixels, drawn from its tokens (so that samples differ)."""
     batch = text.shape[0]
-    ids = torch.cat([torch.tensor([START] + [IMAGE] * IMAGE_TOKENS + [END]).expand(batch, -1), text], dim=1)
+    image = [IMAGE] * TOKENS_OF.get(family, IMAGE_TOKENS)
+    ids = torch.cat([torch.tensor([START, *image, END]).expand(batch, -1), text], dim=1)
     seed = 1 + text.float().sum(1) / 50
     if family in FLATTENED:  # 16 patches of 3 channels × 2 frames (Ernie's: 1) × 4 × 4 per image, their grid
         width = 48 if family == "ernie4_5_vl_moe" else 96
@@ -115,6 +126,9 @@ def image_inputs(family: str, text: Tensor) -> dict[str, Tensor]:
     pixels = torch.sin(torch.arange(3 * 8 * 8).view(1, 3, 8, 8) * 0.05 * seed.view(batch, 1, 1, 1))
     if family == "gemma3_vision":
         return dict(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long())
+    if family == "llava_next":  # the base image and its one tile, each 8×8, and the image's size
+        return dict(input_ids=ids, pixel_values=torch.stack([pixels, pixels.flip(-1)], dim=1),
+                    image_sizes=torch.tensor([[8, 8]] * batch))
     if family == "idefics3":  # one image per sample, every pixel real
         return dict(input_ids=ids, pixel_values=pixels[:, None],
                     pixel_attention_mask=torch.ones(batch, 1, 8, 8, dtype=torch.bool))
@@ -160,7 +174,8 @@ def lit_vlm(name: str) -> LitVLM:
     :func:`~tests.strategies.hf_models.training_options` says why; the MoE ones (Qwen3-VL's, ERNIE 4.5-VL's) with
     AdamW at 3e-3 (at 1e-2 their routing's near-ties drift past 1e-4 by rounding alone)."""
     family = name.removesuffix("-fp64").removesuffix("-deep")
-    options = ({"optimizer": "sgd", "lr": 0.3} if family in ("qwen2_5_vl", "llava", "gemma3_vision", "idefics3") else
+    options = ({"optimizer": "sgd", "lr": 0.3} if family in ("qwen2_5_vl", "llava", "llava_next", "gemma3_vision",
+                                                              "idefics3") else
                {"lr": 3e-3} if family in ("qwen3_vl_moe", "ernie4_5_vl_moe") else {})
     module = LitVLM(family, **options, layers=DEEP_LAYERS if "-deep" in name else LAYERS)
     return in_float64(module) if name.endswith("-fp64") else module

@@ -65,9 +65,10 @@ VLM = ("qwen2_5_vl", "qwen3_vl-fp64", "qwen3_vl_moe", "llava", "gemma3_vision")
 #: the vision-language models pipelining splits: the encoder on the first stage, later stages skipping it and
 #: counting the image tokens' places and positions from the token ids (Qwen2.5-VL's 3-D rotary positions too);
 #: Idefics3's decoder reading its device from its parameters (in float64: hf_models.PARITY_RTOL), ERNIE 4.5-VL's
-#: encoder registered after its decoder (Gemma 3's is LLaVA's structure), and Qwen3-VL-MoE with 4 layers, its
-#: deepstack adding the encoder's features after the first, which stays on the first stage with the next
-VLM_PIPELINED = ("qwen2_5_vl", "llava", "idefics3-fp64", "ernie4_5_vl_moe", "qwen3_vl_moe-deep")
+#: encoder registered after its decoder (Gemma 3's is LLaVA's structure), Qwen3-VL-MoE with 4 layers, its deepstack
+#: adding the encoder's features after the first, which stays on the first stage with the next, and LLaVA-NeXT, whose
+#: image_newline, a parameter of the model above its decoder, is the first stage's (in float64: hf_models.PARITY_RTOL)
+VLM_PIPELINED = ("qwen2_5_vl", "llava", "idefics3-fp64", "ernie4_5_vl_moe", "qwen3_vl_moe-deep", "llava_next-fp64")
 #: experts held as a list (litgpt's LLaMAMoE), split over ep: Mixtral's configuration, also with the gradients
 #: clipped, and DeepSeek-V3's (grouped routing, a shared expert, a dense first layer)
 LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
