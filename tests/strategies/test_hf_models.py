@@ -76,31 +76,31 @@ def runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(("layout", "model"), [(layout, model) for layout, (*_, models) in
                                                hf_worker.LAYOUTS.items() for model in models])
 def test_each_layout_matches_single_process_training(runs, controls, layout, model):
-    """tp2: tensor parallelism with sequence parallelism on 2 processes (the fused q|k|v of GPT-2 and litgpt split
-    part by part; GPT-2 also with a vocabulary of 61, split 31 + 30; the MoE models' routers whole, each expert
-    split over tp, its fused gate|up part by part; GPT-OSS's sinks split with its heads, its transposed experts'
-    interleaved gate|up by columns, their output bias added once; Mixtral's load-balancing loss from the whole
-    sequence's router logits, added by the step to the loss-parallel language-model loss, or by the model to its own
-    from labels); ddp and zero3: 2 data replicas; pp2-*: two pipeline stages (interleaved: two per rank); 3d: dp=2 ×
-    pp=2 × tp=2 (sequence parallel) on 8 processes (Qwen2.5-VL's vision encoder on the first stage, whole on its tp
-    ranks; 3d-moe: Qwen3-MoE, DeepSeek-V3, Llama 4 and Granite 4, ep=1, each expert split over tp; Qwen3-MoE with
-    its load-balancing loss, per data rank's part and microbatch, from router logits gathered over tp and carried
-    down the pipeline); dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over the tp and data ranks (each rank one whole
-    expert; litgpt's of its lists too), with sequence parallelism and (Mixtral, litgpt's MoE with its gradients
-    clipped) without; 3d-ep2: litgpt's MoE under dp=2 × pp=2 × tp=2 with ep=2 folded over tp (each rank two whole
-    experts of each list); dp2-tp2-ep2-split*: each expert split over tp=2 and the experts over ep=2 data ranks
-    (Mixtral also without sequence parallelism, under ZeRO-3); dp2-tp2-zero3: LLaVA, its vision encoder's parameters
-    plain beside the decoder's tensor-parallel ones, sharded over the data ranks; tp2-loss-parallel: a vocabulary of
-    61, which tp=2 splits 31 + 30, the logits left split for the loss; ``-kv1`` / ``-kv2`` at tp2 and tp4: fewer
-    key/value heads than ranks, each rank computing the one its query heads read (Llama's k and v, Phi-3's and
-    litgpt's fused q|k|v, beside Qwen3's norm over each head); BLOOM, MPT and Falcon-RW at tp2, each attention
-    handed its heads' ALiBi biases; BLOOM, MPT and Falcon at pp2-1f1b, their blocks returning tuples; Mixtral at
-    pp2-1f1b adding its load-balancing loss to its own loss from labels, each microbatch's from every layer's router
-    logits, which the earlier stage hands on beside the hidden state; 3d-planned: Hybrid3DStrategy() with no sizes,
-    planned from each config; ep2 and dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split
-    over 2 ranks (with their load-balancing loss, which each data-parallel rank computes over its part of the batch
-    — under pipelining each microbatch's), and litgpt's experts held as a list, each rank keeping two of them (also
-    with every step's gradients clipped, by a norm that sums the ranks' experts)."""
+    """tp2: tensor parallelism with sequence parallelism on 2 processes (the fused q|k|v of GPT-2 and litgpt split part
+    by part; GPT-2 also with a vocabulary of 61, split 31 + 30; the MoE models' routers whole, each expert split over
+    tp, its fused gate|up part by part; GPT-OSS's sinks split with its heads, its transposed experts' interleaved
+    gate|up by columns, their output bias added once; Mixtral's load-balancing loss from the whole sequence's router
+    logits, added by the step to the loss-parallel language-model loss, or by the model to its own from labels); ddp and
+    zero3: 2 data replicas; pp2-*: two pipeline stages (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence
+    parallel) on 8 processes (Qwen2.5-VL's vision encoder on the first stage, whole on its tp ranks; 3d-moe: Qwen3-MoE,
+    DeepSeek-V3, Llama 4 (in float64, as at tp2) and Granite 4, ep=1, each expert split over tp; Qwen3-MoE with its
+    load-balancing loss, per data rank's part and microbatch, from router logits gathered over tp and carried down the
+    pipeline); dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over the tp and data ranks (each rank one whole expert;
+    litgpt's of its lists too), with sequence parallelism and (Mixtral, litgpt's MoE with its gradients clipped)
+    without; 3d-ep2: litgpt's MoE under dp=2 × pp=2 × tp=2 with ep=2 folded over tp (each rank two whole experts of each
+    list); dp2-tp2-ep2-split*: each expert split over tp=2 and the experts over ep=2 data ranks (Mixtral also without
+    sequence parallelism, under ZeRO-3); dp2-tp2-zero3: LLaVA, its vision encoder's parameters plain beside the
+    decoder's tensor-parallel ones, sharded over the data ranks; tp2-loss-parallel: a vocabulary of 61, which tp=2
+    splits 31 + 30, the logits left split for the loss (in float64); ``-kv1`` / ``-kv2`` at tp2 and tp4: fewer key/value
+    heads than ranks, each rank computing the one its query heads read (Llama's k and v, Phi-3's and litgpt's fused
+    q|k|v, beside Qwen3's norm over each head); BLOOM, MPT and Falcon-RW at tp2, each attention handed its heads' ALiBi
+    biases; BLOOM, MPT and Falcon at pp2-1f1b, their blocks returning tuples; Mixtral at pp2-1f1b adding its
+    load-balancing loss to its own loss from labels, each microbatch's from every layer's router logits, which the
+    earlier stage hands on beside the hidden state; 3d-planned: Hybrid3DStrategy() with no sizes, planned from each
+    config; ep2 and dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (with their
+    load-balancing loss, which each data-parallel rank computes over its part of the batch — under pipelining each
+    microbatch's), and litgpt's experts held as a list, each rank keeping two of them (also with every step's gradients
+    clipped, by a norm that sums the ranks' experts)."""
     result = torch.load(runs / f"{layout}-{model}.pt", weights_only=False)
     assert len(result["losses"]) == parity.STEPS
     parity.assert_parity(result, controls[control_of(layout, model)], rtol=PARITY_RTOL.get(model, 1e-4))

@@ -106,7 +106,7 @@ LAYOUTS = {
     "tp2-no-sp": (lambda: ml.TensorParallelStrategy(tp=2, sequence_parallel=False), 2, 1,
                   ("deepseek_v3", "litgpt_moe", "llama4-fp64", "apertus", "ernie4_5_vl_moe")),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
-    "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61",)),
+    "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61-fp64",)),
     "ddp": (lambda: "ddp", 2, 2, (*FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
     "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, (*FAMILIES, "qwen3_vl")),
     # Llama 4's forward reads its token embedding's device from the embedding's weight on every stage; Mixtral adds
@@ -140,7 +140,7 @@ LAYOUTS = {
     "3d-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=2, microbatches=MICROBATCHES["3d-ep2"]), 8, 2,
                ("litgpt_moe",)),
     "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=MICROBATCHES["3d-moe"]), 8, 2,
-               ("qwen3_moe-aux", "deepseek_v3", "llama4", "granite4")),
+               ("qwen3_moe-aux", "deepseek_v3", "llama4-fp64", "granite4")),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
     "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2); litgpt's listed
