@@ -32,7 +32,8 @@ FLATTENED = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "ernie4_5_vl_moe")
 
 def vlm_config(family: str, layers: int = LAYERS) -> Any:
     """A tiny config of ``family``: a decoder as :func:`~tests.strategies.hf_models.hf_config`'s (8 query, 4
-    key/value heads, 64 wide, ``layers`` layers) and a 2-block vision encoder 32 wide whose image makes 4 tokens."""
+    key/value heads, 64 wide, ``layers`` layers) and a 2-block vision encoder 32 wide whose image makes 4 tokens
+    (LLaVA-NeXT's: :data:`TOKENS_OF`)."""
     import transformers
 
     text = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=layers,
