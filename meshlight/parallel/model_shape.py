@@ -160,7 +160,7 @@ def model_shape(module: nn.Module) -> ModelShape:
         vocab=max((m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)), default=0),
         experts=moes[0].num_experts if moes else 0, top_k=moes[0].top_k if moes else 1, moe_layers=len(moes),
         tied_head=head_tied(module), encoder_params=encoder_parameters(module),
-        first_stage_blocks=(blocks_fed_between(module) or 0) + 1,
+        first_stage_blocks=blocks_fed_between(module) + 1,
     )
 
 
@@ -213,7 +213,7 @@ def config_shape(module: nn.Module) -> Optional[ModelShape]:
             moe_layers=(len(moe_blocks) or layers) if experts else 0, tied_head=head_tied(module),
             gated_mlp=mlp_gated(decoder, hidden, mlp_width),
             shared_mlp_width=shared if experts else 0, dense_mlp_width=dense if experts else 0,
-            encoder_params=encoder_parameters(module), first_stage_blocks=(blocks_fed_between(module) or 0) + 1,
+            encoder_params=encoder_parameters(module), first_stage_blocks=blocks_fed_between(module) + 1,
         )
 
 
@@ -323,13 +323,13 @@ def decoder_container(module: nn.Module) -> Optional[str]:
     return decoder[0] if decoder else None
 
 
-def blocks_fed_between(module: nn.Module) -> Optional[int]:
+def blocks_fed_between(module: nn.Module) -> int:
     """How many of its first blocks ``module``'s decoder (a :data:`BETWEEN_BLOCKS` class) adds what its encoder
     computed after, as the model's config says (Qwen3-VL: one per deepstack layer of its vision encoder); every block
-    of the decoder where no config says; None for other models."""
+    of the decoder where no config says; 0 for other models."""
     decoder = next((m for m in module.modules() if class_path(m) in BETWEEN_BLOCKS), None)
     if decoder is None:
-        return None
+        return 0
     path = BETWEEN_BLOCKS[class_path(decoder)].split(".")
     for config in (m.config for m in module.modules() if hasattr(m, "config")):
         value = functools.reduce(lambda held, attribute: getattr(held, attribute, None), path, config)

@@ -25,7 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from meshlight.parallel.blocks import holds_blocks
-from meshlight.parallel.model_shape import blocks_fed_between, decoder_container, encoder_blocks, lm_heads
+from meshlight.parallel.model_shape import decoder_container, encoder_blocks, lm_heads
 
 __all__ = [
     "SCHEDULES",
@@ -33,7 +33,6 @@ __all__ = [
     "PipelineError",
     "StagePlan",
     "build_schedule",
-    "check_fed_blocks",
     "default_virtual_stages",
     "find_pipelined_module",
     "model_root",
@@ -179,8 +178,11 @@ def plan_stages(module: nn.Module, container: str, num_stages: int, split: Split
     toward stage 0, those after toward the last stage); ``"layers"`` balances block counts; a list of block
     names (``["blocks.4"]`` or full names ending so) starts a new stage at each. Pieces are before or after the
     blocks as registered, except those named in ``run_after``: registered before them, run after them (OPT's
-    final norm), in the order they run. ``first_blocks``: the fewest blocks the balanced splits give stage 0 (a
-    decoder adding its encoder's features after its first blocks: :func:`check_fed_blocks`).
+    final norm), in the order they run. ``first_blocks``: the fewest blocks stage 0 holds — those after which a
+    decoder adds what its encoder computed, and the next, as only the first stage runs the encoder and a stage ends at
+    its last block's output (:func:`~meshlight.parallel.model_shape.blocks_fed_between`: Qwen3-VL's deepstack); the
+    balanced splits give it that many, a list of block names that does not is refused, naming where stage 2 may
+    start.
     """
     blocks = getattr(module, container)
     keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
@@ -221,28 +223,14 @@ def plan_stages(module: nn.Module, container: str, num_stages: int, split: Split
                 f"split={list(split)} must name {num_stages - 1} distinct blocks in increasing order, after the"
                 f" first, where stages 2..{num_stages} begin (the pipeline has {num_stages} stages)."
             )
+        if starts and starts[0] < first_blocks:
+            raise PipelineError(
+                f"split={list(split)} starts stage 2 at {container}.{keys[starts[0]]}, but the first stage must hold"
+                f" {first_blocks} blocks (the decoder adds its encoder's features after its first {first_blocks - 1},"
+                f" which only the first stage has): start stage 2 at {container}.{keys[first_blocks]} or later."
+            )
         bounds = [0, *starts, len(keys)]
     return StagePlan(container, pre, post, tuple(tuple(keys[bounds[s]:bounds[s + 1]]) for s in range(num_stages)))
-
-
-def check_fed_blocks(root: nn.Module, plan: StagePlan) -> None:
-    """A decoder that adds what its encoder computed to the hidden state after its first blocks
-    (:func:`~meshlight.parallel.model_shape.blocks_fed_between`: Qwen3-VL's deepstack) must keep them, and the block
-    after them, on the first stage, which runs the encoder (a stage ends at its last block's output, before the
-    model's forward adds anything after it); refused otherwise, naming the split that does."""
-    fed = blocks_fed_between(root)
-    if fed and len(plan.blocks[0]) <= fed:
-        keys = [key for stage in plan.blocks for key in stage]
-        raise PipelineError(
-            f"{type(root).__name__}'s decoder adds its encoder's features to the hidden state after each of its first"
-            f" {fed} layers (Qwen3-VL's deepstack), which only the first pipeline stage has: that stage must hold more"
-            f" than {fed} layers, and it holds {len(plan.blocks[0])} ({', '.join(plan.blocks[0])}) of {len(keys)}."
-            f" Start the second stage later (split=['{plan.container}.{keys[fed + 1]}', …]) or use fewer stages."
-            if fed + 1 < len(keys) else
-            f"{type(root).__name__}'s decoder adds its encoder's features to the hidden state after each of its first"
-            f" {fed} layers (Qwen3-VL's deepstack), which only the first pipeline stage has; with {len(keys)} layers"
-            " no later stage can begin after them: train this model with pp=1."
-        )
 
 
 def rank_holding(stage: int, pp: int, schedule: str) -> int:

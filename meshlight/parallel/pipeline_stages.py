@@ -124,7 +124,7 @@ def _stage_view(module: nn.Module, plan: StagePlan, stage: int, block_output: Bl
     return _replaced(module, replacements)
 
 
-def is_parameter(root: nn.Module, name: str) -> bool:
+def _is_parameter(root: nn.Module, name: str) -> bool:
     """Whether ``name`` (dotted, relative to ``root``) is a parameter rather than a module."""
     holder, _, attribute = name.rpartition(".")
     return attribute in root.get_submodule(holder)._parameters
@@ -313,7 +313,7 @@ def root_stages(root: nn.Module, place: ModelRoot, plan: StagePlan, stages: Sequ
     if last not in stages:
         for head in place.heads:
             root.set_submodule(head, PassThrough())
-    parameters = {encoder for encoder in place.encoders if is_parameter(root, encoder)}
+    parameters = {encoder for encoder in place.encoders if _is_parameter(root, encoder)}
     if 0 not in stages:
         for encoder in place.encoders:
             if encoder in parameters:  # freed: a later stage's forward, given no images, does not read it
@@ -356,7 +356,7 @@ def tied_parameters(root: nn.Module, place: ModelRoot, plan: StagePlan) -> list[
         pieces = (sorted(prefix + name for name in plan.owned(stage)) + (list(place.heads) if stage == last else [])
                   + (list(place.encoders) if stage == 0 else []))
         for piece in pieces:
-            held = ([("", root.get_parameter(piece))] if is_parameter(root, piece) else
+            held = ([("", root.get_parameter(piece))] if _is_parameter(root, piece) else
                     root.get_submodule(piece).named_parameters(remove_duplicate=False))
             for name, param in held:
                 users.setdefault(id(param), {}).setdefault(stage, f"{piece}.{name}".rstrip("."))

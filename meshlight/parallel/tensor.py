@@ -224,7 +224,7 @@ def apply_tensor_parallel(
                              " must come from sequence_region() of the same model (or of the model a stage is cut"
                              " from).")
         # a decoder that changes the hidden state after its first blocks (Qwen3-VL's deepstack) gets it whole there
-        fed = blocks_fed_between(model) or 0
+        fed = blocks_fed_between(model)
         for name in blocks:
             index = int(key) if (key := name.rpartition(".")[2]).isdigit() else len(blocks)
             if name == first or 0 < index <= fed:

@@ -50,7 +50,6 @@ from meshlight.parallel.pipeline import (
     SplitSpec,
     StagePlan,
     build_schedule,
-    check_fed_blocks,
     model_root,
     plan_stages,
     rank_holding,
@@ -96,12 +95,11 @@ def setup_pipeline(
     pipelined = root.get_submodule(place.pipelined)
     num_stages = layout.pp * options.virtual_stages
     # a decoder adding its encoder's features after its first blocks keeps them, and the next, on the first stage
-    first_blocks = (blocks_fed_between(root) or 0) + 1
+    first_blocks = blocks_fed_between(root) + 1
     plan = plan_stages(pipelined, place.container, num_stages, options.split, first_blocks=first_blocks)
     run_after = run_after_blocks(root, plan, place)
     if run_after:
         plan = plan_stages(pipelined, place.container, num_stages, options.split, run_after, first_blocks)
-    check_fed_blocks(root, plan)
     tied = tied_parameters(root, place, plan)
     indices = stages_of_rank(mesh["pp"].get_local_rank(), layout.pp, options.virtual_stages, options.schedule)
     tied_weights = TiedWeights(root, tied, mesh, indices, num_stages, options.schedule)
