@@ -730,7 +730,7 @@ def planner_out_of_sample_section(result: dict) -> str:
     lines += ["", "The misses are runs that reached 55–62% MFU, under-predicted: llm-foundry's MPT 30B on A100s with "
               "recomputation, and NeMo's FP8 GPT-3 175B on 512 GPUs (either its FP8 gains more than torchtitan's "
               "Float8 factor, or half the peak is too little for its matmuls). The A100 rows sit low as a group, the "
-              "H100 ones high. No constant was changed to fit these runs. Three changes of the model since these "
+              "H100 ones high. No constant was changed to fit these runs. Four changes of the model since these "
               "runs were added, each from first principles: the step counts the matmul of an LM head tied to the "
               "embedding (the MFU convention leaves it out, its weight being the embedding's), which over-predicted "
               "every small tied model before; a data-parallel group spanning nodes sends over all its members' NICs "
@@ -739,7 +739,11 @@ def planner_out_of_sample_section(result: dict) -> str:
               "one node); and the kernels between the matmuls (norms, activations, residual adds, the loss) stream "
               "the activations at the device memory's datasheet bandwidth, four passes over what autograd saves, "
               "whose share of the step grows as the model narrows: it had over-predicted the narrow models (MPT 760M "
-              "and 13B at 2 sequences per GPU were misses)."]
+              "and 13B at 2 sequences per GPU were misses); and a pipeline runs at its most loaded rank's pace, the "
+              "last, whose LM head's matmul runs beside its even share of the layers, while the search considers "
+              "every virtual-stage count that splits the layers evenly over any multiple of pp microbatches (torch's "
+              "and Megatron's requirement; NeMo's runs interleave 6 to 20 stages a rank), which had ranked NeMo's "
+              "Llama 2 13B layout sixth, priced as plain 1F1B."]
     return "\n".join(lines)
 
 

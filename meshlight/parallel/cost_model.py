@@ -21,7 +21,10 @@
   device's share of host memory, as the rest must fit the device.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak for the run's matmuls
   (:attr:`Hardware.compute_flops`: 16-bit, or fp32 as torch's float32 matmul precision runs it; a head tied to the
-  embedding counted, :meth:`ModelSpec.executed_flops_per_token`; recomputation adds a forward), plus the
+  embedding counted, :meth:`ModelSpec.executed_flops_per_token`; recomputation adds the blocks' forward) on the most
+  loaded rank — under pipelining, with the layers split evenly (``v`` stages of ``⌈layers/(pp·v)⌉`` a rank, as
+  Megatron-Core splits them by default and ``split="layers"`` does), the last, which runs the LM head's matmul beside
+  its blocks (meshlight's default split balances parameters, which lightens that rank by about the head), plus the
   memory-bound kernels between them streaming the activations at the device memory's bandwidth
   (:func:`_streamed_time`: four passes over what autograd saves, a fifth with recomputation), stretched by the
   pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives of the activations per layer and
@@ -189,7 +192,8 @@ def estimate(
     local = s / cp  # tokens of each sequence on this rank
     data = dp * cp  # ranks holding the same weights: gradients are reduced and ZeRO shards over them
     micro_batch = global_batch // dp // microbatches
-    layers_per_stage = math.ceil(model.layers / pp)
+    # the blocks of the most loaded rank: its v stages of ceil(layers / (pp·v)) each, as an even split gives them
+    layers_per_stage = virtual_stages * math.ceil(model.layers / (pp * virtual_stages))
     # --- model state: the most loaded stage (blocks, plus the embedding or the head at either end)
     stage_share = layers_per_stage / model.layers
     ends = max(model.embedding_params, model.head_params) if pp > 1 else model.embedding_params + model.head_params
@@ -231,8 +235,11 @@ def estimate(
     # --- time
     tokens = global_batch * s
     recomputed = model.recompute_flops_per_token() if recompute else 0
-    flops = tokens * (model.executed_flops_per_token() + recomputed) / world
-    compute = flops / (hw.compute_flops * ACHIEVABLE_FRACTION) + _streamed_time(
+    per_token = model.executed_flops_per_token() + recomputed
+    if pp > 1:  # a pipeline runs at its most loaded rank's pace: the last, which runs the LM head beside its blocks
+        head = model.head_flops_per_token()
+        per_token = pp * ((per_token - head) * layers_per_stage / model.layers + head)
+    compute = tokens * per_token / world / (hw.compute_flops * ACHIEVABLE_FRACTION) + _streamed_time(
         model, hw, tp, global_batch * s / data, recompute, layers_per_stage)
     bubble = compute * (pp - 1) / (microbatches * virtual_stages) if pp > 1 else 0.0
     activation = local * micro_batch * h * hw.activation_bytes

@@ -95,9 +95,10 @@ def plan(
     those that do not. The batch is ``global_batch`` sequences per optimizer step, or ``local_batch`` per data
     replica (as a LightningModule's DataLoader gives it: the global batch then grows with dp). Sizes given are
     kept fixed, and so are, for pipelined candidates, the ``schedule``, ``virtual_stages`` and ``microbatches``
-    given (otherwise 1F1B or Interleaved1F1B with 2 virtual stages, and the best microbatch count). ``cp`` not given
-    is planned for sequences longer than :data:`LONG_SEQUENCE`, else 1. ``experts``: under tp, an MoE model's experts
-    ``"split"`` over the tp ranks or ``"fold"``-ed into ep (None: both are planned)."""
+    given (otherwise 1F1B, or Interleaved1F1B with 2 virtual stages or any count that splits the layers evenly over the
+    ranks, and the best microbatch count). ``cp`` not given is planned for sequences longer than
+    :data:`LONG_SEQUENCE`, else 1. ``experts``: under tp, an MoE model's experts ``"split"`` over the tp ranks or
+    ``"fold"``-ed into ep (None: both are planned)."""
     if (global_batch is None) == (local_batch is None):
         raise ValueError("Give exactly one of global_batch and local_batch.")
     _check_request(world, global_batch, local_batch, schedule, dp=dp, pp=pp, tp=tp, ep=ep, zero=zero, cp=cp,
@@ -246,7 +247,8 @@ def _layouts(
         replica_batch = local_batch if global_batch is None else global_batch // d
         for (e, x), z, (s, v), r in itertools.product(
             _expert_layouts(model, d, t, ep, experts), (0, 1, 2, 3) if zero is None else [zero],
-            pipelines.schedules if p > 1 else [("1f1b", 1)], (False, True) if recompute is None else [recompute],
+            pipelines.stages_for(model.layers, p) if p > 1 else [("1f1b", 1)],
+            (False, True) if recompute is None else [recompute],
         ):
             if p * v > (model.layers - model.first_stage_layers + 1 if p > 1 else model.layers):
                 continue
@@ -276,6 +278,16 @@ class _Pipelines:
 
     schedules: tuple[tuple[str, int], ...]
     microbatches: Optional[int] = None
+    deeper: bool = False  # neither schedule nor virtual stages given: also interleave as deep as the layers allow
+
+    def stages_for(self, layers: int, pp: int) -> tuple[tuple[str, int], ...]:
+        """The (schedule, virtual stages) pairs of a ``pp``-stage pipeline over ``layers`` blocks: those given, or
+        1F1B, Interleaved1F1B with 2 virtual stages, and with any more that split the layers evenly over the ranks
+        (as Megatron-Core requires; NeMo's published runs interleave up to one layer per stage)."""
+        if not self.deeper:
+            return self.schedules
+        deeper = [("interleaved1f1b", v) for v in range(3, layers // pp + 1) if layers % (pp * v) == 0]
+        return (*self.schedules, *deeper)
 
     def microbatch_choices(self, replica_batch: int, pp: int, virtual_stages: int) -> list[int]:
         if pp > 1 and self.microbatches is not None:
@@ -286,13 +298,13 @@ class _Pipelines:
 def _pipeline_choices(schedule: Optional[str], virtual_stages: Optional[int],
                       microbatches: Optional[int]) -> _Pipelines:
     """The schedules a pipelined candidate may run: the one given (virtual stages: those given, else 1 for
-    single-stage schedules and 2 for the rest), else 1F1B and Interleaved1F1B with 2 virtual stages (or those
-    given)."""
+    single-stage schedules and 2 for the rest), else 1F1B and Interleaved1F1B with the virtual stages given, or with
+    2 and deeper (:meth:`_Pipelines.stages_for`)."""
     if schedule is not None:
         choices = [(schedule, virtual_stages or default_virtual_stages(schedule))]
     else:
         choices = [(_schedule_of(v), v) for v in ([1, 2] if virtual_stages is None else [virtual_stages])]
-    return _Pipelines(tuple(choices), microbatches)
+    return _Pipelines(tuple(choices), microbatches, deeper=schedule is None and virtual_stages is None)
 
 
 def _tp_fits(model: ModelSpec, hw: Hardware, tp: int) -> bool:
@@ -320,12 +332,12 @@ def _cp_fits(model: ModelSpec, tp: int, cp: int, *, given: bool = False) -> bool
 
 
 def _microbatch_choices(replica_batch: int, pp: int, virtual_stages: int) -> list[int]:
-    """Microbatch counts dividing the replica's batch; under pipelining at least one per stage (interleaved
-    schedules: a multiple of pp)."""
+    """Microbatch counts dividing the replica's batch; under pipelining at least one per rank (interleaved
+    schedules: a multiple of pp, as torch's Interleaved1F1B runs them in rounds of pp — fewer than pp·v too)."""
     if pp == 1:
         return _divisors(replica_batch)
     return [m for m in _divisors(replica_batch)
-            if m >= pp * virtual_stages and (virtual_stages == 1 or m % pp == 0)]
+            if m >= pp and (virtual_stages == 1 or m % pp == 0)]
 
 
 def _check_request(world: int, global_batch: Optional[int], local_batch: Optional[int], schedule: Optional[str],

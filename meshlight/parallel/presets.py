@@ -149,11 +149,15 @@ class ModelSpec:
     def executed_flops_per_token(self) -> float:
         """What a training step computes per token: :meth:`flops_per_token`, whose convention leaves out a head tied
         to the token embedding (its weight is the embedding's), plus that head's matmul, which runs all the same."""
-        return self.flops_per_token() + (6 * self.vocab * self.hidden if self.tie_embeddings else 0)
+        return self.flops_per_token() + (self.head_flops_per_token() if self.tie_embeddings else 0)
+
+    def head_flops_per_token(self) -> float:
+        """The LM head's matmul, forward and backward, tied to the token embedding or not."""
+        return 6 * self.vocab * self.hidden
 
     def recompute_flops_per_token(self) -> float:
-        """The forward again, with full activation recomputation."""
-        return 2 * self.active_params + 4 * self.layers * self.heads * self.head_dim * self.seq_len
+        """The blocks' forward again, with full activation recomputation (the LM head is not recomputed)."""
+        return 2 * (self.active_params - self.head_params) + 4 * self.layers * self.heads * self.head_dim * self.seq_len
 
     @classmethod
     def from_gpt_config(cls, config: Any, seq_len: Optional[int] = None) -> ModelSpec:

@@ -12,7 +12,7 @@ import torch
 from meshlight.cli import main
 from meshlight.parallel.cost_model import _bandwidth, _ring_latency, estimate, model_state_bytes, precision_bytes
 from meshlight.parallel.planner import best_per_layout, plan
-from meshlight.parallel.presets import GB, HARDWARE, MODELS, detect_hardware
+from meshlight.parallel.presets import GB, HARDWARE, MODELS, ModelSpec, detect_hardware
 
 CPU = HARDWARE["cpu"]  # fp32: 4-byte parameters
 
@@ -217,6 +217,28 @@ def test_the_kernels_between_the_matmuls_stream_the_activations_at_the_memory_ba
     # the command line takes another device memory's bandwidth
     assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--memory-bandwidth", "1675"]) == 0
     assert "NVIDIA H100 SXM 80GB with 1675 GB/s device memory" in capsys.readouterr().out
+
+
+def test_a_pipeline_runs_at_the_pace_of_its_last_rank_which_runs_the_lm_head_beside_its_blocks():
+    # GPT-OSS 120B's shape: a 201,088-token vocabulary over 36 layers of width 2880, whose LM head's matmul weighs
+    # about 3.6 layers' (Megatron-Bridge's published run splits the layers evenly, the head on the last stage)
+    model = ModelSpec(36, 2880, 64, 8, 2880, vocab=201088, seq_len=4096, experts=128, top_k=4, head_size=64)
+    matmuls_only = HARDWARE["h100"].replace(memory_bandwidth=math.inf)
+
+    def compute(pp, virtual_stages=1, recompute=False):
+        return estimate(model, matmuls_only, 64, 512, 64 // pp, pp, 1, 1, 1, 8 * virtual_stages,
+                        virtual_stages, recompute).times["compute"]
+
+    head = model.head_flops_per_token()
+    for recompute in (False, True):  # the blocks' forward again, not the head's
+        blocks = model.executed_flops_per_token() + (model.recompute_flops_per_token() if recompute else 0) - head
+        assert compute(4, recompute=recompute) / compute(1, recompute=recompute) == pytest.approx(
+            (blocks + 4 * head) / (blocks + head))
+    # the most loaded rank's v stages of ceil(36 / (pp·v)) layers: 5 × 4 = 20 of them at pp=2 and v=5, not 36/2
+    blocks = model.executed_flops_per_token() - head
+    assert compute(2, 5) / compute(1) == pytest.approx(2 * (blocks * 20 / 36 + head) / (blocks + head))
+    assert model.recompute_flops_per_token() == pytest.approx(
+        2 * (model.active_params - model.head_params) + 4 * 36 * 64 * 64 * 4096)
 
 
 def test_fp32_matmuls_run_at_the_rate_torchs_float32_matmul_precision_gives(capsys, monkeypatch):

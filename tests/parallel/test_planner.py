@@ -52,13 +52,15 @@ def test_published_layouts_rank_among_the_best():
     # among the planner's three best (119B only once ZeRO-3 over 192 nodes pays its ring latency; 462B only with
     # the projections' inputs gathered again in backward, see the next test). The runs held dp at 48 by design;
     # layouts with fewer tp ranks put more of a data-parallel group on each node, whose NICs carry its rings
-    # together, and the planner ranks some of those a few percent higher (32B: dp=192 tp=2 zero=2 by 1.16×).
-    for name, world, batch, published in (("megatron-7.1b", 96, 192, (48, 1, 2)),
-                                          ("megatron-32b", 384, 192, (48, 1, 8)),
-                                          ("megatron-119b", 1536, 768, (48, 4, 8)),
-                                          ("megatron-462b", 6144, 3072, (48, 16, 8))):
+    # together, and the planner ranks some of those a few percent higher: 32B's tp=8 is fifth, behind dp=192 tp=2
+    # zero=2 (by 1.17×), dp=96 tp=4, and two pipelines interleaving 8 and 16 virtual stages over few microbatches,
+    # each within 3% of it.
+    for name, world, batch, published, within in (("megatron-7.1b", 96, 192, (48, 1, 2), 3),
+                                                  ("megatron-32b", 384, 192, (48, 1, 8), 5),
+                                                  ("megatron-119b", 1536, 768, (48, 4, 8), 3),
+                                                  ("megatron-462b", 6144, 3072, (48, 16, 8), 3)):
         best = [c.layout[:3] for c in best_per_layout(plan(MODELS[name], HARDWARE["h100"], world, batch))]
-        assert published in best[:3], (name, best[:3])
+        assert published in best[:within], (name, best[:within])
     # torchtitan's 2-D Llama 3.1 405B run (FSDP 16 × TP 8, full AC, 128 H100s at 500 W, global batch 32): among
     # the two best, beside FSDP 32 × TP 4 (whose data-parallel rings leave each node on two NICs, not one)
     best = best_per_layout(plan(MODELS["llama3-405b"], HARDWARE["h100-96gb-500w"], 128, 32))
@@ -176,12 +178,17 @@ def test_fixed_sizes_that_cannot_work_fail_naming_the_constraints():
 def test_the_schedule_virtual_stages_and_microbatches_given_are_what_it_plans_with():
     model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]
     free = plan(model, h100, 64, 128, pp=4, tp=8)
-    assert {(c.schedule, c.virtual_stages) for c in free} == {("1f1b", 1), ("interleaved1f1b", 2)}
+    # 1F1B, and Interleaved1F1B with 2 virtual stages or any count that splits the 80 layers evenly over 4 ranks
+    assert {(c.schedule, c.virtual_stages) for c in free} == {("1f1b", 1), *(("interleaved1f1b", v)
+                                                                           for v in (2, 4, 5, 10, 20))}
     assert len({c.microbatches for c in free}) > 1
     for given, pairs in (({"schedule": "gpipe"}, {("gpipe", 1)}), ({"virtual_stages": 4}, {("interleaved1f1b", 4)}),
                          ({"schedule": "zbvzerobubble"}, {("zbvzerobubble", 2)})):
         assert {(c.schedule, c.virtual_stages) for c in plan(model, h100, 64, 128, pp=4, tp=8, **given)} == pairs
     assert {c.microbatches for c in plan(model, h100, 64, 128, pp=4, tp=8, microbatches=8)} == {8}
+    # interleaving takes any multiple of pp microbatches (torch's rounds of pp), fewer than pp·v too, as NeMo ran
+    # Llama 2 70B: 20 virtual stages on each of 4 ranks over 32 microbatches
+    assert {c.microbatches for c in plan(model, h100, 64, 128, pp=4, tp=8, virtual_stages=20)} == {4, 8, 16, 32, 64}
     # GPipe runs all forwards first: its first stage holds every microbatch's activations, 1F1B's only pp of them
     one_f_one_b, gpipe = (plan(model, h100, 64, 128, pp=4, tp=8, zero=1, recompute=False, microbatches=16,
                                schedule=schedule)[0] for schedule in ("1f1b", "gpipe"))
@@ -194,7 +201,7 @@ def test_the_schedule_virtual_stages_and_microbatches_given_are_what_it_plans_wi
 
 def test_with_every_size_given_the_winner_is_explained_against_its_next_option():
     model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]
-    candidates = plan(model, h100, 64, 128, dp=4, pp=2, tp=8, zero=1, recompute=True)
+    candidates = plan(model, h100, 64, 128, dp=4, pp=2, tp=8, zero=1, recompute=True, virtual_stages=2)
     winner, runner = candidates[0], candidates[1]
     assert winner.layout == runner.layout == (4, 2, 8, 1, 1)  # dp, pp, tp, ep, cp
     options = sum(c.fits for c in candidates)

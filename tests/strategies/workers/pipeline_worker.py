@@ -1,8 +1,9 @@
 """torchrun worker: pipeline parity runs — every schedule, pp = world (2 or 4), microbatches 4 and 8 (on 4: 8 for
-two schedules) — and pp=2 × dp=2 (DDP, ZeRO-1/2/3) on 4 processes. A configuration the schedule cannot run is
-recorded with its error."""
+two schedules; on 2, Interleaved1F1B with 4 virtual stages over 2) — and pp=2 × dp=2 (DDP, ZeRO-1/2/3) on 4
+processes. A configuration the schedule cannot run is recorded with its error."""
 
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,8 +22,8 @@ def gpt8() -> LitGPT:
     return LitGPT(config, lr=3e-3, warmup_steps=2)
 
 
-def runs(world: int) -> list[tuple[int, int, int, str, int, str]]:
-    """(pp, dp, zero, schedule, microbatches, variant) for this world size."""
+def runs(world: int) -> list[tuple[Any, ...]]:
+    """(pp, dp, zero, schedule, microbatches, variant[, virtual stages]) for this world size."""
     # microbatches 4 and 8 for every schedule on 2 stages; on 4 (a run costs about 2.5 of those on 2) 8 only where the
     # schedule needs them (DualPipeV: as many as stages, and its V of two stages per rank) or where its order over
     # 8 virtual stages differs most (InterleavedZeroBubble)
@@ -30,6 +31,8 @@ def runs(world: int) -> list[tuple[int, int, int, str, int, str]]:
             if world == 2 or m == 4 or schedule in ("dualpipev", "interleavedzerobubble")]
     if world == 2:  # Lightning's gradient accumulation, and clipping by the norm over both stages
         grid += [(2, 1, 1, "1f1b", 4, variant) for variant in ("accumulate", "clip")]
+        # interleaving 4 virtual stages over 2 microbatches, fewer than pp·v (torch needs a multiple of pp)
+        grid.append((2, 1, 1, "interleaved1f1b", 2, "adamw", 4))
     if world == 4:  # pp=2 × dp=2: ZeRO-1 (the default) under three schedules, DDP, ZeRO-2, ZeRO-3 under 1F1B
         grid += [(2, 2, 1, schedule, 4, "adamw") for schedule in ("1f1b", "interleaved1f1b", "zbvzerobubble")]
         grid += [(2, 2, zero, "1f1b", 4, "adamw") for zero in (0, 2, 3)]
@@ -41,8 +44,9 @@ if __name__ == "__main__":
     out, world = sys.argv[1], int(sys.argv[2])
     results = {}
     for run in runs(world):
-        pp, dp, zero, schedule, microbatches, variant = run
-        strategy = ml.PipelineStrategy(pp=pp, schedule=schedule, microbatches=microbatches, zero=zero)
+        pp, dp, zero, schedule, microbatches, variant, *virtual_stages = run
+        strategy = ml.PipelineStrategy(pp=pp, schedule=schedule, microbatches=microbatches, zero=zero,
+                                       virtual_stages=virtual_stages[0] if virtual_stages else None)
         try:
             result = train(variant, strategy, devices=world, data_parallel=dp, model=gpt8)
             result.pop("module")
