@@ -24,7 +24,8 @@
   embedding counted, :meth:`ModelSpec.executed_flops_per_token`; recomputation adds the blocks' forward) on the most
   loaded rank — under pipelining, with the layers split evenly (``v`` stages of ``⌈layers/(pp·v)⌉`` a rank, as
   Megatron-Core splits them by default and ``split="layers"`` does), the last, which runs the LM head's matmul beside
-  its blocks (meshlight's default split balances parameters, which lightens that rank by about the head), plus the
+  its blocks (meshlight's default split balances parameters, which lightens that rank by about the head), or the
+  first where it must hold more blocks (:attr:`ModelSpec.first_stage_layers`: Qwen3-VL's), plus the
   memory-bound kernels between them streaming the activations at the device memory's bandwidth
   (:func:`_streamed_time`: four passes over what autograd saves, a fifth with recomputation), stretched by the
   pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives of the activations per layer and
@@ -192,8 +193,12 @@ def estimate(
     local = s / cp  # tokens of each sequence on this rank
     data = dp * cp  # ranks holding the same weights: gradients are reduced and ZeRO shards over them
     micro_batch = global_batch // dp // microbatches
-    # the blocks of the most loaded rank: its v stages of ceil(layers / (pp·v)) each, as an even split gives them
-    layers_per_stage = virtual_stages * math.ceil(model.layers / (pp * virtual_stages))
+    # the blocks of the most loaded rank: its v stages of ceil(layers / (pp·v)) each, as an even split gives them,
+    # and on the first rank at least the first stage's fewest (Qwen3-VL's: those its encoder's features are fed to)
+    share = math.ceil(model.layers / (pp * virtual_stages))
+    last_rank = virtual_stages * share
+    first_rank = last_rank - share + max(share, model.first_stage_layers) if pp > 1 else last_rank
+    layers_per_stage = max(first_rank, last_rank)
     # --- model state: the most loaded stage (blocks, plus the embedding or the head at either end)
     stage_share = layers_per_stage / model.layers
     ends = max(model.embedding_params, model.head_params) if pp > 1 else model.embedding_params + model.head_params
@@ -236,9 +241,10 @@ def estimate(
     tokens = global_batch * s
     recomputed = model.recompute_flops_per_token() if recompute else 0
     per_token = model.executed_flops_per_token() + recomputed
-    if pp > 1:  # a pipeline runs at its most loaded rank's pace: the last, which runs the LM head beside its blocks
-        head = model.head_flops_per_token()
-        per_token = pp * ((per_token - head) * layers_per_stage / model.layers + head)
+    if pp > 1:  # a pipeline runs at its most loaded rank's pace: the last, which runs the LM head beside its blocks,
+        head = model.head_flops_per_token()  # or the first, where it holds more blocks
+        per_block = (per_token - head) / model.layers
+        per_token = pp * max(per_block * last_rank + head, per_block * first_rank)
     compute = tokens * per_token / world / (hw.compute_flops * ACHIEVABLE_FRACTION) + _streamed_time(
         model, hw, tp, global_batch * s / data, recompute, layers_per_stage)
     bubble = compute * (pp - 1) / (microbatches * virtual_stages) if pp > 1 else 0.0

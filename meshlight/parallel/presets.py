@@ -53,7 +53,8 @@ class ModelSpec:
     #: every tensor-parallel rank of the first stage; their compute is not priced (it depends on the images)
     encoder_params: int = 0
     #: the fewest layers the first pipeline stage holds (Qwen3-VL's: those its encoder's features are added after,
-    #: and the next), which bounds the stages: ``pp · virtual_stages ≤ layers − first_stage_layers + 1``
+    #: and the next), which bounds the stages: ``pp · virtual_stages ≤ layers − first_stage_layers + 1``, and may make
+    #: the first rank the most loaded
     first_stage_layers: int = 1
 
     @property

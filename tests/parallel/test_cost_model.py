@@ -219,7 +219,7 @@ def test_the_kernels_between_the_matmuls_stream_the_activations_at_the_memory_ba
     assert "NVIDIA H100 SXM 80GB with 1675 GB/s device memory" in capsys.readouterr().out
 
 
-def test_a_pipeline_runs_at_the_pace_of_its_last_rank_which_runs_the_lm_head_beside_its_blocks():
+def test_a_pipeline_runs_at_its_most_loaded_ranks_pace_the_last_with_the_lm_head_or_a_fuller_first():
     # GPT-OSS 120B's shape: a 201,088-token vocabulary over 36 layers of width 2880, whose LM head's matmul weighs
     # about 3.6 layers' (Megatron-Bridge's published run splits the layers evenly, the head on the last stage)
     model = ModelSpec(36, 2880, 64, 8, 2880, vocab=201088, seq_len=4096, experts=128, top_k=4, head_size=64)
@@ -237,6 +237,12 @@ def test_a_pipeline_runs_at_the_pace_of_its_last_rank_which_runs_the_lm_head_bes
     # the most loaded rank's v stages of ceil(36 / (pp·v)) layers: 5 × 4 = 20 of them at pp=2 and v=5, not 36/2
     blocks = model.executed_flops_per_token() - head
     assert compute(2, 5) / compute(1) == pytest.approx(2 * (blocks * 20 / 36 + head) / (blocks + head))
+    # a first stage that must hold 4 of 28 layers (Qwen3-VL's deepstack) at pp=4 × v=7: its rank runs 6 + 4 = 10
+    fed = model.replace(layers=28, vocab=1000, first_stage_layers=4, experts=0)
+    fed_blocks = (fed.executed_flops_per_token() - fed.head_flops_per_token()) / 28
+    first_rank = estimate(fed, matmuls_only, 64, 512, 16, 4, 1, 1, 1, 28, 7, False).times["compute"]
+    one_rank = estimate(fed, matmuls_only, 64, 512, 64, 1, 1, 1, 1, 1, 1, False).times["compute"]
+    assert first_rank / one_rank == pytest.approx(4 * fed_blocks * 10 / fed.executed_flops_per_token())
     assert model.recompute_flops_per_token() == pytest.approx(
         2 * (model.active_params - model.head_params) + 4 * 36 * 64 * 64 * 4096)
 
