@@ -29,7 +29,7 @@ from meshlight.parallel.cost_model import (
 )
 from meshlight.parallel.layout import _check_size, _check_zero, _divisors
 from meshlight.parallel.model_shape import ModelShapeError, model_shape
-from meshlight.parallel.pipeline import SCHEDULES, default_virtual_stages
+from meshlight.parallel.pipeline import SCHEDULES, V_PLACEMENT, default_virtual_stages
 from meshlight.parallel.presets import GB, HARDWARE, MODELS, Hardware, ModelSpec, detect_hardware, preset_named
 
 __all__ = [
@@ -254,7 +254,7 @@ def _layouts(
                 continue
             # without pipelining, microbatches are gradient accumulation: the trainer's when it gives the batch
             accumulate = p == 1 and local_batch is not None
-            for m in [1] if accumulate else pipelines.microbatch_choices(replica_batch, p, v):
+            for m in [1] if accumulate else pipelines.microbatch_choices(replica_batch, p, v, s):
                 yield d, p, t, e, z, m, v, r, s, c, x
 
 
@@ -289,10 +289,10 @@ class _Pipelines:
         deeper = [("interleaved1f1b", v) for v in range(3, layers // pp + 1) if layers % (pp * v) == 0]
         return (*self.schedules, *deeper)
 
-    def microbatch_choices(self, replica_batch: int, pp: int, virtual_stages: int) -> list[int]:
+    def microbatch_choices(self, replica_batch: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
         if pp > 1 and self.microbatches is not None:
             return [self.microbatches] if replica_batch % self.microbatches == 0 else []
-        return _microbatch_choices(replica_batch, pp, virtual_stages)
+        return _microbatch_choices(replica_batch, pp, virtual_stages, schedule)
 
 
 def _pipeline_choices(schedule: Optional[str], virtual_stages: Optional[int],
@@ -331,13 +331,14 @@ def _cp_fits(model: ModelSpec, tp: int, cp: int, *, given: bool = False) -> bool
     return model.seq_len % (2 * cp * tp) == 0 and (given or planned)
 
 
-def _microbatch_choices(replica_batch: int, pp: int, virtual_stages: int) -> list[int]:
-    """Microbatch counts dividing the replica's batch; under pipelining at least one per rank (interleaved
-    schedules: a multiple of pp, as torch's Interleaved1F1B runs them in rounds of pp — fewer than pp·v too)."""
+def _microbatch_choices(replica_batch: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
+    """Microbatch counts dividing the replica's batch; under pipelining at least one per rank — per stage for the V
+    schedules (DualPipeV needs as many as stages) — and for those with several stages a rank a multiple of pp, as
+    torch's interleaved schedules run them in rounds of pp (fewer than pp·v too)."""
     if pp == 1:
         return _divisors(replica_batch)
-    return [m for m in _divisors(replica_batch)
-            if m >= pp and (virtual_stages == 1 or m % pp == 0)]
+    least = pp * virtual_stages if schedule in V_PLACEMENT else pp
+    return [m for m in _divisors(replica_batch) if m >= least and (virtual_stages == 1 or m % pp == 0)]
 
 
 def _check_request(world: int, global_batch: Optional[int], local_batch: Optional[int], schedule: Optional[str],
