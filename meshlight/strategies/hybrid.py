@@ -362,7 +362,7 @@ class Hybrid3DStrategy(MeshStrategy):
         schedule = self._schedule_given or best.schedule
         self._pipeline_options = PipelineOptions(
             schedule, options.microbatches or (best.microbatches if best.pp > 1 else None),
-            _virtual_stages(schedule, best.pp, self._virtual_given), options.split)
+            _virtual_stages(schedule, best.pp, self._virtual_given or best.virtual_stages), options.split)
 
 
 def _offloaded(policy: Optional[OffloadPolicy], module: nn.Module, device: torch.device) -> dict[str, Any]:

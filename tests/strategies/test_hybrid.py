@@ -243,6 +243,24 @@ def test_the_planner_splits_a_models_own_experts_over_tp_where_it_can_else_keeps
     assert strategy._unsplittable() == {}
 
 
+def test_the_strategy_runs_the_virtual_stages_the_planner_chose():
+    """Over 2 microbatches an 8-block GPT interleaves 4 stages a rank (each microbatch's bubble a quarter of plain
+    1F1B's); the strategy runs those 4, not Interleaved1F1B's default 2."""
+    from meshlight.demos import LitGPT
+    from meshlight.models import GPTConfig
+    from meshlight.parallel.planner import HARDWARE
+
+    strategy = ml.Hybrid3DStrategy(dp=1, pp=2, tp=1, microbatches=2, hardware=HARDWARE["cpu"])
+    ml.Trainer(strategy=strategy, devices=2, accelerator="cpu", logger=False)
+    module = LitGPT(GPTConfig.tiny(n_layers=8))
+    module.batch_size = 64
+    strategy.connect(module)
+    strategy._choose_layout()
+    assert (strategy.plan[0].schedule, strategy.plan[0].virtual_stages) == ("interleaved1f1b", 4)
+    options = strategy._pipeline_options
+    assert (options.schedule, options.microbatches, options.virtual_stages) == ("interleaved1f1b", 2, 4)
+
+
 def _fit_on_one_process(strategy, callbacks=(), batch_size=4, **trainer_options):
     from meshlight.demos import AdditionDataModule, LitGPT
 
