@@ -53,6 +53,9 @@ SCHEDULES = {
 }
 SINGLE_STAGE = ("gpipe", "1f1b")
 V_PLACEMENT = ("zbvzerobubble", "dualpipev")
+#: schedules that defer weight gradients: with data parallelism they need a microbatch per stage (PyTorch 2.13 reduces
+#: the gradients before the last deferred passes otherwise)
+ZERO_BUBBLE = ("interleavedzerobubble", "zbvzerobubble")
 SplitSpec = Union[None, str, Sequence[str]]
 
 

@@ -29,7 +29,7 @@ from meshlight.parallel.cost_model import (
 )
 from meshlight.parallel.layout import _check_size, _check_zero, _divisors
 from meshlight.parallel.model_shape import ModelShapeError, model_shape
-from meshlight.parallel.pipeline import SCHEDULES, V_PLACEMENT, default_virtual_stages
+from meshlight.parallel.pipeline import SCHEDULES, V_PLACEMENT, ZERO_BUBBLE, default_virtual_stages
 from meshlight.parallel.presets import GB, HARDWARE, MODELS, Hardware, ModelSpec, detect_hardware, preset_named
 
 __all__ = [
@@ -333,11 +333,12 @@ def _cp_fits(model: ModelSpec, tp: int, cp: int, *, given: bool = False) -> bool
 
 def _microbatch_choices(replica_batch: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
     """Microbatch counts dividing the replica's batch; under pipelining at least one per rank — per stage for the V
-    schedules (DualPipeV needs as many as stages) — and for those with several stages a rank a multiple of pp, as
-    torch's interleaved schedules run them in rounds of pp (fewer than pp·v too)."""
+    and zero-bubble schedules (DualPipeV needs as many as stages, the zero-bubble ones with data parallelism) — and
+    for those with several stages a rank a multiple of pp, as torch's interleaved schedules run them in rounds of pp
+    (Interleaved1F1B fewer than pp·v too)."""
     if pp == 1:
         return _divisors(replica_batch)
-    least = pp * virtual_stages if schedule in V_PLACEMENT else pp
+    least = pp * virtual_stages if schedule in (*V_PLACEMENT, *ZERO_BUBBLE) else pp
     return [m for m in _divisors(replica_batch) if m >= least and (virtual_stages == 1 or m % pp == 0)]
 
 

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from meshlight.parallel.layout import ParallelLayout
 from meshlight.parallel.model_shape import blocks_fed_between
 from meshlight.parallel.pipeline import (
+    ZERO_BUBBLE,
     ModelRoot,
     PipelineError,
     SplitSpec,
@@ -108,7 +109,7 @@ def setup_pipeline(
     tied_weights.broadcast()
     stage_modules = [parallelize_stage(module, index) for module, index in zip(stage_modules, indices)]
     microbatches = options.microbatches or num_stages
-    if options.schedule in ("interleavedzerobubble", "zbvzerobubble") and layout.dp > 1 and microbatches < num_stages:
+    if options.schedule in ZERO_BUBBLE and layout.dp > 1 and microbatches < num_stages:
         # torch 2.13 reduces FSDP gradients before these schedules' last deferred weight-gradient passes when
         # there are fewer microbatches than stages: gradients come out wrong (61% off in our check), silently.
         raise PipelineError(

@@ -189,8 +189,10 @@ def test_the_schedule_virtual_stages_and_microbatches_given_are_what_it_plans_wi
     # interleaving takes any multiple of pp microbatches (torch's rounds of pp), fewer than pp·v too, as NeMo ran
     # Llama 2 70B: 20 virtual stages on each of 4 ranks over 32 microbatches
     assert {c.microbatches for c in plan(model, h100, 64, 128, pp=4, tp=8, virtual_stages=20)} == {4, 8, 16, 32, 64}
-    # the V schedules take one per stage (torch's DualPipeV refuses fewer)
-    assert {c.microbatches for c in plan(model, h100, 64, 128, pp=4, tp=8, schedule="dualpipev")} == {8, 16, 32, 64}
+    # the V and zero-bubble schedules take one per stage (torch's DualPipeV refuses fewer; with data parallelism the
+    # zero-bubble ones lose weight gradients)
+    for schedule in ("dualpipev", "zbvzerobubble", "interleavedzerobubble"):
+        assert {c.microbatches for c in plan(model, h100, 64, 128, pp=4, tp=8, schedule=schedule)} == {8, 16, 32, 64}
     # GPipe runs all forwards first: its first stage holds every microbatch's activations, 1F1B's only pp of them
     one_f_one_b, gpipe = (plan(model, h100, 64, 128, pp=4, tp=8, zero=1, recompute=False, microbatches=16,
                                schedule=schedule)[0] for schedule in ("1f1b", "gpipe"))
