@@ -1,6 +1,7 @@
 """torchrun worker: pipeline parity runs — every schedule, pp = world (2 or 4), microbatches 4 and 8 (on 4: 8 for
-two schedules; on 2, Interleaved1F1B with 4 virtual stages over 2) — and pp=2 × dp=2 (DDP, ZeRO-1/2/3) on 4
-processes. A configuration the schedule cannot run is recorded with its error."""
+two schedules; on 2, Interleaved1F1B with 4 virtual stages over 2) — and pp=2 × dp=2 (DDP, ZeRO-1/2/3; ZeRO-3 also
+over 4 virtual stages and 2 microbatches) on 4 processes. A configuration the schedule cannot run is recorded with
+its error."""
 
 import sys
 from typing import Any
@@ -37,6 +38,7 @@ def runs(world: int) -> list[tuple[Any, ...]]:
         grid += [(2, 2, 1, schedule, 4, "adamw") for schedule in ("1f1b", "interleaved1f1b", "zbvzerobubble")]
         grid += [(2, 2, zero, "1f1b", 4, "adamw") for zero in (0, 2, 3)]
         grid += [(2, 2, 1, "1f1b", 4, "clip")]
+        grid.append((2, 2, 3, "interleaved1f1b", 2, "adamw", 4))  # ZeRO-3 over 4 virtual stages and 2 microbatches
     return grid
 
 
