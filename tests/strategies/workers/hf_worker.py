@@ -75,7 +75,7 @@ LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 
 #: the microbatches each pipelined layout's schedule cuts a rank's batch into: a model's own load-balancing loss is
 #: computed per forward call, one per microbatch (the one-process control computes it over the same pieces)
-MICROBATCHES = {"pp2-1f1b": 4, "pp2-interleaved": 4, "3d": 2, "3d-moe": 2, "3d-ep2": 2, "dp2-pp2-ep2": 2}
+MICROBATCHES = {"pp2-1f1b": 4, "pp2-interleaved": 2, "3d": 2, "3d-moe": 2, "3d-ep2": 2, "dp2-pp2-ep2": 2}
 
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
@@ -114,8 +114,9 @@ LAYOUTS = {
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=MICROBATCHES["pp2-1f1b"]), 2, 1,
                  (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt", "opt_narrow", "falcon_h1", "granite4",
                   "mixtral-aux-labels", "gemma3", "gemma4_moe", *VLM_PIPELINED)),
-    # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models); Mistral
-    # is Llama's structure under its own classes (1F1B runs it)
+    # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models), over 2
+    # microbatches, fewer than pp·v (what the planner may choose); Mistral is Llama's structure under its own classes
+    # (1F1B runs it)
     "pp2-interleaved": (lambda: ml.PipelineStrategy(pp=2, schedule="interleaved1f1b", virtual_stages=2,
                                                     microbatches=MICROBATCHES["pp2-interleaved"]), 2, 1,
                         tuple(f"{f}-deep" for f in FAMILIES if f != "mistral")),
