@@ -33,9 +33,11 @@ __all__ = [
     "PipelineError",
     "StagePlan",
     "build_schedule",
+    "check_split",
     "default_virtual_stages",
     "find_pipelined_module",
     "model_root",
+    "named_stages",
     "plan_stages",
     "rank_holding",
     "stages_of_rank",
@@ -103,6 +105,35 @@ def validate_schedule(schedule: str, pp: int, virtual_stages: int, microbatches:
         raise PipelineError(f"{schedule!r} interleaves several stages per rank: set virtual_stages >= 2.")
     if microbatches < 1:
         raise PipelineError(f"microbatches={microbatches} must be >= 1.")
+
+
+def named_stages(split: SplitSpec) -> Optional[int]:
+    """The pipeline stages in all (pp × virtual stages) that ``split`` fixes: one more than the blocks a list names
+    (each starts a stage); None for the balanced splits, which suit any count. Refuses any other string."""
+    if split is None or split in ("parameters", "layers"):
+        return None
+    if isinstance(split, str):
+        raise PipelineError(f"split={split!r}: use 'parameters', 'layers' or a list of block names.")
+    return len(split) + 1
+
+
+def check_split(split: SplitSpec, pp: Optional[int], virtual_stages: Optional[int]) -> None:
+    """Refuse a ``split`` naming blocks where stages begin whose count the pipeline given (``pp`` ranks of
+    ``virtual_stages`` stages; None: not given) cannot have, naming the sizes that would."""
+    stages = named_stages(split)
+    if stages is None or pp is None:
+        return
+    named = f"split={list(split)} starts {stages} stages"  # type: ignore[arg-type]
+    if pp == 1:
+        raise PipelineError(f"{named}, but pp=1 runs no pipeline: give a pp above 1 that divides {stages}, or leave"
+                            " split out.")
+    if virtual_stages is None and stages % pp:
+        raise PipelineError(f"{named}, which pp={pp} ranks cannot share evenly: give a pp that divides {stages}, or"
+                            f" name {pp - 1} blocks (or a multiple of pp, less one) in split.")
+    if virtual_stages is not None and pp * virtual_stages != stages:
+        raise PipelineError(f"{named}, but pp={pp} × virtual_stages={virtual_stages} runs {pp * virtual_stages}: name"
+                            f" {pp * virtual_stages - 1} blocks in split, or give pp and virtual_stages whose product"
+                            f" is {stages}.")
 
 
 def find_pipelined_module(root: nn.Module) -> tuple[str, nn.Module, str]:
@@ -217,9 +248,8 @@ def plan_stages(module: nn.Module, container: str, num_stages: int, split: Split
             counts = [first_blocks] + [base + (1 if s >= num_stages - 1 - remainder else 0)
                                        for s in range(num_stages - 1)]
         bounds = [sum(counts[:s]) for s in range(num_stages + 1)]
-    elif isinstance(split, str):
-        raise PipelineError(f"split={split!r}: use 'parameters', 'layers' or a list of block names.")
     else:
+        named_stages(split)  # refuses any other string
         starts = [_block_index(point, container, keys) for point in split]
         if len(starts) != num_stages - 1 or starts != sorted(set(starts)) or 0 in starts:
             raise PipelineError(

@@ -10,10 +10,10 @@ when nothing fits, the hints name the nearest layouts, the fewest devices, or th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -29,7 +29,14 @@ from meshlight.parallel.cost_model import (
 )
 from meshlight.parallel.layout import _check_size, _check_zero, _divisors
 from meshlight.parallel.model_shape import ModelShapeError, model_shape
-from meshlight.parallel.pipeline import SCHEDULES, V_PLACEMENT, ZERO_BUBBLE, default_virtual_stages
+from meshlight.parallel.pipeline import (
+    SCHEDULES,
+    V_PLACEMENT,
+    ZERO_BUBBLE,
+    PipelineError,
+    default_virtual_stages,
+    validate_schedule,
+)
 from meshlight.parallel.presets import GB, HARDWARE, MODELS, Hardware, ModelSpec, detect_hardware, preset_named
 
 __all__ = [
@@ -90,6 +97,7 @@ def plan(
     virtual_stages: Optional[int] = None,
     microbatches: Optional[int] = None,
     experts: Optional[str] = None,
+    stages: Optional[int] = None,
 ) -> list[Candidate]:
     """Every valid candidate for ``world`` devices, highest throughput first, those that fit in memory before
     those that do not. The batch is ``global_batch`` sequences per optimizer step, or ``local_batch`` per data
@@ -98,12 +106,13 @@ def plan(
     given (otherwise 1F1B, or Interleaved1F1B with 2 virtual stages or any count that splits the layers evenly over the
     ranks, and the best microbatch count). ``cp`` not given is planned for sequences longer than
     :data:`LONG_SEQUENCE`, else 1. ``experts``: under tp, an MoE model's experts ``"split"`` over the tp ranks or
-    ``"fold"``-ed into ep (None: both are planned)."""
+    ``"fold"``-ed into ep (None: both are planned). ``stages``: a pipeline of that many stages in all (pp ×
+    virtual stages), as a ``split`` naming the blocks where stages begin fixes it."""
     if (global_batch is None) == (local_batch is None):
         raise ValueError("Give exactly one of global_batch and local_batch.")
     _check_request(world, global_batch, local_batch, schedule, dp=dp, pp=pp, tp=tp, ep=ep, zero=zero, cp=cp,
-                   virtual_stages=virtual_stages, microbatches=microbatches)
-    pipelines = _pipeline_choices(schedule, virtual_stages, microbatches)
+                   virtual_stages=virtual_stages, microbatches=microbatches, stages=stages)
+    pipelines = _pipeline_choices(schedule, virtual_stages, microbatches, stages)
     candidates = [
         estimate(model, hardware, world, global_batch or local_batch * layout[0], *layout)
         for layout in _layouts(model, hardware, world, global_batch, local_batch, dp, pp, tp, ep, cp, zero, recompute,
@@ -239,7 +248,7 @@ def _layouts(
     for t, p, c in itertools.product(_divisors(world), repeat=3):
         d = world // (t * p * c) if world % (t * p * c) == 0 else 0
         fixed = all(given is None or given == size for given, size in ((tp, t), (pp, p), (dp, d), (cp, c)))
-        if not (d and fixed and p <= model.layers and _tp_fits(model, hw, t)
+        if not (d and fixed and (p > 1 or pipelines.stages is None) and p <= model.layers and _tp_fits(model, hw, t)
                 and _cp_fits(model, t, c, given=cp is not None)):
             continue
         if global_batch is not None and global_batch % d:
@@ -271,7 +280,7 @@ def _expert_layouts(model: ModelSpec, dp: int, tp: int, ep: Optional[int],
     return [(e, x) for e, x in split + fold if model.experts % e == 0 and ep in (None, e) and experts in (None, x)]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Pipelines:
     """What a pipelined candidate may run: (schedule, virtual stages) pairs, and a fixed microbatch count
     (None: any that suits the replica's batch)."""
@@ -279,11 +288,23 @@ class _Pipelines:
     schedules: tuple[tuple[str, int], ...]
     microbatches: Optional[int] = None
     deeper: bool = False  # neither schedule nor virtual stages given: also interleave as deep as the layers allow
+    stages: Optional[int] = None  # pp × virtual stages fixed (a split naming where stages begin)
+    schedule: Optional[str] = None  # the schedule given
+    virtual_stages: Optional[int] = None  # the virtual stages given
 
     def stages_for(self, layers: int, pp: int) -> tuple[tuple[str, int], ...]:
         """The (schedule, virtual stages) pairs of a ``pp``-stage pipeline over ``layers`` blocks: those given, or
         1F1B, Interleaved1F1B with 2 virtual stages, and with any more that split the layers evenly over the ranks
-        (as Megatron-Core requires; NeMo's published runs interleave up to one layer per stage)."""
+        (as Megatron-Core requires; NeMo's published runs interleave up to one layer per stage); with the stages in
+        all fixed, the virtual stages that make them, under the schedule given or the one for that many."""
+        if self.stages is not None:
+            virtual = self.virtual_stages or self.stages // pp
+            schedule = self.schedule or _schedule_of(virtual)
+            try:
+                validate_schedule(schedule, pp, virtual, 1)
+            except PipelineError:
+                return ()
+            return ((schedule, virtual),) if pp * virtual == self.stages else ()
         if not self.deeper:
             return self.schedules
         deeper = [("interleaved1f1b", v) for v in range(3, layers // pp + 1) if layers % (pp * v) == 0]
@@ -295,16 +316,17 @@ class _Pipelines:
         return _microbatch_choices(replica_batch, pp, virtual_stages, schedule)
 
 
-def _pipeline_choices(schedule: Optional[str], virtual_stages: Optional[int],
-                      microbatches: Optional[int]) -> _Pipelines:
+def _pipeline_choices(schedule: Optional[str], virtual_stages: Optional[int], microbatches: Optional[int],
+                      stages: Optional[int] = None) -> _Pipelines:
     """The schedules a pipelined candidate may run: the one given (virtual stages: those given, else 1 for
     single-stage schedules and 2 for the rest), else 1F1B and Interleaved1F1B with the virtual stages given, or with
-    2 and deeper (:meth:`_Pipelines.stages_for`)."""
+    2 and deeper; with ``stages`` in all, those that make them (:meth:`_Pipelines.stages_for`)."""
     if schedule is not None:
         choices = [(schedule, virtual_stages or default_virtual_stages(schedule))]
     else:
         choices = [(_schedule_of(v), v) for v in ([1, 2] if virtual_stages is None else [virtual_stages])]
-    return _Pipelines(tuple(choices), microbatches, deeper=schedule is None and virtual_stages is None)
+    return _Pipelines(tuple(choices), microbatches, deeper=schedule is None and virtual_stages is None,
+                      stages=stages, schedule=schedule, virtual_stages=virtual_stages)
 
 
 def _tp_fits(model: ModelSpec, hw: Hardware, tp: int) -> bool:
@@ -343,10 +365,13 @@ def _microbatch_choices(replica_batch: int, pp: int, virtual_stages: int, schedu
 
 
 def _check_request(world: int, global_batch: Optional[int], local_batch: Optional[int], schedule: Optional[str],
-                   *, virtual_stages: Optional[int], microbatches: Optional[int], **sizes: Optional[int]) -> None:
+                   *, virtual_stages: Optional[int], microbatches: Optional[int], stages: Optional[int] = None,
+                   **sizes: Optional[int]) -> None:
     """Refuse sizes no layout could have, naming the bad value."""
     if schedule is not None and schedule not in SCHEDULES:
         raise PlanError(f"Unknown pipeline schedule {schedule!r}; choose one of {list(SCHEDULES)}.")
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 2):
+        raise PlanError(f"stages={stages!r}: a pipeline needs a whole number of stages, at least two.")
     for name, value, units in (("world", world, "devices"), ("global_batch", global_batch, "sequences"),
                                ("local_batch", local_batch, "sequences"), ("virtual_stages", virtual_stages, "stages"),
                                ("microbatches", microbatches, "microbatches")):
@@ -374,6 +399,8 @@ def _no_layout_message(model: ModelSpec, hw: Hardware, world: int, global_batch:
              f" ({global_batch or local_batch})"]
     if pipelines.microbatches is not None:
         hints.append(f"microbatches={pipelines.microbatches} must divide a pipelined replica's batch")
+    if pipelines.stages is not None:
+        hints.append(f"pp × virtual stages must make the split's {pipelines.stages} stages")
     if model.experts:
         hints.append(f"ep must divide experts={model.experts} and dp (folded over tp: ep = tp × a divisor of dp)")
     elif ep is not None and ep > 1:
@@ -382,7 +409,7 @@ def _no_layout_message(model: ModelSpec, hw: Hardware, world: int, global_batch:
                + "; ".join(hints) + ".")
 
     def valid(devices: int, batch: Optional[int]) -> bool:
-        pipelined = _Pipelines(pipelines.schedules[:1], pipelines.microbatches)
+        pipelined = dataclasses.replace(pipelines, schedules=pipelines.schedules[:1], deeper=False)
         layouts = _layouts(model, hw, devices, batch, local_batch, dp, pp, tp, ep, cp, None, False, pipelined)
         return next(iter(layouts), None) is not None
 

@@ -14,12 +14,19 @@ from torch.utils.data import DataLoader
 
 from meshlight.parallel.activation_compression import ActivationCompressionPolicy
 from meshlight.parallel.blocks import BlockSelection, repeated_blocks
+from meshlight.parallel.cost_model import _schedule_of
 from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import has_experts, listed_experts, stacked_experts
 from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, _fix_hint, data_sizes
 from meshlight.parallel.offload import OffloadPolicy, apart_from_host
-from meshlight.parallel.pipeline import PipelineError, default_virtual_stages, find_pipelined_module
+from meshlight.parallel.pipeline import (
+    PipelineError,
+    check_split,
+    default_virtual_stages,
+    find_pipelined_module,
+    named_stages,
+)
 from meshlight.parallel.planner import (
     Candidate,
     Hardware,
@@ -121,6 +128,12 @@ class Hybrid3DStrategy(MeshStrategy):
         self._planning = any(v is None for k, v in self._requested.items() if k != "dp")
         self._experts_given = None if experts == "auto" else experts  # "auto": the planner's choice too
         self._hardware, self._seq_len = hardware, seq_len
+        # a split naming the blocks where stages begin fixes pp × virtual stages; with pp given, a rank's stages follow
+        split = kwargs.get("split")
+        check_split(split, pp, virtual_stages)
+        self._stages = named_stages(split)
+        if self._stages is not None and pp is not None and virtual_stages is None:
+            virtual_stages = self._stages // pp
         self._schedule_given, self._virtual_given = schedule, virtual_stages
         self._keep_gathered = keep_gathered_inputs
         if recompute not in (True, False, "auto"):
@@ -128,7 +141,7 @@ class Hybrid3DStrategy(MeshStrategy):
         self._recompute = recompute
         self.plan: Optional[list[Candidate]] = None  # the planner's ranking, once it ran
         self.hardware: Optional[Hardware] = None  # the device it assumed, with the run's precision
-        schedule = schedule or "1f1b"
+        schedule = schedule or _schedule_of(virtual_stages or 1)
         zero = 1 if zero is None else zero
         sizes = data_sizes(dp, zero)  # by name: LightningCLI reads the keywords a subclass passes on
         super().__init__(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard"],
@@ -252,7 +265,7 @@ class Hybrid3DStrategy(MeshStrategy):
         else:
             pipeline = dict(schedule=options.schedule, virtual_stages=options.virtual_stages,
                             microbatches=options.microbatches or layout.pp * options.virtual_stages)
-        return {**pipeline, "recompute": self._asked_recompute()[0]}
+        return {**pipeline, "stages": self._stages, "recompute": self._asked_recompute()[0]}
 
     def _asked_recompute(self) -> tuple[Optional[bool], bool]:
         """Whether recomputation was asked for (None: the planner chooses), by this strategy's ``recompute`` or an
@@ -351,7 +364,8 @@ class Hybrid3DStrategy(MeshStrategy):
         best = self.plan[0]
         if not best.fits:
             free = plan(model, hardware, self.world_size, local_batch=batch, **requested)[0] if fixed else best
-            more = (f"It fits as {free.describe()}: leave {', '.join(fixed)} to the planner." if free.fits else
+            named = ", ".join("split" if option == "stages" else option for option in fixed)
+            more = (f"It fits as {free.describe()}: leave {named} to the planner." if free.fits else
                     self._what_would_fit(model, hardware, batch, {**requested, **fixed}))
             raise PlanError(f"No layout of {self.world_size} processes fits {model.name} in {hardware.name} memory. "
                             f"{explain(self.plan)} {more}")

@@ -39,7 +39,7 @@ from meshlight.parallel.layout import ParallelLayout, Size, seed_by_mesh_positio
 from meshlight.parallel.nvme import OptimizerStateOnDisk, put_on_disk
 from meshlight.parallel.offload import apart_from_host, prepare_host_steps
 from meshlight.parallel.optimizers import adapt_optimizer
-from meshlight.parallel.pipeline import SplitSpec, validate_schedule
+from meshlight.parallel.pipeline import SplitSpec, check_split, validate_schedule
 from meshlight.parallel.tensor import explaining_tensor_parallel_errors
 from meshlight.parallel.transforms import TensorParallelOptions, Transforms
 from meshlight.strategies import lightning_internals as lightning
@@ -158,6 +158,13 @@ class MeshStrategy(lightning.StrategyInternals, MeshEnvironment, TrainingLoopHoo
         self.num_nodes = 1
 
     # ---------------------------------------------------------------- layout, mesh, ranks
+
+    def _resolve_layout(self) -> Optional[ParallelLayout]:
+        layout = super()._resolve_layout()
+        if layout is not None:  # before any process starts: a split the pipeline cannot have
+            options = self._pipeline_options
+            check_split(options.split, layout.pp, options.virtual_stages)
+        return layout
 
     @property
     def keep_gathered_inputs(self) -> bool:

@@ -47,6 +47,29 @@ def test_balancing_by_layers_and_explicit_split_points():
         plan_stages(gpt(), "blocks", 2, ["blocks.9"])
 
 
+def test_a_split_the_pipeline_given_cannot_have_is_refused_before_any_process_starts():
+    import meshlight as ml
+
+    def trainer(strategy, devices=2):  # the Trainer settles the layout of its world, then checks the split
+        return ml.Trainer(strategy=strategy, devices=devices, accelerator="cpu", logger=False)
+
+    three = ["blocks.2", "blocks.4"]  # where stages 2 and 3 begin: 3 stages in all
+    with pytest.raises(PipelineError, match=r"starts 3 stages, but pp=2 × virtual_stages=1 runs 2: name 1 blocks"):
+        trainer(ml.PipelineStrategy(split=three))
+    with pytest.raises(PipelineError, match="starts 3 stages, but pp=1 runs no pipeline: give a pp above 1 that"):
+        trainer(ml.MeshStrategy(split=three))
+    with pytest.raises(PipelineError, match="but pp=1 runs no pipeline"):
+        ml.Hybrid3DStrategy(pp=1, split=three)
+    with pytest.raises(PipelineError, match="which pp=2 ranks cannot share evenly: give a pp that divides 3"):
+        ml.Hybrid3DStrategy(pp=2, split=three)
+    with pytest.raises(PipelineError, match="split='blocks': use 'parameters', 'layers' or a list of block names"):
+        ml.Hybrid3DStrategy(split="blocks")
+    trainer(ml.PipelineStrategy(split=three), devices=3)
+    # with pp given, a rank's stages follow (the planner chooses both where pp is not given)
+    options = ml.Hybrid3DStrategy(pp=2, split=[*three, "blocks.6"])._pipeline_options
+    assert (options.schedule, options.virtual_stages, options.split) == ("interleaved1f1b", 2, [*three, "blocks.6"])
+
+
 def test_more_stages_than_blocks_is_refused():
     with pytest.raises(PipelineError, match="9 pipeline stages but only 8 blocks"):
         plan_stages(gpt(), "blocks", 9)

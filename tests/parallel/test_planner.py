@@ -203,6 +203,25 @@ def test_the_schedule_virtual_stages_and_microbatches_given_are_what_it_plans_wi
         plan(model, h100, 64, 128, pp=4, tp=8, microbatches=3)
 
 
+def test_a_split_naming_where_stages_begin_fixes_the_stages_in_all():
+    model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]
+    # 8 stages in all: pp=2 × 4, pp=4 × 2 or pp=8 × 1, interleaved where a rank holds more than one; no layout
+    # without a pipeline
+    fixed = plan(model, h100, 64, 128, tp=8, stages=8)
+    assert {(c.pp, c.schedule, c.virtual_stages) for c in fixed} == {
+        (2, "interleaved1f1b", 4), (4, "interleaved1f1b", 2), (8, "1f1b", 1)}
+    # with the schedule given, the pp that makes them under it; with pp given, its stages a rank
+    assert {(c.pp, c.virtual_stages) for c in plan(model, h100, 64, 128, tp=8, stages=8, schedule="gpipe")} == {
+        (8, 1)}
+    assert {(c.pp, c.virtual_stages) for c in plan(model, h100, 64, 128, tp=8, stages=8,
+                                                  schedule="zbvzerobubble")} == {(4, 2)}
+    assert {c.virtual_stages for c in plan(model, h100, 64, 128, pp=2, tp=8, stages=8)} == {4}
+    with pytest.raises(PlanError, match="pp × virtual stages must make the split's 8 stages"):
+        plan(model, h100, 64, 128, pp=4, tp=8, virtual_stages=4, stages=8)
+    with pytest.raises(PlanError, match="stages=1: a pipeline needs a whole number of stages, at least two"):
+        plan(model, h100, 64, 128, stages=1)
+
+
 def test_with_every_size_given_the_winner_is_explained_against_its_next_option():
     model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]
     candidates = plan(model, h100, 64, 128, dp=4, pp=2, tp=8, zero=1, recompute=True, virtual_stages=2)

@@ -261,6 +261,25 @@ def test_the_strategy_runs_the_virtual_stages_the_planner_chose():
     assert (options.schedule, options.microbatches, options.virtual_stages) == ("interleaved1f1b", 2, 4)
 
 
+def test_a_split_naming_where_stages_begin_is_planned_with_that_many_stages():
+    """A split of an 8-block GPT into 4 named stages, on 2 processes: the planner pipelines it (it would not, free:
+    tensor and data parallelism win on gloo) over 2 ranks of 2 stages each, as the split needs."""
+    from meshlight.demos import LitGPT
+    from meshlight.models import GPTConfig
+    from meshlight.parallel.planner import HARDWARE
+
+    split = ["blocks.2", "blocks.4", "blocks.6"]
+    strategy = ml.Hybrid3DStrategy(split=split, hardware=HARDWARE["cpu"])
+    ml.Trainer(strategy=strategy, devices=2, accelerator="cpu", logger=False)
+    module = LitGPT(GPTConfig.tiny(n_layers=8))
+    module.batch_size = 64
+    strategy.connect(module)
+    strategy._choose_layout()
+    assert {(c.pp, c.virtual_stages) for c in strategy.plan} == {(2, 2)}
+    options = strategy._pipeline_options
+    assert (options.schedule, options.virtual_stages, options.split) == ("interleaved1f1b", 2, split)
+
+
 def _fit_on_one_process(strategy, callbacks=(), batch_size=4, **trainer_options):
     from meshlight.demos import AdditionDataModule, LitGPT
 
