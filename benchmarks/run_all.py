@@ -760,6 +760,7 @@ def context_planner_section(result: dict) -> str:
         lines.append(f"| cp={run['cp']}, {run['seq_len'] // 1024}K | {run['published']:,} | {run['predicted']:,.0f} |"
                      f" {run['memory_gib']:.1f} | {run['kv_exchange_share']:.1%} | {run['planner_best']} |")
     lines += _context_planner_ratios(result["ratios"], target=True)
+    lines += ["", _step_growth(result["runs"])]
     if "runs_405b" in result:
         lines += ["", "Beside them, not a target: the same page's Table 6, Llama 3.1 405B on 512 H100s, TP 8 × PP 8"
                   " (1F1B, 8 microbatches of one sequence), FSDP 8/cp, compile, Float8 and async TP, priced as"
@@ -770,6 +771,24 @@ def context_planner_section(result: dict) -> str:
                   f" {run['memory_gib']:.1f} | {run['kv_exchange_share']:.1%} |" for run in result["runs_405b"]]
         lines += _context_planner_ratios(result["ratios_405b"], target=False)
     return "\n".join(lines)
+
+
+def _step_growth(runs: list[dict]) -> str:
+    """How the published step time grows from run to run where every rank holds the same tokens, against the most
+    that a cost growing with the sequence allows."""
+    if len({run["seq_len"] // run["cp"] for run in runs}) != 1:
+        return ""
+    pairs = list(zip(runs, runs[1:]))
+    growth = ", ".join(f"{before['published'] / after['published']:.2f}× from {before['seq_len'] // 1024}K to"
+                       f" {after['seq_len'] // 1024}K" for before, after in pairs)
+    longer = max(after["seq_len"] / before["seq_len"] for before, after in pairs)
+    exchange = max(run["kv_exchange_share"] for run in runs)
+    most = max(before["published"] / after["published"] for before, after in pairs)
+    return (f"Every rank holds {runs[0]['seq_len'] // runs[0]['cp']:,} tokens of a sequence in each run, so the"
+            f" published step time grows as its tokens/s fall: {growth}. A rank's FLOPs grow at most as the sequence"
+            f" ({longer:g}× each time, were attention all of them); its K/V exchange grows faster but is at most"
+            f" {exchange:.1%} of the planner's step. A step growing {most:.2f}× is more than compute and the exchange"
+            " explain, and is where the misses above come from.")
 
 
 def _context_planner_ratios(ratios: list[dict], target: bool) -> list[str]:

@@ -20,3 +20,7 @@ def test_both_tables_are_priced_as_torchtitan_ran_them_and_only_table_2_is_a_tar
         "ratios_405b": context_planner.ratios(rows_405b)})
     assert section.count("within 25% (") == len(rows) + len(rows) - 3  # Table 2's five ratios, Table 6's none
     assert "Table 6, Llama 3.1 405B on 512 H100s" in section and "| cp=8, 256K | 16 |" in section
+    # every rank holds 32K tokens in each of Table 2's runs: the published step grows past what its FLOPs do
+    assert ("Every rank holds 32,768 tokens of a sequence in each run, so the published step time grows as its"
+            " tokens/s fall: 1.53× from 32K to 64K, 2.37× from 64K to 128K, 1.95× from 128K to 256K.") in section
+    assert "A step growing 2.37× is more than compute and the exchange explain" in section

@@ -94,8 +94,10 @@ def _torchtitan_context_parallel_estimate(cp, seq_len):
 
 
 # torchtitan's 128K run (cp=4) reached 0.42× the tokens/s of its 64K run (cp=2); the planner, whose compute per rank
-# grows 1.68× between them (its K/V exchange is 0.3% of the step), predicts 0.59×. The 256K run then follows the 128K
-# one as predicted. Its constants are not fitted to these runs. Float8 does not cancel entirely (it speeds the linear
+# grows 1.68× between them (its K/V exchange is 0.3% of the step), predicts 0.59×. Every rank holds 32K tokens in
+# both, so the published step grew 2.37×, past the 2× that a rank's FLOPs grow by even were attention all of them,
+# and the exchange, which grows faster, is too small to make up the rest. The 256K run then follows the 128K one as
+# predicted. Its constants are not fitted to these runs. Float8 does not cancel entirely (it speeds the linear
 # layers, not attention, which dominates at long sequences), but pricing the linear layers at torchtitan's measured
 # Float8 speedup (1.445×) narrows these misses only to 1.29–1.36×. The same page's 405B runs (TP 8 × PP 8, cp 1 to 8,
 # in `benchmarks/context_parallel_planner.py`, not a target) fall faster with the sequence than predicted too (256K ÷
