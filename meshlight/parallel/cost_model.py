@@ -25,7 +25,8 @@
   loaded rank — under pipelining, with the layers split evenly (``v`` stages of ``⌈layers/(pp·v)⌉`` a rank, as
   Megatron-Core splits them by default and ``split="layers"`` does), the last, which runs the LM head's matmul beside
   its blocks (meshlight's default split balances parameters, which lightens that rank by about the head), or the
-  first where it must hold more blocks (:attr:`ModelSpec.first_stage_layers`: Qwen3-VL's), plus the
+  first where it must hold more blocks (:attr:`ModelSpec.first_stage_layers`: Qwen3-VL's); with a split naming where
+  stages begin, each rank's blocks are its stages' (``stage_blocks``), and the most loaded rank is priced — plus the
   memory-bound kernels between them streaming the activations at the device memory's bandwidth
   (:func:`_streamed_time`: four passes over what autograd saves, a fifth with recomputation), stretched by the
   pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives of the activations per layer and
@@ -59,11 +60,13 @@ large-scale runs and from the model state meshlight actually holds.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from meshlight.parallel.pipeline import rank_holding
 from meshlight.parallel.presets import Hardware, ModelSpec
 
 __all__ = [
@@ -183,22 +186,22 @@ def precision_bytes(precision: str, param_dtype: Optional[torch.dtype] = None) -
 def estimate(
     model: ModelSpec, hw: Hardware, world: int, global_batch: int, dp: int, pp: int, tp: int, ep: int, zero: int,
     microbatches: int, virtual_stages: int, recompute: bool, schedule: Optional[str] = None, cp: int = 1,
-    experts: str = "split",
+    experts: str = "split", stage_blocks: Optional[Sequence[int]] = None,
 ) -> Candidate:
     """Per-rank memory and step time of one layout (see the module docstring for the model). ``schedule``
     default: 1F1B, interleaved with more than one virtual stage. ``cp``: ranks each sequence is split over.
-    ``experts``: under tp, MoE experts split over the tp ranks (``"split"``) or whole, ep spanning them (``"fold"``)."""
+    ``experts``: under tp, MoE experts split over the tp ranks (``"split"``) or whole, ep spanning them (``"fold"``).
+    ``stage_blocks``: the blocks of each of the ``pp × virtual_stages`` stages, where a split fixes them (default: an
+    even split)."""
     schedule = schedule or _schedule_of(virtual_stages)
     s, h = model.seq_len, model.hidden
     local = s / cp  # tokens of each sequence on this rank
     data = dp * cp  # ranks holding the same weights: gradients are reduced and ZeRO shards over them
     micro_batch = global_batch // dp // microbatches
-    # the blocks of the most loaded rank: its v stages of ceil(layers / (pp·v)) each, as an even split gives them,
-    # and on the first rank at least the first stage's fewest (Qwen3-VL's: those its encoder's features are fed to)
-    share = math.ceil(model.layers / (pp * virtual_stages))
-    last_rank = virtual_stages * share
-    first_rank = last_rank - share + max(share, model.first_stage_layers) if pp > 1 else last_rank
-    layers_per_stage = max(first_rank, last_rank)
+    # the blocks of each rank, and of the most loaded one; the LM head's matmul runs on the rank of the last stage
+    loads = _rank_blocks(model, pp, virtual_stages, schedule, stage_blocks)
+    head_rank = rank_holding(pp * virtual_stages - 1, pp, schedule) if pp > 1 else 0
+    layers_per_stage = max(loads)
     # --- model state: the most loaded stage (blocks, plus the embedding or the head at either end)
     stage_share = layers_per_stage / model.layers
     ends = max(model.embedding_params, model.head_params) if pp > 1 else model.embedding_params + model.head_params
@@ -241,10 +244,10 @@ def estimate(
     tokens = global_batch * s
     recomputed = model.recompute_flops_per_token() if recompute else 0
     per_token = model.executed_flops_per_token() + recomputed
-    if pp > 1:  # a pipeline runs at its most loaded rank's pace: the last, which runs the LM head beside its blocks,
-        head = model.head_flops_per_token()  # or the first, where it holds more blocks
+    if pp > 1:  # a pipeline runs at its most loaded rank's pace: the last stage's, which runs the LM head beside its
+        head = model.head_flops_per_token()  # blocks, or one that holds more blocks
         per_block = (per_token - head) / model.layers
-        per_token = pp * max(per_block * last_rank + head, per_block * first_rank)
+        per_token = pp * max(per_block * load + (head if rank == head_rank else 0) for rank, load in enumerate(loads))
     compute = tokens * per_token / world / (hw.compute_flops * ACHIEVABLE_FRACTION) + _streamed_time(
         model, hw, tp, global_batch * s / data, recompute, layers_per_stage)
     bubble = compute * (pp - 1) / (microbatches * virtual_stages) if pp > 1 else 0.0
@@ -290,6 +293,25 @@ def estimate(
     return Candidate(dp, pp, tp, ep, cp, zero, microbatches, virtual_stages, recompute, schedule, model_state,
                      activations, hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(),
                      hw.peak_flops, host, hw.host_memory * MEMORY_HEADROOM, "fold" if folded else "split")
+
+
+def _rank_blocks(model: ModelSpec, pp: int, virtual_stages: int, schedule: str,
+                 stage_blocks: Optional[Sequence[int]]) -> list[int]:
+    """The blocks each of the ``pp`` ranks holds: those of its stages where a split fixes each stage's
+    (``stage_blocks``), placed as ``schedule`` places them; else ``virtual_stages`` stages of ``⌈layers/(pp·v)⌉``
+    each, as an even split gives them, the first rank's first stage at least :attr:`ModelSpec.first_stage_layers`
+    (Qwen3-VL's: the blocks its encoder's features are fed to)."""
+    if pp == 1:
+        return [model.layers]
+    if stage_blocks:
+        loads = [0] * pp
+        for stage, blocks in enumerate(stage_blocks):
+            loads[rank_holding(stage, pp, schedule)] += blocks
+        return loads
+    share = math.ceil(model.layers / (pp * virtual_stages))
+    loads = [virtual_stages * share] * pp
+    loads[0] += max(share, model.first_stage_layers) - share
+    return loads
 
 
 def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, pipelined: bool = False,

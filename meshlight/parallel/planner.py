@@ -97,7 +97,7 @@ def plan(
     virtual_stages: Optional[int] = None,
     microbatches: Optional[int] = None,
     experts: Optional[str] = None,
-    stages: Optional[int] = None,
+    stage_blocks: Optional[Sequence[int]] = None,
 ) -> list[Candidate]:
     """Every valid candidate for ``world`` devices, highest throughput first, those that fit in memory before
     those that do not. The batch is ``global_batch`` sequences per optimizer step, or ``local_batch`` per data
@@ -106,15 +106,18 @@ def plan(
     given (otherwise 1F1B, or Interleaved1F1B with 2 virtual stages or any count that splits the layers evenly over the
     ranks, and the best microbatch count). ``cp`` not given is planned for sequences longer than
     :data:`LONG_SEQUENCE`, else 1. ``experts``: under tp, an MoE model's experts ``"split"`` over the tp ranks or
-    ``"fold"``-ed into ep (None: both are planned). ``stages``: a pipeline of that many stages in all (pp ×
-    virtual stages), as a ``split`` naming the blocks where stages begin fixes it."""
+    ``"fold"``-ed into ep (None: both are planned). ``stage_blocks``: the blocks of each pipeline stage, as a
+    ``split`` naming the blocks where stages begin fixes them: only pipelines of that many stages in all (pp ×
+    virtual stages), each rank priced with the blocks of its stages."""
     if (global_batch is None) == (local_batch is None):
         raise ValueError("Give exactly one of global_batch and local_batch.")
     _check_request(world, global_batch, local_batch, schedule, dp=dp, pp=pp, tp=tp, ep=ep, zero=zero, cp=cp,
-                   virtual_stages=virtual_stages, microbatches=microbatches, stages=stages)
-    pipelines = _pipeline_choices(schedule, virtual_stages, microbatches, stages)
+                   virtual_stages=virtual_stages, microbatches=microbatches)
+    _check_stage_blocks(model, stage_blocks)
+    pipelines = _pipeline_choices(schedule, virtual_stages, microbatches,
+                                  len(stage_blocks) if stage_blocks is not None else None)
     candidates = [
-        estimate(model, hardware, world, global_batch or local_batch * layout[0], *layout)
+        estimate(model, hardware, world, global_batch or local_batch * layout[0], *layout, stage_blocks=stage_blocks)
         for layout in _layouts(model, hardware, world, global_batch, local_batch, dp, pp, tp, ep, cp, zero, recompute,
                                pipelines, experts)
     ]
@@ -365,13 +368,10 @@ def _microbatch_choices(replica_batch: int, pp: int, virtual_stages: int, schedu
 
 
 def _check_request(world: int, global_batch: Optional[int], local_batch: Optional[int], schedule: Optional[str],
-                   *, virtual_stages: Optional[int], microbatches: Optional[int], stages: Optional[int] = None,
-                   **sizes: Optional[int]) -> None:
+                   *, virtual_stages: Optional[int], microbatches: Optional[int], **sizes: Optional[int]) -> None:
     """Refuse sizes no layout could have, naming the bad value."""
     if schedule is not None and schedule not in SCHEDULES:
         raise PlanError(f"Unknown pipeline schedule {schedule!r}; choose one of {list(SCHEDULES)}.")
-    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 2):
-        raise PlanError(f"stages={stages!r}: a pipeline needs a whole number of stages, at least two.")
     for name, value, units in (("world", world, "devices"), ("global_batch", global_batch, "sequences"),
                                ("local_batch", local_batch, "sequences"), ("virtual_stages", virtual_stages, "stages"),
                                ("microbatches", microbatches, "microbatches")):
@@ -383,6 +383,18 @@ def _check_request(world: int, global_batch: Optional[int], local_batch: Optiona
                 _check_zero(value) if name == "zero" else _check_size(name, value)
     except ValueError as error:
         raise PlanError(str(error)) from None
+
+
+def _check_stage_blocks(model: ModelSpec, stage_blocks: Optional[Sequence[int]]) -> None:
+    """Refuse stages that are not a pipeline of the model's blocks: two or more, each of one block or more, all of
+    them in all."""
+    if stage_blocks is None:
+        return
+    blocks = list(stage_blocks)
+    whole = all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in blocks)
+    if len(blocks) < 2 or not whole or sum(blocks) != model.layers:
+        raise PlanError(f"stage_blocks={blocks}: a pipeline's stages are two or more, of one block or more each, and"
+                        f" hold the model's {model.layers} blocks in all.")
 
 
 def _no_layout_message(model: ModelSpec, hw: Hardware, world: int, global_batch: Optional[int],

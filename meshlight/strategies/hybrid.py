@@ -26,6 +26,7 @@ from meshlight.parallel.pipeline import (
     default_virtual_stages,
     find_pipelined_module,
     named_stages,
+    plan_stages,
 )
 from meshlight.parallel.planner import (
     Candidate,
@@ -265,7 +266,16 @@ class Hybrid3DStrategy(MeshStrategy):
         else:
             pipeline = dict(schedule=options.schedule, virtual_stages=options.virtual_stages,
                             microbatches=options.microbatches or layout.pp * options.virtual_stages)
-        return {**pipeline, "stages": self._stages, "recompute": self._asked_recompute()[0]}
+        return {**pipeline, "stage_blocks": self._stage_blocks(), "recompute": self._asked_recompute()[0]}
+
+    def _stage_blocks(self) -> Optional[tuple[int, ...]]:
+        """The blocks of each stage of a split naming where stages begin (None: a balanced split, which the planner
+        prices as even)."""
+        if self._stages is None:
+            return None
+        _, module, container = find_pipelined_module(self.lightning_module)
+        stages = plan_stages(module, container, self._stages, self._pipeline_options.split)
+        return tuple(len(blocks) for blocks in stages.blocks)
 
     def _asked_recompute(self) -> tuple[Optional[bool], bool]:
         """Whether recomputation was asked for (None: the planner chooses), by this strategy's ``recompute`` or an
@@ -364,7 +374,7 @@ class Hybrid3DStrategy(MeshStrategy):
         best = self.plan[0]
         if not best.fits:
             free = plan(model, hardware, self.world_size, local_batch=batch, **requested)[0] if fixed else best
-            named = ", ".join("split" if option == "stages" else option for option in fixed)
+            named = ", ".join("split" if option == "stage_blocks" else option for option in fixed)
             more = (f"It fits as {free.describe()}: leave {named} to the planner." if free.fits else
                     self._what_would_fit(model, hardware, batch, {**requested, **fixed}))
             raise PlanError(f"No layout of {self.world_size} processes fits {model.name} in {hardware.name} memory. "

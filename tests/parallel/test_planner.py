@@ -2,6 +2,7 @@
 among its best, bad sizes fail with a message naming the constraints, and `meshlight plan` prints a table."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -205,24 +206,37 @@ def test_the_schedule_virtual_stages_and_microbatches_given_are_what_it_plans_wi
         plan(model, h100, 64, 128, pp=4, tp=8, microbatches=3)
 
 
-def test_a_split_naming_where_stages_begin_fixes_the_stages_in_all():
+def test_a_split_naming_where_stages_begin_fixes_the_stages_and_the_blocks_each_rank_runs():
     model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]
+    even = (10,) * 8
     # 8 stages in all: pp=2 × 4, pp=4 × 2 or pp=8 × 1, interleaved where a rank holds more than one; no layout
     # without a pipeline
-    fixed = plan(model, h100, 64, 128, tp=8, stages=8)
+    fixed = plan(model, h100, 64, 128, tp=8, stage_blocks=even)
     assert {(c.pp, c.schedule, c.virtual_stages) for c in fixed} == {
         (2, "interleaved1f1b", 4), (4, "interleaved1f1b", 2), (8, "1f1b", 1)}
     # with the schedule given, the pp that makes them under it; with pp given, its stages a rank
-    assert {(c.pp, c.virtual_stages) for c in plan(model, h100, 64, 128, tp=8, stages=8, schedule="gpipe")} == {
-        (8, 1)}
-    assert {(c.pp, c.virtual_stages) for c in plan(model, h100, 64, 128, tp=8, stages=8,
+    assert {(c.pp, c.virtual_stages) for c in plan(model, h100, 64, 128, tp=8, stage_blocks=even,
+                                                  schedule="gpipe")} == {(8, 1)}
+    assert {(c.pp, c.virtual_stages) for c in plan(model, h100, 64, 128, tp=8, stage_blocks=even,
                                                   schedule="zbvzerobubble")} == {(4, 2)}
-    assert {c.virtual_stages for c in plan(model, h100, 64, 128, pp=2, tp=8, stages=8)} == {4}
+    assert {c.virtual_stages for c in plan(model, h100, 64, 128, pp=2, tp=8, stage_blocks=even)} == {4}
     with pytest.raises(PlanError, match="pp × virtual stages must make the split's 8 stages"):
-        plan(model, h100, 64, 128, pp=4, tp=8, virtual_stages=4, stages=8)
-    with pytest.raises(PlanError, match="stages=1: a pipeline needs a whole number of stages, at least two"):
-        plan(model, h100, 64, 128, stages=1)
-
+        plan(model, h100, 64, 128, pp=4, tp=8, virtual_stages=4, stage_blocks=even)
+    for bad in ((80,), (40, 39), (40, 40, 0)):
+        with pytest.raises(PlanError, match=re.escape(f"stage_blocks={list(bad)}: a pipeline's stages are two or")):
+            plan(model, h100, 64, 128, stage_blocks=bad)
+    # an even split is priced as the planner prices one it chooses; an uneven one by its most loaded rank: 12 blocks
+    # on the first of 8 ranks, where the last runs 9 beside the LM head (0.8 of a recomputed block)
+    sizes = dict(dp=1, pp=8, tp=8, zero=1, recompute=True, microbatches=16, schedule="1f1b")
+    plain = plan(model, h100, 64, 16, **sizes)[0]
+    assert plan(model, h100, 64, 16, stage_blocks=even, **sizes)[0] == plain
+    heavy = plan(model, h100, 64, 16, stage_blocks=(12, 10, 10, 10, 10, 10, 9, 9), **sizes)[0]
+    head = model.head_flops_per_token()
+    block = (model.executed_flops_per_token() + model.recompute_flops_per_token() - head) / model.layers
+    assert head / block == pytest.approx(0.8, abs=0.01)
+    # (the kernels between the matmuls, priced by the blocks alone, a few percent of the step, grow by 12/10)
+    assert heavy.times["compute"] / plain.times["compute"] == pytest.approx(12 / (10 + head / block), rel=0.02)
+    assert heavy.activation_bytes > plain.activation_bytes  # the first rank keeps 12 blocks' inputs, not 10
 
 def test_with_every_size_given_the_winner_is_explained_against_its_next_option():
     model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]

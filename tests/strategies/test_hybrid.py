@@ -263,12 +263,13 @@ def test_the_strategy_runs_the_virtual_stages_the_planner_chose():
 
 def test_a_split_naming_where_stages_begin_is_planned_with_that_many_stages():
     """A split of an 8-block GPT into 4 named stages, on 2 processes: the planner pipelines it (it would not, free:
-    tensor and data parallelism win on gloo) over 2 ranks of 2 stages each, as the split needs."""
+    tensor and data parallelism win on gloo) over 2 ranks of 2 stages each, as the split needs, each rank priced
+    with the blocks of its stages."""
     from meshlight.demos import LitGPT
     from meshlight.models import GPTConfig
     from meshlight.parallel.planner import HARDWARE
 
-    split = ["blocks.2", "blocks.4", "blocks.6"]
+    split = ["blocks.3", "blocks.5", "blocks.7"]
     strategy = ml.Hybrid3DStrategy(split=split, hardware=HARDWARE["cpu"])
     ml.Trainer(strategy=strategy, devices=2, accelerator="cpu", logger=False)
     module = LitGPT(GPTConfig.tiny(n_layers=8))
@@ -276,6 +277,7 @@ def test_a_split_naming_where_stages_begin_is_planned_with_that_many_stages():
     strategy.connect(module)
     strategy._choose_layout()
     assert {(c.pp, c.virtual_stages) for c in strategy.plan} == {(2, 2)}
+    assert strategy._run_options()["stage_blocks"] == (3, 2, 2, 1)  # rank 0 runs 5 blocks, rank 1 3 and the head
     options = strategy._pipeline_options
     assert (options.schedule, options.virtual_stages, options.split) == ("interleaved1f1b", 2, split)
 
