@@ -33,7 +33,8 @@ def distributed(tmp_path_factory) -> dict:
     return results
 
 
-IDS = [f"pp{r[0]}-dp{r[1]}-zero{r[2]}-{r[3]}-m{r[4]}-{r[5]}" + "".join(f"-v{v}" for v in r[6:]) for _, r in RUNS]
+IDS = [f"pp{r[0]}-dp{r[1]}-zero{r[2]}-{r[3]}-m{r[4]}-{r[5]}" + "".join(f"-v{v}" for v in r[6:7])
+       + "".join("-split" + "-".join(block.split(".")[1] for block in split) for split in r[7:]) for _, r in RUNS]
 
 
 @pytest.mark.parametrize(("world", "run"), RUNS, ids=IDS)
