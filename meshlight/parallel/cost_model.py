@@ -24,9 +24,10 @@
   embedding counted, :meth:`ModelSpec.executed_flops_per_token`; recomputation adds the blocks' forward) on the most
   loaded rank — under pipelining, with the layers split evenly (``v`` stages of ``⌈layers/(pp·v)⌉`` a rank, as
   Megatron-Core splits them by default and ``split="layers"`` does), the last, which runs the LM head's matmul beside
-  its blocks (meshlight's default split balances parameters, which lightens that rank by about the head), or the
-  first where it must hold more blocks (:attr:`ModelSpec.first_stage_layers`: Qwen3-VL's); with a split naming where
-  stages begin, each rank's blocks are its stages' (``stage_blocks``), and the most loaded rank is priced — plus the
+  its blocks, or the first where it must hold more blocks (:attr:`ModelSpec.first_stage_layers`: Qwen3-VL's); with
+  the stages' blocks given (``stage_blocks``: ``Hybrid3DStrategy`` gives those of the split it runs — by default
+  balancing parameters, which lightens the last rank by about the head and the first by the embedding — or of one
+  naming where stages begin), each rank's blocks are its stages', and the most loaded rank is priced — plus the
   memory-bound kernels between them streaming the activations at the device memory's bandwidth
   (:func:`_streamed_time`: four passes over what autograd saves, a fifth with recomputation), stretched by the
   pipeline bubble ``(pp−1)/(m·v)``; tensor/sequence-parallel traffic (4 collectives of the activations per layer and
@@ -112,6 +113,7 @@ class Candidate:
     host_bytes: float = 0.0  # what the Offload callback keeps in host memory for this device
     host_limit: float = math.inf
     experts: str = "split"  # under tp, MoE experts split over the tp ranks or folded (ep spanning them)
+    stage_blocks: Optional[tuple[int, ...]] = None  # the blocks of each pipeline stage it is priced with (None: even)
 
     @property
     def memory_bytes(self) -> float:
@@ -292,7 +294,8 @@ def estimate(
              "ep": ep_time, "host": host_time}
     return Candidate(dp, pp, tp, ep, cp, zero, microbatches, virtual_stages, recompute, schedule, model_state,
                      activations, hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(),
-                     hw.peak_flops, host, hw.host_memory * MEMORY_HEADROOM, "fold" if folded else "split")
+                     hw.peak_flops, host, hw.host_memory * MEMORY_HEADROOM, "fold" if folded else "split",
+                     tuple(stage_blocks) if stage_blocks and pp > 1 else None)
 
 
 def _rank_blocks(model: ModelSpec, pp: int, virtual_stages: int, schedule: str,

@@ -11,10 +11,11 @@ when nothing fits, the hints name the nearest layouts, the fewest devices, or th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -97,7 +98,7 @@ def plan(
     virtual_stages: Optional[int] = None,
     microbatches: Optional[int] = None,
     experts: Optional[str] = None,
-    stage_blocks: Optional[Sequence[int]] = None,
+    stage_blocks: Union[None, Sequence[int], Callable[[int], Optional[Sequence[int]]]] = None,
 ) -> list[Candidate]:
     """Every valid candidate for ``world`` devices, highest throughput first, those that fit in memory before
     those that do not. The batch is ``global_batch`` sequences per optimizer step, or ``local_batch`` per data
@@ -106,18 +107,21 @@ def plan(
     given (otherwise 1F1B, or Interleaved1F1B with 2 virtual stages or any count that splits the layers evenly over the
     ranks, and the best microbatch count). ``cp`` not given is planned for sequences longer than
     :data:`LONG_SEQUENCE`, else 1. ``experts``: under tp, an MoE model's experts ``"split"`` over the tp ranks or
-    ``"fold"``-ed into ep (None: both are planned). ``stage_blocks``: the blocks of each pipeline stage, as a
-    ``split`` naming the blocks where stages begin fixes them: only pipelines of that many stages in all (pp ×
-    virtual stages), each rank priced with the blocks of its stages."""
+    ``"fold"``-ed into ep (None: both are planned). ``stage_blocks``: the blocks of each pipeline stage, each rank
+    priced by the blocks of its stages — as a ``split`` naming the blocks where stages begin fixes them (only
+    pipelines of that many stages in all, pp × virtual stages), or a function of the stages in all giving them (as
+    a balanced split does; None from it, or not given: an even split)."""
     if (global_batch is None) == (local_batch is None):
         raise ValueError("Give exactly one of global_batch and local_batch.")
     _check_request(world, global_batch, local_batch, schedule, dp=dp, pp=pp, tp=tp, ep=ep, zero=zero, cp=cp,
                    virtual_stages=virtual_stages, microbatches=microbatches)
-    _check_stage_blocks(model, stage_blocks)
-    pipelines = _pipeline_choices(schedule, virtual_stages, microbatches,
-                                  len(stage_blocks) if stage_blocks is not None else None)
+    named = None if stage_blocks is None or callable(stage_blocks) else stage_blocks
+    _check_stage_blocks(model, named)
+    pipelines = _pipeline_choices(schedule, virtual_stages, microbatches, len(named) if named is not None else None)
+    blocks_of = functools.cache(stage_blocks) if callable(stage_blocks) else lambda _: named
     candidates = [
-        estimate(model, hardware, world, global_batch or local_batch * layout[0], *layout, stage_blocks=stage_blocks)
+        estimate(model, hardware, world, global_batch or local_batch * layout[0], *layout,
+                 stage_blocks=blocks_of(layout[1] * layout[6]) if layout[1] > 1 else None)
         for layout in _layouts(model, hardware, world, global_batch, local_batch, dp, pp, tp, ep, cp, zero, recompute,
                                pipelines, experts)
     ]

@@ -22,11 +22,11 @@ from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, 
 from meshlight.parallel.offload import OffloadPolicy, apart_from_host
 from meshlight.parallel.pipeline import (
     PipelineError,
+    SplitSpec,
     check_split,
     default_virtual_stages,
     find_pipelined_module,
     named_stages,
-    plan_stages,
 )
 from meshlight.parallel.planner import (
     Candidate,
@@ -49,7 +49,7 @@ from meshlight.parallel.tensor_plan import TensorParallelError, model_plan, whol
 from meshlight.parallel.transforms import Transforms
 from meshlight.strategies import lightning_internals as lightning
 from meshlight.strategies.mesh import MeshStrategy
-from meshlight.strategies.pipeline_steps import PipelineOptions
+from meshlight.strategies.pipeline_steps import PipelineOptions, stage_plan
 
 __all__ = ["Hybrid3DStrategy"]
 
@@ -193,7 +193,7 @@ class Hybrid3DStrategy(MeshStrategy):
             model = self._model_spec()
             self.plan = plan(model, hardware, self.world_size, local_batch=batch, dp=layout.dp, pp=layout.pp,
                              tp=layout.tp, ep=layout.ep, cp=layout.cp, zero=layout.zero, experts=layout.experts,
-                             **options)
+                             **{**self._pricing(), **options})
         except PlanError:
             return
         if not self.plan[0].fits:
@@ -266,16 +266,29 @@ class Hybrid3DStrategy(MeshStrategy):
         else:
             pipeline = dict(schedule=options.schedule, virtual_stages=options.virtual_stages,
                             microbatches=options.microbatches or layout.pp * options.virtual_stages)
-        return {**pipeline, "stage_blocks": self._stage_blocks(), "recompute": self._asked_recompute()[0]}
+        # a split naming where stages begin: its stages' blocks (which fix the stages in all)
+        named = {"stage_blocks": self._stage_blocks(self._stages)} if self._stages is not None else {}
+        return {**pipeline, **named, "recompute": self._asked_recompute()[0]}
 
-    def _stage_blocks(self) -> Optional[tuple[int, ...]]:
-        """The blocks of each stage of a split naming where stages begin (None: a balanced split, which the planner
-        prices as even)."""
-        if self._stages is None:
-            return None
-        _, module, container = find_pipelined_module(self.lightning_module)
-        stages = plan_stages(module, container, self._stages, self._pipeline_options.split)
-        return tuple(len(blocks) for blocks in stages.blocks)
+    def _stage_blocks(self, stages: int, split: SplitSpec = None) -> tuple[int, ...]:
+        """The blocks of each of ``stages`` pipeline stages as ``split`` (default: this run's) gives them."""
+        split = split or self._pipeline_options.split
+        return tuple(len(b) for b in stage_plan(self.lightning_module, stages, split, probe=False)[2].blocks)
+
+    def _pricing(self) -> dict[str, Any]:
+        """What the planner prices each pipeline rank by, unless the options fix it (a named split): the blocks of
+        its stages as this run's balanced split (by parameters, or by blocks) gives them for each count of stages —
+        or, for a named split, as the default would, where the planner is left to choose it."""
+        split = None if self._stages is not None else self._pipeline_options.split
+
+        @functools.cache
+        def balanced(stages: int) -> Optional[tuple[int, ...]]:
+            try:
+                return self._stage_blocks(stages, split or "parameters")
+            except PipelineError:  # more stages than this model has blocks for: priced as even
+                return None
+
+        return {"stage_blocks": balanced}
 
     def _asked_recompute(self) -> tuple[Optional[bool], bool]:
         """Whether recomputation was asked for (None: the planner chooses), by this strategy's ``recompute`` or an
@@ -307,7 +320,8 @@ class Hybrid3DStrategy(MeshStrategy):
             return
         kept = estimate(model.replace(keep_gathered_inputs=True), hardware, self.world_size,
                         best.tokens_per_step // model.seq_len, best.dp, best.pp, best.tp, best.ep, best.zero,
-                        best.microbatches, best.virtual_stages, recompute, best.schedule, best.cp, best.experts)
+                        best.microbatches, best.virtual_stages, recompute, best.schedule, best.cp, best.experts,
+                        best.stage_blocks)
         self.tensor_parallel = self.tensor_parallel.replace(keep_gathered_inputs=kept.fits)
         rank_zero_info("Sequence-parallel projection inputs: "
                        + ("kept whole for backward (the layout fits with them)." if kept.fits else
@@ -363,20 +377,23 @@ class Hybrid3DStrategy(MeshStrategy):
         requested.update(self._unsplittable())
         experts = requested.pop("experts", self._experts_given)
         fixed = {k: v for k, v in self._run_options().items() if v is not None}
+        pricing = self._pricing()
         batch = _replica_batch(self.lightning_module)
         unknown = batch is None
         if unknown:
             batch = _least_batch(requested.get("pp"), fixed.get("schedule"), fixed.get("virtual_stages"),
                                  fixed.get("microbatches"))
-        self.plan = plan(model, hardware, self.world_size, local_batch=batch, **requested, **fixed, experts=experts)
+        self.plan = plan(model, hardware, self.world_size, local_batch=batch, **{**pricing, **requested, **fixed},
+                         experts=experts)
         rank_zero_info(f"meshlight layout planner, {self.world_size} × {hardware.name}, {model.name}:\n"
                        + format_plan(self.plan) + (f"\n{_unknown_batch_notice(batch)}" if unknown else ""))
         best = self.plan[0]
         if not best.fits:
-            free = plan(model, hardware, self.world_size, local_batch=batch, **requested)[0] if fixed else best
+            free = (plan(model, hardware, self.world_size, local_batch=batch, **pricing, **requested)[0] if fixed
+                    else best)
             named = ", ".join("split" if option == "stage_blocks" else option for option in fixed)
             more = (f"It fits as {free.describe()}: leave {named} to the planner." if free.fits else
-                    self._what_would_fit(model, hardware, batch, {**requested, **fixed}))
+                    self._what_would_fit(model, hardware, batch, {**pricing, **requested, **fixed}))
             raise PlanError(f"No layout of {self.world_size} processes fits {model.name} in {hardware.name} memory. "
                             f"{explain(self.plan)} {more}")
         self._settle(model, hardware, best)

@@ -69,7 +69,7 @@ from meshlight.parallel.pipeline_stages import (
 from meshlight.parallel.tied_weights import TiedWeights
 from meshlight.strategies.pipeline_logging import LogRecorder, detached_whole, logged_layout
 
-__all__ = ["PipelineOptions", "PipelineSteps", "setup_pipeline"]
+__all__ = ["PipelineOptions", "PipelineSteps", "setup_pipeline", "stage_plan"]
 
 
 @dataclass(frozen=True)
@@ -91,16 +91,8 @@ def setup_pipeline(
     """Split ``lightning_module``'s pipelined module into ``pp × virtual_stages`` stages, keep this rank's
     (materializing them from the meta device if needed), parallelize each stage (``parallelize_stage(module,
     index)``), and return the steps runner and a module holding the stages (the strategy's model)."""
-    place = model_root(lightning_module)
-    root = lightning_module.get_submodule(place.name)
-    pipelined = root.get_submodule(place.pipelined)
     num_stages = layout.pp * options.virtual_stages
-    # a decoder adding its encoder's features after its first blocks keeps them, and the next, on the first stage
-    first_blocks = blocks_fed_between(root) + 1
-    plan = plan_stages(pipelined, place.container, num_stages, options.split, first_blocks=first_blocks)
-    run_after = run_after_blocks(root, plan, place)
-    if run_after:
-        plan = plan_stages(pipelined, place.container, num_stages, options.split, run_after, first_blocks)
+    place, root, plan = stage_plan(lightning_module, num_stages, options.split)
     tied = tied_parameters(root, place, plan)
     indices = stages_of_rank(mesh["pp"].get_local_rank(), layout.pp, options.virtual_stages, options.schedule)
     tied_weights = TiedWeights(root, tied, mesh, indices, num_stages, options.schedule)
@@ -119,6 +111,23 @@ def setup_pipeline(
     steps = PipelineSteps(lightning_module, root, place, plan, stage_modules, indices, mesh["pp"].get_group(),
                           options.schedule, microbatches, device, tied_weights)
     return steps, _Stages(stage_modules)
+
+
+def stage_plan(lightning_module: LightningModule, num_stages: int, split: SplitSpec,
+               probe: bool = True) -> tuple[ModelRoot, nn.Module, StagePlan]:
+    """Where ``lightning_module``'s blocks are, the model holding them, and how ``num_stages`` stages split them under
+    ``split``; with ``probe``, the pieces registered before the blocks that run after them go to the last stage (a
+    forward on the model's example inputs finds them: :func:`run_after_blocks`), as :func:`setup_pipeline` runs it."""
+    place = model_root(lightning_module)
+    root = lightning_module.get_submodule(place.name)
+    pipelined = root.get_submodule(place.pipelined)
+    # a decoder adding its encoder's features after its first blocks keeps them, and the next, on the first stage
+    first_blocks = blocks_fed_between(root) + 1
+    plan = plan_stages(pipelined, place.container, num_stages, split, first_blocks=first_blocks)
+    run_after = run_after_blocks(root, plan, place) if probe else ()
+    if run_after:
+        plan = plan_stages(pipelined, place.container, num_stages, split, run_after, first_blocks)
+    return place, root, plan
 
 
 class _Stages(nn.Module):

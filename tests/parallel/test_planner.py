@@ -238,6 +238,27 @@ def test_a_split_naming_where_stages_begin_fixes_the_stages_and_the_blocks_each_
     assert heavy.times["compute"] / plain.times["compute"] == pytest.approx(12 / (10 + head / block), rel=0.02)
     assert heavy.activation_bytes > plain.activation_bytes  # the first rank keeps 12 blocks' inputs, not 10
 
+def test_a_balanced_split_is_priced_by_the_blocks_it_gives_each_count_of_stages():
+    model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]
+    asked = []
+
+    def heavy_first(stages):  # a block more on the first stage, one fewer on the last; None: priced as even
+        asked.append(stages)
+        even = [model.layers // stages] * stages
+        return (even[0] + 1, *even[1:-1], even[-1] - 1) if model.layers % stages == 0 else None
+
+    candidates = plan(model, h100, 64, 128, tp=8, stage_blocks=heavy_first)
+    counts = set(asked)
+    assert len(asked) == len(counts)  # each count of stages asked once
+    assert {c.pp for c in candidates} >= {1, 2, 4, 8}  # nothing fixed: no pipeline too
+    for c in candidates:
+        assert c.stage_blocks == (heavy_first(c.pp * c.virtual_stages) if c.pp > 1 else None)
+    # priced by them: more blocks on the first rank than an even split gives it
+    sizes = dict(dp=1, pp=8, tp=8, zero=1, recompute=True, microbatches=16, schedule="1f1b")
+    assert (plan(model, h100, 64, 16, stage_blocks=heavy_first, **sizes)[0].times["compute"]
+            > plan(model, h100, 64, 16, **sizes)[0].times["compute"])
+
+
 def test_with_every_size_given_the_winner_is_explained_against_its_next_option():
     model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]
     candidates = plan(model, h100, 64, 128, dp=4, pp=2, tp=8, zero=1, recompute=True, virtual_stages=2)

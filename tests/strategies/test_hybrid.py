@@ -282,6 +282,27 @@ def test_a_split_naming_where_stages_begin_is_planned_with_that_many_stages():
     assert (options.schedule, options.virtual_stages, options.split) == ("interleaved1f1b", 2, split)
 
 
+def test_the_planner_prices_each_pipeline_rank_by_the_blocks_the_split_gives_it():
+    """meshlight's default split balances parameters: the planner prices every pipelined layout by the blocks that
+    split gives each stage, as the strategy will run it."""
+    from meshlight.demos import LitGPT
+    from meshlight.models import GPTConfig
+    from meshlight.parallel.pipeline import plan_stages
+    from meshlight.parallel.planner import HARDWARE
+
+    strategy = ml.Hybrid3DStrategy(pp=2, hardware=HARDWARE["cpu"])
+    ml.Trainer(strategy=strategy, devices=2, accelerator="cpu", logger=False)
+    module = LitGPT(GPTConfig.tiny(n_layers=8, max_seq_len=2048))  # embeddings as large as 3 blocks
+    module.batch_size = 64
+    strategy.connect(module)
+    strategy._choose_layout()
+    for candidate in strategy.plan:
+        stages = plan_stages(module.model, "blocks", 2 * candidate.virtual_stages).blocks
+        assert candidate.stage_blocks == tuple(len(blocks) for blocks in stages), candidate.describe()
+    first, *_, last = strategy.plan[0].stage_blocks
+    assert first < last  # stage 0 holds the embeddings: fewer blocks
+
+
 def _fit_on_one_process(strategy, callbacks=(), batch_size=4, **trainer_options):
     from meshlight.demos import AdditionDataModule, LitGPT
 
