@@ -11,9 +11,11 @@
   (:meth:`ModelSpec.activation_values_per_token`, checked against saved-tensor hooks in the tests; about ``22·h/tp``
   values per token for Llama shapes: the inputs of the column-parallel projections are kept split and gathered again
   in backward, as in Megatron-Core), the block's input (``h/tp``) with full recomputation plus one block's activations
-  while it is recomputed; a 1F1B stage holds ``pp`` micro-batches in flight (interleaving multiplies that by ``1 +
-  (pp−1)/(pp·v)``; GPipe and looped BFS hold all of them); the last stage also holds fp32 logits; blocks whose
-  activations are offloaded keep two blocks' worth in transit. Context parallelism (``cp``) leaves each rank
+  while it is recomputed; stage ``s`` of a 1F1B pipeline holds ``pp − s`` micro-batches in flight, and the rank
+  holding the most blocks' worth is priced (the first rank's ``pp`` bound the others' under interleaving, which
+  multiplies them by ``1 + (pp−1)/(pp·v)``; GPipe and looped BFS hold all of them); the last stage also holds fp32
+  logits; blocks whose activations are offloaded keep two blocks' worth in transit. Context parallelism (``cp``)
+  leaves each rank
   ``seq/cp`` tokens of every sequence, and a block's backward keeps the K/V its attention gathered over the whole
   sequence (``2·seq·heads·head_dim/tp`` values: K/V heads repeated to the query heads for the GPU kernels;
   :func:`_context_parallel_values`), in a recomputed block only while it is recomputed. What the ``Offload`` callback
@@ -227,17 +229,23 @@ def estimate(
                          + _context_parallel_values(model, cp, tp, micro_batch)) * saved_bytes
     # with recomputation a block keeps only its input: the residual stream, split over the sequence under tp
     per_layer = local * micro_batch * h * saved_bytes / tp if recompute else layer_activations
-    # 1F1B: the first stage holds pp microbatches of its layers; interleaving adds (pp−1)/(pp·v) (Korthikanti);
-    # GPipe and looped BFS run every forward first and hold them all
+    # blocks × microbatches whose activations the most burdened rank holds: under 1F1B, stage s holds pp − s
+    # microbatches of its blocks; interleaving adds (pp−1)/(pp·v) to the first rank's pp (Korthikanti), which bounds
+    # every rank's; GPipe and looped BFS run every forward first and hold them all
     interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1
-    in_flight = microbatches if schedule in ALL_FORWARDS_FIRST else min(microbatches, pp) * interleave
+    if schedule in ALL_FORWARDS_FIRST:
+        held = layers_per_stage * microbatches
+    elif schedule == "1f1b":
+        held = max(load * min(microbatches, pp - rank) for rank, load in enumerate(loads))
+    else:
+        held = layers_per_stage * min(microbatches, pp) * interleave
     # blocks whose activations wait in host memory hold, on the device, the one being computed and the one
     # brought back ahead of its backward
     offloaded = hw.offload_activations
-    activations = per_layer * layers_per_stage * in_flight * (1 - offloaded) + (2 * per_layer if offloaded else 0.0)
+    activations = per_layer * held * (1 - offloaded) + (2 * per_layer if offloaded else 0.0)
     # in host memory: the offloaded activations, and what optimizer offload keeps there
     host_state = host_state_bytes(dense, data, zero, hw) + host_state_bytes(experts_shard, expert_data, zero, hw)
-    host = per_layer * layers_per_stage * in_flight * offloaded + host_state
+    host = per_layer * held * offloaded + host_state
     if recompute:  # one layer's full activations during its recomputation
         activations += layer_activations
     # fp32 logits and their gradient, on the last stage; added to the first stage's activations (a bound)

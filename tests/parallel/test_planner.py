@@ -229,7 +229,8 @@ def test_a_split_naming_where_stages_begin_fixes_the_stages_and_the_blocks_each_
     # on the first of 8 ranks, where the last runs 9 beside the LM head (0.8 of a recomputed block)
     sizes = dict(dp=1, pp=8, tp=8, zero=1, recompute=True, microbatches=16, schedule="1f1b")
     plain = plan(model, h100, 64, 16, **sizes)[0]
-    assert plan(model, h100, 64, 16, stage_blocks=even, **sizes)[0] == plain
+    priced = plan(model, h100, 64, 16, stage_blocks=even, **sizes)[0]
+    assert (priced.times, priced.memory_bytes, priced.stage_blocks) == (plain.times, plain.memory_bytes, even)
     heavy = plan(model, h100, 64, 16, stage_blocks=(12, 10, 10, 10, 10, 10, 9, 9), **sizes)[0]
     head = model.head_flops_per_token()
     block = (model.executed_flops_per_token() + model.recompute_flops_per_token() - head) / model.layers
@@ -237,6 +238,12 @@ def test_a_split_naming_where_stages_begin_fixes_the_stages_and_the_blocks_each_
     # (the kernels between the matmuls, priced by the blocks alone, a few percent of the step, grow by 12/10)
     assert heavy.times["compute"] / plain.times["compute"] == pytest.approx(12 / (10 + head / block), rel=0.02)
     assert heavy.activation_bytes > plain.activation_bytes  # the first rank keeps 12 blocks' inputs, not 10
+    # under 1F1B stage s holds pp − s microbatches: 12 blocks first hold 12 × 8 of their inputs; 12 last, 12 × 1, and
+    # the second rank's 10 × 7 are the most then, against 10 × 8 for the even split
+    light = plan(model, h100, 64, 16, stage_blocks=(8, 10, 10, 10, 10, 10, 10, 12), **sizes)[0]
+    heavy = plan(model, h100, 64, 16, stage_blocks=(12, 10, 10, 10, 10, 10, 10, 8), **sizes)[0]
+    assert ((heavy.activation_bytes - plain.activation_bytes) / (plain.activation_bytes - light.activation_bytes)
+            == pytest.approx((12 * 8 - 10 * 8) / (10 * 8 - 10 * 7)))
 
 def test_a_balanced_split_is_priced_by_the_blocks_it_gives_each_count_of_stages():
     model, h100 = MODELS["llama3-70b"], HARDWARE["h100"]
