@@ -15,12 +15,11 @@
   holding the most blocks' worth is priced (the first rank's ``pp`` bound the others' under interleaving, which
   multiplies them by ``1 + (pp−1)/(pp·v)``; GPipe and looped BFS hold all of them); the last stage also holds fp32
   logits; blocks whose activations are offloaded keep two blocks' worth in transit. Context parallelism (``cp``)
-  leaves each rank
-  ``seq/cp`` tokens of every sequence, and a block's backward keeps the K/V its attention gathered over the whole
-  sequence (``2·seq·heads·head_dim/tp`` values: K/V heads repeated to the query heads for the GPU kernels;
-  :func:`_context_parallel_values`), in a recomputed block only while it is recomputed. What the ``Offload`` callback
-  moves out (optimizer state with the master shards and their gradients, the offloaded activations) must fit the
-  device's share of host memory, as the rest must fit the device.
+  leaves each rank ``seq/cp`` tokens of every sequence, and a block's backward keeps the K/V its attention gathered
+  over the whole sequence (``2·seq·heads·head_dim/tp`` values: K/V heads repeated to the query heads for the GPU
+  kernels; :func:`_context_parallel_values`), in a recomputed block only while it is recomputed. What the
+  ``Offload`` callback moves out (optimizer state with the master shards and their gradients, the offloaded
+  activations) must fit the device's share of host memory, as the rest must fit the device.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak for the run's matmuls
   (:attr:`Hardware.compute_flops`: 16-bit, or fp32 as torch's float32 matmul precision runs it; a head tied to the
   embedding counted, :meth:`ModelSpec.executed_flops_per_token`; recomputation adds the blocks' forward) on the most
