@@ -94,7 +94,9 @@ class Hybrid3DStrategy(MeshStrategy):
             ``precision`` flag, or a :class:`~meshlight.callbacks.MixedPrecision` callback), and what an
             :class:`~meshlight.callbacks.Offload` callback moves to host memory is left out (on GPUs).
         seq_len: sequence length the planner assumes (default: the model config's).
-        **kwargs: passed to :class:`MeshStrategy` (``tp_plan``, ``loss_parallel``, ``split``, …).
+        **kwargs: passed to :class:`MeshStrategy` (``tp_plan``, ``loss_parallel``, ``split``, …). ``split`` left out
+            where the planner chooses the layout: it plans a pipeline's stages balanced by parameters (the default)
+            and by block count, and runs the faster.
 
     ``Hybrid3DStrategy(dp=2, pp=2, tp=2)`` needs 8 processes: 2 replicas of a 2-stage pipeline whose stages
     are each split over 2 ranks.
@@ -275,16 +277,16 @@ class Hybrid3DStrategy(MeshStrategy):
         split = split or self._pipeline_options.split
         return tuple(len(b) for b in stage_plan(self.lightning_module, stages, split, probe=False)[2].blocks)
 
-    def _pricing(self) -> dict[str, Any]:
+    def _pricing(self, split: SplitSpec = None) -> dict[str, Any]:
         """What the planner prices each pipeline rank by, unless the options fix it (a named split): the blocks of
-        its stages as this run's balanced split (by parameters, or by blocks) gives them for each count of stages —
-        or, for a named split, as the default would, where the planner is left to choose it."""
-        split = None if self._stages is not None else self._pipeline_options.split
+        its stages as a balanced ``split`` (default: this run's; by parameters where none is given, or a named split
+        is left to the planner) gives them for each count of stages."""
+        split = split or (None if self._stages is not None else self._pipeline_options.split) or "parameters"
 
         @functools.cache
         def balanced(stages: int) -> Optional[tuple[int, ...]]:
             try:
-                return self._stage_blocks(stages, split or "parameters")
+                return self._stage_blocks(stages, split)
             except PipelineError:  # more stages than this model has blocks for: priced as even
                 return None
 
@@ -377,17 +379,28 @@ class Hybrid3DStrategy(MeshStrategy):
         requested.update(self._unsplittable())
         experts = requested.pop("experts", self._experts_given)
         fixed = {k: v for k, v in self._run_options().items() if v is not None}
-        pricing = self._pricing()
         batch = _replica_batch(self.lightning_module)
         unknown = batch is None
         if unknown:
             batch = _least_batch(requested.get("pp"), fixed.get("schedule"), fixed.get("virtual_stages"),
                                  fixed.get("microbatches"))
-        self.plan = plan(model, hardware, self.world_size, local_batch=batch, **{**pricing, **requested, **fixed},
-                         experts=experts)
+        # no split given: a pipeline's blocks balanced by parameters (the default) or by count, whichever is faster
+        choices = ("parameters", "layers") if self._pipeline_options.split is None and requested.get("pp") != 1 else (
+            None,)
+        plans = [(split, plan(model, hardware, self.world_size, local_batch=batch,
+                              **{**self._pricing(split), **requested, **fixed}, experts=experts)) for split in choices]
+        split, self.plan = min(plans, key=lambda option: (not option[1][0].fits,
+                                                          -option[1][0].tokens_per_second_per_device))
+        pricing = self._pricing(split)
         rank_zero_info(f"meshlight layout planner, {self.world_size} × {hardware.name}, {model.name}:\n"
                        + format_plan(self.plan) + (f"\n{_unknown_batch_notice(batch)}" if unknown else ""))
         best = self.plan[0]
+        by_layers = split == "layers" and best.pp > 1
+        if by_layers:
+            other = plans[0][1][0]
+            rank_zero_info(f"Pipeline stages split by block count (split=\"layers\"): {best.describe()} runs"
+                           f" {best.tokens_per_second_per_device / other.tokens_per_second_per_device:.2f}× the"
+                           f" tokens/s of the default split by parameters (best there: {other.describe()}).")
         if not best.fits:
             free = (plan(model, hardware, self.world_size, local_batch=batch, **pricing, **requested)[0] if fixed
                     else best)
@@ -403,7 +416,8 @@ class Hybrid3DStrategy(MeshStrategy):
         schedule = self._schedule_given or best.schedule
         self._pipeline_options = PipelineOptions(
             schedule, options.microbatches or (best.microbatches if best.pp > 1 else None),
-            _virtual_stages(schedule, best.pp, self._virtual_given or best.virtual_stages), options.split)
+            _virtual_stages(schedule, best.pp, self._virtual_given or best.virtual_stages),
+            "layers" if by_layers else options.split)
 
 
 def _offloaded(policy: Optional[OffloadPolicy], module: nn.Module, device: torch.device) -> dict[str, Any]:

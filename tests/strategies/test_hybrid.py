@@ -282,25 +282,38 @@ def test_a_split_naming_where_stages_begin_is_planned_with_that_many_stages():
     assert (options.schedule, options.virtual_stages, options.split) == ("interleaved1f1b", 2, split)
 
 
-def test_the_planner_prices_each_pipeline_rank_by_the_blocks_the_split_gives_it():
-    """meshlight's default split balances parameters: the planner prices every pipelined layout by the blocks that
-    split gives each stage, as the strategy will run it."""
+def test_the_planner_prices_each_pipeline_rank_by_the_blocks_the_split_gives_it_and_chooses_the_split():
+    """Each pipelined layout is priced by the blocks its split gives each stage, as the strategy will run it; with no
+    split given, the planner prices the default (balancing parameters) and a split by block count, and the strategy
+    runs the faster. Here the embeddings weigh 3 blocks: balancing parameters leaves the first stage 3 blocks and
+    the last 5 beside the LM head, where a split by count runs 4 and 4."""
     from meshlight.demos import LitGPT
     from meshlight.models import GPTConfig
     from meshlight.parallel.pipeline import plan_stages
     from meshlight.parallel.planner import HARDWARE
 
-    strategy = ml.Hybrid3DStrategy(pp=2, hardware=HARDWARE["cpu"])
-    ml.Trainer(strategy=strategy, devices=2, accelerator="cpu", logger=False)
-    module = LitGPT(GPTConfig.tiny(n_layers=8, max_seq_len=2048))  # embeddings as large as 3 blocks
-    module.batch_size = 64
-    strategy.connect(module)
-    strategy._choose_layout()
-    for candidate in strategy.plan:
-        stages = plan_stages(module.model, "blocks", 2 * candidate.virtual_stages).blocks
-        assert candidate.stage_blocks == tuple(len(blocks) for blocks in stages), candidate.describe()
-    first, *_, last = strategy.plan[0].stage_blocks
-    assert first < last  # stage 0 holds the embeddings: fewer blocks
+    def planned(**options):
+        strategy = ml.Hybrid3DStrategy(pp=2, hardware=HARDWARE["cpu"], **options)
+        ml.Trainer(strategy=strategy, devices=2, accelerator="cpu", logger=False)
+        module = LitGPT(GPTConfig.tiny(n_layers=8, max_seq_len=2048))  # embeddings as large as 3 blocks
+        module.batch_size = 64
+        strategy.connect(module)
+        strategy._choose_layout()
+        return strategy, module
+
+    def priced_as(strategy, module, split):
+        for candidate in strategy.plan:
+            stages = plan_stages(module.model, "blocks", 2 * candidate.virtual_stages, split).blocks
+            assert candidate.stage_blocks == tuple(len(blocks) for blocks in stages), candidate.describe()
+
+    strategy, module = planned()
+    assert strategy._pipeline_options.split == "layers" and strategy.plan[0].stage_blocks == (4, 4)
+    priced_as(strategy, module, "layers")
+    # a split given is the one priced and run
+    strategy, module = planned(split="parameters")
+    assert strategy._pipeline_options.split == "parameters"
+    priced_as(strategy, module, "parameters")
+    assert strategy.plan[0].tokens_per_second_per_device < planned()[0].plan[0].tokens_per_second_per_device
 
 
 def _fit_on_one_process(strategy, callbacks=(), batch_size=4, **trainer_options):
