@@ -316,6 +316,27 @@ def test_the_planner_prices_each_pipeline_rank_by_the_blocks_the_split_gives_it_
     assert strategy.plan[0].tokens_per_second_per_device < planned()[0].plan[0].tokens_per_second_per_device
 
 
+@pytest.mark.parametrize("name", ["llama", "litgpt"])
+def test_pipelines_of_hugging_face_and_litgpt_models_are_priced_by_their_stages_blocks(name):
+    """The same pricing on models we did not write: every pipelined candidate's stage sizes are those the split the
+    strategy runs gives their blocks (``stage_plan``, as ``setup_pipeline`` splits them)."""
+    from meshlight.parallel.planner import HARDWARE
+    from meshlight.strategies.pipeline_steps import stage_plan
+    from tests.strategies.hf_models import lit_causal_lm
+
+    strategy = ml.Hybrid3DStrategy(pp=2, hardware=HARDWARE["cpu"])
+    ml.Trainer(strategy=strategy, devices=2, accelerator="cpu", logger=False)
+    module = lit_causal_lm(name)
+    module.batch_size = 8
+    strategy.connect(module)
+    strategy._choose_layout()
+    split = strategy._pipeline_options.split or "parameters"
+    for candidate in strategy.plan:
+        stages = stage_plan(module, 2 * candidate.virtual_stages, split, probe=False)[2].blocks
+        assert candidate.stage_blocks == tuple(len(blocks) for blocks in stages), candidate.describe()
+    assert any(candidate.pp == 2 for candidate in strategy.plan)
+
+
 def _fit_on_one_process(strategy, callbacks=(), batch_size=4, **trainer_options):
     from meshlight.demos import AdditionDataModule, LitGPT
 
