@@ -11,10 +11,12 @@
   (:meth:`ModelSpec.activation_values_per_token`, checked against saved-tensor hooks in the tests; about ``22·h/tp``
   values per token for Llama shapes: the inputs of the column-parallel projections are kept split and gathered again
   in backward, as in Megatron-Core), the block's input (``h/tp``) with full recomputation plus one block's activations
-  while it is recomputed; stage ``s`` of a 1F1B pipeline holds ``pp − s`` micro-batches in flight, and the rank
-  holding the most blocks' worth is priced (the first rank's ``pp`` bound the others' under interleaving, which
-  multiplies them by ``1 + (pp−1)/(pp·v)``; GPipe and looped BFS hold all of them); the last stage also holds fp32
-  logits; blocks whose activations are offloaded keep two blocks' worth in transit. Context parallelism (``cp``)
+  while it is recomputed; stage ``s`` of a 1F1B pipeline holds ``pp − s`` micro-batches in flight (the first rank's
+  ``pp`` bound the others' under interleaving, which multiplies them by ``1 + (pp−1)/(pp·v)``; GPipe and looped BFS
+  hold all of them); the last stage also holds fp32 logits; blocks whose activations are offloaded keep two blocks'
+  worth in transit. Each pipeline rank is priced with its own blocks' state and activations, the first with the
+  embedding, the last with the head (a copy of the embedding where the two are tied), and a layout needs what its
+  most loaded rank needs. Context parallelism (``cp``)
   leaves each rank ``seq/cp`` tokens of every sequence, and a block's backward keeps the K/V its attention gathered
   over the whole sequence (``2·seq·heads·head_dim/tp`` values: K/V heads repeated to the query heads for the GPU
   kernels; :func:`_context_parallel_values`), in a recomputed block only while it is recomputed. What the
@@ -103,8 +105,8 @@ class Candidate:
     virtual_stages: int
     recompute: bool
     schedule: str  # the pipeline schedule (see meshlight.parallel.pipeline.SCHEDULES)
-    model_state_bytes: float
-    activation_bytes: float
+    rank_state: tuple[float, ...]  # model-state bytes of each pipeline rank
+    rank_activations: tuple[float, ...]  # activation bytes each pipeline rank holds at its peak
     memory_limit: float
     times: dict[str, float]  # compute, bubble, tp, cp, p2p, dp, ep, host (exposed seconds per step)
     tokens_per_step: int
@@ -117,8 +119,19 @@ class Candidate:
     stage_blocks: Optional[tuple[int, ...]] = None  # the blocks of each pipeline stage it is priced with (None: even)
 
     @property
+    def model_state_bytes(self) -> float:
+        """The model state of the rank holding the most."""
+        return max(self.rank_state)
+
+    @property
+    def activation_bytes(self) -> float:
+        """The activations of the rank holding the most."""
+        return max(self.rank_activations)
+
+    @property
     def memory_bytes(self) -> float:
-        return self.model_state_bytes + self.activation_bytes
+        """The peak of the rank whose model state and activations together are the most."""
+        return max(state + held for state, held in zip(self.rank_state, self.rank_activations))
 
     @property
     def fits(self) -> bool:
@@ -205,21 +218,25 @@ def estimate(
     loads = _rank_blocks(model, pp, virtual_stages, schedule, stage_blocks)
     head_rank = rank_holding(pp * virtual_stages - 1, pp, schedule) if pp > 1 else 0
     layers_per_stage = max(loads)
-    # --- model state: the most loaded stage (blocks, plus the embedding or the head at either end)
-    stage_share = layers_per_stage / model.layers
-    ends = max(model.embedding_params, model.head_params) if pp > 1 else model.embedding_params + model.head_params
-    # (an encoder beside the decoder, whole on every tp rank of the first stage)
-    dense = (model.block_params * stage_share + ends) / tp + model.encoder_params
+    # --- model state of each rank: its blocks, the embedding (and an encoder beside the decoder, whole on every tp
+    # rank) on the first stage's, the LM head on the last stage's (a copy of the token embedding where it is tied)
+    head_params = model.vocab * h if pp > 1 else model.head_params
+    dense = [(model.block_params * load / model.layers + (model.embedding_params if rank == 0 else 0)
+              + (head_params if rank == head_rank else 0)) / tp + (model.encoder_params if rank == 0 else 0)
+             for rank, load in enumerate(loads)]
     folded = experts == "fold" and tp > 1 and ep > 1
     # folded, whole experts over ep ranks that span tp: the ranks holding the same ones are data·tp/ep
-    experts_shard = model.expert_params * stage_share / (ep if folded else tp * ep)
+    experts_shard = [model.expert_params * load / model.layers / (ep if folded else tp * ep) for load in loads]
     expert_data = data * tp // ep if folded else data // ep
     # ZeRO-3 without pipelining keeps the root unit (embedding and head) gathered from forward to backward
     root = model.embedding_params + model.head_params if pp == 1 else 0
     block = model.block_params / model.layers / tp
-    model_state = (model_state_bytes(dense, data, zero, hw, pipelined=pp > 1, block=block, root=root / tp)
-                   + model_state_bytes(experts_shard, expert_data, zero, hw, pipelined=pp > 1))
-    # --- activations of the first stage: micro-batches in flight × layers × per-layer bytes
+    model_state = [model_state_bytes(d, data, zero, hw, pipelined=pp > 1, block=block, root=root / tp)
+                   + model_state_bytes(e, expert_data, zero, hw, pipelined=pp > 1)
+                   for d, e in zip(dense, experts_shard)]
+    host_state = [host_state_bytes(d, data, zero, hw) + host_state_bytes(e, expert_data, zero, hw)
+                  for d, e in zip(dense, experts_shard)]
+    # --- activations of each rank: micro-batches in flight × its blocks × per-layer bytes
     # bytes per saved value, where ActivationCompression keeps some blocks' in fewer (never more) bytes
     compressed = hw.compressed_activations
     saved_bytes = hw.activation_bytes * (1 - compressed) + min(hw.activation_bytes,
@@ -228,27 +245,19 @@ def estimate(
                          + _context_parallel_values(model, cp, tp, micro_batch)) * saved_bytes
     # with recomputation a block keeps only its input: the residual stream, split over the sequence under tp
     per_layer = local * micro_batch * h * saved_bytes / tp if recompute else layer_activations
-    # blocks × microbatches whose activations the most burdened rank holds: under 1F1B, stage s holds pp − s
-    # microbatches of its blocks; interleaving adds (pp−1)/(pp·v) to the first rank's pp (Korthikanti), which bounds
-    # every rank's; GPipe and looped BFS run every forward first and hold them all
-    interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1
-    if schedule in ALL_FORWARDS_FIRST:
-        held = layers_per_stage * microbatches
-    elif schedule == "1f1b":
-        held = max(load * min(microbatches, pp - rank) for rank, load in enumerate(loads))
-    else:
-        held = layers_per_stage * min(microbatches, pp) * interleave
+    held = [load * _microbatches_held(rank, pp, microbatches, virtual_stages, schedule)
+            for rank, load in enumerate(loads)]
     # blocks whose activations wait in host memory hold, on the device, the one being computed and the one
     # brought back ahead of its backward
     offloaded = hw.offload_activations
-    activations = per_layer * held * (1 - offloaded) + (2 * per_layer if offloaded else 0.0)
+    # beside them: one layer's full activations during its recomputation, and on the last stage fp32 logits and
+    # their gradient
+    logits = 2 * local * micro_batch * model.vocab * 4 / tp
+    activations = [per_layer * blocks * (1 - offloaded) + (2 * per_layer if offloaded else 0.0)
+                   + (layer_activations if recompute else 0.0) + (logits if rank == head_rank else 0.0)
+                   for rank, blocks in enumerate(held)]
     # in host memory: the offloaded activations, and what optimizer offload keeps there
-    host_state = host_state_bytes(dense, data, zero, hw) + host_state_bytes(experts_shard, expert_data, zero, hw)
-    host = per_layer * held * offloaded + host_state
-    if recompute:  # one layer's full activations during its recomputation
-        activations += layer_activations
-    # fp32 logits and their gradient, on the last stage; added to the first stage's activations (a bound)
-    activations += 2 * local * micro_batch * model.vocab * 4 / tp
+    host = max(per_layer * blocks * offloaded + state for blocks, state in zip(held, host_state))
     # --- time
     tokens = global_batch * s
     recomputed = model.recompute_flops_per_token() if recompute else 0
@@ -271,8 +280,9 @@ def estimate(
     if pp > 1:  # activations forward and gradients back, and the schedule's actions, per microbatch and stage
         actions = 2 * microbatches * virtual_stages
         p2p = actions * (activation / tp / _bandwidth(hw, 2, world // pp) + 2 * hw.latency)
-    grad_bytes = (dense + experts_shard) * hw.state_bytes * hw.gradient_compression
-    param_bytes = (dense + experts_shard) * hw.param_bytes
+    synced = max(d + e for d, e in zip(dense, experts_shard))  # the parameters of the rank with the most
+    grad_bytes = synced * hw.state_bytes * hw.gradient_compression
+    param_bytes = synced * hw.param_bytes
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * microbatches}[zero]
     reductions = microbatches if zero >= 2 and pp == 1 else 1  # pipeline schedules reduce once per step
     kept_root = microbatches * root / tp * hw.param_bytes if zero == 3 else 0.0  # not gathered again in backward
@@ -293,16 +303,28 @@ def estimate(
         ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / link
     host_time = _host_time(model, hw, world, compute, recompute,
                            moved=per_layer * layers_per_stage * microbatches * offloaded,
-                           shard=host_state,
+                           shard=max(host_state),
                            gathers=microbatches if zero == 3 else 1,
                            regathers=microbatches if zero == 3 else 0, reductions=reductions,
                            kept=host_state_bytes(root / tp, data, zero, hw) if zero == 3 else 0.0)
     times = {"compute": compute, "bubble": bubble, "tp": tp_time, "cp": cp_time, "p2p": p2p, "dp": dp_exposed,
              "ep": ep_time, "host": host_time}
-    return Candidate(dp, pp, tp, ep, cp, zero, microbatches, virtual_stages, recompute, schedule, model_state,
-                     activations, hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(),
+    return Candidate(dp, pp, tp, ep, cp, zero, microbatches, virtual_stages, recompute, schedule, tuple(model_state),
+                     tuple(activations), hw.memory * MEMORY_HEADROOM, times, tokens, world, model.flops_per_token(),
                      hw.peak_flops, host, hw.host_memory * MEMORY_HEADROOM, "fold" if folded else "split",
                      tuple(stage_blocks) if stage_blocks and pp > 1 else None)
+
+
+def _microbatches_held(rank: int, pp: int, microbatches: int, virtual_stages: int, schedule: str) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, per block: under 1F1B stage ``s``
+    holds ``pp − s``; interleaving adds ``(pp−1)/(pp·v)`` to the first rank's ``pp`` (Korthikanti), which bounds
+    every rank's; GPipe and looped BFS run every forward first and hold them all."""
+    if schedule in ALL_FORWARDS_FIRST:
+        return microbatches
+    if schedule == "1f1b":
+        return min(microbatches, pp - rank)
+    interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1
+    return min(microbatches, pp) * interleave
 
 
 def _rank_blocks(model: ModelSpec, pp: int, virtual_stages: int, schedule: str,
