@@ -32,6 +32,7 @@ __all__ = [
     "ModelRoot",
     "PipelineError",
     "StagePlan",
+    "beside_parameters",
     "build_schedule",
     "check_split",
     "default_virtual_stages",
@@ -204,12 +205,24 @@ def model_root(module: nn.Module) -> ModelRoot:
     return ModelRoot(".".join(parts[:depth]), ".".join(parts[depth:]), container, tuple(heads), tuple(encoders))
 
 
+def beside_parameters(root: nn.Module, place: ModelRoot) -> tuple[int, int]:
+    """Parameters the first and the last stage hold beside the pipelined module: the encoders and the heads of
+    ``place`` in ``root`` (its model root: Hugging Face's ``lm_head``, a multimodal model's vision tower)."""
+    def count(name: str) -> int:
+        owner, _, leaf = name.rpartition(".")
+        found = getattr(root.get_submodule(owner), leaf)
+        return found.numel() if isinstance(found, torch.Tensor) else _numel(found)
+
+    return sum(map(count, place.encoders)), sum(map(count, place.heads))
+
+
 def plan_stages(module: nn.Module, container: str, num_stages: int, split: SplitSpec = None,
-                run_after: Sequence[str] = (), first_blocks: int = 1) -> StagePlan:
+                run_after: Sequence[str] = (), first_blocks: int = 1, beside: tuple[int, int] = (0, 0)) -> StagePlan:
     """Assign blocks to ``num_stages`` contiguous stages.
 
     ``split``: ``None`` or ``"parameters"`` balances parameter counts (the pieces before the blocks count
-    toward stage 0, those after toward the last stage); ``"layers"`` balances block counts; a list of block
+    toward stage 0, those after toward the last stage, as do the ``beside`` parameters outside ``module`` that the
+    first and the last stage hold: :func:`beside_parameters`); ``"layers"`` balances block counts; a list of block
     names (``["blocks.4"]`` or full names ending so) starts a new stage at each. Pieces are before or after the
     blocks as registered, except those named in ``run_after``: registered before them, run after them (OPT's
     final norm), in the order they run. ``first_blocks``: the fewest blocks stage 0 holds — those after which a
@@ -238,7 +251,8 @@ def plan_stages(module: nn.Module, container: str, num_stages: int, split: Split
         )
     if split is None or split == "parameters":
         sizes = [_numel(blocks[k] if isinstance(blocks, nn.ModuleDict) else blocks[int(k)]) for k in keys]
-        extra = (sum(_numel(getattr(module, n)) for n in pre), sum(_numel(getattr(module, n)) for n in post))
+        extra = (sum(_numel(getattr(module, n)) for n in pre) + beside[0],
+                 sum(_numel(getattr(module, n)) for n in post) + beside[1])
         bounds = _balanced_bounds(sizes, num_stages, extra, first_blocks)
     elif split == "layers":
         base, remainder = divmod(len(keys), num_stages)

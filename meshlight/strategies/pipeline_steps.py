@@ -50,6 +50,7 @@ from meshlight.parallel.pipeline import (
     PipelineError,
     SplitSpec,
     StagePlan,
+    beside_parameters,
     build_schedule,
     model_root,
     plan_stages,
@@ -122,11 +123,11 @@ def stage_plan(lightning_module: LightningModule, num_stages: int, split: SplitS
     root = lightning_module.get_submodule(place.name)
     pipelined = root.get_submodule(place.pipelined)
     # a decoder adding its encoder's features after its first blocks keeps them, and the next, on the first stage
-    first_blocks = blocks_fed_between(root) + 1
-    plan = plan_stages(pipelined, place.container, num_stages, split, first_blocks=first_blocks)
+    first_blocks, beside = blocks_fed_between(root) + 1, beside_parameters(root, place)
+    plan = plan_stages(pipelined, place.container, num_stages, split, first_blocks=first_blocks, beside=beside)
     run_after = run_after_blocks(root, plan, place) if probe else ()
     if run_after:
-        plan = plan_stages(pipelined, place.container, num_stages, split, run_after, first_blocks)
+        plan = plan_stages(pipelined, place.container, num_stages, split, run_after, first_blocks, beside)
     return place, root, plan
 
 

@@ -94,3 +94,20 @@ def test_images_as_patches_flattened_over_the_batch_are_refused_where_microbatch
                                             r" would get 20 patches, but their images hold \[32, 8\].*or train with"
                                             r" pp=1"):
         _check_patches(torch.zeros(40, 8), grid[[0, 2, 1, 3]], "pixel_values", 2)
+
+
+@pytest.mark.parametrize("family", ["llama", "litgpt", "gpt2"])
+def test_the_parameter_balance_counts_a_head_beside_the_blocks_module_toward_the_last_stage(family):
+    """Hugging Face's and litgpt's LM head sits beside the module holding the blocks (``lm_head`` beside ``model``),
+    where meshlight's GPT holds it after them: the last stage holds it either way, and the parameter balance counts
+    it there (GPT-2's head, tied to the embedding, as the copy the last stage keeps). Counted only with the embedding,
+    4 blocks over 2 stages went 1 and 3, the head beside the 3."""
+    from meshlight.strategies.pipeline_steps import stage_plan
+    from tests.strategies.hf_models import lit_causal_lm
+
+    module = lit_causal_lm(f"{family}-vocab1024-deep")  # embedding and head each as large as 4 blocks or more
+    place, root, plan = stage_plan(module, 2, "parameters", probe=False)
+    head = sum(p.numel() for name in place.heads for p in root.get_submodule(name).parameters())
+    assert place.heads and head >= 1024 * 64
+    assert [len(blocks) for blocks in plan.blocks] == [2, 2]
+    assert [len(blocks) for blocks in stage_plan(module, 3, "parameters", probe=False)[2].blocks] == [1, 2, 1]
