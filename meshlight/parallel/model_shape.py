@@ -242,7 +242,6 @@ def shared_width(moe_blocks: Sequence[nn.Module], hidden: int) -> int:
             writers = [widths[0] for m in linears if (widths := linear_widths(m))[1] == hidden]
             total += writers[-1] if writers else 0
     return total
-    return None
 
 
 def mlp_gated(blocks: Sequence[nn.Module], hidden: int, width: int) -> Optional[bool]:
