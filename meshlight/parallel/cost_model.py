@@ -11,17 +11,17 @@
   (:meth:`ModelSpec.activation_values_per_token`, checked against saved-tensor hooks in the tests; about ``22·h/tp``
   values per token for Llama shapes: the inputs of the column-parallel projections are kept split and gathered again
   in backward, as in Megatron-Core), the block's input (``h/tp``) with full recomputation plus one block's activations
-  while it is recomputed; stage ``s`` of a 1F1B pipeline holds ``pp − s`` micro-batches in flight (the first rank's
-  ``pp`` bound the others' under interleaving, which multiplies them by ``1 + (pp−1)/(pp·v)``; GPipe and looped BFS
-  hold all of them); the last stage also holds fp32 logits; blocks whose activations are offloaded keep two blocks'
-  worth in transit. Each pipeline rank is priced with its own blocks' state and activations, the first with the
-  embedding, the last with the head (a copy of the embedding where the two are tied), and a layout needs what its
-  most loaded rank needs. Context parallelism (``cp``)
-  leaves each rank ``seq/cp`` tokens of every sequence, and a block's backward keeps the K/V its attention gathered
-  over the whole sequence (``2·seq·heads·head_dim/tp`` values: K/V heads repeated to the query heads for the GPU
-  kernels; :func:`_context_parallel_values`), in a recomputed block only while it is recomputed. What the
-  ``Offload`` callback moves out (optimizer state with the master shards and their gradients, the offloaded
-  activations) must fit the device's share of host memory, as the rest must fit the device.
+  while it is recomputed; stage ``s`` of a 1F1B pipeline holds ``pp − s`` micro-batches in flight (interleaved, as
+  torch's schedule runs its forwards ahead: the first rank ``pp·(1 + (pp−1)/(pp·v))``, :func:`_microbatches_held`;
+  GPipe and looped BFS hold all of them); the last stage also holds fp32 logits; blocks whose activations are
+  offloaded keep two blocks' worth in transit. Each pipeline rank is priced with its own blocks' state and
+  activations, the first with the embedding, the last with the head (a copy of the embedding where the two are tied),
+  and a layout needs what its most loaded rank needs. Context parallelism (``cp``) leaves each rank ``seq/cp`` tokens
+  of every sequence, and a block's backward keeps the K/V its attention gathered over the whole sequence
+  (``2·seq·heads·head_dim/tp`` values: K/V heads repeated to the query heads for the GPU kernels;
+  :func:`_context_parallel_values`), in a recomputed block only while it is recomputed. What the ``Offload`` callback
+  moves out (optimizer state with the master shards and their gradients, the offloaded activations) must fit the
+  device's share of host memory, as the rest must fit the device.
 - **Step time**: compute at :data:`ACHIEVABLE_FRACTION` of the device's dense peak for the run's matmuls
   (:attr:`Hardware.compute_flops`: 16-bit, or fp32 as torch's float32 matmul precision runs it; a head tied to the
   embedding counted, :meth:`ModelSpec.executed_flops_per_token`; recomputation adds the blocks' forward) on the most
@@ -317,12 +317,18 @@ def estimate(
 
 def _microbatches_held(rank: int, pp: int, microbatches: int, virtual_stages: int, schedule: str) -> float:
     """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, per block: under 1F1B stage ``s``
-    holds ``pp − s``; interleaving adds ``(pp−1)/(pp·v)`` to the first rank's ``pp`` (Korthikanti), which bounds
-    every rank's; GPipe and looped BFS run every forward first and hold them all."""
+    holds ``pp − s``; under torch's interleaved 1F1B a rank runs ``(v−1)·pp + 2·(pp−1−rank)`` forwards of one of
+    its ``v`` stages before its first backward, and one more (the first rank: ``pp·(1 + (pp−1)/(pp·v))``, as
+    Korthikanti counts); for the other interleaved schedules that first rank's count bounds every rank's; GPipe and
+    looped BFS run every forward first and hold them all."""
     if schedule in ALL_FORWARDS_FIRST:
         return microbatches
     if schedule == "1f1b":
         return min(microbatches, pp - rank)
+    if schedule == "interleaved1f1b":  # torch runs rounds of pp microbatches (all of them in one, with fewer)
+        per_round = microbatches // max(1, microbatches // pp)
+        forwards = (virtual_stages - 1) * per_round + 2 * (pp - 1 - rank) + 1
+        return min(microbatches * virtual_stages, forwards) / virtual_stages
     interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1
     return min(microbatches, pp) * interleave
 

@@ -316,6 +316,11 @@ def test_each_pipeline_rank_is_priced_with_its_own_state_and_activations():
     logits = 2 * model.seq_len * 4 * model.vocab * 4 / 2
     assert run.rank_activations == pytest.approx([4 * per_microbatch, 3 * per_microbatch, 2 * per_microbatch,
                                                   per_microbatch + logits])
+    # interleaving 2 stages of 4 blocks a rank, as torch's schedule runs it: rank r runs (v−1)·pp + 2·(pp−1−r) + 1
+    # stage forwards before its first backward, 11, 9, 7 and 5 (the first rank's 5.5 micro-batches: Korthikanti's)
+    interleaved = estimate(model, hardware, 8, 64, 1, 4, 2, 1, 1, 16, 2, False).rank_activations
+    assert interleaved == pytest.approx([forwards / 2 * per_microbatch + (logits if forwards == 5 else 0)
+                                         for forwards in (11, 9, 7, 5)])
     # the layout's peak is its most loaded rank's: here the first, without the last rank's logits
     assert run.memory_bytes == max(s + a for s, a in zip(run.rank_state, run.rank_activations))
     assert run.memory_bytes == pytest.approx(run.rank_state[0] + 4 * per_microbatch)
