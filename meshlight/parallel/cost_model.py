@@ -220,7 +220,7 @@ def estimate(
     layers_per_stage = max(loads)
     # --- model state of each rank: its blocks, the embedding (and an encoder beside the decoder, whole on every tp
     # rank) on the first stage's, the LM head on the last stage's (a copy of the token embedding where it is tied)
-    head_params = model.vocab * h if pp > 1 else model.head_params
+    head_params = model.vocab * h if head_rank != 0 else model.head_params
     dense = [(model.block_params * load / model.layers + (model.embedding_params if rank == 0 else 0)
               + (head_params if rank == head_rank else 0)) / tp + (model.encoder_params if rank == 0 else 0)
              for rank, load in enumerate(loads)]
@@ -251,8 +251,9 @@ def estimate(
     # brought back ahead of its backward
     offloaded = hw.offload_activations
     # beside them: one layer's full activations during its recomputation, and on the last stage fp32 logits and
-    # their gradient
-    logits = 2 * local * micro_batch * model.vocab * 4 / tp
+    # their gradient (the logits of every micro-batch where all forwards, the loss's included, run first)
+    logits = local * micro_batch * model.vocab * 4 / tp * (
+        1 + (microbatches if schedule in ALL_FORWARDS_FIRST and pp > 1 else 1))
     activations = [per_layer * blocks * (1 - offloaded) + (2 * per_layer if offloaded else 0.0)
                    + (layer_activations if recompute else 0.0) + (logits if rank == head_rank else 0.0)
                    for rank, blocks in enumerate(held)]

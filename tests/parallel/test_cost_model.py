@@ -324,6 +324,18 @@ def test_each_pipeline_rank_is_priced_with_its_own_state_and_activations():
     # the layout's peak is its most loaded rank's: here the first, without the last rank's logits
     assert run.memory_bytes == max(s + a for s, a in zip(run.rank_state, run.rank_activations))
     assert run.memory_bytes == pytest.approx(run.rank_state[0] + 4 * per_microbatch)
+    # GPipe runs every forward first, the loss's included: the last rank keeps every micro-batch's fp32 logits
+    gpipe = estimate(model, hardware, 8, 64, 1, 4, 2, 1, 1, 16, 1, False, schedule="gpipe").rank_activations
+    assert gpipe[3] - gpipe[0] == pytest.approx((16 + 1) / 2 * logits)
+    # an encoder beside the decoder is the first rank's alone
+    encoded = estimate(model.replace(encoder_params=10**8), hardware, 8, 64, 1, 4, 2, 1, 1, 16, 1, False)
+    assert encoded.rank_state[0] > run.rank_state[0] and encoded.rank_state[1:] == run.rank_state[1:]
+    # V placement (2 stages a rank, down and back): the first and the last stage, so the embedding, the head and the
+    # logits, are all the first rank's
+    v = estimate(model, hardware, 8, 64, 1, 4, 2, 1, 1, 16, 2, False, schedule="zbvzerobubble")
+    assert v.rank_state[0] - v.rank_state[1] == pytest.approx(2 * ends)
+    assert v.rank_state[1:] == (v.rank_state[1],) * 3
+    assert v.rank_activations[0] - v.rank_activations[1] == pytest.approx(logits)
     # a head tied to the embedding: the last stage holds a copy of the token embedding (meshlight's pipeline keeps
     # the two in step), without pipelining it is the embedding
     tied = model.replace(tie_embeddings=True)
@@ -345,7 +357,7 @@ def test_compressed_activations_count_their_smaller_bytes_and_never_more():
     assert fp32_bf16 == pytest.approx(fp32 / 2)
     # the last rank's fp32 logits and their gradient are not compressed
     logits = 2 * model.seq_len * 4 * model.vocab * 4
-    assert fp32_last - fp32 / 8 == fp32_bf16_last - fp32_bf16 / 8 == pytest.approx(logits)
+    assert fp32_last - fp32 / 8 == pytest.approx(logits) and fp32_bf16_last - fp32_bf16 / 8 == pytest.approx(logits)
     assert activations(activation_bytes=4, compressed_activations=0.5)[0] == pytest.approx(0.75 * fp32)
     assert activations(compressed_activations=1.0) == activations()  # bf16 kept as bf16
     assert activations(compressed_activations=1.0, compressed_activation_bytes=1)[0] == pytest.approx(

@@ -111,3 +111,18 @@ def test_the_parameter_balance_counts_a_head_beside_the_blocks_module_toward_the
     assert place.heads and head >= 1024 * 64
     assert [len(blocks) for blocks in plan.blocks] == [2, 2]
     assert [len(blocks) for blocks in stage_plan(module, 3, "parameters", probe=False)[2].blocks] == [1, 2, 1]
+
+
+def test_the_parameter_balance_counts_encoders_beside_the_decoder_toward_the_first_stage():
+    """A multimodal model's vision tower sits beside its decoder, and the first stage runs it: the parameter balance
+    counts it there, leaving that stage fewer blocks (Qwen2.5-VL's, here larger than a block: 1 of 4 blocks on the
+    first of 2 stages, 2 counted without it)."""
+    from meshlight.strategies.pipeline_steps import stage_plan
+    from tests.strategies.hf_models import lit_causal_lm
+
+    module = lit_causal_lm("qwen2_5_vl-deep")
+    place, root, plan = stage_plan(module, 2, "parameters", probe=False)
+    encoders = sum(p.numel() for name in place.encoders for p in root.get_submodule(name).parameters())
+    block = sum(p.numel() for p in root.get_submodule(place.pipelined).get_submodule(place.container)[0].parameters())
+    assert encoders > block
+    assert [len(blocks) for blocks in plan.blocks] == [1, 3]
