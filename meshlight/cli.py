@@ -3,6 +3,7 @@
     meshlight plan --model llama3-70b --gpus 1024 --gpu h100 --seq 8192     # layouts for a cluster you plan
     meshlight plan --model llama3-8b --gpus 64 --seq 131072                 # ... long sequences split over cp ranks
     meshlight plan --gpus 64 --layers 48 --hidden 6144 --heads 48 --vocab 32000   # ... for a model of your own
+    meshlight plan --config ./Qwen2.5-7B --gpus 16                          # ... a Hugging Face model's config.json
     meshlight consolidate runs/ckpt/step=000001000 model.safetensors         # one full state dict, for inference
     meshlight export runs/ckpt/last hf-model --to hf                          # a folder from_pretrained loads
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -29,6 +31,7 @@ from meshlight.parallel.planner import (
     ModelSpec,
     PlanError,
     format_plan,
+    model_spec_of,
     more_devices_hint,
     plan,
     precision_bytes,
@@ -62,9 +65,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Estimate per-device memory and step time of every valid (dp, pp, tp, cp, ep, zero,"
                     " microbatches, virtual stages, recomputation) and print the best layouts. Exit status: 0 when a"
                     " layout fits, 1 when none does (what would fit is printed), 2 for input no layout can have.")
-    planner.add_argument("--model", choices=sorted(MODELS),
-                         help="model preset; or give your model's shape with the flags below (they also override a"
-                              " preset's)")
+    source = planner.add_mutually_exclusive_group()
+    source.add_argument("--model", choices=sorted(MODELS),
+                        help="model preset; or give your model's shape with the flags below (they also override a"
+                             " preset's)")
+    source.add_argument("--config", metavar="PATH",
+                        help="a Hugging Face model's config.json, or the folder holding it (a checkpoint's, as"
+                             " from_pretrained takes): read from disk, nothing downloaded, the model built on the"
+                             " meta device (needs meshlight[hf]); the shape flags below override what it says")
     shape = planner.add_argument_group("model shape (your own model, or changes to a preset)")
     for flag, (_, meaning) in SHAPE_FLAGS.items():
         shape.add_argument(f"--{flag}", type=int, help=meaning)
@@ -208,6 +216,8 @@ def _model_of(args: argparse.Namespace) -> ModelSpec:
         changes["swiglu"] = args.mlp == "swiglu"
     if args.model:
         base = MODELS[args.model]
+    elif args.config:
+        base = config_model(args.config)
     else:
         required = ("layers", "hidden", "heads", "vocab")
         missing = [f"--{flag}" for flag in required if SHAPE_FLAGS[flag][0] not in changes]
@@ -220,7 +230,7 @@ def _model_of(args: argparse.Namespace) -> ModelSpec:
     if changes.get("experts") and "top_k" not in changes and not base.experts:
         changes["top_k"] = 2
     changed = [f"{field}={value}" for field, value in changes.items() if field != "seq_len"]
-    if args.model and changed:
+    if (args.model or args.config) and changed:
         changes["name"] = f"{base.name} with {', '.join(changed)}"
     model = base.replace(**changes, keep_gathered_inputs=args.keep_gathered_inputs)
     for flag, (field, _) in SHAPE_FLAGS.items():
@@ -234,6 +244,38 @@ def _model_of(args: argparse.Namespace) -> ModelSpec:
     if model.experts and model.top_k > model.experts:
         raise ValueError(f"--top-k {model.top_k} is more than --experts {model.experts}")
     return model
+
+
+def config_model(path: str) -> ModelSpec:
+    """The planner's view of the Hugging Face model whose ``config.json`` is ``path`` (or in the folder ``path``):
+    the model built from it on the meta device, as a causal LM (or an image-text-to-text model, whose decoder is
+    planned), and read as :func:`~meshlight.parallel.planner.model_spec_of` reads a module; sequences of 4096 tokens
+    unless ``--seq`` says otherwise."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("--config reads a Hugging Face config with transformers: pip install"
+                         " 'meshlight[hf]'") from None
+    if not os.path.exists(path):
+        raise ValueError(f"--config {path}: no such file or folder. Give a config.json, or the folder of a checkpoint"
+                         " holding one (the planner downloads nothing).")
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--config {path}: no Hugging Face config there ({error}). Give a config.json, or the"
+                         " folder of a checkpoint holding one.") from None
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
+        try:
+            with torch.device("meta"):
+                module = auto.from_config(config)
+            break
+        except ValueError:
+            continue
+    else:
+        raise ValueError(f"--config {path}: transformers builds no causal LM from a {type(config).__name__}; give the"
+                         " model's shape with --layers, --hidden, --heads and --vocab instead.")
+    name = getattr(config, "name_or_path", "") or path
+    return model_spec_of(module, 4096).replace(name=f"{type(module).__name__} ({name})")
 
 
 def _hardware_of(args: argparse.Namespace) -> Hardware:

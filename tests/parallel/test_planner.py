@@ -493,6 +493,33 @@ def test_command_line_plans_a_model_given_by_its_shape_as_it_plans_the_same_pres
         assert message in capsys.readouterr().err
 
 
+def test_command_line_plans_a_hugging_face_config_as_it_plans_the_same_preset(capsys, tmp_path):
+    """``--config``: a Hugging Face model's config.json (or its folder), the model built on the meta device and read
+    as the strategies read a module: Llama 3 8B's and Mixtral 8x7B's configs plan as their presets do."""
+    transformers = pytest.importorskip("transformers")
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8)
+    transformers.LlamaConfig(**shape, vocab_size=128256).save_pretrained(tmp_path / "llama")
+    transformers.MixtralConfig(**shape, vocab_size=32000, num_local_experts=8,
+                               num_experts_per_tok=2).save_pretrained(tmp_path / "mixtral")
+    for preset, config, seq in (("llama3-8b", tmp_path / "llama", "8192"),
+                                ("mixtral-8x7b", tmp_path / "mixtral" / "config.json", "4096")):
+        runs = []
+        for model in (["--model", preset], ["--config", str(config)]):
+            assert main(["plan", *model, "--seq", seq, "--gpus", "64", "--json", "--top", "4"]) == 0
+            runs.append(json.loads(capsys.readouterr().out))
+        assert runs[0] == runs[1], preset
+    # shape flags change it, as they change a preset; a path without a config fails before planning
+    assert main(["plan", "--config", str(tmp_path / "llama"), "--layers", "16", "--gpus", "8", "--top", "1"]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+    for argv, message in ((["--config", str(tmp_path / "none")], "no such file or folder"),
+                          (["--config", str(tmp_path)], "no Hugging Face config there"),
+                          (["--config", str(tmp_path / "llama"), "--model", "llama3-8b"], "not allowed with")):
+        with pytest.raises(SystemExit):
+            main(["plan", *argv, "--gpus", "8"])
+        assert message in capsys.readouterr().err
+
+
 def test_an_moe_model_is_planned_with_tp_its_experts_split_over_it_or_folded_into_ep():
     model, h100 = MODELS["mixtral-8x7b"], HARDWARE["h100"]
     with_tp = [c for c in plan(model, h100, 64, 1024) if c.tp > 1 and c.ep > 1]
