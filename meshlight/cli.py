@@ -3,7 +3,7 @@
     meshlight plan --model llama3-70b --gpus 1024 --gpu h100 --seq 8192     # layouts for a cluster you plan
     meshlight plan --model llama3-8b --gpus 64 --seq 131072                 # ... long sequences split over cp ranks
     meshlight plan --gpus 64 --layers 48 --hidden 6144 --heads 48 --vocab 32000   # ... for a model of your own
-    meshlight plan --config ./Qwen2.5-7B --gpus 16                          # ... a Hugging Face model's config.json
+    meshlight plan --config ./Qwen2.5-7B --gpus 16                          # ... a Hugging Face or litgpt config
     meshlight consolidate runs/ckpt/step=000001000 model.safetensors         # one full state dict, for inference
     meshlight export runs/ckpt/last hf-model --to hf                          # a folder from_pretrained loads
 """
@@ -70,9 +70,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="model preset; or give your model's shape with the flags below (they also override a"
                              " preset's)")
     source.add_argument("--config", metavar="PATH",
-                        help="a Hugging Face model's config.json, or the folder holding it (a checkpoint's, as"
-                             " from_pretrained takes): read from disk, nothing downloaded, the model built on the"
-                             " meta device (needs meshlight[hf]); the shape flags below override what it says")
+                        help="a Hugging Face model's config.json or a litgpt model_config.yaml, or a checkpoint's"
+                             " folder holding one: read from disk, nothing downloaded, the model built on the meta"
+                             " device (needs meshlight[hf] or [litgpt]); the shape flags below override it")
     shape = planner.add_argument_group("model shape (your own model, or changes to a preset)")
     for flag, (_, meaning) in SHAPE_FLAGS.items():
         shape.add_argument(f"--{flag}", type=int, help=meaning)
@@ -247,35 +247,53 @@ def _model_of(args: argparse.Namespace) -> ModelSpec:
 
 
 def config_model(path: str) -> ModelSpec:
-    """The planner's view of the Hugging Face model whose ``config.json`` is ``path`` (or in the folder ``path``):
-    the model built from it on the meta device, as a causal LM (or an image-text-to-text model, whose decoder is
-    planned), and read as :func:`~meshlight.parallel.planner.model_spec_of` reads a module; sequences of 4096 tokens
-    unless ``--seq`` says otherwise."""
+    """The planner's view of the model whose config is at ``path``: a Hugging Face ``config.json``, a litgpt
+    ``model_config.yaml``, or a checkpoint's folder holding one. The model is built from it on the meta device (no
+    memory, no weights) and read as :func:`~meshlight.parallel.planner.model_spec_of` reads a module; sequences of
+    4096 tokens unless ``--seq`` says otherwise."""
+    if not os.path.exists(path):
+        raise ValueError(f"--config {path}: no such file or folder. Give a config.json (Hugging Face), a"
+                         " model_config.yaml (litgpt), or a checkpoint's folder holding one; nothing is downloaded.")
+    litgpt_file = os.path.join(path, "model_config.yaml") if os.path.isdir(path) else path
+    if litgpt_file.endswith((".yaml", ".yml")) and os.path.isfile(litgpt_file) and not os.path.isfile(
+            os.path.join(path, "config.json")):
+        module = _litgpt_model(litgpt_file)
+    else:
+        module = _hugging_face_model(path)
+    return model_spec_of(module, 4096).replace(name=f"{type(module).__name__} ({path})")
+
+
+def _litgpt_model(path: str) -> torch.nn.Module:
+    """litgpt's GPT of the ``model_config.yaml`` at ``path``, on the meta device."""
+    try:
+        import litgpt
+    except ImportError:
+        raise ValueError(f"--config {path} is a litgpt config: pip install 'meshlight[litgpt]'") from None
+    with torch.device("meta"):
+        return litgpt.GPT(litgpt.Config.from_file(path))
+
+
+def _hugging_face_model(path: str) -> torch.nn.Module:
+    """The Hugging Face model of the config at ``path`` (a config.json or its folder) on the meta device: a causal
+    LM, or an image-text-to-text model (whose decoder is planned)."""
     try:
         import transformers
     except ImportError:
         raise ValueError("--config reads a Hugging Face config with transformers: pip install"
                          " 'meshlight[hf]'") from None
-    if not os.path.exists(path):
-        raise ValueError(f"--config {path}: no such file or folder. Give a config.json, or the folder of a checkpoint"
-                         " holding one (the planner downloads nothing).")
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as error:
-        raise ValueError(f"--config {path}: no Hugging Face config there ({error}). Give a config.json, or the"
-                         " folder of a checkpoint holding one.") from None
+        raise ValueError(f"--config {path}: no Hugging Face config there ({error}). Give a config.json, a litgpt"
+                         " model_config.yaml, or a checkpoint's folder holding one.") from None
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
         try:
             with torch.device("meta"):
-                module = auto.from_config(config)
-            break
+                return auto.from_config(config)
         except ValueError:
             continue
-    else:
-        raise ValueError(f"--config {path}: transformers builds no causal LM from a {type(config).__name__}; give the"
-                         " model's shape with --layers, --hidden, --heads and --vocab instead.")
-    name = getattr(config, "name_or_path", "") or path
-    return model_spec_of(module, 4096).replace(name=f"{type(module).__name__} ({name})")
+    raise ValueError(f"--config {path}: transformers builds no causal LM from a {type(config).__name__}; give the"
+                     " model's shape with --layers, --hidden, --heads and --vocab instead.")
 
 
 def _hardware_of(args: argparse.Namespace) -> Hardware:

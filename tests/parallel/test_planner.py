@@ -1,11 +1,13 @@
 """The layout planner: its model view matches the GPT it reads, it ranks the published layouts of large runs
 among its best, bad sizes fail with a message naming the constraints, and `meshlight plan` prints a table."""
 
+import dataclasses
 import json
 import re
 
 import pytest
 import torch
+import yaml
 
 from meshlight.cli import main
 from meshlight.models import GPT, GPTConfig
@@ -494,8 +496,9 @@ def test_command_line_plans_a_model_given_by_its_shape_as_it_plans_the_same_pres
 
 
 def test_command_line_plans_a_hugging_face_config_as_it_plans_the_same_preset(capsys, tmp_path):
-    """``--config``: a Hugging Face model's config.json (or its folder), the model built on the meta device and read
-    as the strategies read a module: Llama 3 8B's and Mixtral 8x7B's configs plan as their presets do."""
+    """``--config``: a Hugging Face model's config.json or litgpt's model_config.yaml (or the folder holding it), the
+    model built on the meta device and read as the strategies read a module: Llama 3 8B's and Mixtral 8x7B's configs
+    plan as their presets do."""
     transformers = pytest.importorskip("transformers")
     shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8)
@@ -518,6 +521,16 @@ def test_command_line_plans_a_hugging_face_config_as_it_plans_the_same_preset(ca
         with pytest.raises(SystemExit):
             main(["plan", *argv, "--gpus", "8"])
         assert message in capsys.readouterr().err
+    # litgpt's model_config.yaml (or its checkpoint folder): Llama 3 8B's as the preset
+    litgpt = pytest.importorskip("litgpt")
+    (tmp_path / "lit").mkdir()
+    (tmp_path / "lit" / "model_config.yaml").write_text(
+        yaml.safe_dump(dataclasses.asdict(litgpt.Config.from_name("Llama-3-8B"))))
+    runs = []
+    for model in (["--model", "llama3-8b"], ["--config", str(tmp_path / "lit")]):
+        assert main(["plan", *model, "--seq", "8192", "--gpus", "64", "--json", "--top", "4"]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0] == runs[1]
 
 
 def test_an_moe_model_is_planned_with_tp_its_experts_split_over_it_or_folded_into_ep():
