@@ -217,7 +217,7 @@ def _model_of(args: argparse.Namespace) -> ModelSpec:
     if args.model:
         base = MODELS[args.model]
     elif args.config:
-        base = config_model(args.config)
+        base = _config_model(args.config)
     else:
         required = ("layers", "hidden", "heads", "vocab")
         missing = [f"--{flag}" for flag in required if SHAPE_FLAGS[flag][0] not in changes]
@@ -246,7 +246,7 @@ def _model_of(args: argparse.Namespace) -> ModelSpec:
     return model
 
 
-def config_model(path: str) -> ModelSpec:
+def _config_model(path: str) -> ModelSpec:
     """The planner's view of the model whose config is at ``path``: a Hugging Face ``config.json``, a litgpt
     ``model_config.yaml``, or a checkpoint's folder holding one. The model is built from it on the meta device (no
     memory, no weights) and read as :func:`~meshlight.parallel.planner.model_spec_of` reads a module; sequences of
@@ -269,8 +269,12 @@ def _litgpt_model(path: str) -> torch.nn.Module:
         import litgpt
     except ImportError:
         raise ValueError(f"--config {path} is a litgpt config: pip install 'meshlight[litgpt]'") from None
+    try:
+        config = litgpt.Config.from_file(path)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"--config {path}: not a litgpt model config ({error}).") from None
     with torch.device("meta"):
-        return litgpt.GPT(litgpt.Config.from_file(path))
+        return litgpt.GPT(config)
 
 
 def _hugging_face_model(path: str) -> torch.nn.Module:

@@ -531,6 +531,10 @@ def test_command_line_plans_a_hugging_face_config_as_it_plans_the_same_preset(ca
         assert main(["plan", *model, "--seq", "8192", "--gpus", "64", "--json", "--top", "4"]) == 0
         runs.append(json.loads(capsys.readouterr().out))
     assert runs[0] == runs[1]
+    (tmp_path / "other.yaml").write_text("n_layers: 2\n")
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", str(tmp_path / "other.yaml"), "--gpus", "8"])
+    assert "not a litgpt model config" in capsys.readouterr().err
 
 
 def test_an_moe_model_is_planned_with_tp_its_experts_split_over_it_or_folded_into_ep():
