@@ -27,6 +27,7 @@ from meshlight.parallel.planner import (
     HARDWARE,
     LONG_SEQUENCE,
     MODELS,
+    Candidate,
     Hardware,
     ModelSpec,
     PlanError,
@@ -195,9 +196,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               + (f", {args.offload_activations:.0%} of the blocks' activations in host memory"
                  if args.offload_activations else "") + ":")
         print(format_plan(candidates, top=args.top))
-        if not candidates[0].fits:
+        if candidates[0].fits:
+            print(_how_to_train(candidates[0], global_batch, args))
+        else:
             print(_remedies(model, hardware, args, global_batch, fixed))
     return 0 if candidates[0].fits else 1
+
+
+def _how_to_train(best: Candidate, global_batch: int, args: argparse.Namespace) -> str:
+    """The Trainer arguments that run ``best``: its sizes given to ``Hybrid3DStrategy``, the accumulation, precision
+    and offloading it was planned with, and each data-parallel replica's batch."""
+    sizes = {key: value for key, value in best.strategy_arguments().items()
+             if key in ("dp", "pp", "tp", "zero") or (key in ("ep", "cp") and value > 1) or (
+                 best.pp > 1 and key in ("schedule", "microbatches")) or (key == "virtual_stages" and value > 1)
+             or (key == "experts" and best.folded)}
+    strategy = ", ".join(f"{key}={value!r}" for key, value in sizes.items())
+    options = [f"strategy=Hybrid3DStrategy({strategy}, recompute={best.recompute})"]
+    if best.pp == 1 and best.microbatches > 1:
+        options.append(f"accumulate_grad_batches={best.microbatches}")
+    callbacks = []
+    if args.precision == "bf16":
+        callbacks.append('MixedPrecision("bf16")')
+    else:
+        options.append(f"precision={args.precision!r}")
+    if args.offload_optimizer or args.offload_activations:
+        every = round(1 / args.offload_activations) if args.offload_activations else None
+        callbacks.append(f"Offload(optimizer={args.offload_optimizer}"
+                         + (f", activations_every_n_blocks={every}" if every else "") + ")")
+    if callbacks:
+        options.append(f"callbacks=[{', '.join(callbacks)}]")
+    batch = global_batch // best.dp // (best.microbatches if best.pp == 1 else 1)
+    return (f"Train it: Trainer({', '.join(options)}), each data-parallel replica's DataLoader giving batches of"
+            f" {batch} sequence{'s' if batch > 1 else ''}.")
 
 
 def _remedies(model: ModelSpec, hardware: Hardware, args: argparse.Namespace, global_batch: int,

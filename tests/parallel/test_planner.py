@@ -454,6 +454,37 @@ def test_command_line(capsys):
     assert "give a share between 0 and 1" in capsys.readouterr().err
 
 
+def test_command_line_says_how_to_train_the_best_layout_in_arguments_that_build(capsys):
+    """The last line the table prints is the Trainer call that runs the winner: the strategy with its sizes, the
+    accumulation, the precision and offloading it was planned with; each call builds its strategy and callbacks."""
+    import meshlight as ml
+    from meshlight.callbacks import MixedPrecision, Offload
+
+    def built(line: str) -> dict:
+        call = line.removeprefix("Train it: ").rpartition("), each")[0] + ")"
+        return eval(call, {"Trainer": dict, "Hybrid3DStrategy": ml.Hybrid3DStrategy,  # noqa: S307 (our own output)
+                           "MixedPrecision": MixedPrecision, "Offload": Offload})
+
+    cases = (
+        (["--model", "llama3-8b", "--gpus", "8"], "accumulate_grad_batches=", 'MixedPrecision("bf16")'),
+        (["--model", "llama3-70b", "--gpus", "64", "--pp", "4", "--precision", "bf16-mixed"],
+         "schedule=", "precision='bf16-mixed'"),
+        (["--model", "mixtral-8x7b", "--gpus", "64"], "ep=", "MixedPrecision"),
+        (["--model", "llama3-8b", "--gpus", "64", "--seq", "131072"], "cp=", "MixedPrecision"),
+        (["--model", "llama3-405b", "--gpus", "64", "--offload-optimizer"], "zero=", "Offload(optimizer=True)"),
+    )
+    for argv, *expected in cases:
+        assert main(["plan", *argv, "--top", "1"]) == 0
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert line.startswith("Train it: Trainer(strategy=Hybrid3DStrategy(") and all(e in line for e in expected)
+        options = built(line)
+        assert isinstance(options["strategy"], ml.Hybrid3DStrategy), line
+        assert main(["plan", *argv, "--top", "1", "--json"]) == 0
+        (row,) = json.loads(capsys.readouterr().out)  # the winner's sizes, as the table's first row
+        assert all(f"{key}={row[key]}" in line for key in ("dp", "pp", "tp", "zero")), (row, line)
+        assert f"recompute={row['recompute']}" in line
+
+
 def test_command_line_splits_long_sequences_over_cp_ranks_unless_cp_is_fixed(capsys):
     long = ["plan", "--model", "llama3-8b", "--gpus", "64", "--seq", "131072"]
     assert main(long) == 0
