@@ -12,7 +12,7 @@
   values per token for Llama shapes: the inputs of the column-parallel projections are kept split and gathered again
   in backward, as in Megatron-Core), the block's input (``h/tp``) with full recomputation plus one block's activations
   while it is recomputed; stage ``s`` of a 1F1B pipeline holds ``pp − s`` micro-batches in flight (interleaved, as
-  torch's schedule runs its forwards ahead: the first rank ``pp·(1 + (pp−1)/(pp·v))``, :func:`_microbatches_held`;
+  torch's schedule runs its forwards ahead: the first rank ``pp·(1 + (pp−1)/(pp·v))``, :func:`_blocks_held`;
   GPipe and looped BFS hold all of them); the last stage also holds fp32 logits; blocks whose activations are
   offloaded keep two blocks' worth in transit. Each pipeline rank is priced with its own blocks' state and
   activations, the first with the embedding, the last with the head (a copy of the embedding where the two are tied),
@@ -70,7 +70,7 @@ from typing import Any, Optional
 
 import torch
 
-from meshlight.parallel.pipeline import rank_holding
+from meshlight.parallel.pipeline import rank_holding, stages_of_rank
 from meshlight.parallel.presets import Hardware, ModelSpec
 
 __all__ = [
@@ -215,7 +215,8 @@ def estimate(
     data = dp * cp  # ranks holding the same weights: gradients are reduced and ZeRO shards over them
     micro_batch = global_batch // dp // microbatches
     # the blocks of each rank, and of the most loaded one; the LM head's matmul runs on the rank of the last stage
-    loads = _rank_blocks(model, pp, virtual_stages, schedule, stage_blocks)
+    stages = _rank_stages(model, pp, virtual_stages, schedule, stage_blocks)
+    loads = [sum(blocks) for blocks in stages]
     head_rank = rank_holding(pp * virtual_stages - 1, pp, schedule) if pp > 1 else 0
     layers_per_stage = max(loads)
     # --- model state of each rank: its blocks, the embedding (and an encoder beside the decoder, whole on every tp
@@ -245,8 +246,8 @@ def estimate(
                          + _context_parallel_values(model, cp, tp, micro_batch)) * saved_bytes
     # with recomputation a block keeps only its input: the residual stream, split over the sequence under tp
     per_layer = local * micro_batch * h * saved_bytes / tp if recompute else layer_activations
-    held = [load * _microbatches_held(rank, pp, microbatches, virtual_stages, schedule)
-            for rank, load in enumerate(loads)]
+    held = [_blocks_held(rank, blocks, pp, microbatches, virtual_stages, schedule)
+            for rank, blocks in enumerate(stages)]
     # blocks whose activations wait in host memory hold, on the device, the one being computed and the one
     # brought back ahead of its backward
     offloaded = hw.offload_activations
@@ -316,41 +317,42 @@ def estimate(
                      tuple(stage_blocks) if stage_blocks and pp > 1 else None)
 
 
-def _microbatches_held(rank: int, pp: int, microbatches: int, virtual_stages: int, schedule: str) -> float:
-    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, per block: under 1F1B stage ``s``
-    holds ``pp − s``; under torch's interleaved 1F1B a rank runs ``(v−1)·pp + 2·(pp−1−rank)`` forwards of one of
-    its ``v`` stages before its first backward, and one more (the first rank: ``pp·(1 + (pp−1)/(pp·v))``, as
-    Korthikanti counts); for the other interleaved schedules that first rank's count bounds every rank's; GPipe and
-    looped BFS run every forward first and hold them all."""
+def _blocks_held(rank: int, stages: Sequence[int], pp: int, microbatches: int, virtual_stages: int,
+                 schedule: str) -> float:
+    """Blocks × micro-batches whose activations pipeline rank ``rank`` holds at its peak, its ``stages`` holding
+    those blocks (in the order it runs them): under 1F1B stage ``s`` holds ``pp − s`` micro-batches; under torch's
+    interleaved 1F1B a rank runs ``(v−1)·pp + 2·(pp−1−rank)`` stage forwards before its first backward, and one
+    more, its stages taking turns a round of ``pp`` micro-batches each (the first rank's, were the stages even:
+    ``pp·(1 + (pp−1)/(pp·v))`` micro-batches, as Korthikanti counts); for the other interleaved schedules that
+    first rank's count bounds every rank's; GPipe and looped BFS run every forward first and hold them all."""
+    blocks = sum(stages)
     if schedule in ALL_FORWARDS_FIRST:
-        return microbatches
+        return blocks * microbatches
     if schedule == "1f1b":
-        return min(microbatches, pp - rank)
+        return blocks * min(microbatches, pp - rank)
     if schedule == "interleaved1f1b":  # torch runs rounds of pp microbatches (all of them in one, with fewer)
         per_round = microbatches // max(1, microbatches // pp)
-        forwards = (virtual_stages - 1) * per_round + 2 * (pp - 1 - rank) + 1
-        return min(microbatches * virtual_stages, forwards) / virtual_stages
+        forwards = min(microbatches * virtual_stages, (virtual_stages - 1) * per_round + 2 * (pp - 1 - rank) + 1)
+        return sum(stages[step // per_round % virtual_stages] for step in range(forwards))
     interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1
-    return min(microbatches, pp) * interleave
+    return blocks * min(microbatches, pp) * interleave
 
 
-def _rank_blocks(model: ModelSpec, pp: int, virtual_stages: int, schedule: str,
-                 stage_blocks: Optional[Sequence[int]]) -> list[int]:
-    """The blocks each of the ``pp`` ranks holds: those of its stages where a split fixes each stage's
+def _rank_stages(model: ModelSpec, pp: int, virtual_stages: int, schedule: str,
+                 stage_blocks: Optional[Sequence[int]]) -> list[list[int]]:
+    """The blocks of each stage each of the ``pp`` ranks holds, in the order it runs them: a split's
     (``stage_blocks``), placed as ``schedule`` places them; else ``virtual_stages`` stages of ``⌈layers/(pp·v)⌉``
     each, as an even split gives them, the first rank's first stage at least :attr:`ModelSpec.first_stage_layers`
     (Qwen3-VL's: the blocks its encoder's features are fed to)."""
     if pp == 1:
-        return [model.layers]
+        return [[model.layers]]
     if stage_blocks:
-        loads = [0] * pp
-        for stage, blocks in enumerate(stage_blocks):
-            loads[rank_holding(stage, pp, schedule)] += blocks
-        return loads
+        return [[stage_blocks[stage] for stage in stages_of_rank(rank, pp, virtual_stages, schedule)]
+                for rank in range(pp)]
     share = math.ceil(model.layers / (pp * virtual_stages))
-    loads = [virtual_stages * share] * pp
-    loads[0] += max(share, model.first_stage_layers) - share
-    return loads
+    stages = [[share] * virtual_stages for _ in range(pp)]
+    stages[0][0] = max(share, model.first_stage_layers)
+    return stages
 
 
 def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, pipelined: bool = False,

@@ -321,6 +321,14 @@ def test_each_pipeline_rank_is_priced_with_its_own_state_and_activations():
     interleaved = estimate(model, hardware, 8, 64, 1, 4, 2, 1, 1, 16, 2, False).rank_activations
     assert interleaved == pytest.approx([forwards / 2 * per_microbatch + (logits if forwards == 5 else 0)
                                          for forwards in (11, 9, 7, 5)])
+    # stages of unequal blocks take their turns, a round of pp micro-batches each: over 2 ranks and 4 micro-batches,
+    # rank 0 (stages of 4 and 8 blocks) runs 5 forwards, of 4, 4, 8, 8, 4 blocks; rank 1 (12 and 8) runs 3: 12, 12, 8
+    def interleaved_by(stage_blocks):
+        return estimate(model, hardware, 8, 64, 4, 2, 2, 1, 1, 4, 2, False, stage_blocks=stage_blocks).rank_activations
+
+    even, uneven = interleaved_by((8, 8, 8, 8)), interleaved_by((4, 12, 8, 8))
+    per_block = even[0] / 40  # 5 forwards of 8 blocks
+    assert uneven[0] == pytest.approx(28 * per_block) and uneven[1] - even[1] == pytest.approx((32 - 24) * per_block)
     # the layout's peak is its most loaded rank's: here the first, without the last rank's logits
     assert run.memory_bytes == max(s + a for s, a in zip(run.rank_state, run.rank_activations))
     assert run.memory_bytes == pytest.approx(run.rank_state[0] + 4 * per_microbatch)
