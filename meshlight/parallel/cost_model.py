@@ -321,10 +321,12 @@ def _blocks_held(rank: int, stages: Sequence[int], pp: int, microbatches: int, v
                  schedule: str) -> float:
     """Blocks × micro-batches whose activations pipeline rank ``rank`` holds at its peak, its ``stages`` holding
     those blocks (in the order it runs them): under 1F1B stage ``s`` holds ``pp − s`` micro-batches; under torch's
-    interleaved 1F1B a rank runs ``(v−1)·pp + 2·(pp−1−rank)`` stage forwards before its first backward, and one
-    more, its stages taking turns a round of ``pp`` micro-batches each (the first rank's, were the stages even:
-    ``pp·(1 + (pp−1)/(pp·v))`` micro-batches, as Korthikanti counts); for the other interleaved schedules that
-    first rank's count bounds every rank's; GPipe and looped BFS run every forward first and hold them all."""
+    interleaved 1F1B the most held over torch's order of the rank's forwards and backwards (a round of ``pp``
+    micro-batches of each stage in turn; ``(v−1)·pp + 2·(pp−1−rank)`` forwards ahead of the first backward, then one
+    of each: with even stages the peak is at that first backward, ``pp·(1 + (pp−1)/(pp·v))`` micro-batches on the
+    first rank, as Korthikanti counts, but a heavier stage's forward may enter while a lighter one's backward
+    leaves); for the other interleaved schedules that first rank's count bounds every rank's; GPipe and looped BFS
+    run every forward first and hold them all."""
     blocks = sum(stages)
     if schedule in ALL_FORWARDS_FIRST:
         return blocks * microbatches
@@ -332,8 +334,15 @@ def _blocks_held(rank: int, stages: Sequence[int], pp: int, microbatches: int, v
         return blocks * min(microbatches, pp - rank)
     if schedule == "interleaved1f1b":  # torch runs rounds of pp microbatches (all of them in one, with fewer)
         per_round = microbatches // max(1, microbatches // pp)
-        forwards = min(microbatches * virtual_stages, (virtual_stages - 1) * per_round + 2 * (pp - 1 - rank) + 1)
-        return sum(stages[step // per_round % virtual_stages] for step in range(forwards))
+        total = microbatches * virtual_stages
+        warmup = min((virtual_stages - 1) * per_round + 2 * (pp - 1 - rank), total)
+        held = peak = sum(stages[step // per_round % virtual_stages] for step in range(warmup))
+        # the steady state repeats with a period of v rounds: one period after the warmup bounds it
+        for step in range(warmup, min(total, warmup + virtual_stages * per_round + 1)):
+            held += stages[step // per_round % virtual_stages]
+            peak = max(peak, held)
+            held -= stages[virtual_stages - 1 - (step - warmup) // per_round % virtual_stages]
+        return peak
     interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1
     return blocks * min(microbatches, pp) * interleave
 

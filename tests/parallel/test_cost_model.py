@@ -321,14 +321,16 @@ def test_each_pipeline_rank_is_priced_with_its_own_state_and_activations():
     interleaved = estimate(model, hardware, 8, 64, 1, 4, 2, 1, 1, 16, 2, False).rank_activations
     assert interleaved == pytest.approx([forwards / 2 * per_microbatch + (logits if forwards == 5 else 0)
                                          for forwards in (11, 9, 7, 5)])
-    # stages of unequal blocks take their turns, a round of pp micro-batches each: over 2 ranks and 4 micro-batches,
-    # rank 0 (stages of 4 and 8 blocks) runs 5 forwards, of 4, 4, 8, 8, 4 blocks; rank 1 (12 and 8) runs 3: 12, 12, 8
+    # stages of unequal blocks take their turns, a round of pp micro-batches each (torch's order): over 2 ranks and 4
+    # micro-batches rank 0 (stages of 4 and 8 blocks) runs forwards of 4, 4, 8, 8, 4 blocks before its first
+    # backward, 28 held, its most; rank 1 (12 and 8) runs 12, 12, 8 (32), frees an 8, then takes a 12 while the
+    # other 8 still waits: 36 at its peak, not at its first backward
     def interleaved_by(stage_blocks):
         return estimate(model, hardware, 8, 64, 4, 2, 2, 1, 1, 4, 2, False, stage_blocks=stage_blocks).rank_activations
 
     even, uneven = interleaved_by((8, 8, 8, 8)), interleaved_by((4, 12, 8, 8))
     per_block = even[0] / 40  # 5 forwards of 8 blocks
-    assert uneven[0] == pytest.approx(28 * per_block) and uneven[1] - even[1] == pytest.approx((32 - 24) * per_block)
+    assert uneven[0] == pytest.approx(28 * per_block) and uneven[1] - even[1] == pytest.approx((36 - 24) * per_block)
     # the layout's peak is its most loaded rank's: here the first, without the last rank's logits
     assert run.memory_bytes == max(s + a for s, a in zip(run.rank_state, run.rank_activations))
     assert run.memory_bytes == pytest.approx(run.rank_state[0] + 4 * per_microbatch)
@@ -350,6 +352,34 @@ def test_each_pipeline_rank_is_priced_with_its_own_state_and_activations():
     assert estimate(tied, hardware, 8, 64, 1, 4, 2, 1, 1, 16, 1, False).rank_state == run.rank_state
     whole, whole_tied = (estimate(m, hardware, 8, 64, 4, 1, 2, 1, 1, 16, 1, False) for m in (model, tied))
     assert whole_tied.model_state_bytes < whole.model_state_bytes
+
+
+def test_interleaved_activations_are_the_peak_of_torchs_own_order_of_forwards_and_backwards():
+    """What ``_blocks_held`` prices under Interleaved1F1B is the most a rank holds as torch's schedule orders its
+    forwards and backwards (its ``_calculate_single_rank_operations``), for even and uneven stages."""
+    import random
+    import types
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    from meshlight.parallel.cost_model import _blocks_held
+    from meshlight.parallel.pipeline import stages_of_rank
+
+    random.seed(0)
+    for pp, v, m in ((2, 2, 4), (2, 3, 3), (3, 2, 12), (4, 2, 8), (4, 3, 6), (3, 4, 15)):
+        rounds = max(1, m // pp)
+        for sizes in [(4,) * (pp * v)] + [tuple(random.randint(1, 9) for _ in range(pp * v)) for _ in range(4)]:
+            for rank in range(pp):
+                order = types.SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=pp,
+                                              _n_microbatches=m, rank=rank)
+                held = peak = 0
+                for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(order, rank):
+                    if action is not None:
+                        forward = action.computation_type == _ComputationType.FORWARD
+                        held += sizes[action.stage_index] * (1 if forward else -1)
+                        peak = max(peak, held)
+                local = [sizes[s] for s in stages_of_rank(rank, pp, v, "interleaved1f1b")]
+                assert _blocks_held(rank, local, pp, m, v, "interleaved1f1b") == peak, (pp, v, m, sizes, rank)
 
 
 def test_compressed_activations_count_their_smaller_bytes_and_never_more():
