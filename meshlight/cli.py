@@ -115,7 +115,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               " optimizer state in host memory, stepped there")
     planner.add_argument("--offload-activations", type=float, default=0.0, metavar="SHARE",
                          help="share of the blocks whose saved activations the Offload callback keeps in host"
-                              " memory (1: every block; 0.5: Offload(activations_every_n_blocks=2))")
+                              " memory, 1/n for every n-th block (1: every block; 0.5:"
+                              " Offload(activations_every_n_blocks=2))")
     planner.add_argument("--compress-activations", choices=("bf16", "fp8_e4m3"),
                          help="every block's saved activations kept in this dtype (the ActivationCompression"
                               " callback)")
@@ -204,12 +205,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _how_to_train(best: Candidate, global_batch: int, args: argparse.Namespace) -> str:
-    """The Trainer arguments that run ``best``: its sizes given to ``Hybrid3DStrategy``, the accumulation, precision
-    and offloading it was planned with, and each data-parallel replica's batch."""
+    """The Trainer arguments that run ``best``: its sizes given to ``Hybrid3DStrategy`` (all of them, so that nothing
+    is planned again at fit), the accumulation, precision, compression and offloading it was planned with, and each
+    data-parallel replica's batch."""
     sizes = {key: value for key, value in best.strategy_arguments().items()
-             if key in ("dp", "pp", "tp", "zero") or (key in ("ep", "cp") and value > 1) or (
+             if key in ("dp", "pp", "tp", "ep", "zero") or (key == "cp" and value > 1) or (
                  best.pp > 1 and key in ("schedule", "microbatches")) or (key == "virtual_stages" and value > 1)
-             or (key == "experts" and best.folded)}
+             or (key == "experts" and best.ep > 1 and best.tp > 1)}
+    if args.grad_compression:
+        sizes["grad_compression"] = args.grad_compression
     strategy = ", ".join(f"{key}={value!r}" for key, value in sizes.items())
     options = [f"strategy=Hybrid3DStrategy({strategy}, recompute={best.recompute})"]
     if best.pp == 1 and best.microbatches > 1:
@@ -223,11 +227,15 @@ def _how_to_train(best: Candidate, global_batch: int, args: argparse.Namespace) 
         every = round(1 / args.offload_activations) if args.offload_activations else None
         callbacks.append(f"Offload(optimizer={args.offload_optimizer}"
                          + (f", activations_every_n_blocks={every}" if every else "") + ")")
+    if args.compress_activations:
+        callbacks.append(f"ActivationCompression({args.compress_activations!r})")
     if callbacks:
         options.append(f"callbacks=[{', '.join(callbacks)}]")
     batch = global_batch // best.dp // (best.microbatches if best.pp == 1 else 1)
-    return (f"Train it: Trainer({', '.join(options)}), each data-parallel replica's DataLoader giving batches of"
-            f" {batch} sequence{'s' if batch > 1 else ''}.")
+    tf32 = (f" (after torch.set_float32_matmul_precision({args.float32_matmul_precision!r}))"
+            if args.precision == "32-true" and args.float32_matmul_precision != "highest" else "")
+    return (f"Train it{tf32}: Trainer({', '.join(options)}), each data-parallel replica's DataLoader giving batches"
+            f" of {batch} sequence{'s' if batch > 1 else ''}.")
 
 
 def _remedies(model: ModelSpec, hardware: Hardware, args: argparse.Namespace, global_batch: int,
@@ -355,8 +363,13 @@ def _hardware_of(args: argparse.Namespace) -> Hardware:
             changed.append(f"{value:g} {unit}")
     if changed:
         changes["name"] = f"{preset.name} with {', '.join(changed)}"
-    if not 0 <= args.offload_activations <= 1:
-        raise ValueError(f"--offload-activations {args.offload_activations:g}: give a share between 0 and 1")
+    share = args.offload_activations
+    if not 0 <= share <= 1:
+        raise ValueError(f"--offload-activations {share:g}: give a share between 0 and 1")
+    if share and abs(1 / round(1 / share) - share) > 0.01 * share:
+        nearest = 1 / round(1 / share)
+        raise ValueError(f"--offload-activations {share:g}: the Offload callback offloads every n-th block's"
+                         f" activations, a share of 1/n: give 1, 0.5, 0.333, 0.25, … (the nearest: {nearest:.3g})")
     return preset.replace(**changes, **precision_bytes(*PRECISIONS[args.precision]),
                           offload_optimizer=args.offload_optimizer, offload_activations=args.offload_activations,
                           float32_matmul_precision=args.float32_matmul_precision,

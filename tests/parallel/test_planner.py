@@ -455,34 +455,49 @@ def test_command_line(capsys):
 
 
 def test_command_line_says_how_to_train_the_best_layout_in_arguments_that_build(capsys):
-    """The last line the table prints is the Trainer call that runs the winner: the strategy with its sizes, the
-    accumulation, the precision and offloading it was planned with; each call builds its strategy and callbacks."""
+    """The last line the table prints is the Trainer call that runs the winner: the strategy with every size (so
+    that nothing is planned again at fit), the accumulation, the precision, compression and offloading it was
+    planned with; each call builds its strategy and callbacks."""
     import meshlight as ml
-    from meshlight.callbacks import MixedPrecision, Offload
+    from meshlight.callbacks import ActivationCompression, MixedPrecision, Offload
 
     def built(line: str) -> dict:
-        call = line.removeprefix("Train it: ").rpartition("), each")[0] + ")"
+        call = line[line.index("Trainer("):].rpartition("), each")[0] + ")"
         return eval(call, {"Trainer": dict, "Hybrid3DStrategy": ml.Hybrid3DStrategy,  # noqa: S307 (our own output)
-                           "MixedPrecision": MixedPrecision, "Offload": Offload})
+                           "MixedPrecision": MixedPrecision, "Offload": Offload,
+                           "ActivationCompression": ActivationCompression})
 
     cases = (
-        (["--model", "llama3-8b", "--gpus", "8"], "accumulate_grad_batches=", 'MixedPrecision("bf16")'),
+        (["--model", "llama3-8b", "--gpus", "8"], "accumulate_grad_batches=", 'MixedPrecision("bf16")', "ep=1"),
         (["--model", "llama3-70b", "--gpus", "64", "--pp", "4", "--precision", "bf16-mixed"],
          "schedule=", "precision='bf16-mixed'"),
         (["--model", "mixtral-8x7b", "--gpus", "64"], "ep=", "MixedPrecision"),
+        # split experts under tp are named: left out, the strategy would fold them
+        (["--model", "mixtral-8x7b", "--gpus", "64", "--expert-layout", "split", "--tp", "2", "--ep", "2"],
+         "experts='split'"),
         (["--model", "llama3-8b", "--gpus", "64", "--seq", "131072"], "cp=", "MixedPrecision"),
         (["--model", "llama3-405b", "--gpus", "64", "--offload-optimizer"], "zero=", "Offload(optimizer=True)"),
+        (["--model", "llama3-70b", "--gpus", "64", "--offload-activations", "0.5"],
+         "Offload(optimizer=False, activations_every_n_blocks=2)"),
+        (["--model", "llama3-8b", "--gpus", "8", "--compress-activations", "fp8_e4m3", "--grad-compression", "bf16"],
+         "ActivationCompression('fp8_e4m3')", "grad_compression='bf16'"),
+        (["--model", "llama3-8b", "--gpus", "8", "--precision", "32-true", "--float32-matmul-precision", "high"],
+         "Train it (after torch.set_float32_matmul_precision('high')): Trainer(", "precision='32-true'"),
     )
     for argv, *expected in cases:
         assert main(["plan", *argv, "--top", "1"]) == 0
         line = capsys.readouterr().out.splitlines()[-1]
-        assert line.startswith("Train it: Trainer(strategy=Hybrid3DStrategy(") and all(e in line for e in expected)
-        options = built(line)
-        assert isinstance(options["strategy"], ml.Hybrid3DStrategy), line
+        assert line.startswith("Train it") and all(e in line for e in expected), line
+        strategy = built(line)["strategy"]
+        assert isinstance(strategy, ml.Hybrid3DStrategy) and not strategy._planning, line
         assert main(["plan", *argv, "--top", "1", "--json"]) == 0
         (row,) = json.loads(capsys.readouterr().out)  # the winner's sizes, as the table's first row
-        assert all(f"{key}={row[key]}" in line for key in ("dp", "pp", "tp", "zero")), (row, line)
+        assert all(f"{key}={row[key]}" in line for key in ("dp", "pp", "tp", "ep", "zero")), (row, line)
         assert f"recompute={row['recompute']}" in line
+    # the callback offloads every n-th block: a share that is not 1/n is refused, naming the nearest
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama3-8b", "--gpus", "8", "--offload-activations", "0.65"])
+    assert "a share of 1/n: give 1, 0.5, 0.333, 0.25, … (the nearest: 0.5)" in capsys.readouterr().err
 
 
 def test_command_line_splits_long_sequences_over_cp_ranks_unless_cp_is_fixed(capsys):
