@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 
+from meshlight.models.from_config import ModelConfigError, model_from_config
 from meshlight.parallel.activation_compression import COMPRESSED_DTYPES
 from meshlight.parallel.compression import GradientCompression
 from meshlight.parallel.pipeline import SCHEDULES
@@ -285,57 +285,14 @@ def _model_of(args: argparse.Namespace) -> ModelSpec:
 
 
 def _config_model(path: str) -> ModelSpec:
-    """The planner's view of the model whose config is at ``path``: a Hugging Face ``config.json``, a litgpt
-    ``model_config.yaml``, or a checkpoint's folder holding one. The model is built from it on the meta device (no
-    memory, no weights) and read as :func:`~meshlight.parallel.planner.model_spec_of` reads a module; sequences of
-    4096 tokens unless ``--seq`` says otherwise."""
-    if not os.path.exists(path):
-        raise ValueError(f"--config {path}: no such file or folder. Give a config.json (Hugging Face), a"
-                         " model_config.yaml (litgpt), or a checkpoint's folder holding one; nothing is downloaded.")
-    litgpt_file = os.path.join(path, "model_config.yaml") if os.path.isdir(path) else path
-    if litgpt_file.endswith((".yaml", ".yml")) and os.path.isfile(litgpt_file) and not os.path.isfile(
-            os.path.join(path, "config.json")):
-        module = _litgpt_model(litgpt_file)
-    else:
-        module = _hugging_face_model(path)
+    """The planner's view of the model whose config is at ``path`` (:func:`~meshlight.models.model_from_config`:
+    built on the meta device), read as :func:`~meshlight.parallel.planner.model_spec_of` reads a module; sequences
+    of 4096 tokens unless ``--seq`` says otherwise."""
+    try:
+        module = model_from_config(path)
+    except ModelConfigError as error:
+        raise ValueError(f"--config {error}") from None
     return model_spec_of(module, 4096).replace(name=f"{type(module).__name__} ({path})")
-
-
-def _litgpt_model(path: str) -> torch.nn.Module:
-    """litgpt's GPT of the ``model_config.yaml`` at ``path``, on the meta device."""
-    try:
-        import litgpt
-    except ImportError:
-        raise ValueError(f"--config {path} is a litgpt config: pip install 'meshlight[litgpt]'") from None
-    try:
-        config = litgpt.Config.from_file(path)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"--config {path}: not a litgpt model config ({error}).") from None
-    with torch.device("meta"):
-        return litgpt.GPT(config)
-
-
-def _hugging_face_model(path: str) -> torch.nn.Module:
-    """The Hugging Face model of the config at ``path`` (a config.json or its folder) on the meta device: a causal
-    LM, or an image-text-to-text model (whose decoder is planned)."""
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError("--config reads a Hugging Face config with transformers: pip install"
-                         " 'meshlight[hf]'") from None
-    try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"--config {path}: no Hugging Face config there ({error}). Give a config.json, a litgpt"
-                         " model_config.yaml, or a checkpoint's folder holding one.") from None
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
-        try:
-            with torch.device("meta"):
-                return auto.from_config(config)
-        except ValueError:
-            continue
-    raise ValueError(f"--config {path}: transformers builds no causal LM from a {type(config).__name__}; give the"
-                     " model's shape with --layers, --hidden, --heads and --vocab instead.")
 
 
 def _hardware_of(args: argparse.Namespace) -> Hardware:

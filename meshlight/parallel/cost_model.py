@@ -328,6 +328,8 @@ def _blocks_held(rank: int, stages: Sequence[int], pp: int, microbatches: int, v
     leaves); for the other interleaved schedules that first rank's count bounds every rank's; GPipe and looped BFS
     run every forward first and hold them all."""
     blocks = sum(stages)
+    if pp == 1:  # micro-batches accumulate one after another
+        return blocks
     if schedule in ALL_FORWARDS_FIRST:
         return blocks * microbatches
     if schedule == "1f1b":
