@@ -198,24 +198,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  if args.offload_activations else "") + ":")
         print(format_plan(candidates, top=args.top))
         if candidates[0].fits:
-            print(_how_to_train(candidates[0], global_batch, args))
+            print(_how_to_train(candidates[0], global_batch, args, hardware.devices_per_node))
         else:
             print(_remedies(model, hardware, args, global_batch, fixed))
     return 0 if candidates[0].fits else 1
 
 
-def _how_to_train(best: Candidate, global_batch: int, args: argparse.Namespace) -> str:
-    """The Trainer arguments that run ``best``: its sizes given to ``Hybrid3DStrategy`` (all of them, so that nothing
-    is planned again at fit), the accumulation, precision, compression and offloading it was planned with, and each
-    data-parallel replica's batch."""
+def _how_to_train(best: Candidate, global_batch: int, args: argparse.Namespace, per_node: int) -> str:
+    """The Trainer arguments that run ``best``: the devices (``per_node`` on each node), its sizes given to
+    ``Hybrid3DStrategy`` (all of them, so that nothing is planned again at fit), the accumulation, precision,
+    compression and offloading it was planned with, and each data-parallel replica's batch."""
     sizes = {key: value for key, value in best.strategy_arguments().items()
              if key in ("dp", "pp", "tp", "ep", "zero") or (key == "cp" and value > 1) or (
                  best.pp > 1 and key in ("schedule", "microbatches")) or (key == "virtual_stages" and value > 1)
              or (key == "experts" and best.ep > 1 and best.tp > 1)}
     if args.grad_compression:
         sizes["grad_compression"] = args.grad_compression
+    if args.keep_gathered_inputs:
+        sizes["keep_gathered_inputs"] = True
     strategy = ", ".join(f"{key}={value!r}" for key, value in sizes.items())
     options = [f"strategy=Hybrid3DStrategy({strategy}, recompute={best.recompute})"]
+    if args.gpus <= per_node or args.gpus % per_node == 0:  # Lightning runs as many devices on every node
+        nodes = max(1, args.gpus // per_node)
+        options.insert(0, f"devices={args.gpus // nodes}" + (f", num_nodes={nodes}" if nodes > 1 else ""))
     if best.pp == 1 and best.microbatches > 1:
         options.append(f"accumulate_grad_batches={best.microbatches}")
     callbacks = []

@@ -455,9 +455,9 @@ def test_command_line(capsys):
 
 
 def test_command_line_says_how_to_train_the_best_layout_in_arguments_that_build(capsys):
-    """The last line the table prints is the Trainer call that runs the winner: the strategy with every size (so
-    that nothing is planned again at fit), the accumulation, the precision, compression and offloading it was
-    planned with; each call builds its strategy and callbacks."""
+    """The last line the table prints is the Trainer call that runs the winner: the devices on each node, the
+    strategy with every size (so that nothing is planned again at fit), the accumulation, the precision,
+    compression and offloading it was planned with; each call builds its strategy and callbacks."""
     import meshlight as ml
     from meshlight.callbacks import ActivationCompression, MixedPrecision, Offload
 
@@ -468,9 +468,11 @@ def test_command_line_says_how_to_train_the_best_layout_in_arguments_that_build(
                            "ActivationCompression": ActivationCompression})
 
     cases = (
-        (["--model", "llama3-8b", "--gpus", "8"], "accumulate_grad_batches=", 'MixedPrecision("bf16")', "ep=1"),
+        (["--model", "llama3-8b", "--gpus", "8"], "Trainer(devices=8, strategy=", "accumulate_grad_batches=",
+         'MixedPrecision("bf16")', "ep=1"),
         (["--model", "llama3-70b", "--gpus", "64", "--pp", "4", "--precision", "bf16-mixed"],
-         "schedule=", "precision='bf16-mixed'"),
+         "Trainer(devices=8, num_nodes=8, strategy=", "schedule=", "precision='bf16-mixed'"),
+        (["--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--keep-gathered-inputs"], "keep_gathered_inputs=True"),
         (["--model", "mixtral-8x7b", "--gpus", "64"], "ep=", "MixedPrecision"),
         # split experts under tp are named: left out, the strategy would fold them
         (["--model", "mixtral-8x7b", "--gpus", "64", "--expert-layout", "split", "--tp", "2", "--ep", "2"],
