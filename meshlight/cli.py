@@ -296,7 +296,7 @@ def _config_model(path: str) -> ModelSpec:
     try:
         module = model_from_config(path)
     except ModelConfigError as error:
-        raise ValueError(f"--config {error}") from None
+        raise ValueError(f"--config {error} Or give the model's shape: --layers, --hidden, --heads, --vocab.") from None
     return model_spec_of(module, 4096).replace(name=f"{type(module).__name__} ({path})")
 
 

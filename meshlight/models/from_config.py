@@ -62,5 +62,5 @@ def _hugging_face_model(path: str) -> nn.Module:
                 return auto.from_config(config)
         except ValueError:
             continue
-    raise ModelConfigError(f"{path}: transformers builds no causal LM from a {type(config).__name__}; give the"
-                           " model's shape with --layers, --hidden, --heads and --vocab instead.")
+    raise ModelConfigError(f"{path}: transformers builds no causal LM (nor an image-text-to-text model) from a"
+                           f" {type(config).__name__}.")
