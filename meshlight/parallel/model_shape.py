@@ -38,10 +38,10 @@ __all__ = [
 #: attention (Gated DeltaNet) of Qwen3-Next's, Qwen3.5's (and its MoE's) and OLMo hybrid's layers — a recurrence over
 #: the sequence, its q|k|v through a depthwise convolution over it — Kimi Linear's KDA, MiniMax's lightning attention,
 #: the Mamba mixers of Nemotron-H, Jamba, Bamba, Falcon-H1, Granite 4 and Zamba, and LFM2's short convolutions. Every
-#: rank runs the whole module on the whole sequence (role ``whole``: :class:`~meshlight.parallel.tensor._WholeMixer`);
-#: the attention layers, MLPs and experts beside it are split. (Each class here was checked against one process, but
-#: Zamba's and Zamba2's, whose shared transformer blocks tensor parallelism refuses.) Their Linears do not count towards
-#: :func:`hidden_size`.
+#: rank runs the whole module on the whole sequence (role ``whole``: :class:`~meshlight.parallel.tensor_styles.
+#: WholeMixer`); the attention layers, MLPs and experts beside it are split. (Each class here was checked against one
+#: process, but Zamba's and Zamba2's, whose shared transformer blocks tensor parallelism refuses.) Their Linears do not
+#: count towards :func:`hidden_size`.
 WHOLE_MIXERS = frozenset({
     "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
     "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",

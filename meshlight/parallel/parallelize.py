@@ -39,7 +39,8 @@ from meshlight.parallel.layout import ParallelLayout, axis
 from meshlight.parallel.offload import apply_activation_offload
 from meshlight.parallel.recompute import apply_recompute
 from meshlight.parallel.router_logits import gather_router_logits, plain_language_model_loss
-from meshlight.parallel.tensor import apply_tensor_parallel, sequence_share_input
+from meshlight.parallel.sequence_parallel import sequence_share_input
+from meshlight.parallel.tensor import apply_tensor_parallel
 from meshlight.parallel.tensor_plan import model_plan, validate_plan
 from meshlight.parallel.tensor_plan import sequence_region as find_sequence_region
 from meshlight.parallel.transforms import TensorParallelOptions, Transforms
@@ -74,10 +75,10 @@ def parallelize(
     (:mod:`meshlight.parallel.offload`), compiled blocks (:mod:`meshlight.parallel.compile`), saved activations kept
     in bf16 or fp8 (:mod:`meshlight.parallel.activation_compression`). ``later_stage``:
     ``module`` is a pipeline stage after the first, which receives the sequence parallelism's share of the sequence
-    (:func:`~meshlight.parallel.tensor.sequence_share_input`). ``sequence_region``: where sequence parallelism
-    holds shares of the sequence (:func:`~meshlight.parallel.tensor_plan.sequence_region`), found from ``module`` when
-    ``"auto"``; a pipeline stage is given its whole model's. ``grad_compression``: how gradients travel in the
-    data-parallel reductions (:mod:`meshlight.parallel.compression`).
+    (:func:`~meshlight.parallel.sequence_parallel.sequence_share_input`). ``sequence_region``: where sequence
+    parallelism holds shares of the sequence (:func:`~meshlight.parallel.tensor_plan.sequence_region`), found from
+    ``module`` when ``"auto"``; a pipeline stage is given its whole model's. ``grad_compression``: how gradients
+    travel in the data-parallel reductions (:mod:`meshlight.parallel.compression`).
     """
     tensor_parallel, transforms = tensor_parallel or TensorParallelOptions(), transforms or Transforms()
     moe_layers = has_experts(module)

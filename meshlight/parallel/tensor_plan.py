@@ -130,8 +130,8 @@ def _interior(owner: nn.Module, prefix: str) -> Plan:
     """The children of a column→row group's ``owner`` (named ``prefix``) that hold parameters of their own alone and
     are neither Linears nor norms: a learned activation between the readers and the writer (Apertus's xIELU), role
     ``interior``. Each rank runs it on its hidden units, so each rank's gradient is its units' part of the sum over
-    tp (:class:`~meshlight.parallel.tensor._Interior`, which refuses one whose input turns out to be something else
-    at its first call)."""
+    tp (:class:`~meshlight.parallel.tensor_styles.Interior`, which refuses one whose input turns out to be something
+    else at its first call)."""
     return {_join(prefix, name): "interior" for name, child in owner.named_children()
             if not linear_widths(child) and _norm_width(child) in (None, 1)  # (scalars: no norm)
             and 0 < len(list(child.parameters(recurse=False))) == len(list(child.parameters()))}

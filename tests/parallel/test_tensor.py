@@ -9,7 +9,7 @@ from torch.nn import functional as F
 import meshlight as ml
 from meshlight.models import GPT, GPTConfig
 from meshlight.parallel import tensor_plan
-from meshlight.parallel.tensor import _divide_counts, _narrow_head_biases, _rows_of_rank
+from meshlight.parallel.tensor import _divide_counts, _narrow_head_biases
 from meshlight.parallel.tensor_plan import (
     TensorParallelError,
     block_held_groups,
@@ -19,6 +19,7 @@ from meshlight.parallel.tensor_plan import (
     sequence_region,
     validate_plan,
 )
+from meshlight.parallel.tensor_styles import rows_of_rank
 from tests.strategies.hf_models import lit_causal_lm
 from tests.strategies.llama import DICT_PLAN, LitLlama
 
@@ -109,7 +110,7 @@ def test_head_count_attributes_are_constraints():
                              [*range(16, 32), *range(40, 48), *range(56, 64)]]),  # tp divides every part
 ])
 def test_each_rank_computes_its_query_heads_and_the_key_value_heads_they_read(parts, kv, tp, rows):
-    assert [_rows_of_rank(parts, kv, tp, rank).tolist() for rank in range(tp)] == rows
+    assert [rows_of_rank(parts, kv, tp, rank).tolist() for rank in range(tp)] == rows
 
 
 def test_fewer_key_value_heads_than_ranks_leave_one_on_each_rank_and_fewer_queries_reading_it():

@@ -1,0 +1,449 @@
+"""The parallel styles behind tensor parallelism's roles (:mod:`meshlight.parallel.tensor` has the table): PyTorch's
+``ColwiseParallel``, ``RowwiseParallel`` and ``SequenceParallel`` where they fit, and the styles they lack — a
+vocabulary-sharded LM head that keeps its logits sharded for the loss, Hugging Face's transposed ``Conv1D``, a fused
+projection split part by part, modules left whole on every rank whose gradients are summed over tp, a norm over a
+sharded width, modules run on this rank's plain values, and a sequence mixer kept whole under sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+from meshlight.parallel.collectives import all_gather_along
+from meshlight.parallel.dtensors import modifiable_local, shallow_copy
+from meshlight.parallel.model_shape import is_transposed_linear
+from meshlight.parallel.sequence_gather import sequence_share
+from meshlight.parallel.tensor_plan import TensorParallelError, _shown
+
+__all__ = [
+    "ColwiseFromShare", "ColwiseNorm", "FusedColwise", "Interior", "LMHead", "OnLocalWeights", "Replicated", "Rowwise",
+    "SequenceNorm", "TransposedColwise", "TransposedRowwise", "WholeMixer", "rows_of_rank", "split_by_head",
+]
+
+
+class LMHead(ColwiseParallel):
+    """Vocabulary-sharded LM head. While training (and ``loss_parallel``), its logits stay a DTensor sharded
+    over the vocabulary for ``torch.distributed.tensor.parallel.loss_parallel``: the full logits never exist
+    on one rank. In eval mode they are gathered, so metrics and predictions see ordinary tensors."""
+
+    def __init__(self, *, sequence_parallel: bool, loss_parallel: bool) -> None:
+        super().__init__(input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Shard(-1),
+                         use_local_output=False)
+        self.loss_parallel = loss_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+
+        def gather_unless_loss_parallel(mod: nn.Module, inputs: Any, output: DTensor) -> Any:
+            if mod.training and self.loss_parallel:
+                return output
+            return output.redistribute(device_mesh, [Replicate()]).to_local()
+
+        module.register_forward_hook(gather_unless_loss_parallel)
+        return module
+
+
+class _Transposed:
+    """Tensor parallelism for Hugging Face's ``Conv1D``, a Linear whose weight is stored ``[in, out]``: each parameter
+    distributed as ``placements`` says; inputs and outputs as torch's style for ``nn.Linear`` has them."""
+
+    placements: dict[str, Placement]
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            _distribute_parameters(mod, mesh, self.placements, self.src_data_rank)
+
+        return distribute_module(
+            module, device_mesh, partition,
+            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class TransposedColwise(_Transposed, ColwiseParallel):
+    placements = {"weight": Shard(1), "bias": Shard(0)}
+
+
+class Rowwise(RowwiseParallel):
+    """Row-parallel; under sequence parallelism (``output_layouts=Shard(1)``) its output is reduce-scattered to this
+    rank's share of the sequence wherever that lies (:func:`sequence_share`): the sequence of ``[batch, sequence,
+    hidden]``, the tokens of the flattened ``[tokens, hidden]`` an MoE block's shared expert returns. Made local, the
+    output is a tensor of its own (:func:`~meshlight.parallel.dtensors.modifiable_local`): a model may modify it in
+    place (Llama 4 adds into its shared expert's output, CTRL scales its token embedding's). Also the token
+    embedding's style (sharded by vocabulary, its lookups summed)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: tuple, use_local_output: bool, mod: nn.Module, outputs: DTensor,
+                           device_mesh: DeviceMesh) -> Tensor:
+        if output_layouts == (Shard(1),):
+            output_layouts = (sequence_share(outputs),)
+        if not use_local_output or torch.compiler.is_compiling():
+            return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        # the summed output is a tensor of its own, which the model may modify in place
+        return modifiable_local(outputs.redistribute(placements=output_layouts))
+
+
+class TransposedRowwise(_Transposed, Rowwise):
+    placements = {"weight": Shard(0), "bias": Replicate()}
+    desired_input_layouts = (Shard(-1),)
+
+
+class ColwiseFromShare(ColwiseParallel):
+    """Column-parallel on this rank's share of the sequence, gathered first (its gradient reduce-scattered back):
+    the first Linear of an MLP its block holds beside its norms (:func:`~meshlight.parallel.tensor_plan.
+    block_held_groups`), on the block's residual stream — ``[batch, sequence, hidden]``, or the flattened ``[tokens,
+    hidden]`` OPT's block runs its MLP on (:func:`sequence_share`)."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Shard(1))
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts: tuple, desired_input_layouts: tuple, mod: nn.Module, inputs: tuple,
+                          device_mesh: DeviceMesh) -> DTensor:
+        if not isinstance(inputs[0], DTensor):
+            input_layouts = (sequence_share(inputs[0]),)
+        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+
+class SequenceNorm(SequenceParallel):
+    """A norm on this rank's share of the sequence, its parameters replicated (their gradients summed over tp):
+    torch's style, the share where :func:`sequence_share` finds it — ``[batch, sequence, hidden]``'s sequence, or
+    the tokens of a block that flattens them (OPT's)."""
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding: tuple, mod: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> DTensor:
+        if not isinstance(inputs[0], DTensor):
+            sequence_sharding = (sequence_share(inputs[0]),)
+        return SequenceParallel._prepare_input_fn(sequence_sharding, mod, inputs, device_mesh)
+
+
+class FusedColwise(ColwiseParallel):
+    """A fused projection whose outputs pack ``parts`` (q|k|v, k|v, gate|up) one after another, split part by part:
+    each rank computes its ``1/tp`` of every part, in order — ``[q_r | k_r | v_r]``, which the attention splits by its
+    divided head counts exactly as one process splits the whole. ``kv``: (key/value heads, head width) where tp
+    exceeds those heads (:func:`~meshlight.parallel.tensor_plan.replicated_kv_heads`): of a part that wide (k, v, or
+    a plain k or v projection: one part) each rank computes the one head its query heads read.
+
+    The weight and bias are stored sharded by rows (``Shard(0)``, whatever the module's layout), so checkpoints and
+    full state dicts hold them as one process does. The module's forward is replaced by one that gathers them whole
+    over tp, selects this rank's rows of every part and multiplies; the gathered weight's gradient is a partial sum
+    over the ranks, reduce-scattered back to the shards (the ranks sharing a key/value head each add their query
+    heads' part)."""
+
+    def __init__(self, parts: tuple[int, ...], kv: Optional[tuple[int, int]] = None) -> None:
+        super().__init__()
+        self.parts, self.kv = parts, kv
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rows = rows_of_rank(self.parts, self.kv, device_mesh.size(), device_mesh.get_local_rank())
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            _distribute_parameters(mod, mesh, {"weight": Shard(0), "bias": Shard(0)}, self.src_data_rank)
+
+        distribute_module(module, device_mesh, partition,
+                          functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts))
+        module.forward = functools.partial(_fused_forward, module, rows, is_transposed_linear(module))
+        return module
+
+
+def rows_of_rank(parts: tuple[int, ...], kv: Optional[tuple[int, int]], tp: int, rank: int) -> Tensor:
+    """The output rows rank ``rank`` of ``tp`` computes of a projection packing ``parts`` one after another: its
+    ``1/tp`` of each, but of a part of ``kv`` = (heads, head width) — key/value heads fewer than the ranks, tp a
+    multiple of them — the head its query heads read (rank ``r`` holds query heads ``r·H/tp`` on, which read key/value
+    head ``r·kv/tp``)."""
+    rows, start = [], 0
+    for part in parts:
+        if kv and part == kv[0] * kv[1]:
+            head = rank * kv[0] // tp
+            rows.append(torch.arange(start + head * kv[1], start + (head + 1) * kv[1]))
+        else:
+            rows.append(torch.arange(start + rank * part // tp, start + (rank + 1) * part // tp))
+        start += part
+    return torch.cat(rows)
+
+
+def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Placement],
+                           src_data_rank: Optional[int]) -> None:
+    """Make each of ``module``'s own parameters a DTensor placed as ``placements`` says by its name, sharded from
+    ``src_data_rank``'s values."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        placed = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+
+def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """A ``distribute_module`` partition function: ``module``'s own parameters become replicated DTensors of the
+    values each rank holds (the same on all of them), whose gradients are partial sums to reduce. Those already
+    distributed are left: ``distribute_module`` replicates every submodule's, and a submodule with a role of its
+    own (ERNIE 4.5's router's statistics inside its router) comes after its parent."""
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            continue
+        replicated = DTensor.from_local(param, mesh, [Replicate()], run_check=False)
+        module.register_parameter(param_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+
+def _fused_forward(module: nn.Module, rows: Tensor, transposed: bool, inputs: DTensor) -> Tensor:
+    """:class:`FusedColwise`'s forward: ``inputs`` a replicated DTensor, the output this rank's ``rows`` of it."""
+    weight = _gathered(module.weight)
+    weight = (weight.t() if transposed else weight).index_select(0, rows.to(weight.device))
+    bias = None if module.bias is None else _gathered(module.bias).index_select(0, rows.to(weight.device))
+    return nn.functional.linear(inputs.to_local(grad_placements=[Partial()]), weight, bias)
+
+
+def _gathered(param: DTensor) -> Tensor:
+    """``param`` whole on this rank, its gradient taken as this rank's part of a sum over the mesh."""
+    return param.redistribute(param.device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+class Replicated(ParallelStyle):
+    """A module left whole on every rank whose input differs between them: its weights become replicated
+    DTensors, so the gradients of all ranks are summed (reduced with the norms'). ``over``:
+
+    - ``"whole"``: an Embedding (learned positions) under sequence parallelism reads the whole sequence and
+      keeps its output's share;
+    - ``"sequence"``: a Linear (a gate) under sequence parallelism reads this rank's share of the sequence — a
+      plain ``[batch, sequence, ...]`` tensor between blocks, or a norm's DTensor — and hands on its output's;
+    - ``"heads"``: a norm over each head (QK-norm) reads this rank's heads (``[..., heads, head_dim]``).
+
+    ``name`` is the module's, for the error when its input is not a share of a sequence."""
+
+    def __init__(self, name: str, *, over: str) -> None:
+        super().__init__()
+        self.name, self.over = name, over
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def inputs_as_dtensors(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            if self.over == "whole":
+                return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, Tensor)
+                             and not isinstance(t, DTensor) else t for t in inputs)
+            share = inputs[0]
+            if self.over == "heads" and not isinstance(share, DTensor) and share.dim() >= 2:
+                return (DTensor.from_local(share, mesh, [Shard(share.dim() - 2)], run_check=False), *inputs[1:])
+            if isinstance(share, DTensor) and tuple(share.placements) == (Shard(1),):
+                return inputs
+            if not isinstance(share, DTensor) and share.dim() >= 3:  # [batch, sequence share, ...]
+                return (DTensor.from_local(share, mesh, [Shard(1)], run_check=False), *inputs[1:])
+            given = _described(share)
+            wanted = ("this rank's heads ([..., heads, head_dim])" if self.over == "heads" else
+                      "this rank's share of a sequence ([batch, sequence, ...], split along dimension 1)")
+            raise TensorParallelError(
+                f"{_shown(self.name)} ({type(mod).__name__}) is left whole on every tensor-parallel rank, and it must"
+                f" read {wanted} so that its gradient can be summed over the ranks; it was given {given} (a pooled"
+                " or conditioning input?). Give it a role in the plan, or parallelize it yourself in"
+                f" configure_model(){'' if self.over == 'heads' else ', or pass sequence_parallel=False'}."
+            )
+
+        def output_local(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
+            if self.over == "whole":  # (batch,) sequence, width
+                return output.redistribute(mesh, [Shard(output.dim() - 2)]).to_local()
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, _replicate_parameters, inputs_as_dtensors, output_local)
+
+
+def _described(value: Any) -> str:
+    """What a module that refuses its input was given, for its error: a tensor's rank and shape, a DTensor's
+    placement."""
+    if isinstance(value, DTensor):
+        return f"a DTensor {tuple(value.shape)} placed {value.placements[0]}"
+    return f"a {value.dim()}-D tensor {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+
+
+class ColwiseNorm(ParallelStyle):
+    """A norm over a colwise projection's whole output (OLMo 2's q and k norms, over all heads at once), of which
+    each rank holds ``1/tp``: its vectors are sharded as that output is (``Shard(0)``) and its own forward runs on
+    DTensors, this rank's share of the output read as ``Shard(-1)``, so the statistics over the whole width (a mean
+    of squares) are reduced over tp: an all-reduce of one value per token where gathering the output would move all
+    of it. Torch's ``nn.RMSNorm`` and ``nn.LayerNorm``, whose kernels DTensor cannot run on a sharded width, run as
+    the same formulas op by op. ``name`` is the module's, for the error when its input is of another width."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        width, tp = next(module.parameters()).shape[0], device_mesh.size()
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            sharded = {n: Shard(0) for n, _ in mod.named_parameters(recurse=False)}
+            _distribute_parameters(mod, mesh, sharded, self.src_data_rank)
+
+        def share_as_dtensor(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            share = inputs[0] if inputs else None
+            if isinstance(share, Tensor) and not isinstance(share, DTensor) and share.dim() and (
+                    share.shape[-1] * tp == width):
+                return (DTensor.from_local(share, mesh, [Shard(share.dim() - 1)], run_check=False), *inputs[1:])
+            given = _described(share)
+            raise TensorParallelError(
+                f"{_shown(self.name)} ({type(mod).__name__}) is a norm as wide as a column-parallel projection's"
+                f" output beside it ({width}), which tensor parallelism splits so: it must read this rank's 1/{tp} of"
+                f" that output, [..., {width // tp}], and it was given {given}. A norm of the module's input (as wide"
+                " by chance) belongs outside the module that holds the projections (in the block, before it); or"
+                " give it a role in the plan, or parallelize the module yourself in configure_model()."
+            )
+
+        def share_of_output(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
+            # DTensor may have gathered the width for an op of the norm's: this rank's share again (a slice)
+            return output.redistribute(mesh, [Shard(output.dim() - 1)]).to_local()
+
+        if type(module) in (nn.RMSNorm, nn.LayerNorm):
+            module.forward = functools.partial(_norm_op_by_op, module)
+        return distribute_module(module, device_mesh, partition, share_as_dtensor, share_of_output)
+
+
+def _norm_op_by_op(norm: Union[nn.RMSNorm, nn.LayerNorm], x: DTensor) -> DTensor:
+    """``norm``'s formula over the last dimension, op by op, on ``x`` sharded over it: each mean is reduced over the
+    mesh (not the width gathered to compute it)."""
+
+    def mean(values: DTensor) -> DTensor:
+        summed = values.sum(-1, keepdim=True).redistribute(values.device_mesh, [Replicate()])
+        return summed / values.shape[-1]
+
+    if isinstance(norm, nn.LayerNorm):
+        x = x - mean(x)
+    eps = torch.finfo(x.dtype).eps if norm.eps is None else norm.eps
+    y = x * torch.rsqrt(mean(x.pow(2)) + eps)
+    if norm.weight is not None:
+        y = y * norm.weight
+    bias = getattr(norm, "bias", None)
+    return y if bias is None else y + bias
+
+
+class OnLocalWeights(ParallelStyle):
+    """A module that runs, as it is, on plain tensors and a shallow copy holding this rank's values of its
+    parameters. Replicated (DTensors whose gradients are summed over tp, reduced with the norms'): a Hugging Face MoE
+    block's router and stacked experts on this rank's share of the tokens under sequence parallelism (the block
+    flattens the tokens first), a latent attention's down-projections and their norms (the latent every head
+    reads). ``sharded``: over output features (``Shard(0)``), a latent attention's up-projections, each rank making
+    its heads. A replicated DTensor input (the gathered input of the module holding a column→row group) is taken as
+    this rank's plain tensor, its gradient this rank's part of a sum — the part its heads make."""
+
+    def __init__(self, *, sharded: bool = False) -> None:
+        super().__init__()
+        self.sharded = sharded
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            if not self.sharded:
+                return _replicate_parameters(name, mod, mesh)
+            _distribute_parameters(mod, mesh, {n: Shard(0) for n, _ in mod.named_parameters(recurse=False)},
+                                   self.src_data_rank)
+
+        def plain_inputs(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(t.to_local(grad_placements=[Partial()]) if isinstance(t, DTensor)
+                         and all(p.is_replicate() for p in t.placements) else t for t in inputs)
+
+        distribute_module(module, device_mesh, partition, plain_inputs)
+        # (replicated, its submodules' weights too: a key selector's own projections)
+        forward = _forward_on_local_weights if self.sharded else _forward_on_local_tree
+        module.forward = functools.partial(forward, module, type(module).forward)
+        return module
+
+
+class Interior(OnLocalWeights):
+    """A module between a column→row group's readers and its writer that holds parameters (a learned activation,
+    Apertus's xIELU): it runs on this rank's hidden units as they are, its parameters replicated, each rank's gradient
+    its units' part of the sum over tp. Its input must be this rank's share of the ``width`` the writer reads;
+    anything else (a module the group's owner runs on its input) is refused at its first call, naming it."""
+
+    def __init__(self, name: str, width: int) -> None:
+        super().__init__()
+        self.name, self.width = name, width
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        share = self.width // device_mesh.size()
+
+        def check(mod: nn.Module, args: tuple) -> None:
+            given = args[0] if args else None
+            if not (isinstance(given, Tensor) and given.dim() and given.shape[-1] == share):
+                raise TensorParallelError(
+                    f"{_shown(self.name)} ({type(mod).__name__}) holds parameters beside a tensor-parallel group, so"
+                    " meshlight takes it for a module between the group's projections (a learned activation): it must"
+                    f" read this rank's {share} of the {self.width} hidden units the output projection reads,"
+                    f" [..., {share}], and it was given {_described(given)}. Give it a role in the strategy's plan="
+                    " (or a ParallelStyle), or parallelize the module yourself in configure_model().")
+
+        module.register_forward_pre_hook(check)
+        return module
+
+
+class WholeMixer(ParallelStyle):
+    """A sequence mixer kept whole on every rank under sequence parallelism (:data:`~meshlight.parallel.model_shape.
+    WHOLE_MIXERS`: a linear attention's recurrence): it reads the whole sequence — its input, this rank's share,
+    all-gathered, the gradient reduce-scattered back — and hands on its output's share of it. Its weights, and its
+    submodules', become replicated DTensors run as plain local values, each rank's gradient (from its share of the
+    output) a part of the sum over tp, reduced with the norms'. Every rank computes the whole mixer."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        distribute_module(module, device_mesh, _replicate_parameters)
+        # (on copies of the whole tree: its forward reads a submodule's weight itself, Qwen3.5's convolution's)
+        module.forward = functools.partial(_forward_on_local_tree, module, type(module).forward)
+        first = list(inspect.signature(type(module).forward).parameters)[1]  # after `self`
+
+        def whole(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (all_gather_along(args[0], 1, group), *args[1:]), kwargs
+            return args, {**kwargs, first: all_gather_along(kwargs[first], 1, group)}
+
+        def share(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            hidden = output[0] if isinstance(output, tuple) else output
+            length = hidden.shape[1] // device_mesh.size()
+            mine = hidden.narrow(1, device_mesh.get_local_rank() * length, length)
+            return (mine, *output[1:]) if isinstance(output, tuple) else mine
+
+        module.register_forward_pre_hook(whole, with_kwargs=True)
+        module.register_forward_hook(share, with_kwargs=True)
+        return module
+
+
+def split_by_head(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
+    """An attention ``module``'s own parameters ``names``, one value per head (GPT-OSS's attention sinks), sharded
+    over tp as its heads are; its forward runs on a shallow copy holding this rank's values as plain tensors."""
+    _distribute_parameters(module, mesh, dict.fromkeys(names, Shard(0)), src_data_rank=0)
+    module.forward = functools.partial(_forward_on_local_weights, module, type(module).forward)
+
+
+def _forward_on_local_weights(module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """``forward`` on a shallow copy of ``module`` holding its own DTensor parameters as this rank's plain values:
+    the gradients of replicated ones are this rank's part of a sum, those of sharded ones its shard's. Its buffers,
+    which ``distribute_module`` makes replicated DTensors (DeepSeek's router's score correction), as plain values
+    too."""
+    local = shallow_copy(module)
+    for name, param in module.named_parameters(recurse=False):
+        replicated = all(p.is_replicate() for p in param.placements)
+        object.__setattr__(local, name, param.to_local(grad_placements=[Partial()] if replicated else None))
+    for name, buffer in module.named_buffers(recurse=False):
+        if isinstance(buffer, DTensor):
+            object.__setattr__(local, name, buffer.to_local())
+    return forward(local, *args, **kwargs)
+
+
+def _forward_on_local_tree(module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """``forward`` on a copy of ``module`` and of each of its submodules holding their replicated DTensor parameters
+    as this rank's plain values (each gradient this rank's part of a sum), however the forward reaches them."""
+
+    def local(mod: nn.Module) -> nn.Module:
+        copied = shallow_copy(mod)
+        copied._parameters = {}
+        for name, param in mod._parameters.items():  # (None where a Linear has no bias)
+            object.__setattr__(copied, name, param.to_local(grad_placements=[Partial()])
+                               if isinstance(param, DTensor) else param)
+        for name, buffer in mod.named_buffers(recurse=False):
+            if isinstance(buffer, DTensor):
+                object.__setattr__(copied, name, buffer.to_local())
+        copied._modules = {name: local(child) for name, child in mod.named_children()}
+        return copied
+
+    return forward(local(module), *args, **kwargs)
