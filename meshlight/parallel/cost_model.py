@@ -217,17 +217,20 @@ def estimate(
     # the blocks of each rank, and of the most loaded one; the LM head's matmul runs on the rank of the last stage
     stages = _rank_stages(model, pp, virtual_stages, schedule, stage_blocks)
     loads = [sum(blocks) for blocks in stages]
+    moe_shares = _moe_shares(model, pp, virtual_stages, schedule, stage_blocks)
     head_rank = rank_holding(pp * virtual_stages - 1, pp, schedule) if pp > 1 else 0
     layers_per_stage = max(loads)
     # --- model state of each rank: its blocks, the embedding (and an encoder beside the decoder, whole on every tp
     # rank) on the first stage's, the LM head on the last stage's (a copy of the token embedding where it is tied)
     head_params = model.vocab * h if head_rank != 0 else model.head_params
-    dense = [(model.block_params * load / model.layers + (model.embedding_params if rank == 0 else 0)
+    # (the blocks holding experts hold them in place of a dense MLP: DeepSeek's dense first layers are the first rank's)
+    dense = [(model.blocks_params(load, load * share) + (model.embedding_params if rank == 0 else 0)
               + (head_params if rank == head_rank else 0)) / tp + (model.encoder_params if rank == 0 else 0)
-             for rank, load in enumerate(loads)]
+             for rank, (load, share) in enumerate(zip(loads, moe_shares))]
     folded = experts == "fold" and tp > 1 and ep > 1
     # folded, whole experts over ep ranks that span tp: the ranks holding the same ones are data·tp/ep
-    experts_shard = [model.expert_params * load / model.layers / (ep if folded else tp * ep) for load in loads]
+    experts_shard = [model.experts * model.mlp_params * load * share / (ep if folded else tp * ep)
+                     for load, share in zip(loads, moe_shares)]
     expert_data = data * tp // ep if folded else data // ep
     # ZeRO-3 without pipelining keeps the root unit (embedding and head) gathered from forward to backward
     root = model.embedding_params + model.head_params if pp == 1 else 0
@@ -242,10 +245,10 @@ def estimate(
     compressed = hw.compressed_activations
     saved_bytes = hw.activation_bytes * (1 - compressed) + min(hw.activation_bytes,
                                                                 hw.compressed_activation_bytes) * compressed
-    layer_activations = (model.activation_values_per_token(tp) * local * micro_batch
-                         + _context_parallel_values(model, cp, tp, micro_batch)) * saved_bytes
+    layer_activations = [(model.activation_values_per_token(tp, share) * local * micro_batch
+                          + _context_parallel_values(model, cp, tp, micro_batch)) * saved_bytes for share in moe_shares]
     # with recomputation a block keeps only its input: the residual stream, split over the sequence under tp
-    per_layer = local * micro_batch * h * saved_bytes / tp if recompute else layer_activations
+    per_layer = [local * micro_batch * h * saved_bytes / tp if recompute else values for values in layer_activations]
     held = [_blocks_held(rank, blocks, pp, microbatches, virtual_stages, schedule)
             for rank, blocks in enumerate(stages)]
     # blocks whose activations wait in host memory hold, on the device, the one being computed and the one
@@ -255,19 +258,22 @@ def estimate(
     # their gradient (the logits of every micro-batch where all forwards, the loss's included, run first)
     logits = local * micro_batch * model.vocab * 4 / tp * (
         1 + (microbatches if schedule in ALL_FORWARDS_FIRST and pp > 1 else 1))
-    activations = [per_layer * blocks * (1 - offloaded) + (2 * per_layer if offloaded else 0.0)
-                   + (layer_activations if recompute else 0.0) + (logits if rank == head_rank else 0.0)
+    activations = [per_layer[rank] * blocks * (1 - offloaded) + (2 * per_layer[rank] if offloaded else 0.0)
+                   + (layer_activations[rank] if recompute else 0.0) + (logits if rank == head_rank else 0.0)
                    for rank, blocks in enumerate(held)]
     # in host memory: the offloaded activations, and what optimizer offload keeps there
-    host = max(per_layer * blocks * offloaded + state for blocks, state in zip(held, host_state))
+    host = max(values * blocks * offloaded + state for values, blocks, state in zip(per_layer, held, host_state))
     # --- time
     tokens = global_batch * s
     recomputed = model.recompute_flops_per_token() if recompute else 0
     per_token = model.executed_flops_per_token() + recomputed
     if pp > 1:  # a pipeline runs at its most loaded rank's pace: the last stage's, which runs the LM head beside its
-        head = model.head_flops_per_token()  # blocks, or one that holds more blocks
+        head = model.head_flops_per_token()  # blocks, or one that holds more blocks (or more of those with experts)
         per_block = (per_token - head) / model.layers
-        per_token = pp * max(per_block * load + (head if rank == head_rank else 0) for rank, load in enumerate(loads))
+        mean_layer = model.layer_flops_per_token(model.moe_layers / model.layers)
+        paces = [per_block * load * model.layer_flops_per_token(share) / mean_layer + (head if rank == head_rank else 0)
+                 for rank, (load, share) in enumerate(zip(loads, moe_shares))]
+        per_token = pp * max(paces)
     compute = tokens * per_token / world / (hw.compute_flops * ACHIEVABLE_FRACTION) + _streamed_time(
         model, hw, tp, global_batch * s / data, recompute, layers_per_stage)
     bubble = compute * (pp - 1) / (microbatches * virtual_stages) if pp > 1 else 0.0
@@ -304,7 +310,7 @@ def estimate(
         link = _bandwidth(hw, ep, 1 if folded else tp)
         ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / link
     host_time = _host_time(model, hw, world, compute, recompute,
-                           moved=per_layer * layers_per_stage * microbatches * offloaded,
+                           moved=max(per_layer) * layers_per_stage * microbatches * offloaded,
                            shard=max(host_state),
                            gathers=microbatches if zero == 3 else 1,
                            regathers=microbatches if zero == 3 else 0, reductions=reductions,
@@ -347,6 +353,29 @@ def _blocks_held(rank: int, stages: Sequence[int], pp: int, microbatches: int, v
         return peak
     interleave = 1 + (pp - 1) / (pp * virtual_stages) if virtual_stages > 1 else 1
     return blocks * min(microbatches, pp) * interleave
+
+
+def _moe_shares(model: ModelSpec, pp: int, virtual_stages: int, schedule: str,
+                stage_blocks: Optional[Sequence[int]]) -> list[float]:
+    """For each of the ``pp`` ranks, the share of the blocks it holds that hold experts
+    (:meth:`~meshlight.parallel.presets.ModelSpec.moe_positions_of`), its stages cut as :func:`_rank_stages` cuts
+    them; the model's share where a rank holds no whole block."""
+    overall = model.moe_layers / model.layers
+    if pp == 1 or not model.experts:
+        return [overall] * pp
+    positions, stages = model.moe_positions_of(), pp * virtual_stages
+    if stage_blocks:
+        sizes = list(stage_blocks)
+    else:
+        share = math.ceil(model.layers / stages)
+        sizes = [max(share, model.first_stage_layers)] + [share] * (stages - 1)
+    starts = [sum(sizes[:stage]) for stage in range(stages)]
+    shares = []
+    for rank in range(pp):
+        held = [index for stage in stages_of_rank(rank, pp, virtual_stages, schedule)
+                for index in range(starts[stage], min(starts[stage] + sizes[stage], model.layers))]
+        shares.append(sum(index in positions for index in held) / len(held) if held else overall)
+    return shares
 
 
 def _rank_stages(model: ModelSpec, pp: int, virtual_stages: int, schedule: str,

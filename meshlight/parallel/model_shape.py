@@ -121,6 +121,9 @@ class ModelShape:
     experts: int = 0
     top_k: int = 1
     moe_layers: int = 0
+    #: the indices of the blocks holding experts where some blocks hold none (DeepSeek's dense first layers, Llama 4
+    #: Maverick's every other one); empty where all do, or where the blocks are not at hand
+    moe_positions: tuple[int, ...] = ()
     gated_mlp: Optional[bool] = None
     tied_head: bool = False
     #: the width of what every token of an MoE layer runs beside its routed experts (Qwen2-MoE's shared expert,
@@ -159,7 +162,7 @@ def model_shape(module: nn.Module) -> ModelShape:
         mlp_width=mlp_width, gated_mlp=mlp_gated(blocks, hidden, mlp_width),
         vocab=max((m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)), default=0),
         experts=moes[0].num_experts if moes else 0, top_k=moes[0].top_k if moes else 1, moe_layers=len(moes),
-        tied_head=head_tied(module), encoder_params=encoder_parameters(module),
+        moe_positions=_moe_positions(blocks), tied_head=head_tied(module), encoder_params=encoder_parameters(module),
         first_stage_blocks=blocks_fed_between(module) + 1,
     )
 
@@ -210,11 +213,19 @@ def config_shape(module: nn.Module) -> Optional[ModelShape]:
             head_dim=stated("head_dim", "head_size", default=hidden // heads), mlp_width=mlp_width,
             vocab=stated("padded_vocab_size", "vocab_size", default=0), experts=experts,
             top_k=stated("num_experts_per_tok", "n_expert_per_token", default=1) if experts else 1,
-            moe_layers=(len(moe_blocks) or layers) if experts else 0, tied_head=head_tied(module),
+            moe_layers=(len(moe_blocks) or layers) if experts else 0,
+            moe_positions=_moe_positions(decoder) if experts and len(decoder) == layers else (),
+            tied_head=head_tied(module),
             gated_mlp=mlp_gated(decoder, hidden, mlp_width),
             shared_mlp_width=shared if experts else 0, dense_mlp_width=dense if experts else 0,
             encoder_params=encoder_parameters(module), first_stage_blocks=blocks_fed_between(module) + 1,
         )
+
+
+def _moe_positions(blocks: Sequence[nn.Module]) -> tuple[int, ...]:
+    """The indices of ``blocks`` that hold experts (:func:`moe_block`), where some hold none; else empty."""
+    positions = tuple(index for index, block in enumerate(blocks) if moe_block(block) is not None)
+    return positions if 0 < len(positions) < len(blocks) else ()
 
 
 def moe_block(block: nn.Module) -> Optional[nn.Module]:

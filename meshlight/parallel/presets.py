@@ -49,6 +49,9 @@ class ModelSpec:
     dense_ffn: int = 0
     #: MoE layers where a model places them otherwise than every ``moe_every``-th (after dense first layers), 0: that
     moe_count: int = 0
+    #: the indices of the MoE layers where the model's structure tells them (:attr:`~meshlight.parallel.model_shape.
+    #: ModelShape.moe_positions`); empty: as ``moe_every`` or ``moe_count`` place them (:meth:`moe_positions_of`)
+    moe_positions: tuple[int, ...] = ()
     #: parameters of encoders beside the decoder (a multimodal model's vision tower and projector), held whole on
     #: every tensor-parallel rank of the first stage; their compute is not priced (it depends on the images)
     encoder_params: int = 0
@@ -63,7 +66,21 @@ class ModelSpec:
 
     @property
     def moe_layers(self) -> int:
+        if self.experts and self.moe_positions:
+            return len(self.moe_positions)
         return min(self.moe_count or self.layers // self.moe_every, self.layers) if self.experts else 0
+
+    def moe_positions_of(self) -> frozenset[int]:
+        """The indices of the layers holding experts: as the structure told them, else the last ``moe_count`` (after
+        dense first layers, as DeepSeek's), else every ``moe_every``-th (the ``moe_every``-1-th first, as meshlight's
+        GPT and Llama 4 place them)."""
+        if not self.experts:
+            return frozenset()
+        if self.moe_positions:
+            return frozenset(self.moe_positions)
+        if self.moe_count:
+            return frozenset(range(self.layers - self.moe_layers, self.layers))
+        return frozenset(index for index in range(self.layers) if (index + 1) % self.moe_every == 0)
 
     @property
     def mlp_params(self) -> int:
@@ -104,12 +121,16 @@ class ModelSpec:
     @property
     def block_params(self) -> int:
         """Dense (non-expert) parameters of all blocks: attention, norms, dense MLPs, routers and shared experts."""
+        return self.blocks_params(self.layers, self.moe_layers)
+
+    def blocks_params(self, blocks: float, moe: float) -> float:
+        """Dense (non-expert) parameters of ``blocks`` blocks, ``moe`` of them holding experts: attention and norms
+        in each, a dense MLP in the others, a router and shared experts in those."""
         kv = self.kv_heads * self.head_dim
         attention = self.attention_params + (self.heads * self.head_dim + 2 * kv + self.hidden if self.bias else 0)
         mlp = (3 if self.swiglu else 2) * self.hidden * self.dense_width + (
             (2 if self.swiglu else 1) * self.dense_width + self.hidden if self.bias else 0)
-        dense_mlps = (self.layers - self.moe_layers) * mlp
-        return self.layers * (attention + 2 * self.norm_params) + dense_mlps + self.moe_layers * (
+        return blocks * (attention + 2 * self.norm_params) + (blocks - moe) * mlp + moe * (
             self.hidden * self.experts + self.shared_expert_params)
 
     @property
@@ -123,7 +144,7 @@ class ModelSpec:
         routed = self.moe_layers * self.top_k * self.mlp_params
         return self.params - self.embedding_params - self.expert_params - self.encoder_params + routed
 
-    def activation_values_per_token(self, tp: int) -> float:
+    def activation_values_per_token(self, tp: int, moe_share: Optional[float] = None) -> float:
         """Values one block's backward keeps per token (no recomputation), as autograd saves them in meshlight's
         blocks under tensor and sequence parallelism (measured by saved-tensor hooks, in the tests), all split
         over tp: the inputs of the q/k/v and first MLP projections, kept as this rank's share of the sequence and
@@ -133,10 +154,10 @@ class ModelSpec:
         product (4·ffn); ``top_k`` of them in a MoE layer, beside each routed token's copy and its expert's
         output (2·top_k·h), and a shared expert's (4·shared_ffn; MoE layers are estimated, not measured). Flash
         attention keeps no score matrix; no dropout. With ``keep_gathered_inputs`` the projections' inputs stay
-        whole: 2·h, whatever tp."""
+        whole: 2·h, whatever tp. ``moe_share``: of blocks of which that share hold experts (default: the model's)."""
         kv = self.kv_heads * self.head_dim
         per_width = 4 if self.swiglu else 2
-        moe_share = self.moe_layers / self.layers
+        moe_share = self.moe_layers / self.layers if moe_share is None else moe_share
         routed = (per_width * self.ffn_hidden + 2 * self.hidden) * self.top_k + per_width * self.shared_ffn
         mlp = per_width * self.dense_width * (1 - moe_share) + routed * moe_share
         norms = (4 if self.rmsnorm else 2) * self.hidden
@@ -146,6 +167,12 @@ class ModelSpec:
     def flops_per_token(self) -> float:
         """Training FLOPs per token, the PaLM/torchtitan MFU convention (as :meth:`GPT.flops_per_token`)."""
         return 6 * self.active_params + 12 * self.layers * self.heads * self.head_dim * self.seq_len
+
+    def layer_flops_per_token(self, moe_share: float) -> float:
+        """Training FLOPs per token of one block, of blocks of which ``moe_share`` hold experts
+        (:meth:`flops_per_token`'s convention)."""
+        active = self.blocks_params(1, moe_share) + moe_share * self.top_k * self.mlp_params
+        return 6 * active + 12 * self.heads * self.head_dim * self.seq_len
 
     def executed_flops_per_token(self) -> float:
         """What a training step computes per token: :meth:`flops_per_token`, whose convention leaves out a head tied
@@ -178,7 +205,8 @@ class ModelSpec:
         heads = shape.heads or max(shape.hidden // 64, 1)
         return cls(layers=shape.blocks, hidden=shape.hidden, heads=heads, kv_heads=shape.kv_heads or heads,
                    ffn_hidden=shape.mlp_width, vocab=shape.vocab, seq_len=seq_len or 2048, experts=shape.experts,
-                   top_k=shape.top_k, moe_count=shape.moe_layers, dense_ffn=shape.dense_mlp_width,
+                   top_k=shape.top_k, moe_count=shape.moe_layers, moe_positions=shape.moe_positions,
+                   dense_ffn=shape.dense_mlp_width,
                    tie_embeddings=shape.tied_head, swiglu=shape.gated_mlp is not False, name=name,
                    head_size=shape.head_dim if shape.head_dim and shape.head_dim * heads != shape.hidden else 0,
                    shared_ffn=shape.shared_mlp_width, encoder_params=shape.encoder_params,

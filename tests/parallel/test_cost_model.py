@@ -354,6 +354,43 @@ def test_each_pipeline_rank_is_priced_with_its_own_state_and_activations():
     assert whole_tied.model_state_bytes < whole.model_state_bytes
 
 
+def test_each_pipeline_rank_holds_the_experts_of_its_own_blocks():
+    """DeepSeek-V3's dense first layers (3 of 61) are the first rank's: it holds their wide dense MLPs and the experts
+    of its one MoE block, the others the experts of all theirs; the most loaded rank's compute paces the pipeline. A
+    model read from its structure places its experts where its blocks hold them; where every layer holds experts,
+    nothing moves."""
+    deepseek = ModelSpec(61, 7168, 128, 128, 2048, vocab=129280, seq_len=4096, experts=256, top_k=8, shared_ffn=2048,
+                         dense_ffn=18432, moe_count=58)
+    assert sorted(deepseek.moe_positions_of()) == list(range(3, 61))
+    hardware = HARDWARE["h100"]
+    # 1024 GPUs: dp=8 × pp=16 (4 blocks a stage) × tp=8, ep=8 over the data ranks; ZeRO-1
+    run = estimate(deepseek, hardware, 1024, 4096, 8, 16, 8, 8, 1, 16, 1, True)
+
+    def state(blocks: int, moe: int, embedding: bool) -> float:
+        dense = (deepseek.blocks_params(blocks, moe) + (deepseek.embedding_params if embedding else 0)) / 8
+        experts = deepseek.experts * deepseek.mlp_params * moe / 64
+        return (model_state_bytes(dense, 8, 1, hardware, pipelined=True)
+                + model_state_bytes(experts, 1, 1, hardware, pipelined=True))
+
+    assert run.rank_state[:2] == pytest.approx((state(4, 1, True), state(4, 4, False)))
+    assert run.rank_state[0] < run.rank_state[1] == run.rank_state[2]
+    # compute per token: a dense block's MLP in place of a block's router, shared expert and 8 routed experts
+    dense_mlp, routed = 3 * 7168 * 18432, 7168 * 256 + 3 * 7168 * 2048 + 8 * deepseek.mlp_params
+    assert deepseek.layer_flops_per_token(0) - deepseek.layer_flops_per_token(1) == 6 * (dense_mlp - routed)
+    all_moe = deepseek.replace(moe_count=61)
+    assert estimate(all_moe, hardware, 1024, 4096, 8, 16, 8, 8, 1, 16, 1, True).rank_state[1] == run.rank_state[1]
+    # Llama 4 Maverick's experts in every other layer: each of 4 stages of 12 layers holds 6
+    maverick = MODELS["llama4-maverick"]
+    assert len(set(estimate(maverick, hardware, 512, 2048, 4, 4, 8, 4, 1, 16, 1, True).rank_state[1:3])) == 1
+    structured = ModelSpec(4, 64, 4, 4, 32, vocab=128, seq_len=16, experts=4, top_k=2, moe_positions=(1, 3))
+    assert structured.moe_layers == 2 and structured.moe_positions_of() == {1, 3}
+    two = estimate(structured, CPU, 2, 8, 1, 2, 1, 1, 0, 4, 1, False).rank_state
+    assert two == estimate(structured.replace(moe_positions=(), moe_every=2), CPU, 2, 8, 1, 2, 1, 1, 0, 4, 1,
+                           False).rank_state
+    first = estimate(structured.replace(moe_positions=(2, 3)), CPU, 2, 8, 1, 2, 1, 1, 0, 4, 1, False).rank_state
+    assert first[0] < two[0] and first[1] > two[1]
+
+
 def test_interleaved_activations_are_the_peak_of_torchs_own_order_of_forwards_and_backwards():
     """What ``_blocks_held`` prices under Interleaved1F1B is the most a rank holds as torch's schedule orders its
     forwards and backwards (its ``_calculate_single_rank_operations``), for even and uneven stages."""

@@ -179,6 +179,7 @@ def test_an_moe_models_dense_layers_and_a_shared_expert_its_config_does_not_stat
     shape = model_shape(module)
     assert (shape.blocks, shape.moe_layers, shape.mlp_width, shape.dense_mlp_width) == (2, 1, hf_models.HIDDEN // 2,
                                                                                          hf_models.HIDDEN)
+    assert shape.moe_positions == (1,) and model_spec_of(module).moe_positions_of() == {1}  # (the planner's stages)
     assert shape.shared_mlp_width > 0
     assert model_spec_of(module).params == pytest.approx(sum(p.numel() for p in module.parameters()), abs=4)
 
