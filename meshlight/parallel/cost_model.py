@@ -306,9 +306,10 @@ def estimate(
         # every tp rank routes the whole tokens; split, each sends all of them (to its slice of the experts), folded
         # each sends its 1/tp part, over ep ranks adjacent to it
         routed = local * micro_batch * model.top_k * h * hw.activation_bytes * (ep - 1) / ep / (tp if folded else 1)
-        exchanges = 5 * model.moe_layers / pp * microbatches  # counts, then tokens out and back, both directions
+        moe_held = max(load * share for load, share in zip(loads, moe_shares))  # the most loaded rank's MoE blocks
+        exchanges = 5 * moe_held * microbatches  # counts, then tokens out and back, both directions
         link = _bandwidth(hw, ep, 1 if folded else tp)
-        ep_time = exchanges * hw.latency + 4 * routed * model.moe_layers / pp * microbatches / link
+        ep_time = exchanges * hw.latency + 4 * routed * moe_held * microbatches / link
     host_time = _host_time(model, hw, world, compute, recompute,
                            moved=max(per_layer) * layers_per_stage * microbatches * offloaded,
                            shard=max(host_state),

@@ -356,9 +356,9 @@ def test_each_pipeline_rank_is_priced_with_its_own_state_and_activations():
 
 def test_each_pipeline_rank_holds_the_experts_of_its_own_blocks():
     """DeepSeek-V3's dense first layers (3 of 61) are the first rank's: it holds their wide dense MLPs and the experts
-    of its one MoE block, the others the experts of all theirs; the most loaded rank's compute paces the pipeline. A
-    model read from its structure places its experts where its blocks hold them; where every layer holds experts,
-    nothing moves."""
+    of its one MoE block, the others the experts of all theirs; the most loaded rank's compute and expert exchanges
+    pace the pipeline. A model read from its structure places its experts where its blocks hold them; where every
+    layer holds experts, nothing moves."""
     deepseek = ModelSpec(61, 7168, 128, 128, 2048, vocab=129280, seq_len=4096, experts=256, top_k=8, shared_ffn=2048,
                          dense_ffn=18432, moe_count=58)
     assert sorted(deepseek.moe_positions_of()) == list(range(3, 61))
@@ -377,8 +377,10 @@ def test_each_pipeline_rank_holds_the_experts_of_its_own_blocks():
     # compute per token: a dense block's MLP in place of a block's router, shared expert and 8 routed experts
     dense_mlp, routed = 3 * 7168 * 18432, 7168 * 256 + 3 * 7168 * 2048 + 8 * deepseek.mlp_params
     assert deepseek.layer_flops_per_token(0) - deepseek.layer_flops_per_token(1) == 6 * (dense_mlp - routed)
-    all_moe = deepseek.replace(moe_count=61)
-    assert estimate(all_moe, hardware, 1024, 4096, 8, 16, 8, 8, 1, 16, 1, True).rank_state[1] == run.rank_state[1]
+    all_moe = estimate(deepseek.replace(moe_count=61), hardware, 1024, 4096, 8, 16, 8, 8, 1, 16, 1, True)
+    assert all_moe.rank_state[1] == run.rank_state[1]
+    # the experts' exchanges pace the pipeline on a rank of 4 MoE blocks, as when all 61 hold experts (not 58/16)
+    assert run.times["ep"] == pytest.approx(all_moe.times["ep"])
     # Llama 4 Maverick's experts in every other layer: each of 4 stages of 12 layers holds 6
     maverick = MODELS["llama4-maverick"]
     assert len(set(estimate(maverick, hardware, 512, 2048, 4, 4, 8, 4, 1, 16, 1, True).rank_state[1:3])) == 1
