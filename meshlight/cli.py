@@ -22,7 +22,7 @@ import torch
 from meshlight.models.from_config import ModelConfigError, model_from_config
 from meshlight.parallel.activation_compression import COMPRESSED_DTYPES
 from meshlight.parallel.compression import GradientCompression
-from meshlight.parallel.pipeline import SCHEDULES
+from meshlight.parallel.pipeline import SCHEDULES, stage_blocks_of
 from meshlight.parallel.planner import (
     HARDWARE,
     LONG_SEQUENCE,
@@ -176,6 +176,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                    microbatches=args.microbatches, experts=args.expert_layout,
                                    recompute=None if args.recompute is None else args.recompute == "yes").items()
              if v is not None}
+    # a config's model unchanged by shape flags: each pipeline rank priced by the blocks of its stages, as the
+    # strategy's split cuts them at fit
+    reshaped = args.mlp or any(getattr(args, flag.replace("-", "_")) is not None for flag in SHAPE_FLAGS
+                               if flag != "seq")
+    if args.config and not reshaped:
+        fixed["stage_blocks"] = stage_blocks_of(_config_module(args.config))
     try:
         candidates = plan(model, hardware, args.gpus, global_batch, **fixed)
     except PlanError as error:
@@ -294,10 +300,14 @@ def _config_model(path: str) -> ModelSpec:
     built on the meta device), read as :func:`~meshlight.parallel.planner.model_spec_of` reads a module; sequences
     of 4096 tokens unless ``--seq`` says otherwise."""
     try:
-        module = model_from_config(path)
+        module = _config_module(path)
     except ModelConfigError as error:
         raise ValueError(f"--config {error} Or give the model's shape: --layers, --hidden, --heads, --vocab.") from None
     return model_spec_of(module, 4096).replace(name=f"{type(module).__name__} ({path})")
+
+
+#: the model a config describes, built once (on the meta device) for its shape and its pipeline split
+_config_module = functools.cache(model_from_config)
 
 
 def _hardware_of(args: argparse.Namespace) -> Hardware:

@@ -15,6 +15,7 @@ puts stages ``r`` and ``2·pp − 1 − r`` on rank ``r``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -25,7 +26,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from meshlight.parallel.blocks import holds_blocks
-from meshlight.parallel.model_shape import decoder_container, encoder_blocks, lm_heads
+from meshlight.parallel.model_shape import blocks_fed_between, decoder_container, encoder_blocks, lm_heads
 
 __all__ = [
     "SCHEDULES",
@@ -38,9 +39,11 @@ __all__ = [
     "default_virtual_stages",
     "find_pipelined_module",
     "model_root",
+    "module_stage_plan",
     "named_stages",
     "plan_stages",
     "rank_holding",
+    "stage_blocks_of",
     "stages_of_rank",
 ]
 
@@ -278,6 +281,33 @@ def plan_stages(module: nn.Module, container: str, num_stages: int, split: Split
             )
         bounds = [0, *starts, len(keys)]
     return StagePlan(container, pre, post, tuple(tuple(keys[bounds[s]:bounds[s + 1]]) for s in range(num_stages)))
+
+
+def module_stage_plan(module: nn.Module, num_stages: int, split: SplitSpec = None,
+                      run_after: Sequence[str] = ()) -> tuple[ModelRoot, nn.Module, StagePlan]:
+    """Where ``module``'s blocks are (:func:`model_root`), the model holding them, and how ``num_stages`` stages split
+    them under ``split`` (:func:`plan_stages`): a decoder adding its encoder's features after its first blocks keeps
+    them, and the next, on the first stage; what the first and the last stage hold beside the pipelined module
+    counts towards their parameters."""
+    place = model_root(module)
+    root = module.get_submodule(place.name)
+    pipelined = root.get_submodule(place.pipelined)
+    first_blocks, beside = blocks_fed_between(root) + 1, beside_parameters(root, place)
+    return place, root, plan_stages(pipelined, place.container, num_stages, split, run_after, first_blocks, beside)
+
+
+def stage_blocks_of(module: nn.Module, split: SplitSpec = None) -> Callable[[int], Optional[tuple[int, ...]]]:
+    """The blocks of each stage as ``split`` cuts ``module`` into a count of stages (what the planner prices each
+    pipeline rank by), or None where it has too few blocks for that many; each count computed once."""
+
+    @functools.cache
+    def blocks(stages: int) -> Optional[tuple[int, ...]]:
+        try:
+            return tuple(len(b) for b in module_stage_plan(module, stages, split)[2].blocks)
+        except PipelineError:
+            return None
+
+    return blocks
 
 
 def rank_holding(stage: int, pp: int, schedule: str) -> int:

@@ -27,6 +27,7 @@ from meshlight.parallel.pipeline import (
     default_virtual_stages,
     find_pipelined_module,
     named_stages,
+    stage_blocks_of,
 )
 from meshlight.parallel.planner import (
     Candidate,
@@ -282,15 +283,8 @@ class Hybrid3DStrategy(MeshStrategy):
         its stages as a balanced ``split`` (default: this run's; by parameters where none is given, or a named split
         is left to the planner) gives them for each count of stages."""
         split = split or (None if self._stages is not None else self._pipeline_options.split) or "parameters"
-
-        @functools.cache
-        def balanced(stages: int) -> Optional[tuple[int, ...]]:
-            try:
-                return self._stage_blocks(stages, split)
-            except PipelineError:  # more stages than this model has blocks for: priced as even
-                return None
-
-        return {"stage_blocks": balanced}
+        # (more stages than this model has blocks for: priced as even)
+        return {"stage_blocks": stage_blocks_of(self.lightning_module, split)}
 
     def _asked_recompute(self) -> tuple[Optional[bool], bool]:
         """Whether recomputation was asked for (None: the planner chooses), by this strategy's ``recompute`` or an

@@ -43,17 +43,14 @@ from torch.distributed.pipelining import PipelineStage
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from meshlight.parallel.layout import ParallelLayout
-from meshlight.parallel.model_shape import blocks_fed_between
 from meshlight.parallel.pipeline import (
     ZERO_BUBBLE,
     ModelRoot,
     PipelineError,
     SplitSpec,
     StagePlan,
-    beside_parameters,
     build_schedule,
-    model_root,
-    plan_stages,
+    module_stage_plan,
     rank_holding,
     stages_of_rank,
 )
@@ -119,15 +116,10 @@ def stage_plan(lightning_module: LightningModule, num_stages: int, split: SplitS
     """Where ``lightning_module``'s blocks are, the model holding them, and how ``num_stages`` stages split them under
     ``split``; with ``probe``, the pieces registered before the blocks that run after them go to the last stage (a
     forward on the model's example inputs finds them: :func:`run_after_blocks`), as :func:`setup_pipeline` runs it."""
-    place = model_root(lightning_module)
-    root = lightning_module.get_submodule(place.name)
-    pipelined = root.get_submodule(place.pipelined)
-    # a decoder adding its encoder's features after its first blocks keeps them, and the next, on the first stage
-    first_blocks, beside = blocks_fed_between(root) + 1, beside_parameters(root, place)
-    plan = plan_stages(pipelined, place.container, num_stages, split, first_blocks=first_blocks, beside=beside)
+    place, root, plan = module_stage_plan(lightning_module, num_stages, split)
     run_after = run_after_blocks(root, plan, place) if probe else ()
     if run_after:
-        plan = plan_stages(pipelined, place.container, num_stages, split, run_after, first_blocks, beside)
+        plan = module_stage_plan(lightning_module, num_stages, split, run_after)[2]
     return place, root, plan
 
 

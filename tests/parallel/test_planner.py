@@ -543,26 +543,36 @@ def test_command_line_plans_a_model_given_by_its_shape_as_it_plans_the_same_pres
         assert message in capsys.readouterr().err
 
 
-def test_command_line_plans_a_hugging_face_config_as_it_plans_the_same_preset(capsys, tmp_path):
+def test_command_line_plans_a_hugging_face_config_as_it_plans_the_same_preset(capsys, tmp_path, monkeypatch):
     """``--config``: a Hugging Face model's config.json or litgpt's model_config.yaml (or the folder holding it), the
     model built on the meta device and read as the strategies read a module: Llama 3 8B's and Mixtral 8x7B's configs
-    plan as their presets do."""
+    plan as their presets do, but that each pipeline rank is priced by the blocks the strategy's split gives its
+    stages at fit (a preset's are even): Llama's embedding and head outweigh a block, Mixtral's do not."""
     transformers = pytest.importorskip("transformers")
+    from meshlight import cli
+    from meshlight.models import model_from_config
+    from meshlight.parallel.pipeline import stage_blocks_of
+
     shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8)
     transformers.LlamaConfig(**shape, vocab_size=128256).save_pretrained(tmp_path / "llama")
     transformers.MixtralConfig(**shape, vocab_size=32000, num_local_experts=8,
                                num_experts_per_tok=2).save_pretrained(tmp_path / "mixtral")
-    for preset, config, seq in (("llama3-8b", tmp_path / "llama", "8192"),
-                                ("mixtral-8x7b", tmp_path / "mixtral" / "config.json", "4096")):
+    priced = []
+    monkeypatch.setattr(cli, "plan", lambda *args, **options: priced.append(options) or plan(*args, **options))
+    for preset, config, seq, split in (("llama3-8b", tmp_path / "llama", "8192", (7, 9, 9, 7)),
+                                       ("mixtral-8x7b", tmp_path / "mixtral" / "config.json", "4096", (8,) * 4)):
         runs = []
         for model in (["--model", preset], ["--config", str(config)]):
-            assert main(["plan", *model, "--seq", seq, "--gpus", "64", "--json", "--top", "4"]) == 0
+            assert main(["plan", *model, "--seq", seq, "--gpus", "64", "--pp", "1", "--json", "--top", "4"]) == 0
             runs.append(json.loads(capsys.readouterr().out))
         assert runs[0] == runs[1], preset
-    # shape flags change it, as they change a preset; a path without a config fails before planning
+        assert "stage_blocks" not in priced[-2] and priced[-1]["stage_blocks"](4) == split
+        assert stage_blocks_of(model_from_config(str(config)))(4) == split  # as Hybrid3DStrategy prices them
+    # shape flags change it, as they change a preset (its split no longer applies); a path without a config fails
+    # before planning
     assert main(["plan", "--config", str(tmp_path / "llama"), "--layers", "16", "--gpus", "8", "--top", "1"]) == 0
-    assert "LlamaForCausalLM" in capsys.readouterr().out
+    assert "LlamaForCausalLM" in capsys.readouterr().out and "stage_blocks" not in priced[-1]
     for argv, message in ((["--config", str(tmp_path / "none")], "no such file or folder"),
                           (["--config", str(tmp_path)], "no Hugging Face config there"),
                           (["--config", str(tmp_path / "llama"), "--model", "llama3-8b"], "not allowed with")):
@@ -576,9 +586,9 @@ def test_command_line_plans_a_hugging_face_config_as_it_plans_the_same_preset(ca
         yaml.safe_dump(dataclasses.asdict(litgpt.Config.from_name("Llama-3-8B"))))
     runs = []
     for model in (["--model", "llama3-8b"], ["--config", str(tmp_path / "lit")]):
-        assert main(["plan", *model, "--seq", "8192", "--gpus", "64", "--json", "--top", "4"]) == 0
+        assert main(["plan", *model, "--seq", "8192", "--gpus", "64", "--pp", "1", "--json", "--top", "4"]) == 0
         runs.append(json.loads(capsys.readouterr().out))
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] and priced[-1]["stage_blocks"](4) == (7, 9, 9, 7)
     (tmp_path / "other.yaml").write_text("n_layers: 2\n")
     with pytest.raises(SystemExit):
         main(["plan", "--config", str(tmp_path / "other.yaml"), "--gpus", "8"])
