@@ -273,10 +273,10 @@ class Hybrid3DStrategy(MeshStrategy):
         named = {"stage_blocks": self._stage_blocks(self._stages)} if self._stages is not None else {}
         return {**pipeline, **named, "recompute": self._asked_recompute()[0]}
 
-    def _stage_blocks(self, stages: int, split: SplitSpec = None) -> tuple[int, ...]:
-        """The blocks of each of ``stages`` pipeline stages as ``split`` (default: this run's) gives them."""
-        split = split or self._pipeline_options.split
-        return tuple(len(b) for b in stage_plan(self.lightning_module, stages, split, probe=False)[2].blocks)
+    def _stage_blocks(self, stages: int) -> tuple[int, ...]:
+        """The blocks of each of ``stages`` pipeline stages as this run's split gives them."""
+        plan = stage_plan(self.lightning_module, stages, self._pipeline_options.split, probe=False)[2]
+        return tuple(len(b) for b in plan.blocks)
 
     def _pricing(self, split: SplitSpec = None) -> dict[str, Any]:
         """What the planner prices each pipeline rank by, unless the options fix it (a named split): the blocks of
