@@ -66,9 +66,14 @@ class ModelSpec:
 
     @property
     def moe_layers(self) -> int:
-        if self.experts and self.moe_positions:
+        if self.experts and self._placed():
             return len(self.moe_positions)
         return min(self.moe_count or self.layers // self.moe_every, self.layers) if self.experts else 0
+
+    def _placed(self) -> bool:
+        """Whether ``moe_positions`` places the MoE layers: given, and within the layers (a shape changed to fewer
+        layers falls back to ``moe_count``)."""
+        return bool(self.moe_positions) and max(self.moe_positions) < self.layers
 
     def moe_positions_of(self) -> frozenset[int]:
         """The indices of the layers holding experts: as the structure told them, else the last ``moe_count`` (after
@@ -76,7 +81,7 @@ class ModelSpec:
         GPT and Llama 4 place them)."""
         if not self.experts:
             return frozenset()
-        if self.moe_positions:
+        if self._placed():
             return frozenset(self.moe_positions)
         if self.moe_count:
             return frozenset(range(self.layers - self.moe_layers, self.layers))

@@ -384,11 +384,14 @@ def test_each_pipeline_rank_holds_the_experts_of_its_own_blocks():
     # Llama 4 Maverick's experts in every other layer: each of 4 stages of 12 layers holds 6
     maverick = MODELS["llama4-maverick"]
     assert len(set(estimate(maverick, hardware, 512, 2048, 4, 4, 8, 4, 1, 16, 1, True).rank_state[1:3])) == 1
-    structured = ModelSpec(4, 64, 4, 4, 32, vocab=128, seq_len=16, experts=4, top_k=2, moe_positions=(1, 3))
+    structured = ModelSpec(4, 64, 4, 4, 32, vocab=128, seq_len=16, experts=4, top_k=2, moe_positions=(1, 3),
+                           moe_count=2)
     assert structured.moe_layers == 2 and structured.moe_positions_of() == {1, 3}
+    # fewer layers than the structure placed experts in (a shape flag): the last moe_count, as before
+    assert structured.replace(layers=3).moe_positions_of() == {1, 2}
     two = estimate(structured, CPU, 2, 8, 1, 2, 1, 1, 0, 4, 1, False).rank_state
-    assert two == estimate(structured.replace(moe_positions=(), moe_every=2), CPU, 2, 8, 1, 2, 1, 1, 0, 4, 1,
-                           False).rank_state
+    every_other = structured.replace(moe_positions=(), moe_count=0, moe_every=2)
+    assert two == estimate(every_other, CPU, 2, 8, 1, 2, 1, 1, 0, 4, 1, False).rank_state
     first = estimate(structured.replace(moe_positions=(2, 3)), CPU, 2, 8, 1, 2, 1, 1, 0, 4, 1, False).rank_state
     assert first[0] < two[0] and first[1] > two[1]
 
