@@ -365,11 +365,7 @@ def _moe_shares(model: ModelSpec, pp: int, virtual_stages: int, schedule: str,
     if pp == 1 or not model.experts:
         return [overall] * pp
     positions, stages = model.moe_positions_of(), pp * virtual_stages
-    if stage_blocks:
-        sizes = list(stage_blocks)
-    else:
-        share = math.ceil(model.layers / stages)
-        sizes = [max(share, model.first_stage_layers)] + [share] * (stages - 1)
+    sizes = _stage_sizes(model, stages, stage_blocks)
     starts = [sum(sizes[:stage]) for stage in range(stages)]
     shares = []
     for rank in range(pp):
@@ -387,13 +383,17 @@ def _rank_stages(model: ModelSpec, pp: int, virtual_stages: int, schedule: str,
     (Qwen3-VL's: the blocks its encoder's features are fed to)."""
     if pp == 1:
         return [[model.layers]]
+    sizes = _stage_sizes(model, pp * virtual_stages, stage_blocks)
+    return [[sizes[stage] for stage in stages_of_rank(rank, pp, virtual_stages, schedule)] for rank in range(pp)]
+
+
+def _stage_sizes(model: ModelSpec, stages: int, stage_blocks: Optional[Sequence[int]]) -> list[int]:
+    """The blocks of each of ``stages`` stages, in stage order: a split's, else ``⌈layers/stages⌉`` each, the first at
+    least :attr:`ModelSpec.first_stage_layers`."""
     if stage_blocks:
-        return [[stage_blocks[stage] for stage in stages_of_rank(rank, pp, virtual_stages, schedule)]
-                for rank in range(pp)]
-    share = math.ceil(model.layers / (pp * virtual_stages))
-    stages = [[share] * virtual_stages for _ in range(pp)]
-    stages[0][0] = max(share, model.first_stage_layers)
-    return stages
+        return list(stage_blocks)
+    share = math.ceil(model.layers / stages)
+    return [max(share, model.first_stage_layers)] + [share] * (stages - 1)
 
 
 def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, pipelined: bool = False,
