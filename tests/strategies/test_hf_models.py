@@ -10,24 +10,25 @@ q|k|v sliced by the config's head counts, a fused gate|up), Qwen2-MoE (a shared 
 and OLMoE (q and k normalized over all heads at once; OLMo 2 at the tolerance
 :data:`~tests.strategies.hf_models.PARITY_RTOL` says, and in float64, OLMoE in float64) under tensor parallelism; BLOOM,
 MPT and Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its heads') under tensor parallelism,
-BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, Falcon-RW under all three; OPT (its final norm
-registered before its layers) under pipelining; litgpt's MoE (experts held as a list) under expert parallelism, alone,
-folded over tp and in all four; Mixtral and Qwen3-MoE with their load-balancing loss under pipelining (every layer's
-router logits carried down the stages), with expert parallelism and all three; Qwen3.5 (in float64: its Gated DeltaNet
-layers kept whole on every rank) under tensor parallelism; the hybrids Jamba, Bamba, Falcon-H1, Granite 4 (their Mamba
-mixers kept whole on every rank), LFM2 (its short convolutions), LFM2-MoE, MiniMax (its lightning attention) and Kimi
-Linear (its KDA layers; in float64) under tensor parallelism, Falcon-H1 and Granite 4 under pipelining, Granite 4 also
-under expert parallelism and all three; Apertus (a learned activation between its MLP's projections) under tensor
-parallelism, with and without sequence parallelism; DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention: its key selector
-kept whole on every rank) under tensor parallelism; Gemma 2 (soft-capped logits), Gemma 3 and Gemma 4 (keys that are
-also the values on its global layers) under tensor parallelism, Gemma 3 and Gemma 4's MoE under pipelining, the MoE also
-under expert parallelism (and in float64 under tensor parallelism); the vision-language models Qwen2.5-VL, Qwen3-VL (in
-float64), Qwen3-VL-MoE, LLaVA and Gemma 3 under tensor parallelism (their vision encoder whole on every rank),
-Qwen2.5-VL, LLaVA, LLaVA-NeXT (in float64: its image_newline the first stage's), Idefics3 (in float64), ERNIE 4.5-VL and
-Qwen3-VL-MoE (its first stage holding the layer its encoder feeds and the next) under pipelining (the encoder on the
-first stage), ERNIE 4.5-VL under tensor parallelism without sequence parallelism (its MoE layer takes each token's
-type), Qwen2.5-VL and Qwen3-VL (in float64) under all three, Qwen3-VL under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3,
-and Qwen3-VL-MoE under expert parallelism, alone and folded over tp. One launch per process count."""
+BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, Falcon-RW under pipelining × tensor parallelism; OPT
+(its final norm registered before its layers) under pipelining; litgpt's MoE (experts held as a list) under expert
+parallelism, alone, folded over tp and in all four; Mixtral and Qwen3-MoE with their load-balancing loss under
+pipelining (every layer's router logits carried down the stages), with expert parallelism and all three; Qwen3.5 (in
+float64: its Gated DeltaNet layers kept whole on every rank) under tensor parallelism; the hybrids Jamba, Bamba,
+Falcon-H1, Granite 4 (their Mamba mixers kept whole on every rank), LFM2 (its short convolutions), LFM2-MoE, MiniMax
+(its lightning attention) and Kimi Linear (its KDA layers; in float64) under tensor parallelism, Falcon-H1 and Granite 4
+under pipelining, Granite 4 also under expert parallelism and pipelining × tensor parallelism; Apertus (a learned
+activation between its MLP's projections) under tensor parallelism, with and without sequence parallelism; DeepSeek-V3.2
+and GLM-5 (DeepSeek Sparse Attention: its key selector kept whole on every rank) under tensor parallelism; Gemma 2
+(soft-capped logits), Gemma 3 and Gemma 4 (keys that are also the values on its global layers) under tensor parallelism,
+Gemma 3 and Gemma 4's MoE under pipelining, the MoE also under expert parallelism (and in float64 under tensor
+parallelism); the vision-language models Qwen2.5-VL, Qwen3-VL (in float64), Qwen3-VL-MoE, LLaVA and Gemma 3 under tensor
+parallelism (their vision encoder whole on every rank), Qwen2.5-VL, LLaVA, LLaVA-NeXT (in float64: its image_newline the
+first stage's), Idefics3 (in float64), ERNIE 4.5-VL and Qwen3-VL-MoE (its first stage holding the layer its encoder
+feeds and the next) under pipelining (the encoder on the first stage), ERNIE 4.5-VL under tensor parallelism without
+sequence parallelism (its MoE layer takes each token's type), Qwen2.5-VL under all three and Qwen3-VL (in float64) under
+pipelining × tensor parallelism, Qwen3-VL under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3, and Qwen3-VL-MoE under
+expert parallelism, alone and folded over tp. One launch per process count."""
 
 from pathlib import Path
 
@@ -83,24 +84,25 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     logits, added by the step to the loss-parallel language-model loss, or by the model to its own from labels); ddp and
     zero3: 2 data replicas; pp2-*: two pipeline stages (interleaved: two per rank); 3d: dp=2 × pp=2 × tp=2 (sequence
     parallel) on 8 processes (Qwen2.5-VL's vision encoder on the first stage, whole on its tp ranks; 3d-moe: Qwen3-MoE,
-    DeepSeek-V3, Llama 4 (in float64, as at tp2) and Granite 4, ep=1, each expert split over tp; Qwen3-MoE with its
-    load-balancing loss, per data rank's part and microbatch, from router logits gathered over tp and carried down the
-    pipeline); dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over the tp and data ranks (each rank one whole expert;
-    litgpt's of its lists too), with sequence parallelism and (Mixtral, litgpt's MoE with its gradients clipped)
-    without; 3d-ep2: litgpt's MoE under dp=2 × pp=2 × tp=2 with ep=2 folded over tp (each rank two whole experts of each
-    list); dp2-tp2-ep2-split*: each expert split over tp=2 and the experts over ep=2 data ranks (Mixtral also without
-    sequence parallelism, under ZeRO-3); dp2-tp2-zero3: LLaVA, its vision encoder's parameters plain beside the
-    decoder's tensor-parallel ones, sharded over the data ranks; tp2-loss-parallel: a vocabulary of 61, which tp=2
-    splits 31 + 30, the logits left split for the loss (in float64); ``-kv1`` / ``-kv2`` at tp2 and tp4: fewer key/value
-    heads than ranks, each rank computing the one its query heads read (Llama's k and v, Phi-3's and litgpt's fused
-    q|k|v, beside Qwen3's norm over each head); BLOOM, MPT and Falcon-RW at tp2, each attention handed its heads' ALiBi
-    biases; BLOOM, MPT and Falcon at pp2-1f1b, their blocks returning tuples; Mixtral at pp2-1f1b adding its
-    load-balancing loss to its own loss from labels, each microbatch's from every layer's router logits, which the
-    earlier stage hands on beside the hidden state; 3d-planned: Hybrid3DStrategy() with no sizes, planned from each
-    config; ep2 and dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE blocks, their experts split over 2 ranks (with their
-    load-balancing loss, which each data-parallel rank computes over its part of the batch — under pipelining each
-    microbatch's), and litgpt's experts held as a list, each rank keeping two of them (also with every step's gradients
-    clipped, by a norm that sums the ranks' experts)."""
+    ep=1, each expert split over tp, with its load-balancing loss, per data rank's part and microbatch, from router
+    logits gathered over tp and carried down the pipeline); pp2-tp2: pp=2 × tp=2 on 4 processes, the traits those two
+    meet together (OLMo 2's norms over all heads, Falcon-RW's ALiBi, Qwen3-VL's deepstack; DeepSeek-V3, Llama 4 (in
+    float64, as at tp2) and Granite 4, ep=1, each expert split over tp); dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over
+    the tp and data ranks (each rank one whole expert; litgpt's of its lists too), with sequence parallelism and
+    (Mixtral, litgpt's MoE with its gradients clipped) without; 3d-ep2: litgpt's MoE under dp=2 × pp=2 × tp=2 with ep=2
+    folded over tp (each rank two whole experts of each list); dp2-tp2-ep2-split*: each expert split over tp=2 and the
+    experts over ep=2 data ranks (Mixtral also without sequence parallelism, under ZeRO-3); dp2-tp2-zero3: LLaVA, its
+    vision encoder's parameters plain beside the decoder's tensor-parallel ones, sharded over the data ranks;
+    tp2-loss-parallel: a vocabulary of 61, which tp=2 splits 31 + 30, the logits left split for the loss (in float64);
+    ``-kv1`` / ``-kv2`` at tp2 and tp4: fewer key/value heads than ranks, each rank computing the one its query heads
+    read (Llama's k and v, Phi-3's and litgpt's fused q|k|v, beside Qwen3's norm over each head); BLOOM, MPT and
+    Falcon-RW at tp2, each attention handed its heads' ALiBi biases; BLOOM, MPT and Falcon at pp2-1f1b, their blocks
+    returning tuples; Mixtral at pp2-1f1b adding its load-balancing loss to its own loss from labels, each microbatch's
+    from every layer's router logits, which the earlier stage hands on beside the hidden state; 3d-planned:
+    Hybrid3DStrategy() with no sizes, planned from each config; ep2 and dp2-pp2-ep2: Mixtral's and Qwen3-MoE's own MoE
+    blocks, their experts split over 2 ranks (with their load-balancing loss, which each data-parallel rank computes
+    over its part of the batch — under pipelining each microbatch's), and litgpt's experts held as a list, each rank
+    keeping two of them (also with every step's gradients clipped, by a norm that sums the ranks' experts)."""
     result = torch.load(runs / f"{layout}-{model}.pt", weights_only=False)
     assert len(result["losses"]) == parity.STEPS
     parity.assert_parity(result, controls[control_of(layout, model)], rtol=PARITY_RTOL.get(model, 1e-4))
@@ -112,7 +114,8 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     if family in (*stacked, "litgpt_moe", "litgpt_moe_grouped") and layout != "3d-planned":
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1
         # each expert split over tp=2 (a list's kept whole)
-        tp_parts = 2 if (layout in ("tp2", "tp2-no-sp", "3d-moe") or "split" in layout) and family in stacked else 1
+        split = layout in ("tp2", "tp2-no-sp", "pp2-tp2", "3d-moe") or "split" in layout
+        tp_parts = 2 if split and family in stacked else 1
         local = result["local_experts"]
         assert local and set(local) == {(4 // ep, tp_parts)}, local
 

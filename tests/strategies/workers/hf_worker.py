@@ -75,7 +75,7 @@ LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 
 #: the microbatches each pipelined layout's schedule cuts a rank's batch into: a model's own load-balancing loss is
 #: computed per forward call, one per microbatch (the one-process control computes it over the same pieces)
-MICROBATCHES = {"pp2-1f1b": 4, "pp2-interleaved": 2, "3d": 2, "3d-moe": 2, "3d-ep2": 2, "dp2-pp2-ep2": 2}
+MICROBATCHES = {"pp2-1f1b": 4, "pp2-interleaved": 2, "3d": 2, "pp2-tp2": 2, "3d-moe": 2, "3d-ep2": 2, "dp2-pp2-ep2": 2}
 
 # name -> (the strategy, processes, data-parallel replicas among them, the models it trains: lit_causal_lm's names)
 LAYOUTS = {
@@ -121,27 +121,31 @@ LAYOUTS = {
                                                     microbatches=MICROBATCHES["pp2-interleaved"]), 2, 1,
                         tuple(f"{f}-deep" for f in FAMILIES if f != "mistral")),
     # one microbatch per stage: the schedules' microbatch counts are tested in test_pipeline.py
-    # on 8 processes a run costs ~10 s (about 5 runs on 2): the families whose structure the 3-D split meets differently
-    # — Llama's, in Qwen2.5-VL's decoder (Qwen2's: Llama's with q/k/v biases; Mistral's is Llama's too) with its vision
-    # encoder on the first stage, whole on its tp ranks, QK-norm with an explicit head_dim, GPT-2's Conv1D and head tied
-    # across the first and last stage, litgpt's fused grouped q|k|v (3d-ep2: its MoE's), OLMo 2's q and k norms over all
-    # heads sharded over tp and then over dp — and two MoE families (Mixtral's experts are split over tp as Qwen3-MoE's
-    # are; DeepSeek-V3's latent attention, its dense first layer a stage of its own; Llama 4's experts that take every
-    # token); Falcon-RW: ALiBi biases handed out by head on each stage, blocks returning tuples (BLOOM's and OPT's
-    # traits beside it are their tp's or their pp's alone: tp2 and pp2-1f1b); Granite 4 (3d-moe): its Mamba mixers whole
-    # on every tp rank (as Qwen3.5's linear attention, whose float64 run here cost 32 s), its experts split over tp
-    # beside its fused shared expert; Qwen3-MoE with its load-balancing loss, from router logits gathered over the
-    # sequence's shares and carried down the pipeline; Qwen3-VL (4 layers, in float64: hf_models.PARITY_RTOL), its
-    # deepstack adding the encoder's features after its first layer on the first stage, where sequence parallelism
-    # gathers the hidden state for it and cuts it again
+    # on 8 processes a run costs ~11 s (about 5 runs on 2, 2 on 4): the families whose structure all three axes meet
+    # differently — Llama's, in Qwen2.5-VL's decoder (Qwen2's: Llama's with q/k/v biases; Mistral's is Llama's too) with
+    # its vision encoder on the first stage, whole on its tp ranks, QK-norm with an explicit head_dim, GPT-2's Conv1D
+    # and head tied across the first and last stage, litgpt's fused grouped q|k|v (3d-ep2: its MoE's), and Qwen3-MoE's
+    # load-balancing loss per data rank's part (3d-moe: from router logits gathered over the sequence's shares and
+    # carried down the pipeline)
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=MICROBATCHES["3d"]), 8, 2,
-           ("qwen2_5_vl", "qwen3", "gpt2", "olmo2", "falcon_rw", "qwen3_vl-deep-fp64")),
+           ("qwen2_5_vl", "qwen3", "gpt2")),
+    # traits that pipelining and tensor parallelism meet together, data parallelism adding nothing of their own (the
+    # same reduction over dp as the 3d runs'): OLMo 2's q and k norms over all heads; Falcon-RW's ALiBi biases handed
+    # out by head on each stage, its blocks returning tuples (BLOOM's and OPT's traits beside it are their tp's or their
+    # pp's alone: tp2 and pp2-1f1b); Qwen3-VL (4 layers, in float64: hf_models.PARITY_RTOL), its deepstack adding the
+    # encoder's features after its first layer on the first stage, where sequence parallelism gathers the hidden state
+    # for it and cuts it again; and three MoE families, ep=1, each expert split over tp (Mixtral's are split as
+    # Qwen3-MoE's are): DeepSeek-V3's latent attention, its dense first layer a stage of its own; Llama 4's experts
+    # that take every token (in float64, as at tp2); Granite 4's Mamba mixers whole on every tp rank (as Qwen3.5's
+    # linear attention, whose float64 run cost 32 s on 8 processes), its experts beside its fused shared expert
+    "pp2-tp2": (lambda: ml.Hybrid3DStrategy(dp=1, pp=2, tp=2, microbatches=MICROBATCHES["pp2-tp2"]), 4, 1,
+                ("olmo2", "falcon_rw", "qwen3_vl-deep-fp64", "deepseek_v3", "llama4-fp64", "granite4")),
     # litgpt's fused grouped q|k|v split over tp, and its experts held as a list spread over the tp ranks by ep
     # folded over them (each rank two whole experts of each list, each tp rank sending its share of the tokens)
     "3d-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=2, microbatches=MICROBATCHES["3d-ep2"]), 8, 2,
                ("litgpt_moe",)),
     "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=MICROBATCHES["3d-moe"]), 8, 2,
-               ("qwen3_moe-aux", "deepseek_v3", "llama4-fp64", "granite4")),
+               ("qwen3_moe-aux",)),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
     "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2); litgpt's listed
