@@ -717,6 +717,22 @@ def test_the_automatic_plan_agrees_with_the_plan_a_hugging_face_model_publishes(
     assert {name: derived.get(name) for name in published} == published
 
 
+def test_an_output_gate_registered_after_the_output_projection_is_split_with_the_heads():
+    """AFMoE's attention registers its output gate (``gate_proj``, hidden → heads × head_dim, multiplied into the
+    attention's output) after ``o_proj``; both read and write the hidden size, so widths cannot tell which is the
+    output projection. The gate is split with the heads, ``o_proj`` by rows (AFMoE's published plan names neither;
+    HRM's, which has the same gate, names o_proj rowwise). Trained under tp=2 in test_hf_models."""
+    pytest.importorskip("transformers")
+    from tests.strategies.hf_models import lit_causal_lm
+
+    plan = derive_plan(lit_causal_lm("afmoe"))
+    attention = "model.model.layers.1.self_attn."
+    roles = {name.removeprefix(attention): role for name, role in plan.items()
+             if name.startswith(attention) and role in ("colwise", "rowwise")}
+    assert roles == {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "gate_proj": "colwise",
+                     "o_proj": "rowwise"}
+
+
 def test_a_latent_attention_keeps_its_latents_whole_and_splits_its_up_projections_by_heads():
     """DeepSeek-V3's multi-head latent attention (trained under tp in test_hf_models): the down-projections to the
     latents every head reads, and the norms over them, are whole on every rank; the up-projections make the heads."""

@@ -25,7 +25,7 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")  # 4 experts, top-2, in every
 #: OLMo 2 and DeepSeek-V3 also in float64, OLMoE and Llama 4 there alone (:data:`PARITY_RTOL`)
 TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe-fp64", "deepseek_v3",
                "deepseek_v3-fp64", "ernie4_5_moe", "litgpt_moe", "llama4-fp64", "apertus", "deepseek_v32",
-               "glm_moe_dsa")
+               "glm_moe_dsa", "afmoe")
 #: parity tolerances other than 1e-4, and why; each with a float64 twin (``-fp64``: :func:`in_float64`) whose runs
 #: match to about 1e-13 (DeepSeek-V3's: below), which shows the gap is rounding, not a different computation:
 #:
@@ -228,6 +228,10 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
     if family == "glm4":  # a fused gate|up cut by chunk(2), partial rotary, norms after attention and the MLP too
         return transformers.Glm4Config(**common, head_dim=DIM // HEADS, pad_token_id=None, bos_token_id=0,
                                        eos_token_id=1)
+    if family == "afmoe":  # an output gate (sigmoid(gate_proj(x)) times the attention's output) registered after
+        # o_proj, both hidden → hidden wide; QK-norm, norms before and after the MLP; dense layers only (its MoE: not
+        # yet split under tp)
+        return transformers.AfmoeConfig(**common, head_dim=DIM // HEADS, num_dense_layers=layers, sliding_window=4)
     if family == "apertus":  # a learned activation (xIELU: two scalars) between up_proj and down_proj, no gate;
         # QK-norm
         return transformers.ApertusConfig(**common, pad_token_id=None, bos_token_id=0, eos_token_id=1)
