@@ -21,8 +21,9 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")  # 4 experts, top-2, in every
 #: OLMoE: 4 experts, top-2, in every layer, Qwen2-MoE's with a shared expert; DeepSeek-V3: after a dense first layer;
 #: litgpt's in Mixtral's configuration: a list of experts; Llama 4: a dense layer, then 4 experts each taking every
 #: token, top-1, beside a shared expert; Apertus: a learned activation between its MLP's projections; DeepSeek-V3.2 and
-#: GLM-5: DeepSeek-V3's attention with a sparse attention's key selector inside it, kept whole on every rank);
-#: OLMo 2 and DeepSeek-V3 also in float64, OLMoE and Llama 4 there alone (:data:`PARITY_RTOL`)
+#: GLM-5: DeepSeek-V3's attention with a sparse attention's key selector inside it, kept whole on every rank; AFMoE: an
+#: output gate registered after its output projection, both hidden → hidden wide); OLMo 2 and DeepSeek-V3 also in
+#: float64, OLMoE and Llama 4 there alone (:data:`PARITY_RTOL`)
 TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe-fp64", "deepseek_v3",
                "deepseek_v3-fp64", "ernie4_5_moe", "litgpt_moe", "llama4-fp64", "apertus", "deepseek_v32",
                "glm_moe_dsa", "afmoe")
