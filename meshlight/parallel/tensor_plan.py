@@ -377,7 +377,7 @@ def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]
         # (a fused projection's heads are its parts', each checked above)
         colwise = [name.rpartition(".")[2] for name, role in plan.items()
                    if role == "colwise" and name.rpartition(".")[0] == parent]
-        constraints += [(f"heads of {_join(parent, name)}", heads, parent, "heads")
+        constraints += [(f"heads of {_shown(_join(parent, name))}", heads, parent, "heads")
                         for name, heads in projection_heads(modules[parent], colwise).items()]
 
     def unmet(size: int) -> list[tuple[str, int]]:

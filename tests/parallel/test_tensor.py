@@ -82,6 +82,14 @@ def test_a_tp_that_does_not_divide_the_model_names_the_valid_values(config, tp, 
         validate_plan(model, derive_plan(model), tp, world)
 
 
+def test_the_refusal_names_modules_as_the_users_model_has_them_not_under_the_strategys_wrapper():
+    # the strategy plans its root wrapper, whose child is the user's module: "module." is not the user's name
+    wrapper = nn.Module()
+    wrapper.module = GPT(GPTConfig.tiny(dim=48, n_heads=6, n_kv_heads=3))
+    with pytest.raises(TensorParallelError, match=r"tp=2 does not divide heads of blocks\.0\.attn\.wk=3; choose"):
+        validate_plan(wrapper, derive_plan(wrapper), 2, 6)
+
+
 def test_any_vocabulary_splits_under_any_tp():
     # GPT-2's 50,257 and BERT's 30,522 at tp=4 are real cases: the embedding and the head are split unevenly
     # (DTensor's shards of 62 and 63 rows here), which trains as one process does (tests/strategies/test_hybrid.py)
