@@ -429,9 +429,12 @@ def _outside_kept_whole(module: nn.Module) -> Iterable[nn.Module]:
 def projections(module: nn.Module, hidden: int) -> tuple[list[str], Optional[str]]:
     """(readers, writer) among ``module``'s Linear children (:func:`linear_widths`), by name: the last that writes
     the ``hidden`` size back (an output projection), and those that read it (q, k, v; gate and up), the writer aside.
-    No writer: a gate."""
+    No writer: a gate. An output gate (hidden → heads × head_dim, multiplied into the attention's output) writes the
+    hidden size too where heads × head_dim is it, and AFMoE's and HRM's attention register theirs (``gate_proj``) after
+    ``o_proj``: a Linear named a gate is the writer only where no other writes the hidden size."""
     linears = [(name, width) for name, m in module.named_children() if (width := linear_widths(m))]
     writers = [name for name, (_, out) in linears if out == hidden]
+    writers = [name for name in writers if "gate" not in name] or writers
     writer = writers[-1] if writers else None
     return [name for name, (read, _) in linears if read == hidden and name != writer], writer
 

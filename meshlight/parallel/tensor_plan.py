@@ -76,12 +76,11 @@ def derive_plan(model: nn.Module) -> Plan:
     """Roles derived from the model's structure (no class names).
 
     Inside each repeated block, Linears (and Hugging Face's ``Conv1D``) are grouped by the module that owns them. In
-    each group the last Linear that writes the hidden size ``D`` back is rowwise (where several read and write ``D``,
-    the one the model's published plan makes rowwise, else the last that is not a gate: :func:`_output_projection`) and
-    the Linears that read ``D`` are colwise — a fused one (q|k|v, gate|up) split part by part
-    (:func:`fused_projection`); groups without such a writer (a gate) are replicated. Outside the blocks: the Embedding
-    whose vocabulary the LM head produces is the token embedding, other ``D``-wide Embeddings are position tables, and
-    parameter-only modules of width ``D`` (norms) run sequence parallel.
+    each group the last Linear that writes the hidden size ``D`` back is rowwise (not an output gate registered after
+    it: :func:`~meshlight.parallel.model_shape.projections`) and the Linears that read ``D`` are colwise — a fused one
+    (q|k|v, gate|up) split part by part (:func:`fused_projection`); groups without such a writer (a gate) are
+    replicated. Outside the blocks: the Embedding whose vocabulary the LM head produces is the token embedding, other
+    ``D``-wide Embeddings are position tables, and parameter-only modules of width ``D`` (norms) run sequence parallel.
     """
     blocks = _named_blocks(model)
     if not blocks:
@@ -98,7 +97,6 @@ def derive_plan(model: nn.Module) -> Plan:
     latent: Plan = {}
     mixers, selectors = _whole_mixers(blocks), _kept_whole(blocks, KEY_SELECTORS)
     for prefix, readers, writer in _column_row_groups(blocks, hidden):
-        readers, writer = _output_projection(modules, readers, writer, published, hidden)
         latent.update(_latent_roles(modules[prefix], prefix, readers, writer, hidden))
         readers = [name for name in readers if name not in latent]
         fused = _fused_readers(modules, prefix, readers, writer, hidden, published)
@@ -174,23 +172,6 @@ def _column_row_groups(blocks: list[tuple[str, nn.Module]], hidden: int) -> Iter
             if writer and readers:
                 prefix = _join(block_name, group_name)
                 yield prefix, [_join(prefix, n) for n in readers], _join(prefix, writer)
-
-
-def _output_projection(modules: Mapping[str, nn.Module], readers: list[str], writer: str,
-                       published: Mapping[str, str], hidden: int) -> tuple[list[str], str]:
-    """(readers, writer) of a group where widths cannot tell its output projection: several Linears there both read
-    and write the hidden size (q and o wherever heads × head_dim is the hidden size), and the last of them is the
-    writer by structure — but AFMoE's and HRM's attention register an output gate (``gate_proj``, multiplied into the
-    attention's output before ``o_proj``) after ``o_proj``. Then the writer is the one the model's published plan makes
-    rowwise, else the last that is not a gate by name."""
-    candidates = [name for name in (*readers, writer) if linear_widths(modules[name]) == (hidden, hidden)]
-    if writer not in candidates:
-        return readers, writer
-    rowwise = [name for name in candidates if published.get(name, "").removeprefix("local_").startswith("rowwise")]
-    ungated = rowwise or [name for name in candidates if "gate" not in name.rpartition(".")[2]]
-    if not ungated or ungated[-1] == writer:
-        return readers, writer
-    return [name for name in (*readers, writer) if name != ungated[-1]], ungated[-1]
 
 
 def _structural_roles(model: nn.Module, blocks: list[tuple[str, nn.Module]], hidden: int) -> Plan:

@@ -728,8 +728,8 @@ def test_the_automatic_plan_agrees_with_the_plan_a_hugging_face_model_publishes(
 def test_an_output_gate_registered_after_the_output_projection_is_split_with_the_heads():
     """AFMoE's attention registers its output gate (``gate_proj``, hidden → heads × head_dim, multiplied into the
     attention's output) after ``o_proj``; both read and write the hidden size, so widths cannot tell which is the
-    output projection. The gate is split with the heads, ``o_proj`` by rows (AFMoE's published plan names neither;
-    HRM's, which has the same gate, names o_proj rowwise). Trained under tp=2 in test_hf_models."""
+    output projection. The gate is split with the heads, ``o_proj`` by rows (as HRM's published plan, for the same
+    gate, says; AFMoE's names neither). Trained under tp=2 in test_hf_models."""
     pytest.importorskip("transformers")
     from tests.strategies.hf_models import lit_causal_lm
 
