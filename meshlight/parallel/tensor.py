@@ -196,7 +196,10 @@ def apply_tensor_parallel(
                 not _within(name, flattening)):
             styles[name] = Replicated(name, over="sequence")
         elif role == "replicate" and on_share or role == "latent":  # an MoE block's router, experts and shared
-            styles[name] = OnLocalWeights()  # expert's gate; a latent attention's down-projections and their norms
+            # expert's gate; a latent attention's down-projections and their norms (a block's own parameters alone
+            # where its submodules are split)
+            styles[name] = OnLocalWeights(own=any(n.startswith(name + ".") and r != "replicate"
+                                                  for n, r in plan.items()))
         elif role == "interior":
             owner = name.rpartition(".")[0]
             writer = next((n for n, r in plan.items() if r == "rowwise" and n.rpartition(".")[0] == owner), None)

@@ -326,11 +326,13 @@ class OnLocalWeights(ParallelStyle):
     flattens the tokens first), a latent attention's down-projections and their norms (the latent every head
     reads). ``sharded``: over output features (``Shard(0)``), a latent attention's up-projections, each rank making
     its heads. A replicated DTensor input (the gathered input of the module holding a column→row group) is taken as
-    this rank's plain tensor, its gradient this rank's part of a sum — the part its heads make."""
+    this rank's plain tensor, its gradient this rank's part of a sum — the part its heads make. ``own``: its own
+    parameters only, where submodules have styles of their own (an MoE block's expert-bias beside the shared
+    experts tensor parallelism splits: AFMoE's)."""
 
-    def __init__(self, *, sharded: bool = False) -> None:
+    def __init__(self, *, sharded: bool = False, own: bool = False) -> None:
         super().__init__()
-        self.sharded = sharded
+        self.sharded, self.own = sharded, own
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
@@ -343,9 +345,13 @@ class OnLocalWeights(ParallelStyle):
             return tuple(t.to_local(grad_placements=[Partial()]) if isinstance(t, DTensor)
                          and all(p.is_replicate() for p in t.placements) else t for t in inputs)
 
-        distribute_module(module, device_mesh, partition, plain_inputs)
+        if self.own:  # (``distribute_module`` would replicate every submodule's parameters)
+            _replicate_parameters("", module, device_mesh)
+            module.register_forward_pre_hook(lambda mod, inputs: plain_inputs(mod, inputs, device_mesh))
+        else:
+            distribute_module(module, device_mesh, partition, plain_inputs)
         # (replicated, its submodules' weights too: a key selector's own projections)
-        forward = _forward_on_local_weights if self.sharded else _forward_on_local_tree
+        forward = _forward_on_local_weights if self.sharded or self.own else _forward_on_local_tree
         module.forward = functools.partial(forward, module, type(module).forward)
         return module
 
