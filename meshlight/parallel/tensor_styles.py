@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from meshlight.parallel.collectives import all_gather_along
+from meshlight.nn.experts import scale_gradient
+from meshlight.parallel.collectives import gather_whole_along, slice_along
 from meshlight.parallel.dtensors import modifiable_local, shallow_copy
 from meshlight.parallel.model_shape import is_transposed_linear
 from meshlight.parallel.sequence_gather import sequence_share
@@ -387,26 +388,30 @@ class Interior(OnLocalWeights):
 class WholeMixer(ParallelStyle):
     """A sequence mixer kept whole on every rank under sequence parallelism (:data:`~meshlight.parallel.model_shape.
     WHOLE_MIXERS`: a linear attention's recurrence): it reads the whole sequence — its input, this rank's share,
-    all-gathered, the gradient reduce-scattered back — and hands on its output's share of it. Its weights, and its
-    submodules', become replicated DTensors run as plain local values, each rank's gradient (from its share of the
-    output) a part of the sum over tp, reduced with the norms'. Every rank computes the whole mixer."""
+    all-gathered — and hands on its output's share of it. In backward the output's gradient is all-gathered, so
+    every rank runs the whole mixer's backward as one process would (rounding its float32 parts, a kernel's or a
+    gated norm's, as one process does: split by output share, each rank's part rounded apart, they left it by up to
+    4 orders of magnitude more), and its input keeps its share of that gradient. Its weights, and its submodules',
+    become replicated DTensors run as plain local values, each rank's gradient (the whole one) scaled by 1/tp as a
+    part of the sum over tp, reduced with the norms' (exact for a power-of-two tp; the sum keeps the ranks' weights
+    alike where a kernel is not deterministic)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = device_mesh.get_group()
         distribute_module(module, device_mesh, _replicate_parameters)
         # (on copies of the whole tree: its forward reads a submodule's weight itself, Qwen3.5's convolution's)
-        module.forward = functools.partial(_forward_on_local_tree, module, type(module).forward)
+        module.forward = functools.partial(_forward_on_local_tree, module, type(module).forward,
+                                           gradient_scale=1 / device_mesh.size())
         first = list(inspect.signature(type(module).forward).parameters)[1]  # after `self`
 
         def whole(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if args:
-                return (all_gather_along(args[0], 1, group), *args[1:]), kwargs
-            return args, {**kwargs, first: all_gather_along(kwargs[first], 1, group)}
+                return (gather_whole_along(args[0], 1, group), *args[1:]), kwargs
+            return args, {**kwargs, first: gather_whole_along(kwargs[first], 1, group)}
 
         def share(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             hidden = output[0] if isinstance(output, tuple) else output
-            length = hidden.shape[1] // device_mesh.size()
-            mine = hidden.narrow(1, device_mesh.get_local_rank() * length, length)
+            mine = slice_along(hidden, 1, group)
             return (mine, *output[1:]) if isinstance(output, tuple) else mine
 
         module.register_forward_pre_hook(whole, with_kwargs=True)
@@ -436,15 +441,18 @@ def _forward_on_local_weights(module: nn.Module, forward: Any, *args: Any, **kwa
     return forward(local, *args, **kwargs)
 
 
-def _forward_on_local_tree(module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+def _forward_on_local_tree(module: nn.Module, forward: Any, *args: Any, gradient_scale: float = 1.0,
+                           **kwargs: Any) -> Any:
     """``forward`` on a copy of ``module`` and of each of its submodules holding their replicated DTensor parameters
-    as this rank's plain values (each gradient this rank's part of a sum), however the forward reaches them."""
+    as this rank's plain values (each gradient, times ``gradient_scale``, this rank's part of a sum), however the
+    forward reaches them."""
 
     def local(mod: nn.Module) -> nn.Module:
         copied = shallow_copy(mod)
         copied._parameters = {}
         for name, param in mod._parameters.items():  # (None where a Linear has no bias)
-            object.__setattr__(copied, name, param.to_local(grad_placements=[Partial()])
+            object.__setattr__(copied, name, scale_gradient(param.to_local(grad_placements=[Partial()]),
+                                                            gradient_scale)
                                if isinstance(param, DTensor) else param)
         for name, buffer in mod.named_buffers(recurse=False):
             if isinstance(buffer, DTensor):

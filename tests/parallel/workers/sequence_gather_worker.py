@@ -1,6 +1,6 @@
 """torchrun worker (2 processes): a column-parallel group's input kept as this rank's share and gathered again in
 backward, against keeping it gathered — alone, under recomputation, under outer saved-tensor hooks and through
-two backwards of one graph."""
+two backwards of one graph; and a sequence mixer kept whole on every rank, against one process."""
 
 import sys
 
@@ -79,9 +79,50 @@ def no_hooks_left_after_a_failed_forward() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
+class Float32Mixer(torch.nn.Module):
+    """A float64 sequence mixer with a float32 part, as linear attentions' kernels have: a running sum over the
+    sequence computed in float32 (its gradient a sum over the later positions, rounded in float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(CONFIG.dim, CONFIG.dim, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).float().cumsum(1).double()
+
+
+def whole_mixer() -> list[dict]:
+    """The mixer whole on each of 2 ranks (``WholeMixer``: each given its half of the sequence) against one process:
+    each rank's gradients, its input's share and the weights' (summed over the ranks), exactly one process's."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from meshlight.parallel.tensor import reduce_partial_gradients
+    from meshlight.parallel.tensor_styles import WholeMixer
+
+    torch.manual_seed(0)
+    one = Float32Mixer()
+    x = torch.randn(BATCH, CONFIG.max_seq_len, CONFIG.dim, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(BATCH, CONFIG.max_seq_len, CONFIG.dim, dtype=torch.float64)
+    (one(x) * weights).sum().backward()
+    mixer = Float32Mixer()
+    mixer.load_state_dict(one.state_dict())
+    parallelize_module(mixer, init_device_mesh("cpu", (2,)), WholeMixer())
+    length, rank = CONFIG.max_seq_len // 2, dist.get_rank()
+    share = x.detach()[:, rank * length:(rank + 1) * length].clone().requires_grad_()
+    (mixer(share) * weights[:, rank * length:(rank + 1) * length]).sum().backward()
+    reduce_partial_gradients(mixer.parameters())
+    mine = {"input": (share.grad, x.grad[:, rank * length:(rank + 1) * length]),
+            **{name: (p.grad.full_tensor(), dict(one.named_parameters())[name].grad)
+               for name, p in mixer.named_parameters()}}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {name: torch.equal(*pair) for name, pair in mine.items()})
+    return gathered
+
+
 if __name__ == "__main__":
     out = sys.argv[1]
     results = {(keep, mode): run(keep, mode) for keep in (True, False) for mode in MODES}
     results["clean after failure"] = no_hooks_left_after_a_failed_forward()
+    results["whole mixer"] = whole_mixer()
     if dist.get_rank() == 0:
         torch.save(results, out)
