@@ -441,8 +441,8 @@ class StackedExpertsParallel:
     def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         tp = self.tensor_parallel
         if tp is not None:
-            hidden_states, top_k_index, top_k_weights = (tp.whole(x) for x in (hidden_states, top_k_index,
-                                                                                top_k_weights))
+            top_k_weights = tp.whole_weights(top_k_weights, hidden_states)
+            hidden_states, top_k_index = tp.whole(hidden_states), tp.whole(top_k_index)
         pairs = torch.arange(top_k_index.numel(), device=hidden_states.device)  # token-major
         if tp is not None:
             pairs = tp.own_slots(pairs, len(pairs))
@@ -496,7 +496,7 @@ class ListedExpertsParallel:
         tp = self.tensor_parallel
         pairs = torch.arange(chosen.numel(), device=rows.device)
         if tp is not None:
-            rows, weights, pairs = tp.whole(rows), tp.whole(weights), tp.own_slots(pairs, len(pairs))
+            rows, weights, pairs = tp.whole(rows), tp.whole_weights(weights, rows), tp.own_slots(pairs, len(pairs))
         out = _dispatched(rows, chosen, weights, pairs, self.num_experts, self.dispatcher, self._local_experts)
         return out if tp is None else tp.share(out)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal, Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -54,6 +55,12 @@ class ExpertTensorParallel:
         if self.sequence_parallel:
             return all_gather_along(x, x.dim() - 2, self.group)
         return sum_in_backward(x, self.group)
+
+    def whole_weights(self, weights: Tensor, tokens: Tensor) -> Tensor:
+        """A model's own router's ``weights`` for the whole ``tokens`` (:meth:`whole`), in the wider of their dtype
+        and the tokens': a float32 router in a float64 model gets its gradient, the ranks' partial sums added, rounded
+        to float32 once, as one process rounds it (not each rank's part)."""
+        return self.whole(weights.to(torch.promote_types(weights.dtype, tokens.dtype)))
 
     def route(self, router: Router, tokens: Tensor) -> Routing:
         """``router``'s choice for the whole ``tokens``: the same on every rank; what reaches ``tokens`` from it is
