@@ -237,6 +237,15 @@ def sequence_region(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyl
     if styled or ({"embedding", "head"} <= set(outside.values()) and not unplanned and not _tables(model, blocks)
                   and not _takes_embeddings(model, blocks)):
         return None
+    owners = sorted({name.rpartition(".")[0].rpartition(".")[0] for name, _ in blocks})
+    if len(owners) > 1:
+        raise TensorParallelError(
+            f"Under sequence parallelism {_model_name(model)}'s blocks hold this rank's share of the sequence, cut"
+            " where the first begins and gathered where the last ends, but its blocks live in"
+            f" {len(owners)} modules ({', '.join(map(_shown, owners))}): its forward hands the hidden state on between"
+            " them (HRM's runs them in cycles, adding the states of both), where it would be a share beside the"
+            " whole. Pass sequence_parallel=False: the blocks' layers are still split over tp."
+        )
     return blocks[0][0], blocks[-1][0]
 
 

@@ -312,6 +312,24 @@ def test_hugging_face_conv1d_and_litgpt_fused_projections_are_planned():
     assert sequence_region(model, plan) == ("model.transformer.h.0", f"model.transformer.h.{LAYERS - 1}")
 
 
+def test_blocks_in_two_modules_that_the_forward_hands_the_state_between_refuse_sequence_parallelism():
+    """HRM's (Hierarchical Reasoning Model) blocks live in two stacks its forward runs in cycles, adding the two
+    stacks' states: sequence parallelism over the blocks (cut where the first begins, gathered where the last ends)
+    would hand a share of the sequence where the whole is added to it (a shape error). It is refused before training,
+    naming the two modules and sequence_parallel=False; without it the model trains at tp=2 within 2.7e-5 of one
+    process (a probe, not in the suite)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "HrmTextConfig"):
+        pytest.skip("this transformers has no HRM")
+    config = transformers.HrmTextConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                        head_dim=8, num_layers_per_stack=2, H_cycles=2, L_cycles=2,
+                                        max_position_embeddings=32)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    plan = derive_plan(model)
+    with pytest.raises(TensorParallelError, match=r"model\.H_module, model\.L_module.*sequence_parallel=False"):
+        sequence_region(model, plan)
+
+
 def test_a_model_without_repeated_blocks_asks_for_a_plan():
     with pytest.raises(TensorParallelError, match="no repeated blocks"):
         derive_plan(nn.Sequential(nn.Linear(4, 4)))
