@@ -389,12 +389,12 @@ class WholeMixer(ParallelStyle):
     """A sequence mixer kept whole on every rank under sequence parallelism (:data:`~meshlight.parallel.model_shape.
     WHOLE_MIXERS`: a linear attention's recurrence): it reads the whole sequence — its input, this rank's share,
     all-gathered — and hands on its output's share of it. In backward the output's gradient is all-gathered, so
-    every rank runs the whole mixer's backward as one process would (rounding its float32 parts, a kernel's or a
-    gated norm's, as one process does: split by output share, each rank's part rounded apart, they left it by up to
-    4 orders of magnitude more), and its input keeps its share of that gradient. Its weights, and its submodules',
-    become replicated DTensors run as plain local values, each rank's gradient (the whole one) scaled by 1/tp as a
-    part of the sum over tp, reduced with the norms' (exact for a power-of-two tp; the sum keeps the ranks' weights
-    alike where a kernel is not deterministic)."""
+    every rank runs the mixer's whole backward as one process does, and its input keeps its share of that gradient:
+    float32 parts inside the mixer (a kernel's, a gated norm's) round as in one process, where a backward of each
+    rank's share of the output alone rounded each rank's part apart. Its weights, and its submodules', become
+    replicated DTensors run as plain local values, each rank's gradient (the whole one) scaled by 1/tp as its part of
+    the sum over tp, reduced with the norms' (exact for a power-of-two tp; the sum keeps the ranks' weights alike
+    where a kernel is not deterministic)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = device_mesh.get_group()

@@ -29,7 +29,7 @@ TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe-fp64",
                "deepseek_v3-fp64", "ernie4_5_moe", "litgpt_moe", "llama4-fp64", "apertus", "deepseek_v32",
                "glm_moe_dsa", "afmoe-fp64")
 #: parity tolerances other than 1e-4, and why; each with a float64 twin (``-fp64``: :func:`in_float64`) whose runs
-#: match to about 1e-13 (DeepSeek-V3's: below), which shows the gap is rounding, not a different computation:
+#: match to about 1e-13, which shows the gap is rounding, not a different computation:
 #:
 #: - OLMo 2's q and k norms over all heads make its q and k projections' weights scale-free (the norm undoes their
 #:   size), and Adam's step turns the rounding of the norms' float32 statistics — summed over 2 tensor-parallel
@@ -39,9 +39,8 @@ TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe-fp64",
 #:   reduction order's rounding: on one 2-core host within 1e-4, on another (AMD EPYC) 1.2e-4 under ddp and 1.6e-4
 #:   at tp=2 in one value projection (its losses within 6e-5);
 #: - DeepSeek-V3's q up-projection reads a normed latent whose gradient, under tp, is the sum of the ranks' heads'
-#:   parts: 8.5e-5 at tp=2 (1.1e-5 under ddp); 8.9e-14 in float64. (Its router computes in float32 whatever the
-#:   model's dtype: its float64 twin under ddp, each rank's router summing its own tokens' part of the weight's
-#:   gradient in float32, leaves one process by 1.6e-7; tp=2 routes the whole tokens on every rank.)
+#:   parts: 8.5e-5 at tp=2 (1.1e-5 under ddp); 8.9e-14 in float64 (under ddp its float64 twin leaves one process by
+#:   1.6e-7: its router computes in float32 whatever the model's dtype).
 #:
 #: - Fewer key/value heads than tp ranks (``-kv1``, ``-kv2``: each rank computes the one its query heads read, and
 #:   the ranks sharing it sum their parts of its gradient): after 20 AdamW steps at 1e-2 in fp32 (losses within 1e-6)
