@@ -93,6 +93,17 @@ class _EncoderStandIn(nn.Module):
         )
 
 
+def bearing_attributes(stand_in: nn.Module, block: nn.Module) -> nn.Module:
+    """``stand_in`` carrying ``block``'s own plain attributes (not its modules, parameters or buffers), which a
+    model's forward may read from each block between calls: Nemotron-H picks each block's mask by its
+    ``block_type``, Gemma's and Dory's by an ``attention_type``."""
+    for name, value in vars(block).items():
+        if not name.startswith("_") and not isinstance(value, (nn.Module, torch.Tensor)) and not hasattr(
+                stand_in, name):
+            setattr(stand_in, name, value)
+    return stand_in
+
+
 def split_stages(module: nn.Module, plan: StagePlan, stages: Sequence[int],
                  block_output: Optional[BlockOutput] = None) -> list[nn.Module]:
     """Keep in ``module`` only the pieces of ``stages`` (others become :class:`PassThrough`, freeing them) and
@@ -107,7 +118,8 @@ def split_stages(module: nn.Module, plan: StagePlan, stages: Sequence[int],
             setattr(module, name, _stand_in(getattr(module, name)) if name in plan.pre else PassThrough())
     for key in (k for stage_keys in plan.blocks for k in stage_keys):
         if f"{plan.container}.{key}" not in mine:
-            blocks[key if isinstance(blocks, nn.ModuleDict) else int(key)] = PassThrough(block_output)
+            index = key if isinstance(blocks, nn.ModuleDict) else int(key)
+            blocks[index] = bearing_attributes(PassThrough(block_output), blocks[index])
     return views
 
 
@@ -115,7 +127,8 @@ def _stage_view(module: nn.Module, plan: StagePlan, stage: int, block_output: Bl
     owned = plan.owned(stage)
     blocks = module._modules[plan.container]
     entries = blocks.items() if isinstance(blocks, nn.ModuleDict) else ((str(i), b) for i, b in enumerate(blocks))
-    kept = [(k, b if f"{plan.container}.{k}" in owned else PassThrough(block_output)) for k, b in entries]
+    kept = [(k, b if f"{plan.container}.{k}" in owned else bearing_attributes(PassThrough(block_output), b))
+            for k, b in entries]
     replacements: dict[str, nn.Module] = {name: _stand_in(module.get_submodule(name)) for name in plan.pre
                                           if name not in owned}
     replacements.update({name: PassThrough() for name in plan.post if name not in owned})
@@ -472,9 +485,11 @@ def _check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pl
     keys = list(container.keys()) if isinstance(container, nn.ModuleDict) else [str(i) for i in range(len(container))]
     probed = [probes[f"{container_name}.{k}"] for k in keys]
     for key, probe in zip(keys, probed):
+        block = container[key if isinstance(container, nn.ModuleDict) else int(key)]
+        bearing_attributes(probe, block)
         # a parameter of each block this rank holds stays in the view, for a forward that reads its device or dtype
         # from its parameters (Idefics3's); not the block itself, whose modules a forward may hook (router logits)
-        held = next(container[key if isinstance(container, nn.ModuleDict) else int(key)].parameters(), None)
+        held = next(block.parameters(), None)
         if held is not None:
             probe.register_parameter("held", held)
     # an embedding's stand-in hands on zeros of its output's dtype, which what runs before the blocks may read (an

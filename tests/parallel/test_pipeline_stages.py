@@ -181,6 +181,34 @@ def test_blocks_returning_tuples_chain_and_their_stages_hand_on_the_hidden_state
         check_chain(scaled, plan_stages(scaled, "blocks", 2), (ids,), {})
 
 
+class TypedBlocks(GPT):
+    """Blocks carrying a plain attribute the forward reads between calls to pick what each is given, as Nemotron-H
+    picks each block's mask by its ``block_type``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        for index, block in enumerate(self.blocks):
+            block.block_type = "attention" if index % 2 else "mamba"
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x) if block.block_type in ("attention", "mamba") else x
+        return self.head(self.norm(x))
+
+
+def test_stand_ins_of_blocks_carry_the_blocks_plain_attributes_the_forward_reads():
+    model = TypedBlocks(GPTConfig.tiny(n_layers=4))
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        expected = model(ids)
+    check_chain(model, plan_stages(model, "blocks", 2), (ids,), {})  # (its stand-ins read as the blocks)
+    stages = root_stages(model, ModelRoot("", "", "blocks", ()), plan_stages(model, "blocks", 2), [0, 1])
+    assert [block.block_type for block in stages[1].root.blocks] == ["mamba", "attention"] * 2  # two stand-ins
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](ids)), expected, rtol=0, atol=0)
+
+
 def test_tied_embedding_and_head_are_one_parameter_of_the_first_and_last_stage():
     model, place = gpt(tie_embeddings=True), ModelRoot("", "", "blocks", ())
     assert tied_parameters(model, place, plan_stages(model, "blocks", 2)) == [TiedParameter("embed.tokens.weight",
