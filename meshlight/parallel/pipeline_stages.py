@@ -96,7 +96,7 @@ class _EncoderStandIn(nn.Module):
 def bearing_attributes(stand_in: nn.Module, block: nn.Module) -> nn.Module:
     """``stand_in`` carrying ``block``'s own plain attributes (not its modules, parameters or buffers), which a
     model's forward may read from each block between calls: Nemotron-H picks each block's mask by its
-    ``block_type``, Gemma's and Dory's by an ``attention_type``."""
+    ``block_type``, Dory by its ``attention_type``."""
     for name, value in vars(block).items():
         if not name.startswith("_") and not isinstance(value, (nn.Module, torch.Tensor)) and not hasattr(
                 stand_in, name):
