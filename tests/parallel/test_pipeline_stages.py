@@ -209,6 +209,22 @@ def test_stand_ins_of_blocks_carry_the_blocks_plain_attributes_the_forward_reads
         torch.testing.assert_close(stages[1](stages[0](ids)), expected, rtol=0, atol=0)
 
 
+def test_nemotron_h_whose_forward_reads_each_blocks_type_is_a_chain():
+    """Hugging Face's Nemotron-H picks each block's mask by the block's ``block_type`` (its layers a Mamba mixer,
+    attention, an MLP or experts): the chain check's stand-ins carry it. (At pp=2 it matched one process within 1e-4
+    over 20 AdamW steps: a probe, not in the suite.)"""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "NemotronHConfig"):
+        pytest.skip("this transformers has no Nemotron-H")
+    config = transformers.NemotronHConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_num_heads=4,
+                                          mamba_head_dim=8, ssm_state_size=8, n_groups=1)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    place = model_root(model)
+    plan = plan_stages(model.get_submodule(place.pipelined), place.container, 2)
+    check_chain(model, plan, (torch.randint(0, 16, (2, 8)),), {}, place)
+
+
 def test_tied_embedding_and_head_are_one_parameter_of_the_first_and_last_stage():
     model, place = gpt(tie_embeddings=True), ModelRoot("", "", "blocks", ())
     assert tied_parameters(model, place, plan_stages(model, "blocks", 2)) == [TiedParameter("embed.tokens.weight",
