@@ -59,9 +59,10 @@ TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe-fp64",
 #: - Jamba trains with AdamW at 3e-3 (:func:`training_options`): at 1e-2 its Mamba-1 mixer (Hugging Face's scan in
 #:   torch, partly float32 whatever the model's dtype) makes 20 steps chaotic, leaving one process by 2e-2 under ddp
 #:   alike (1.1e-1 at tp=2; 7.7e-5 in float64, its float32 parts kept); at 3e-3 by 3e-6 under ddp and 1.4e-5 at tp=2.
-#: - Kimi Linear's KDA layers leave one process in fp32 by 2.9e-4 under ddp (5.4e-3 at tp=2, losses within 1.7e-4);
-#:   in float64 by 7.1e-6 under ddp and 6.2e-6 at tp=2 — the floor its float32 parts (a gated norm, the forget gate)
-#:   set — so it runs there, within 1e-4.
+#: - Kimi Linear's KDA layers, 8 heads wide, left one process in fp32 by 2.9e-4 under ddp (5.4e-3 at tp=2, losses
+#:   within 1.7e-4) and in float64 by 7.1e-6 under ddp and 6.2e-6 at tp=2 (its float32 parts: a gated norm, the
+#:   forget gate). With 2 heads (the suite's: a quarter of the KDA's cost, 7.8 s to 2.8 s for one process's 20
+#:   steps) it matches at tp=2 in float64 to 1.5e-13, so it runs there.
 #: - Gemma 4's MoE leaves one process in fp32 by 1.3e-4 at tp=2 in its first layer's q projection (1.1e-4 under
 #:   dp=2 × tp=2 × ep=4, 5.5e-6 under ddp; its losses within 9e-6), and by 6e-14 in float64, so it runs there under
 #:   tp (in fp32 under ep and pp, within 1e-4).
@@ -92,7 +93,7 @@ PARITY_RTOL = {"olmo2": 3e-4, "qwen2": 3e-4, "deepseek_v3": 2e-4, "olmo2-fp64": 
                    ("qwen3-kv1-fp64", "llama-kv1-fp64", "litgpt-kv1-fp64", "falcon-fp64", "falcon_grouped-fp64",
                     "gpt_bigcode-fp64", "phi3-kv2-fp64", "persimmon-fp64", "bloom-fp64", "qwen3_5-fp64",
                     "qwen3_5_moe-fp64", "gemma4_moe-fp64", "olmoe-fp64", "llama4-fp64",
-                    "llama-vocab61-fp64", "deepseek_v3-fp64", "afmoe-fp64"), 1e-10),
+                    "llama-vocab61-fp64", "deepseek_v3-fp64", "afmoe-fp64", "kimi_linear-fp64"), 1e-10),
                # (a fused q|k|v bias, whose key part's gradient is exactly zero: Adam's steps on its rounding noise)
                "qwen3_vl-fp64": 1e-7, "qwen3_vl-deep-fp64": 1e-7, "idefics3-fp64": 1e-10,
                "llava_next-fp64": 1e-10}
@@ -161,12 +162,12 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
                                           layer_types=["linear_attention", "full_attention"], num_local_experts=4,
                                           num_experts_per_tok=2, block_size=8, router_jitter_noise=0.0,
                                           pad_token_id=None, bos_token_id=0, eos_token_id=1)
-    if family == "kimi_linear":  # Kimi Linear: a KDA linear attention layer (short convolutions over the sequence)
-        # before a latent attention layer; a dense first layer, then 4 experts (top-2) beside a shared one
+    if family == "kimi_linear":  # Kimi Linear: a KDA linear attention layer (short convolutions over the sequence;
+        # 2 heads) before a latent attention layer; a dense first layer, then 4 experts (top-2) beside a shared one
         return transformers.KimiLinearConfig(
             **{**common, "num_hidden_layers": max(layers, 2), "num_key_value_heads": HEADS},
             layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
-            linear_head_dim=DIM // HEADS, linear_num_heads=HEADS, kv_lora_rank=16, q_lora_rank=None,
+            linear_head_dim=DIM // HEADS, linear_num_heads=2, kv_lora_rank=16, q_lora_rank=None,
             qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, num_local_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=HIDDEN // 2, pad_token_id=None, bos_token_id=0, eos_token_id=1)
     if family == "falcon_rw":  # Falcon-RW's ALiBi, also folded into the attention mask per head; q|k|v head by head
@@ -205,10 +206,12 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
         return transformers.BioGptConfig(vocab_size=vocab, hidden_size=DIM, num_hidden_layers=layers,
                                          num_attention_heads=HEADS, intermediate_size=HIDDEN, hidden_dropout_prob=0.0,
                                          attention_probs_dropout_prob=0.0, **block_mlp)
-    if family.startswith("qwen3_5"):  # three Gated DeltaNet layers (linear attention: kept whole on every tp rank),
-        # then a gated attention layer (q and its output gate head by head, q and k norms over each head);
+    if family.startswith("qwen3_5"):  # a Gated DeltaNet layer (linear attention: kept whole on every tp rank), then
+        # a gated attention layer (q and its output gate head by head, q and k norms over each head); Qwen3.5's 3:1
+        # pattern adds nothing tp meets, and each Gated DeltaNet layer costs a tp=2 run a second in float64;
         # "qwen3_5_moe": 4 experts, top-2, beside a shared expert, in every layer
-        hybrid = dict(vocab_size=vocab, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=max(layers, 4),
+        hybrid = dict(vocab_size=vocab, hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=max(layers, 2),
+                      layer_types=["linear_attention", "full_attention"] * (max(layers, 2) // 2),
                       num_attention_heads=HEADS, num_key_value_heads=kv_heads, head_dim=DIM // HEADS,
                       linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
                       max_position_embeddings=64, use_cache=False, tie_word_embeddings=False)

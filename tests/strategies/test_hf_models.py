@@ -31,12 +31,13 @@ parallelism without sequence parallelism (its MoE layer takes each token's type)
 Qwen3-VL (in float64) under pipelining × tensor parallelism, Qwen3-VL under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3,
 and Qwen3-VL-MoE under expert parallelism, alone and folded over tp. One launch per process count."""
 
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.launch import torchrun
+from tests.launch import in_background, torchrun
 from tests.strategies import parity
 from tests.strategies.hf_models import MOE_FAMILIES, PARITY_RTOL, experts_in_another_layout, lit_causal_lm
 from tests.strategies.workers import hf_worker
@@ -66,13 +67,23 @@ def controls() -> dict[tuple[str, int, int], dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
+def launches(tmp_path_factory) -> Future[Path]:
     out = tmp_path_factory.mktemp("hf")
-    for world in (2, 4, 8):
-        layouts = [name for name, (_, devices, _, _) in hf_worker.LAYOUTS.items() if devices == world]
-        extras = {2: ["reshard-tied", "resume-listed"], 4: ["resume-split"]}.get(world, [])
-        torchrun(WORKER, world, str(out), *layouts, *extras, timeout=1200)
-    return out
+
+    def launch() -> Path:
+        for world in (2, 4, 8):
+            layouts = [name for name, (_, devices, _, _) in hf_worker.LAYOUTS.items() if devices == world]
+            extras = {2: ["reshard-tied", "resume-listed"], 4: ["resume-split"]}.get(world, [])
+            torchrun(WORKER, world, str(out), *layouts, *extras, timeout=1200)
+        return out
+
+    return in_background(launch)
+
+
+@pytest.fixture(scope="module")
+def runs(launches, controls) -> Path:
+    """The folder the launches wrote, once they are over; the controls are trained while they run."""
+    return launches.result()
 
 
 @pytest.mark.parametrize(("layout", "model"), [(layout, model) for layout, (*_, models) in
