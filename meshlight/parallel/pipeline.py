@@ -317,10 +317,11 @@ def rank_holding(stage: int, pp: int, schedule: str) -> int:
     return stage % pp
 
 
-def stages_of_rank(rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
+@functools.cache  # the planner asks for each rank's of every layout it prices
+def stages_of_rank(rank: int, pp: int, virtual_stages: int, schedule: str) -> tuple[int, ...]:
     """The stage indices rank ``rank`` of ``pp`` holds, in order (:func:`rank_holding`'s inverse)."""
     stages = 2 * pp if schedule in V_PLACEMENT else pp * virtual_stages
-    return [stage for stage in range(stages) if rank_holding(stage, pp, schedule) == rank]
+    return tuple(stage for stage in range(stages) if rank_holding(stage, pp, schedule) == rank)
 
 
 def build_schedule(

@@ -76,8 +76,8 @@ def test_more_stages_than_blocks_is_refused():
 
 
 def test_loop_and_v_placement():
-    assert [stages_of_rank(r, 4, 2, "interleaved1f1b") for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert [stages_of_rank(r, 4, 2, "zbvzerobubble") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [stages_of_rank(r, 4, 2, "interleaved1f1b") for r in range(4)] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert [stages_of_rank(r, 4, 2, "zbvzerobubble") for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
 
 
 @pytest.mark.parametrize(("schedule", "virtual", "message"), [
