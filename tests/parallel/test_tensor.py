@@ -865,7 +865,7 @@ def test_vectors_as_wide_as_a_head_are_not_split_with_the_heads_where_the_two_co
 def test_a_linear_attention_is_kept_whole_and_the_layers_beside_it_are_split():
     """Qwen3.5's Gated DeltaNet (a recurrence over the sequence, its q|k|v through a depthwise convolution over it) is
     one ``whole`` module, nothing inside it given a role of its own; the gated attention layer, the MLPs and the norms
-    are split as Llama's are (trained at tp=2 and in 3d in test_hf_models). ``Hybrid3DStrategy()`` plans it with tp=1
+    are split as Llama's are (trained at tp=2 in test_hf_models). ``Hybrid3DStrategy()`` plans it with tp=1
     unless tp is given: the cost model would price the mixers as split."""
     model = lit_causal_lm("qwen3_5")
     plan = derive_plan(model)
