@@ -62,12 +62,12 @@ def launch(nprocs: int, script: str, args: list[str]) -> int:
     })
     sys.stdout.flush()
     sys.stderr.flush()
-    children = set()
+    children = {}
     for rank in range(nprocs):
         pid = os.fork()
         if pid == 0:
             sys.exit(_rank(rank, script, args))  # unwinds out of main(): the child exits as a script would
-        children.add(pid)
+        children[pid] = rank
     return _supervise(children)
 
 
@@ -95,8 +95,9 @@ def _rank(rank: int, script: str, args: list[str]) -> int:
     return code
 
 
-def _supervise(children: set[int]) -> int:
-    """Wait for every rank; once one fails, terminate the others (SIGTERM, then SIGKILL after 30 s)."""
+def _supervise(children: dict[int, int]) -> int:
+    """Wait for every rank (``children``: pid -> rank); once one fails, say which and how on stderr (a rank killed by
+    a signal prints no traceback) and terminate the others (SIGTERM, then SIGKILL after 30 s)."""
     failed, deadline = False, None
     while children:
         pid, status = os.waitpid(-1, os.WNOHANG)
@@ -109,8 +110,11 @@ def _supervise(children: set[int]) -> int:
             continue
         if pid not in children:
             continue
-        children.remove(pid)
-        if os.waitstatus_to_exitcode(status) != 0 and not failed:
+        rank = children.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and not failed:
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+            print(f"forkrun: rank {rank} {how} first; stopping the others", file=sys.stderr, flush=True)
             failed, deadline = True, time.monotonic() + 30
             for other in children:
                 os.kill(other, signal.SIGTERM)

@@ -17,6 +17,7 @@ import atexit
 import importlib
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -54,10 +55,26 @@ def torchrun(
         result = _launch(script, nprocs, list(args), timeout, max_restarts)
     if check and result.returncode != 0:
         raise AssertionError(
-            f"{script.name} on {nprocs} processes exited with {result.returncode}:\n"
+            f"{script.name} on {nprocs} processes exited with {result.returncode}:\n{_first_errors(result.stderr)}\n"
             f"{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
         )
     return result
+
+
+def _first_errors(stderr: str) -> str:
+    """What a failed launch's ranks said first that the tails may have cut: the supervisor's line naming the rank
+    that failed first, and each rank's first exception (torch.distributed prefixes a rank's traceback with
+    ``[rank<r>]:`` once its process group exists; the first exception printed is the cause of any chained after
+    it)."""
+    first: dict[str, str] = {}
+    for line in stderr.splitlines():
+        if line.startswith("forkrun: "):
+            first.setdefault("", line)
+        elif match := re.match(r"(?:\[rank(\d+)\]: )?([\w.]+(?:Error|Exception|Interrupt)\b.*)", line):
+            rank = match[1] or "?"
+            first.setdefault(rank, f"rank {rank}: {match[2]}")
+    order = sorted(first, key=lambda key: (key != "", key == "?", int(key) if key.isdigit() else 0))
+    return "\n".join(first[key] for key in order)
 
 
 def in_background(launches: Callable[[], T]) -> Future[T]:
