@@ -11,7 +11,7 @@ import torch.distributed as dist
 dist.init_process_group("gloo")  # (as the workers do: their tracebacks' lines then name their rank)
 if os.environ["RANK"] == "1":
     if sys.argv[1] == "signal":
-        os.kill(os.getpid(), signal.SIGSEGV)
+        os.kill(os.getpid(), signal.SIGKILL)  # (as the kernel kills a process out of memory)
     raise ValueError("rank 1 gave up")
 time.sleep(60)  # stopped by the launcher once rank 1 has failed
 """
@@ -19,7 +19,7 @@ time.sleep(60)  # stopped by the launcher once rank 1 has failed
 
 @pytest.mark.parametrize(("how", "said"), [("raise", ["forkrun: rank 1 exited with 1 first",
                                                        "rank 1: ValueError: rank 1 gave up"]),
-                                            ("signal", ["forkrun: rank 1 was killed by SIGSEGV first"])])
+                                            ("signal", ["forkrun: rank 1 was killed by SIGKILL first"])])
 def test_a_failed_launch_names_the_rank_that_failed_first_and_its_error(tmp_path, how, said):
     script = tmp_path / "failing.py"
     script.write_text(FAILING)
