@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import json
+import math
 import os
 import re
 import select
@@ -66,15 +67,14 @@ def _first_errors(stderr: str) -> str:
     that failed first, and each rank's first exception (torch.distributed prefixes a rank's traceback with
     ``[rank<r>]:`` once its process group exists; the first exception printed is the cause of any chained after
     it)."""
-    first: dict[str, str] = {}
+    first: dict[float, str] = {}  # the supervisor's line first, then by rank, a traceback of no rank's last
     for line in stderr.splitlines():
         if line.startswith("forkrun: "):
-            first.setdefault("", line)
+            first.setdefault(-1, line)
         elif match := re.match(r"(?:\[rank(\d+)\]: )?([\w.]+(?:Error|Exception|Interrupt)\b.*)", line):
-            rank = match[1] or "?"
-            first.setdefault(rank, f"rank {rank}: {match[2]}")
-    order = sorted(first, key=lambda key: (key != "", key == "?", int(key) if key.isdigit() else 0))
-    return "\n".join(first[key] for key in order)
+            rank = int(match[1]) if match[1] else math.inf
+            first.setdefault(rank, f"rank {match[1] or '?'}: {match[2]}")
+    return "\n".join(first[rank] for rank in sorted(first))
 
 
 def in_background(launches: Callable[[], T]) -> Future[T]:
