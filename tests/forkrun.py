@@ -21,6 +21,7 @@ itself, so no thread pool exists when it forks.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import gc
 import json
 import os
@@ -81,6 +82,7 @@ def _die_with_parent() -> None:
 def _rank(rank: int, script: str, args: list[str]) -> int:
     """Run ``script`` as rank ``rank`` in this (forked) process; its exit status."""
     _die_with_parent()  # a test's timeout kills the launcher
+    faulthandler.enable(all_threads=True)  # a rank that aborts (a C++ exception, a failed assertion) says where
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)})
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(script))

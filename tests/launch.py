@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import itertools
 import json
 import math
 import os
@@ -64,17 +65,26 @@ def torchrun(
 
 def _first_errors(stderr: str) -> str:
     """What a failed launch's ranks said first that the tails may have cut: the supervisor's line naming the rank
-    that failed first, and each rank's first exception (torch.distributed prefixes a rank's traceback with
+    that failed first; each rank's first exception (torch.distributed prefixes a rank's traceback with
     ``[rank<r>]:`` once its process group exists; the first exception printed is the cause of any chained after
-    it)."""
+    it); and what a rank that aborted printed, which names no rank: C++'s ``terminate called …`` and ``what(): …``
+    lines, and the first Python stacks ``faulthandler`` dumped (forkrun enables it in every rank)."""
     first: dict[float, str] = {}  # the supervisor's line first, then by rank, a traceback of no rank's last
-    for line in stderr.splitlines():
+    aborted: list[str] = []
+    dump: list[str] = []
+    lines = stderr.splitlines()
+    for index, line in enumerate(lines):
         if line.startswith("forkrun: "):
             first.setdefault(-1, line)
+        elif line.startswith(("terminate called", "  what(): ")) and line not in aborted:
+            aborted.append(line)
+        elif line.startswith("Fatal Python error: ") and not dump:
+            dump = list(itertools.takewhile(lambda text: not text.startswith("Extension modules:"),
+                                            filter(str.strip, lines[index:index + 80])))[:40]
         elif match := re.match(r"(?:\[rank(\d+)\]: )?([\w.]+(?:Error|Exception|Interrupt)\b.*)", line):
             rank = int(match[1]) if match[1] else math.inf
             first.setdefault(rank, f"rank {match[1] or '?'}: {match[2]}")
-    return "\n".join(first[rank] for rank in sorted(first))
+    return "\n".join([first[rank] for rank in sorted(first)] + aborted + dump)
 
 
 def in_background(launches: Callable[[], T]) -> Future[T]:
