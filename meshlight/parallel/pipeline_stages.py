@@ -72,8 +72,9 @@ class PassThrough(nn.Module):
 #: Keyword arguments of a multimodal model's forward that only its encoders read (Hugging Face's names): a later
 #: pipeline stage's forward is given None for them, so that the model skips its encoders, which the first stage runs.
 ENCODER_INPUTS = ("pixel_values", "pixel_values_videos")
-#: The keyword under which a multimodal model's token ids reach the stages after the first (the schedule hands those
-#: the hidden state in their place): their forward counts the image tokens' places and positions from them.
+#: The keyword under which the token ids a model is given reach the stages after the first (the schedule hands those
+#: the hidden state in their place): a Hugging Face model's forward runs on them there as on the first stage, and
+#: reads them beside the embedding (a multimodal model's image places and positions, DeepSeek-V4's hash routing).
 TOKEN_IDS = "_meshlight_token_ids"
 
 
@@ -177,16 +178,17 @@ class _StageDone(Exception):
 class Stage(nn.Module):
     """One pipeline stage: the model root's forward on a view in which the pieces of other stages stand in.
 
-    A stage after the first passes its input where the root takes its first input (or as ``inputs_embeds`` when the
-    root's forward takes that, as Hugging Face models do; a multimodal model's gets its token ids there instead,
-    under :data:`TOKEN_IDS`, and None for its encoders' inputs, :data:`ENCODER_INPUTS`), so that the forward
-    computes what the blocks need beside it (masks, positions, rotary tables, the image tokens' places) as one
-    process would; the embeddings of earlier stages return zeros of their output's shape, and the stage's first
-    block gets the stage's input in place of what reached it. A stage before the last stops at the output of its
-    last block and hands that on (the hidden state, where blocks return tuples: ``block_output``); the last runs the
-    root's forward to its end (norm, head, a loss it computes). What the last returns reaches the schedule as its
-    tensors, and :meth:`rebuild` makes it whole again. Where the model computes its load-balancing loss from every
-    layer's router logits, they travel beside the hidden state
+    A stage after the first runs the root's forward on the step's token ids where the root's forward also takes
+    ``inputs_embeds``, as Hugging Face models' do (given under :data:`TOKEN_IDS`; a multimodal model's with None for
+    its encoders' inputs, :data:`ENCODER_INPUTS`); otherwise (or given no token ids) it passes its input where the root
+    takes its first input, or as ``inputs_embeds``. So the forward computes what the blocks need beside it (masks,
+    positions, rotary tables, the image tokens' places, token-hashed routing) as one process would; the embeddings
+    of earlier stages return zeros of their output's shape (which DeepSeek-V4 widens into its hyper-connections'
+    streams), and the stage's first block gets the stage's input in place of what reached it. A stage before the last
+    stops at the output of its last block and hands that on (the hidden state, where blocks return tuples:
+    ``block_output``); the last runs the root's forward to its end (norm, head, a loss it computes). What the last
+    returns reaches the schedule as its tensors, and :meth:`rebuild` makes it whole again. Where the model computes
+    its load-balancing loss from every layer's router logits, they travel beside the hidden state
     (:class:`~meshlight.parallel.router_logits.CarriedRouterLogits`)."""
 
     def __init__(self, root: nn.Module, blocks: Sequence[str], first: bool, last: bool, as_embeddings: bool,
@@ -201,6 +203,7 @@ class Stage(nn.Module):
         self._blocks = (blocks[0], blocks[-1])
         self._hooked = False
         self._input: Optional[Any] = None
+        self._in_first_block = False  # (a later stage's, while its forward runs)
         self._output: Optional[tuple[list[Any], TreeSpec]] = None  # the last stage's latest output, as leaves
 
     def _hook_blocks(self) -> None:
@@ -208,13 +211,30 @@ class Stage(nn.Module):
         # (sequence parallelism turns it into this rank's share), and the stage ends after them (FSDP's, which
         # prepare the output's backward).
         if not self.first:
-            self.root.get_submodule(self._blocks[0]).register_forward_pre_hook(self._substitute, prepend=True)
+            first = self.root.get_submodule(self._blocks[0])
+            first.register_forward_pre_hook(self._substitute, prepend=True)
+            first.register_forward_hook(self._first_block_done)
         if not self.last:
             self.root.get_submodule(self._blocks[1]).register_forward_hook(self._stop)
         self._hooked = True
 
     def _substitute(self, module: nn.Module, args: tuple) -> tuple:
+        self._in_first_block = True
         return (self._input, *args[1:])
+
+    def _first_block_done(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._in_first_block = False
+
+    def _explain(self, error: Exception) -> None:
+        """Where a later stage's first block failed and the blocks return tuples, say what it may have lacked."""
+        if self._in_first_block and self.block_output.tuples:
+            error.add_note(
+                f"Under pipelining, {self._blocks[0]} begins a stage, and a stage hands on the hidden state alone:"
+                " where the model's forward gives each block what the previous one returned beside it (its blocks"
+                " return tuples), a stage's first block is given None for that (HY-V4's shared indexer layers read"
+                " the previous layer's key selection). Begin stages at blocks that compute it themselves:"
+                " PipelineStrategy(split=[...]) names the blocks that begin stages."
+            )
 
     def _stop(self, module: nn.Module, args: tuple, output: Any) -> None:
         raise _StageDone(self.block_output.hidden(output))
@@ -227,20 +247,25 @@ class Stage(nn.Module):
         if not self.first:
             if self._router_logits is not None:  # the earlier layers' router logits come after the hidden state
                 args, received = args[:1], args[1:]
-            self._input, given = args[0], _whole_shaped(args[0])
-            if self._multimodal:  # its own token ids (image places, positions), its encoders skipped
+            self._input = args[0]
+            if ids is not None and (self._as_embeddings or self._multimodal):
                 args, kwargs = (ids, *args[1:]), without_encoder_inputs(kwargs)
+            elif self._as_embeddings:
+                args, kwargs = args[1:], {**kwargs, "inputs_embeds": _whole_shaped(args[0])}
             else:
-                args, kwargs = ((args[1:], {**kwargs, "inputs_embeds": given}) if self._as_embeddings else
-                                ((given, *args[1:]), kwargs))
+                args = (_whole_shaped(args[0]), *args[1:])
         carried = self._router_logits
+        self._in_first_block = False
         with carried.running(received) if carried else contextlib.nullcontext():
             try:
                 output = self.root(*args, **kwargs)
             except _StageDone as done:
                 return carried.handed_on(done.output) if carried else done.output
+            except Exception as error:
+                self._explain(error)
+                raise
             finally:
-                self._input = None
+                self._input, self._in_first_block = None, False
         if not self.last:
             raise PipelineError(f"{type(self.root).__name__}.forward returned without running its blocks.")
         if isinstance(output, torch.Tensor):
@@ -473,13 +498,16 @@ def _check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pl
     prefix = f"{place.pipelined}." if place.pipelined else ""
     container_name = prefix + plan.container
     blocks = [f"{container_name}.{k}" for keys in plan.blocks for k in keys]
-    pieces = [*blocks, *(prefix + name for name in plan.post[:1])]
+    # the pieces after the blocks stop the forward, whichever runs first (DeepSeek-V4 runs its hyper-connections'
+    # head, registered after its final norm, before the norm)
+    post = [prefix + name for name in plan.post]
+    pieces = [*blocks, *post]
     # with no piece after the blocks, the forward runs on to a head beside the pipelined module, where it stops: a
     # piece registered before the blocks but run after them shows there
-    on_to_head = not plan.post and bool(place.heads)
+    on_to_head = not post and bool(place.heads)
     block_output = BlockOutput()
     block_output.tuples = tuples
-    probes = {name: _Probe(name, received, stop=name == pieces[-1] and not on_to_head,
+    probes = {name: _Probe(name, received, stop=name in post or (name == blocks[-1] and not post and not on_to_head),
                            block_output=block_output if name in blocks else None) for name in pieces}
     container = root.get_submodule(container_name)
     keys = list(container.keys()) if isinstance(container, nn.ModuleDict) else [str(i) for i in range(len(container))]
@@ -536,7 +564,7 @@ def _check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pl
             " = norm` puts it last among its parent's modules — or train without pipelining."
         )
     heads = [i for i, (piece, _) in enumerate(received) if piece in place.heads]
-    if on_to_head and heads and heads[0] > 0 and received[heads[0] - 1][0] == pieces[-1]:
+    if on_to_head and heads and heads[0] > 0 and received[heads[0] - 1][0] == blocks[-1]:
         received = received[:heads[0]]  # the head ran after the last block, as it should
     order = [piece for piece, _ in received]
     early = [piece for piece in order if piece in place.heads]
@@ -546,9 +574,11 @@ def _check_chain(root: nn.Module, plan: StagePlan, args: tuple, kwargs: dict, pl
             f" the one holding them ({place.pipelined!r}) belongs to the last stage, after them. Move it into"
             f" {place.pipelined!r}, before the blocks."
         )
-    if order != pieces:
+    after = next((piece for piece in order if piece in post), post[0] if post else None)
+    chain = [*blocks, after] if post else blocks
+    if order != chain:
         raise PipelineError(
-            f"{name}.forward is not a chain of its blocks: it calls {order} but pipelining needs {pieces}, each once"
+            f"{name}.forward is not a chain of its blocks: it calls {order} but pipelining needs {chain}, each once"
             " and in order (see docs/guides/pipeline.md)."
         )
     for (_, before), (piece, value) in zip(received, received[1:]):

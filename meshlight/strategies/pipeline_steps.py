@@ -294,7 +294,7 @@ class PipelineSteps:
                 step(*step_args)
         except _Captured as captured:
             args, kwargs = first_positional(self.root, captured.args, captured.kwargs)
-            if self.place.encoders and args:  # later stages count image places and positions from the token ids
+            if args and isinstance(args[0], Tensor) and not args[0].is_floating_point():  # token ids, for later stages
                 kwargs = {**kwargs, TOKEN_IDS: args[0]}
             return args, kwargs
         finally:

@@ -117,7 +117,22 @@ class Reshaped(GPT):
         return self.head(self.norm(x))
 
 
-@pytest.mark.parametrize("cls", [ScaledEmbedding, MeanPooled])
+class CollapsedBeforeTheNorm(GPT):
+    """A piece registered after the final norm that runs before it, on the last block's output (DeepSeek-V4's head
+    collapsing its hyper-connections' streams)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        self.collapse = torch.nn.Linear(config.dim, config.dim)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(self.collapse(x)))
+
+
+@pytest.mark.parametrize("cls", [ScaledEmbedding, MeanPooled, CollapsedBeforeTheNorm])
 def test_operations_before_and_after_the_blocks_are_part_of_the_first_and_last_stage(cls):
     model = cls(GPTConfig.tiny(n_layers=4))
     assert check_chain(model, plan_stages(model, "blocks", 2), (torch.zeros(2, 12, dtype=torch.long),), {}) is False
@@ -179,6 +194,52 @@ def test_blocks_returning_tuples_chain_and_their_stages_hand_on_the_hidden_state
     scaled = TupleBlocks(GPTConfig.tiny(n_layers=4), between=0.5)
     with pytest.raises(PipelineError, match="blocks.1 does not receive the previous piece's output"):
         check_chain(scaled, plan_stages(scaled, "blocks", 2), (ids,), {})
+
+
+class _HandingBlock(torch.nn.Module):
+    def __init__(self, block: torch.nn.Module, index: int) -> None:
+        super().__init__()
+        self.block, self.index = block, index
+
+    def forward(self, x, selection=None):
+        if self.index % 2 and selection is None:  # (as HY-V4's shared indexer layers refuse)
+            raise ValueError(f"block {self.index} reuses the previous block's selection and got none")
+        return self.block(x), x.argmax(-1)
+
+
+class HandingBlocks(GPT):
+    """Blocks handing the next what they return beside the hidden state, as HY-V4's hand on their key selection."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        self.blocks = torch.nn.ModuleList(_HandingBlock(block, index) for index, block in enumerate(self.blocks))
+
+    def forward(self, idx):
+        x, selection = self.embed(idx), None
+        for block in self.blocks:
+            x, selection = block(x, selection)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize(("begins", "refused"), [(["blocks.1"], True), (["blocks.2"], False)])
+def test_a_stage_whose_first_block_lacks_what_the_previous_block_returned_beside_the_hidden_state_says_so(
+        begins, refused):
+    model = HandingBlocks(GPTConfig.tiny(n_layers=4))
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    plan = plan_stages(model, "blocks", 2, begins)
+    assert check_chain(model, plan, (ids,), {}) is True
+    stages = root_stages(model, ModelRoot("", "", "blocks", ()), plan, [0, 1])
+    stages[0].block_output.tuples = True
+    with torch.no_grad():
+        hidden = stages[0](ids)
+        if not refused:
+            stages[1](hidden)
+            return
+        with pytest.raises(ValueError, match="got none") as failed:
+            stages[1](hidden)
+    note = "\n".join(failed.value.__notes__)
+    assert "blocks.1 begins a stage, and a stage hands on the hidden state alone" in note
+    assert "PipelineStrategy(split=[...])" in note
 
 
 class TypedBlocks(GPT):

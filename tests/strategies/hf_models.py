@@ -88,6 +88,10 @@ TP_FAMILIES = ("phi3", "glm4", "qwen2_moe", "olmo2", "olmo2-fp64", "olmoe-fp64",
 #:   at tp=2), and by 0 in its losses and below 1e-12 in its weights in float64, so that run is float64's.
 #: - Idefics3 (SGD at 0.3 for SigLIP's key biases) leaves one process at pp=2 by 2.6e-4 in its losses in fp32 (its
 #:   first six alike to five digits), and by 2e-13 (losses and weights) in float64, so that run is float64's.
+#: - DeepSeek-V4 and HY-V4 train with AdamW at 3e-3 (:func:`training_options`): at 1e-2, 20 steps of their tiny
+#:   configs leave one process under ddp alike (by 1.8e-3 and 1.7e-3). At 3e-3 in fp32 DeepSeek-V4 leaves it at pp=2
+#:   by 5.2e-5 (ddp 5.8e-5) and in float64 by 5.9e-7 (ddp 1.4e-6: its hyper-connections compute in float32 whatever
+#:   the model's dtype), so that run is float64's; HY-V4 by 1.3e-5 (ddp 7.2e-6).
 PARITY_RTOL = {"olmo2": 3e-4, "qwen2": 3e-4, "deepseek_v3": 2e-4, "olmo2-fp64": 1e-10, "qwen2-fp64": 1e-10,
                **dict.fromkeys(
                    ("qwen3-kv1-fp64", "llama-kv1-fp64", "litgpt-kv1-fp64", "falcon-fp64", "falcon_grouped-fp64",
@@ -321,14 +325,37 @@ def hf_config(family: str, vocab: int = VOCAB, layers: int = LAYERS, kv_heads: i
         return transformers.GptOssConfig(**common, **moe, head_dim=DIM // HEADS, num_local_experts=4,
                                          sliding_window=4, rope_parameters=yarn,
                                          layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    # hyper-connections: between blocks the hidden state is hc_mult streams of it, widened from the embedding's output
+    # by the forward and collapsed after the blocks by a head registered after the final norm, run before it
+    if family == "deepseek_v4":  # a hash-routed MoE layer (its experts picked by the token ids the forward hands it)
+        # after a learned-router one; one key/value head; compressed attention beside sliding windows
+        return transformers.DeepseekV4Config(
+            vocab_size=vocab, hidden_size=DIM, moe_intermediate_size=HIDDEN // 2, num_hidden_layers=layers,
+            num_attention_heads=HEADS, num_key_value_heads=1, head_dim=DIM // 4, q_lora_rank=DIM // 2,
+            n_routed_experts=4, num_experts_per_tok=2, max_position_embeddings=64, hc_mult=2, hc_sinkhorn_iters=3,
+            sliding_window=4, o_groups=2, o_lora_rank=DIM // 4, index_n_heads=2, index_head_dim=8, index_topk=4,
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"] * (layers // 2),
+            mlp_layer_types=["moe", "hash_moe"] * (layers // 2), use_cache=False, tie_word_embeddings=False,
+            pad_token_id=None)
+    if family == "hy_v4":  # latent attention with DeepSeek's sparse attention's key selector, each block handing its
+        # selection to the next beside the hidden state (a "full" layer computes its own), experts beside a shared one
+        return transformers.HYV4Config(
+            vocab_size=vocab, hidden_size=DIM, intermediate_size=HIDDEN, moe_intermediate_size=HIDDEN // 2,
+            num_hidden_layers=layers, num_attention_heads=HEADS, n_routed_experts=4, num_experts_per_tok=2,
+            q_lora_rank=DIM // 2, kv_lora_rank=DIM // 4, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+            index_topk=4, index_head_dim=8, index_n_heads=2, hc_mult=2, max_position_embeddings=64,
+            mlp_layer_types=["dense", "sparse"] * (layers // 2), use_cache=False, tie_word_embeddings=False,
+            pad_token_id=None, bos_token_id=0, eos_token_id=1)
     raise ValueError(f"family={family!r}: choose one of {FAMILIES + MOE_FAMILIES + TP_FAMILIES}")
 
 
 def attention_implementation(family: str) -> str:
     """The attention a parity model of ``family`` (a config's ``model_type``) runs: sdpa, but eager for GPT-OSS, whose
     attention sinks no sdpa kernel takes, Gemma 2, whose soft-capped logits none does, and OpenAI GPT, BLOOM, MPT and
-    XGLM, which have no other."""
-    return "eager" if family in ("gpt_oss", "gemma2", "openai_gpt", "bloom", "mpt", "xglm") else "sdpa"
+    XGLM, DeepSeek-V4 and HY-V4, which have no other."""
+    return ("eager" if family in ("gpt_oss", "gemma2", "openai_gpt", "bloom", "mpt", "xglm", "deepseek_v4", "hy_v4")
+            else "sdpa")
 
 
 def litgpt_model(vocab: int = VOCAB, layers: int = LAYERS, moe: bool = False, kv_heads: int = KV_HEADS,
@@ -358,10 +385,11 @@ def training_options(family: str) -> dict[str, Any]:
     """The optimizer a parity run trains ``family`` with: AdamW, except SGD for Qwen2, GPT-2, GPT-NeoX, GLM-4,
     StarCoder (GPT-BigCode), Persimmon, OpenAI GPT, BLOOM, Falcon-RW, OPT, XGLM and BioGPT, whose key biases have an
     exactly-zero gradient (softmax ignores a per-query constant) that Adam would turn from float noise into full-size
-    steps that no two layouts take alike; and AdamW at 3e-3 for Jamba (:data:`PARITY_RTOL` says why)."""
+    steps that no two layouts take alike; and AdamW at 3e-3 for Jamba, DeepSeek-V4 and HY-V4 (:data:`PARITY_RTOL`
+    says why)."""
     biased = ("qwen2", "gpt2", "gpt_neox", "glm4", "gpt_bigcode", "persimmon", "openai_gpt", "bloom", "falcon_rw",
               "opt", "opt_narrow", "xglm", "biogpt")
-    if family == "jamba":
+    if family in ("jamba", "deepseek_v4", "hy_v4"):
         return {"lr": 3e-3}
     return {"optimizer": "sgd", "lr": 0.3} if family in biased else {}
 
@@ -395,6 +423,12 @@ class LitCausalLM(pl.LightningModule):
                 config.output_router_logits, config.router_aux_loss_coef = True, aux_loss
             self.model = transformers.AutoModelForCausalLM.from_config(
                 config, attn_implementation=attention_implementation(family))
+            if family == "deepseek_v4":  # its hash-routed layers' token → experts table, as a checkpoint holds one
+                # (a new model's is zeros: every token to expert 0 twice, at a constant weight of one half)
+                tokens = torch.arange(vocab)
+                for router in self.model.modules():
+                    if hasattr(router, "tid2eid"):
+                        router.tid2eid.copy_(torch.stack([tokens % 4, (tokens + 1) % 4], dim=-1))
 
     def forward(self, inputs: Tensor) -> Tensor:
         if self.family.startswith("litgpt"):
@@ -489,8 +523,11 @@ def in_float64(module: LitCausalLM) -> LitCausalLM:
     for parent in list(module.modules()):
         for name, norm in parent.named_children():
             eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-            if type(norm).__name__.endswith(("RMSNorm", "L2Norm")) and isinstance(eps, float):
-                # (Llama 4's L2 norm of each head has none, nor Gemma 4's of the values and of its router's input)
+            if (type(norm).__name__.endswith(("RMSNorm", "L2Norm")) and isinstance(eps, float)
+                    and not type(norm).__name__.endswith("UnweightedRMSNorm")):
+                # (Llama 4's L2 norm of each head has none, nor Gemma 4's of the values and of its router's input;
+                # DeepSeek-V4's and HY-V4's unweighted ones, HY-V4's returning the inverse RMS alone, are kept, as
+                # the float32 their hyper-connections compute in)
                 weight = getattr(norm, "weight", None)
                 width = getattr(parent, "head_dim", getattr(parent, "hidden_size", None))
                 torch_norm = torch.nn.RMSNorm(weight.shape if weight is not None else width, eps=eps,

@@ -153,6 +153,9 @@ def assert_parity(result: dict[str, Any], control: dict[str, Any], rtol: float =
     torch.testing.assert_close(losses, expected, rtol=rtol, atol=0.0)
     assert result["weights"].keys() == control["weights"].keys()
     for name, weight in control["weights"].items():
+        if not weight.is_floating_point():  # a table the model keeps (DeepSeek-V4's token → expert hash)
+            assert torch.equal(result["weights"][name], weight), name
+            continue
         if name.endswith(GAUGE_WEIGHTS):
             assert (result["weights"][name] - weight).abs().max() <= rtol, name
             continue

@@ -110,10 +110,13 @@ LAYOUTS = {
     "ddp": (lambda: "ddp", 2, 2, (*FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
     "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, (*FAMILIES, "qwen3_vl")),
     # Llama 4's forward reads its token embedding's device from the embedding's weight on every stage; Mixtral adds
-    # its load-balancing loss to its own loss, from every layer's router logits (carried down the pipeline)
+    # its load-balancing loss to its own loss, from every layer's router logits (carried down the pipeline);
+    # DeepSeek-V4 and HY-V4 widen the embedding's output into hyper-connection streams, and collapse them after the
+    # blocks with a head run before the final norm, registered after it: the later stage runs the forward on the
+    # token ids, which DeepSeek-V4's hash-routed layer reads (in float64: hf_models.PARITY_RTOL)
     "pp2-1f1b": (lambda: ml.PipelineStrategy(pp=2, schedule="1f1b", microbatches=MICROBATCHES["pp2-1f1b"]), 2, 1,
                  (*FAMILIES, "llama4", *TUPLE_BLOCKS, "opt", "opt_narrow", "falcon_h1", "granite4",
-                  "mixtral-aux-labels", "gemma3", "gemma4_moe", *VLM_PIPELINED)),
+                  "mixtral-aux-labels", "gemma3", "gemma4_moe", *VLM_PIPELINED, "deepseek_v4-fp64", "hy_v4")),
     # two virtual stages on each of the two ranks: a layer for each (the other layouts train 2-layer models), over 2
     # microbatches, fewer than pp·v (what the planner may choose); Mistral is Llama's structure under its own classes
     # (1F1B runs it)
