@@ -229,11 +229,11 @@ class Stage(nn.Module):
         """Where a later stage's first block failed and the blocks return tuples, say what it may have lacked."""
         if self._in_first_block and self.block_output.tuples:
             error.add_note(
-                f"Under pipelining, {self._blocks[0]} begins a stage, and a stage hands on the hidden state alone:"
-                " where the model's forward gives each block what the previous one returned beside it (its blocks"
-                " return tuples), a stage's first block is given None for that (HY-V4's shared indexer layers read"
-                " the previous layer's key selection). Begin stages at blocks that compute it themselves:"
-                " PipelineStrategy(split=[...]) names the blocks that begin stages."
+                f"meshlight: under pipelining, {self._blocks[0]} begins a stage, and a stage hands on the hidden"
+                " state alone: where the model's forward gives each block what the previous one returned beside it"
+                " (its blocks return tuples), a stage's first block is given None for that (HY-V4's shared indexer"
+                " layers read the previous layer's key selection). Begin stages at blocks that compute it"
+                " themselves: PipelineStrategy(split=[...]) names the blocks that begin stages."
             )
 
     def _stop(self, module: nn.Module, args: tuple, output: Any) -> None:

@@ -238,7 +238,7 @@ def test_a_stage_whose_first_block_lacks_what_the_previous_block_returned_beside
         with pytest.raises(ValueError, match="got none") as failed:
             stages[1](hidden)
     note = "\n".join(failed.value.__notes__)
-    assert "blocks.1 begins a stage, and a stage hands on the hidden state alone" in note
+    assert "meshlight: under pipelining, blocks.1 begins a stage, and a stage hands on the hidden state alone" in note
     assert "PipelineStrategy(split=[...])" in note
 
 
