@@ -58,6 +58,7 @@ __all__ = [
     "ddp_engine",
     "gradient_accumulation",
     "is_data_parallel",
+    "refuse_parameters_without_gradients",
 ]
 
 _BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
@@ -187,6 +188,34 @@ def _expert_data_parallel(
 def is_data_parallel(module: nn.Module) -> bool:
     """Whether DDP or FSDP was already applied to ``module`` or inside it (e.g. in ``configure_model``)."""
     return any(isinstance(m, (FSDPModule, ReplicatedModule)) for m in module.modules())
+
+
+def refuse_parameters_without_gradients(module: nn.Module, named: nn.Module) -> bool:
+    """After a backward through ``module`` replicated by DDP (ZeRO-0) that looks for no unused parameters: refuse
+    trainable parameters that got no gradient, naming them as in ``named`` (the user's module inside). DDP's reducer
+    all-reduces a bucket once every parameter in it has its gradient, so their buckets would stay unreduced — the
+    step's gradients partly unsynchronized — and DDP would fail at the next forward without naming them.
+    ``find_unused_parameters`` and ``static_graph`` (a fixed set of unused parameters) handle them. Whether it
+    looked: not after an accumulating micro-batch's backward (a later one of the window may use a parameter, an
+    expert given tokens only there), which DDP does not synchronize."""
+    state = replicate.state(module)
+    ddp = getattr(state, "_ddp", None) if state is not None else None
+    if ddp is None or ddp.find_unused_parameters or ddp.static_graph:
+        return True
+    if not ddp.require_backward_grad_sync:
+        return False
+    unused = [name for name, param in named.named_parameters() if param.requires_grad and param.grad is None]
+    if unused:
+        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+        raise RuntimeError(
+            f"{len(unused)} trainable parameter(s) got no gradient in the first step ({shown}), and DDP (zero=0)"
+            " reduces each bucket of gradients only once every parameter in it has one. Let DDP look for them in every"
+            " backward — DDPStrategy(find_unused_parameters=True), or ddp_kwargs={'find_unused_parameters': True} to"
+            " MeshStrategy or Hybrid3DStrategy —, train with zero=1 or more (FSDP2 reduces the gradients there are),"
+            " or freeze the ones no loss trains (requires_grad_(False); a sparse attention's key selector, as"
+            " DeepSeek-V3.2's, learns from a loss of its own)."
+        )
+    return True
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from meshlight.parallel.context import ContextParallel, LocalBatch
-from meshlight.parallel.data_parallel import gradient_accumulation
+from meshlight.parallel.data_parallel import gradient_accumulation, refuse_parameters_without_gradients
 from meshlight.parallel.tensor import reduce_partial_gradients
 from meshlight.strategies.pipeline_logging import LogRecorder
 from meshlight.strategies.pipeline_steps import PipelineSteps
@@ -70,12 +70,16 @@ class SpmdEngine(StepEngine):
     def __init__(self, strategy: ParallelStrategy, partial_gradients: bool, model: nn.Module, zero: int) -> None:
         super().__init__(strategy, partial_gradients)
         self._model, self._zero = model, zero
+        self._checked = False  # (for parameters DDP would leave unreduced: after the first synchronizing backward)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return ParallelStrategy.training_step(self.strategy, *args, **kwargs)
 
     def backward(self, loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        return ParallelStrategy.backward(self.strategy, loss, optimizer, *args, **kwargs)
+        result = ParallelStrategy.backward(self.strategy, loss, optimizer, *args, **kwargs)
+        if not self._checked:
+            self._checked = refuse_parameters_without_gradients(self._model, self.strategy.lightning_module)
+        return result
 
     def evaluation_step(self, kind: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(ParallelStrategy, f"{kind}_step")(self.strategy, *args, **kwargs)

@@ -1,35 +1,38 @@
 """Models users bring, unchanged, under meshlight's strategies: each dense family — Hugging Face's Llama, Mistral, Qwen2
-(q/k/v biases), Qwen3 (QK-norm, an explicit head_dim) and GPT-2 (Conv1D, a fused q|k|v, learned positions, its head tied
-to the token embedding), and litgpt's GPT (a fused q|k|v for grouped queries, its blocks in a ModuleDict namespace the
-root's forward runs) — matches one process's training within 1e-4 over 20 steps, under tensor (+ sequence) parallelism,
-data parallelism, pipeline parallelism (1F1B and interleaved, the LM head beside the module holding the layers) and
-(Qwen3, GPT-2 and litgpt; Llama's structure as Qwen2.5-VL's decoder) all three; and Mixtral, Qwen3-MoE and GPT-OSS
-(attention sinks, sliding-window layers, experts stored transposed with biases) under expert parallelism, with and
-without pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also with dp and pp; Phi-3 (a fused
-q|k|v sliced by the config's head counts, a fused gate|up), Qwen2-MoE (a shared expert beside the routed ones), OLMo 2
-and OLMoE (q and k normalized over all heads at once; OLMo 2 at the tolerance
-:data:`~tests.strategies.hf_models.PARITY_RTOL` says, and in float64, OLMoE in float64) under tensor parallelism; BLOOM,
-MPT and Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its heads') under tensor parallelism,
-BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, Falcon-RW under pipelining × tensor parallelism; OPT
-(its final norm registered before its layers) under pipelining; litgpt's MoE (experts held as a list) under expert
-parallelism, alone, folded over tp and in all four; Mixtral and Qwen3-MoE with their load-balancing loss under
-pipelining (every layer's router logits carried down the stages), with expert parallelism and all three; Qwen3.5 (in
-float64: its Gated DeltaNet layers kept whole on every rank) under tensor parallelism; the hybrids Jamba, Bamba,
-Falcon-H1, Granite 4 (their Mamba mixers kept whole on every rank), LFM2 (its short convolutions), LFM2-MoE, MiniMax
-(its lightning attention) and Kimi Linear (its KDA layers; in float64) under tensor parallelism, Falcon-H1 and Granite 4
-under pipelining, Granite 4 also under expert parallelism and pipelining × tensor parallelism; Apertus (a learned
-activation between its MLP's projections; with and without sequence parallelism) and AFMoE (an output gate registered
-after its output projection, an MoE block holding its routing's bias itself; in float64) under tensor parallelism;
-DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention: its key selector kept whole on every rank) under tensor parallelism;
-Gemma 2 (soft-capped logits), Gemma 3 and Gemma 4 (keys that are also the values on its global layers) under tensor
-parallelism, Gemma 3 and Gemma 4's MoE under pipelining, the MoE also under expert parallelism (and in float64 under
-tensor parallelism); the vision-language models Qwen2.5-VL, Qwen3-VL (in float64), Qwen3-VL-MoE, LLaVA and Gemma 3 under
-tensor parallelism (their vision encoder whole on every rank), Qwen2.5-VL, LLaVA, LLaVA-NeXT (in float64: its
-image_newline the first stage's), Idefics3 (in float64), ERNIE 4.5-VL and Qwen3-VL-MoE (its first stage holding the
-layer its encoder feeds and the next) under pipelining (the encoder on the first stage), ERNIE 4.5-VL under tensor
-parallelism without sequence parallelism (its MoE layer takes each token's type), Qwen2.5-VL under all three and
-Qwen3-VL (in float64) under pipelining × tensor parallelism, Qwen3-VL under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3,
-and Qwen3-VL-MoE under expert parallelism, alone and folded over tp. One launch per process count."""
+(q/k/v biases), Qwen3 (QK-norm, an explicit head_dim) and GPT-2 (Conv1D, a fused q|k|v, learned positions, its head
+tied to the token embedding), and litgpt's GPT (a fused q|k|v for grouped queries, its blocks in a ModuleDict
+namespace the root's forward runs) — matches one process's training within 1e-4 over 20 steps, under tensor (+
+sequence) parallelism, data parallelism, pipeline parallelism (1F1B and interleaved, the LM head beside the module
+holding the layers) and (Qwen3, GPT-2 and litgpt; Llama's structure as Qwen2.5-VL's decoder) all three; and Mixtral,
+Qwen3-MoE and GPT-OSS (attention sinks, sliding-window layers, experts stored transposed with biases) under expert
+parallelism, with and without pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also with
+dp and pp; Phi-3 (a fused q|k|v sliced by the config's head counts, a fused gate|up), Qwen2-MoE (a shared expert
+beside the routed ones), OLMo 2 and OLMoE (q and k normalized over all heads at once; OLMo 2 at the tolerance
+:data:`~tests.strategies.hf_models.PARITY_RTOL` says, and in float64, OLMoE in float64) under tensor parallelism;
+BLOOM, MPT and Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its heads') under tensor
+parallelism, BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, Falcon-RW under pipelining × tensor
+parallelism; OPT (its final norm registered before its layers) under pipelining; litgpt's MoE (experts held as a
+list) under expert parallelism, alone, folded over tp and in all four; Mixtral and Qwen3-MoE with their
+load-balancing loss under pipelining (every layer's router logits carried down the stages), with expert parallelism
+and all three; Qwen3.5 (in float64: its Gated DeltaNet layers kept whole on every rank) under tensor parallelism; the
+hybrids Jamba, Bamba, Falcon-H1, Granite 4 (their Mamba mixers kept whole on every rank), LFM2 (its short
+convolutions), LFM2-MoE, MiniMax (its lightning attention) and Kimi Linear (its KDA layers; in float64) under tensor
+parallelism, Falcon-H1 and Granite 4 under pipelining, Granite 4 also under expert parallelism and pipelining ×
+tensor parallelism; Apertus (a learned activation between its MLP's projections; with and without sequence
+parallelism) and AFMoE (an output gate registered after its output projection, an MoE block holding its routing's
+bias itself; in float64) under tensor parallelism; DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention: its key
+selector kept whole on every rank) under tensor parallelism; Gemma 2 (soft-capped logits), Gemma 3 and Gemma 4 (keys
+that are also the values on its global layers) under tensor parallelism, Gemma 3 and Gemma 4's MoE under pipelining,
+the MoE also under expert parallelism (and in float64 under tensor parallelism); DeepSeek-V4 (in float64) and HY-V4
+under pipelining (hyper-connections' streams between blocks, collapsed by a head run before the final norm;
+DeepSeek-V4's hash-routed experts reading the token ids); the vision-language models Qwen2.5-VL, Qwen3-VL (in
+float64), Qwen3-VL-MoE, LLaVA and Gemma 3 under tensor parallelism (their vision encoder whole on every rank),
+Qwen2.5-VL, LLaVA, LLaVA-NeXT (in float64: its image_newline the first stage's), Idefics3 (in float64), ERNIE 4.5-VL
+and Qwen3-VL-MoE (its first stage holding the layer its encoder feeds and the next) under pipelining (the encoder on
+the first stage), ERNIE 4.5-VL under tensor parallelism without sequence parallelism (its MoE layer takes each
+token's type), Qwen2.5-VL under all three and Qwen3-VL (in float64) under pipelining × tensor parallelism, Qwen3-VL
+under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3, and Qwen3-VL-MoE under expert parallelism, alone and folded over
+tp. One launch per process count."""
 
 from concurrent.futures import Future
 from pathlib import Path

@@ -1,0 +1,32 @@
+"""A parameter no loss reaches under DDP (zero=0): refused on every rank after the first step's backward, naming it
+and the ways to train it, before any optimizer step — DDP would leave its bucket unreduced and fail at the next
+forward without naming it; trained when DDP looks for unused parameters, and under ZeRO-1."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import torchrun
+from tests.strategies.workers import unused_worker
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("unused") / "runs.pt"
+    torchrun(Path(unused_worker.__file__), 2, str(out), timeout=300)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("run", ["ddp", "3d zero=0", "ddp accumulate"])
+def test_ddp_refuses_a_parameter_without_a_gradient_naming_it_before_any_step(runs, run):
+    result = runs[run]
+    assert result["steps"] == 0
+    assert result["error"].startswith("2 trainable parameter(s) got no gradient in the first step (probe.weight,"
+                                      " probe.bias)")
+    assert "DDPStrategy(find_unused_parameters=True)" in result["error"] and "zero=1" in result["error"]
+
+
+@pytest.mark.parametrize("run", ["ddp find_unused", "3d zero=0 find_unused", "zero1"])
+def test_it_trains_where_ddp_looks_for_unused_parameters_or_zero_reduces_what_there_is(runs, run):
+    assert runs[run] == {"error": None, "steps": 3}
