@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
-from typing import Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -61,6 +61,16 @@ def torchrun(
             f"{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
         )
     return result
+
+
+def results_of(worker: ModuleType, nprocs: int, folder: Path, *args: str, timeout: float = 600) -> Any:
+    """What ``worker`` (a worker module whose first argument names the file its rank 0 saves its results to) saved
+    when run on ``nprocs`` processes: the file is in ``folder``; ``args`` follow it."""
+    import torch
+
+    out = folder / "results.pt"
+    torchrun(Path(worker.__file__), nprocs, str(out), *args, timeout=timeout)
+    return torch.load(out, weights_only=False)
 
 
 def _first_errors(stderr: str) -> str:

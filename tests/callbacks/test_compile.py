@@ -2,7 +2,6 @@
 every kind of layout — training equals eager training (parity within 1e-4 against single-process eager
 training on 2 processes; inductor within 1e-5 of eager on one), names unchanged, misuse refused."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,11 +21,9 @@ DENSE_RUNS = ["ddp", "zero3 recompute", "tp", "pipeline"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     from tests.callbacks.workers import compile_worker
-    from tests.launch import torchrun
+    from tests.launch import results_of
 
-    out = tmp_path_factory.mktemp("compile") / "runs.pt"
-    torchrun(Path(compile_worker.__file__), 2, str(out), timeout=600)
-    return torch.load(out, weights_only=False)
+    return results_of(compile_worker, 2, tmp_path_factory.mktemp("compile"))
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ tensor, pipeline, expert and 3-D parallelism and "bf16-true" under ZeRO-3; fp16 
 steps on every rank and never leaves inf/NaN in any rank's weights after any step; misuse fails with a message
 that says what to change."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,14 +28,10 @@ LOW_PRECISION_RUNS = {  # run -> (reference run, compute dtype)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     from tests.callbacks.workers import precision_worker
-    from tests.launch import torchrun
+    from tests.launch import results_of
 
-    results = {}
-    for world in (2, 4):
-        out = tmp_path_factory.mktemp("precision") / f"{world}.pt"
-        torchrun(Path(precision_worker.__file__), world, str(out), timeout=600)
-        results.update(torch.load(out, weights_only=False))
-    return results
+    return {**results_of(precision_worker, 2, tmp_path_factory.mktemp("precision")),
+            **results_of(precision_worker, 4, tmp_path_factory.mktemp("precision"))}
 
 
 @pytest.mark.parametrize("run", list(LOW_PRECISION_RUNS))

@@ -3,7 +3,6 @@ every unit) under zero2 with clipping, ddp and a pipeline; offloaded activations
 come back, one block ahead, in backward. (No accelerator here: the hooks treat host tensors as offloadable.)"""
 
 import importlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +17,9 @@ from tests.strategies.parity import assert_parity
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     from tests.callbacks.workers import offload_worker
-    from tests.launch import torchrun
+    from tests.launch import results_of
 
-    out = tmp_path_factory.mktemp("offload") / "runs.pt"
-    torchrun(Path(offload_worker.__file__), 2, str(out), timeout=600)
-    return torch.load(out, weights_only=False)
+    return results_of(offload_worker, 2, tmp_path_factory.mktemp("offload"))
 
 
 @pytest.mark.parametrize("run", ["zero2", "ddp", "pipeline"])

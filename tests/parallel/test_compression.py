@@ -11,7 +11,7 @@ import torch
 
 import meshlight as ml
 from meshlight.parallel import GradientCompression
-from tests.launch import torchrun
+from tests.launch import results_of, torchrun
 from tests.parallel.workers import compression_worker
 from tests.strategies.parity import assert_parity, train
 
@@ -107,9 +107,7 @@ def _loader():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     directory = tmp_path_factory.mktemp("compression")
-    torchrun(WORKER, compression_worker.WORLD, str(directory / "results.pt"), str(directory))
-    out = directory / "results.pt"
-    return torch.load(out, weights_only=False)
+    return results_of(compression_worker, compression_worker.WORLD, directory, str(directory))
 
 
 @pytest.fixture(scope="module")

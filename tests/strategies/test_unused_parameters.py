@@ -2,20 +2,16 @@
 and the ways to train it, before any optimizer step — DDP would leave its bucket unreduced and fail at the next
 forward without naming it; trained when DDP looks for unused parameters, and under ZeRO-1."""
 
-from pathlib import Path
 
 import pytest
-import torch
 
-from tests.launch import torchrun
+from tests.launch import results_of
 from tests.strategies.workers import unused_worker
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("unused") / "runs.pt"
-    torchrun(Path(unused_worker.__file__), 2, str(out), timeout=300)
-    return torch.load(out, weights_only=False)
+    return results_of(unused_worker, 2, tmp_path_factory.mktemp("unused"), timeout=300)
 
 
 @pytest.mark.parametrize("run", ["ddp", "3d zero=0", "ddp accumulate"])
