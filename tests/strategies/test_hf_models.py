@@ -24,15 +24,15 @@ bias itself; in float64) under tensor parallelism; DeepSeek-V3.2 and GLM-5 (Deep
 selector kept whole on every rank) under tensor parallelism; Gemma 2 (soft-capped logits), Gemma 3 and Gemma 4 (keys
 that are also the values on its global layers) under tensor parallelism, Gemma 3 and Gemma 4's MoE under pipelining,
 the MoE also under expert parallelism (and in float64 under tensor parallelism); DeepSeek-V4 (in float64) and HY-V4
-under pipelining (hyper-connections' streams between blocks, collapsed by a head run before the final norm;
-DeepSeek-V4's hash-routed experts reading the token ids); the vision-language models Qwen2.5-VL, Qwen3-VL (in
-float64), Qwen3-VL-MoE, LLaVA and Gemma 3 under tensor parallelism (their vision encoder whole on every rank),
-Qwen2.5-VL, LLaVA, LLaVA-NeXT (in float64: its image_newline the first stage's), Idefics3 (in float64), ERNIE 4.5-VL
-and Qwen3-VL-MoE (its first stage holding the layer its encoder feeds and the next) under pipelining (the encoder on
-the first stage), ERNIE 4.5-VL under tensor parallelism without sequence parallelism (its MoE layer takes each
-token's type), Qwen2.5-VL under all three and Qwen3-VL (in float64) under pipelining × tensor parallelism, Qwen3-VL
-under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3, and Qwen3-VL-MoE under expert parallelism, alone and folded over
-tp. One launch per process count."""
+under pipelining and expert parallelism (hyper-connections' streams between blocks, collapsed by a head run before
+the final norm; DeepSeek-V4's hash-routed experts reading the token ids); the vision-language models Qwen2.5-VL,
+Qwen3-VL (in float64), Qwen3-VL-MoE, LLaVA and Gemma 3 under tensor parallelism (their vision encoder whole on every
+rank), Qwen2.5-VL, LLaVA, LLaVA-NeXT (in float64: its image_newline the first stage's), Idefics3 (in float64), ERNIE
+4.5-VL and Qwen3-VL-MoE (its first stage holding the layer its encoder feeds and the next) under pipelining (the
+encoder on the first stage), ERNIE 4.5-VL under tensor parallelism without sequence parallelism (its MoE layer takes
+each token's type), Qwen2.5-VL under all three and Qwen3-VL (in float64) under pipelining × tensor parallelism,
+Qwen3-VL under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3, and Qwen3-VL-MoE under expert parallelism, alone and
+folded over tp. One launch per process count."""
 
 from concurrent.futures import Future
 from pathlib import Path
@@ -131,7 +131,7 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     # 4 experts: over 2 or 4 ranks, or whole
     stacked = (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "ernie4_5_moe",
                "llama4", "jamba", "granite4", "lfm2_moe", "minimax", "kimi_linear", "gemma4_moe", "qwen3_vl_moe",
-               "ernie4_5_vl_moe", "afmoe")
+               "ernie4_5_vl_moe", "afmoe", "deepseek_v4", "hy_v4")
     family = model.split("-")[0]
     if family in (*stacked, "litgpt_moe", "litgpt_moe_grouped") and layout != "3d-planned":
         ep = 4 if "ep4" in layout else 2 if "ep2" in layout else 1

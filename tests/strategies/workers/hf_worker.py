@@ -153,9 +153,10 @@ LAYOUTS = {
     "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2); litgpt's listed
     # experts too, each rank keeping two of the list (also with the gradients clipped: the norm of each rank's
-    # experts summed over ep)
+    # experts summed over ep); DeepSeek-V4's, its hash-routed layer's too (in float64), and HY-V4's
     "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2, (*MOE_FAMILIES, "mixtral-aux", "qwen3_moe-aux", *LISTED,
-                                                  "granite4", "gemma4_moe", "qwen3_vl_moe")),
+                                                  "granite4", "gemma4_moe", "qwen3_vl_moe", "deepseek_v4-fp64",
+                                                  "hy_v4")),
     # (Qwen3-MoE with its load-balancing loss, over each data rank's part, per microbatch)
     "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=MICROBATCHES["dp2-pp2-ep2"]), 4,
                     2, ("mixtral", "qwen3_moe-aux", "gpt_oss", *LISTED)),
