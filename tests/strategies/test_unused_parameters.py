@@ -1,6 +1,7 @@
 """A parameter no loss reaches under DDP (zero=0): refused on every rank after the first step's backward, naming it
 and the ways to train it, before any optimizer step — DDP would leave its bucket unreduced and fail at the next
-forward without naming it; trained when DDP looks for unused parameters, and under ZeRO-1."""
+forward without naming it (also Hugging Face's DeepSeek-V3.2, whose sparse attention's key selector no loss reaches);
+trained when DDP looks for unused parameters, and under ZeRO-1."""
 
 
 import pytest
@@ -21,6 +22,13 @@ def test_ddp_refuses_a_parameter_without_a_gradient_naming_it_before_any_step(ru
     assert result["error"].startswith("2 trainable parameter(s) got no gradient in the first step (probe.weight,"
                                       " probe.bias)")
     assert "DDPStrategy(find_unused_parameters=True)" in result["error"] and "zero=1" in result["error"]
+
+
+def test_a_hugging_face_models_sparse_attention_key_selector_is_named(runs):
+    result = runs["ddp deepseek_v32"]
+    assert result["steps"] == 0
+    assert result["error"].startswith("10 trainable parameter(s) got no gradient in the first step"
+                                      " (model.model.layers.0.self_attn.indexer.wq_b.weight,")
 
 
 @pytest.mark.parametrize("run", ["ddp find_unused", "3d zero=0 find_unused", "zero1"])

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import meshlight as ml
 from meshlight.demos import LitGPT
 from meshlight.models import GPTConfig
+from tests.strategies.hf_models import lit_causal_lm
 from tests.strategies.parity import make_data
 
 
@@ -21,8 +22,8 @@ class WithUnused(LitGPT):
         self.probe = torch.nn.Linear(4, 4)  # (as a sparse attention's key selector: no loss reaches it)
 
 
-def run(strategy: Any, accumulate: int = 1) -> Any:
-    module = WithUnused()
+def run(strategy: Any, accumulate: int = 1, model: Any = WithUnused) -> Any:
+    module = model()
     trainer = ml.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=3, logger=False,
                          enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                          accumulate_grad_batches=accumulate)
@@ -38,6 +39,8 @@ if __name__ == "__main__":
         "ddp": run(ml.DDPStrategy()),
         "3d zero=0": run(ml.Hybrid3DStrategy(dp=2, pp=1, tp=1, ep=1, zero=0)),
         "ddp accumulate": run(ml.DDPStrategy(), accumulate=2),  # (after the window's last, synchronizing backward)
+        # a model we did not write: Hugging Face's DeepSeek-V3.2, whose sparse attention's key selector no loss reaches
+        "ddp deepseek_v32": run(ml.DDPStrategy(), model=lambda: lit_causal_lm("deepseek_v32")),
         "ddp find_unused": run(ml.DDPStrategy(find_unused_parameters=True)),
         "3d zero=0 find_unused": run(ml.Hybrid3DStrategy(dp=2, pp=1, tp=1, ep=1, zero=0,
                                                          ddp_kwargs={"find_unused_parameters": True})),
