@@ -8,7 +8,8 @@ included. Formulas for fp32 AdamW (4 + 4 + 8 bytes per parameter, Ψ parameters,
 ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N.
 
 Tensor parallelism (tp = N): this rank's bytes of the weight matrices tensor parallelism shards (the blocks'
-Linears, the token embedding, the LM head) divided by their total bytes / N.
+Linears, the token embedding, the LM head), and of their gradients after the last step, each divided by their total
+bytes / N.
 
     python benchmarks/memory.py [--nprocs 2 4]      # prints JSON
 """
@@ -76,8 +77,10 @@ def worker() -> None:
                for p in [modules[name].weight]]  # row-parallel biases are replicated by design
     local = sum(p.to_local().numel() * p.element_size() for p in sharded)
     total = sum(p.numel() * p.element_size() for p in sharded)
+    gradients = sum(p.grad.to_local().numel() * p.grad.element_size() for p in sharded)
     results.append({"strategy": "tp", "world": world, "moment": "after_step", "sharded_layer_bytes": local,
-                    "total_sharded_layer_bytes": total, "ratio": local / (total / world)})
+                    "total_sharded_layer_bytes": total, "ratio": local / (total / world),
+                    "sharded_layer_gradient_bytes": gradients, "gradient_ratio": gradients / (total / world)})
     report(results)
 
 

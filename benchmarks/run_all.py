@@ -426,14 +426,15 @@ def memory_section(rows: list[dict]) -> str:
         "PyTorch's default (`False`) DDP keeps the buckets in addition to the gradients (not measured here).",
         "",
         "Tensor parallelism, tp = N: this rank's bytes of the weight matrices tensor parallelism shards (blocks'",
-        "Linears, token embedding, LM head) divided by their total / N (row-parallel biases stay replicated).",
+        "Linears, token embedding, LM head), and of their gradients after the last step, each divided by their",
+        "total / N (row-parallel biases stay replicated).",
         "",
-        "| layout | N | this rank (bytes) | total (bytes) | ratio |",
-        "|---|---:|---:|---:|---:|",
+        "| layout | N | this rank (bytes) | total (bytes) | ratio | this rank's gradients (bytes) | ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in (r for r in rows if r["strategy"] == "tp"):
         lines.append(f"| tp | {r['world']} | {r['sharded_layer_bytes']:,} | {r['total_sharded_layer_bytes']:,} | "
-                     f"{r['ratio']:.4f} |")
+                     f"{r['ratio']:.4f} | {r['sharded_layer_gradient_bytes']:,} | {r['gradient_ratio']:.4f} |")
     return "\n".join(lines)
 
 

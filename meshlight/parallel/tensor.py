@@ -10,7 +10,8 @@ role              what it does
 ``fused_colwise`` a fused projection (q|k|v, k|v, gate|up, its parts one after another): this rank computes its
                   share of each part (see below)
 ``rowwise``       Linear sharded by input features, output summed over tp (a block's output projections)
-``embedding``     token embedding sharded by vocabulary (masked lookup, outputs summed over tp)
+``embedding``     token embedding sharded by vocabulary (masked lookup, outputs summed over tp; each rank's
+                  gradient its own rows', ``VocabEmbedding``)
 ``head``          LM head sharded by vocabulary; in training its logits stay sharded for loss parallelism
 ``norm``          with sequence parallelism: runs on this rank's share of the sequence (outside the blocks, only in
                   Megatron-LM's region; see below)
@@ -119,6 +120,7 @@ from meshlight.parallel.tensor_styles import (
     SequenceNorm,
     TransposedColwise,
     TransposedRowwise,
+    VocabEmbedding,
     WholeMixer,
     split_by_head,
 )
@@ -180,6 +182,8 @@ def apply_tensor_parallel(
         elif role == "rowwise":
             rowwise = TransposedRowwise if is_transposed_linear(modules[name]) else Rowwise
             styles[name] = rowwise(output_layouts=Shard(1) if sequence_parallel else Replicate())
+        elif role == "embedding" and VocabEmbedding.fits(modules[name]):
+            styles[name] = VocabEmbedding(sequence_parallel=on_share)
         elif role == "embedding":
             styles[name] = Rowwise(input_layouts=Replicate(), output_layouts=Shard(1) if on_share else Replicate())
         elif role == "head":

@@ -1,8 +1,9 @@
 """The parallel styles behind tensor parallelism's roles (:mod:`meshlight.parallel.tensor` has the table): PyTorch's
 ``ColwiseParallel``, ``RowwiseParallel`` and ``SequenceParallel`` where they fit, and the styles they lack — a
-vocabulary-sharded LM head that keeps its logits sharded for the loss, Hugging Face's transposed ``Conv1D``, a fused
-projection split part by part, modules left whole on every rank whose gradients are summed over tp, a norm over a
-sharded width, modules run on this rank's plain values, and a sequence mixer kept whole under sequence parallelism.
+vocabulary-sharded token embedding whose gradient is each rank's rows alone, a vocabulary-sharded LM head that keeps
+its logits sharded for the loss, Hugging Face's transposed ``Conv1D``, a fused projection split part by part, modules
+left whole on every rank whose gradients are summed over tp, a norm over a sharded width, modules run on this rank's
+plain values, and a sequence mixer kept whole under sequence parallelism.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from meshlight.parallel.tensor_plan import TensorParallelError, _shown
 
 __all__ = [
     "ColwiseFromShare", "ColwiseNorm", "FusedColwise", "Interior", "LMHead", "OnLocalWeights", "Replicated", "Rowwise",
-    "SequenceNorm", "TransposedColwise", "TransposedRowwise", "WholeMixer", "rows_of_rank", "split_by_head",
+    "SequenceNorm", "TransposedColwise", "TransposedRowwise", "VocabEmbedding", "WholeMixer", "rows_of_rank",
+    "split_by_head",
 ]
 
 
@@ -79,8 +81,8 @@ class Rowwise(RowwiseParallel):
     rank's share of the sequence wherever that lies (:func:`sequence_share`): the sequence of ``[batch, sequence,
     hidden]``, the tokens of the flattened ``[tokens, hidden]`` an MoE block's shared expert returns. Made local, the
     output is a tensor of its own (:func:`~meshlight.parallel.dtensors.modifiable_local`): a model may modify it in
-    place (Llama 4 adds into its shared expert's output, CTRL scales its token embedding's). Also the token
-    embedding's style (sharded by vocabulary, its lookups summed)."""
+    place (Llama 4 adds into its shared expert's output, CTRL scales its token embedding's). Also the style of a token
+    embedding :class:`VocabEmbedding` does not run (sharded by vocabulary, its lookups summed)."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts: tuple, use_local_output: bool, mod: nn.Module, outputs: DTensor,
@@ -91,6 +93,53 @@ class Rowwise(RowwiseParallel):
             return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
         # the summed output is a tensor of its own, which the model may modify in place
         return modifiable_local(outputs.redistribute(placements=output_layouts))
+
+
+class VocabEmbedding(ParallelStyle):
+    """The token embedding sharded by vocabulary, as Megatron-LM's vocab-parallel embedding: each rank looks up, on
+    plain tensors, the tokens its rows hold (the others' rows are zeros) and the lookups are summed over tp —
+    reduce-scattered to this rank's share of the sequence under sequence parallelism (:func:`sequence_share`), else
+    all-reduced. Backward gathers the output's gradient, and each rank's weight gradient is its own rows' alone, a
+    DTensor placed as the weight. (Torch's row-parallel style runs the lookup as a DTensor op, whose backward gives
+    every rank the whole vocabulary's gradient, a replicated DTensor: vocabulary × hidden values per rank, where the
+    weight holds 1/tp of them.) The embedding's own forward runs, on a copy holding this rank's rows and the rows'
+    own ids (a scaled embedding's scale applies); one that renormalizes rows (``max_norm``), scales gradients by
+    frequency or makes sparse ones is left to torch's style (:class:`Rowwise`)."""
+
+    def __init__(self, *, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    @staticmethod
+    def fits(module: nn.Module) -> bool:
+        """Whether ``module`` is an ``nn.Embedding`` this style runs: rows looked up and nothing else."""
+        return isinstance(module, nn.Embedding) and module.max_norm is None and not (
+            module.scale_grad_by_freq or module.sparse)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _distribute_parameters(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
+        rows = module.weight.shape[0]
+        # torch.chunk's split, as Shard(0) places them: ceil(rows / tp) on each rank but the last ones
+        first = min(device_mesh.get_local_rank() * -(-rows // device_mesh.size()), rows)
+        module.forward = functools.partial(_vocab_lookup, module, type(module).forward, first, device_mesh,
+                                           self.sequence_parallel)
+        return module
+
+
+def _vocab_lookup(module: nn.Embedding, forward: Any, first: int, mesh: DeviceMesh, sequence_parallel: bool,
+                  ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """:class:`VocabEmbedding`'s forward: rows ``first`` onwards are this rank's."""
+    weight = module.weight.to_local()  # (its gradient: a DTensor placed as the weight, of this rank's rows)
+    mine = (ids >= first) & (ids < first + weight.shape[0])
+    local = shallow_copy(module)
+    object.__setattr__(local, "weight", weight)
+    padding = module.padding_idx
+    local.padding_idx = padding - first if padding is not None and first <= padding < first + weight.shape[0] else None
+    looked_up = forward(local, torch.where(mine, ids - first, 0), *args, **kwargs)
+    summed = DTensor.from_local(looked_up.masked_fill(~mine.unsqueeze(-1), 0), mesh, [Partial()], run_check=False)
+    placed = summed.redistribute(mesh, [sequence_share(looked_up) if sequence_parallel else Replicate()])
+    # the summed output is a tensor of its own, which the model may modify in place (CTRL scales it)
+    return placed.to_local() if torch.compiler.is_compiling() else modifiable_local(placed)
 
 
 class TransposedRowwise(_Transposed, Rowwise):
