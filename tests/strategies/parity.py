@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 import meshlight as ml
@@ -56,16 +57,21 @@ class MultiTensorSteps(Callback):
 
 
 class Recorder(Callback):
-    """Logged (globally reduced) training loss of every batch, and the gradient norm before each step."""
+    """Logged (globally reduced) training loss of every batch, the gradient norm before each step, and the
+    parameters whose gradient is a DTensor placed otherwise than the parameter or holding other local values (DTensor's
+    own embedding backward gave each rank the whole vocabulary's gradient, replicated, beside a sharded weight)."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
+        self.unlike: list[list[str]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
+        self.unlike.append(sorted(name for name, p in module.named_parameters() if isinstance(p.grad, DTensor) and (
+            p.grad.placements != p.placements or p.grad.to_local().shape != p.to_local().shape)))
         # Only meaningful in the single-process control, where gradients are plain full tensors.
         grads = [p.grad for p in module.parameters() if p.grad is not None and not hasattr(p.grad, "placements")]
         if grads:
@@ -116,7 +122,8 @@ def train(variant: str, strategy: Any = "auto", devices: int = 1, data_parallel:
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     weights = full_weights(model) if world > 1 else {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "weights": weights, "module": model}
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "weights": weights, "module": model,
+            "gradients_unlike_parameters": recorder.unlike}
 
 
 def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -147,7 +154,9 @@ WITHOUT_EXPERT_BIAS = {"expert_bias_rate": 0.0}
 
 def assert_parity(result: dict[str, Any], control: dict[str, Any], rtol: float = 1e-4) -> None:
     """Every logged loss within ``rtol`` relative, every final weight tensor within ``rtol`` (relative norm); the
-    :data:`GAUGE_WEIGHTS` within ``rtol`` absolute instead (near zero: they only gather rounding noise)."""
+    :data:`GAUGE_WEIGHTS` within ``rtol`` absolute instead (near zero: they only gather rounding noise). At every
+    optimizer step each gradient was placed as its parameter (:class:`Recorder`), where the run recorded it."""
+    assert not any(result.get("gradients_unlike_parameters", ())), result["gradients_unlike_parameters"]
     losses, expected = torch.tensor(result["losses"]), torch.tensor(control["losses"])
     assert losses.shape == expected.shape, (losses.shape, expected.shape)
     torch.testing.assert_close(losses, expected, rtol=rtol, atol=0.0)

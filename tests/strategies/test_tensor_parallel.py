@@ -61,7 +61,8 @@ def test_tensor_parallel_matches_single_process_training(distributed, controls, 
 def test_no_gradient_is_a_partial_sum_when_the_optimizer_steps(distributed, world, run):
     result = distributed[world][run]
     assert len(result["partial_gradients"]) == 20 and not any(result["partial_gradients"])
-    # each rank's gradient holds its parameter's values (the vocabulary-sharded embedding's: its rows alone)
+    # each rank's gradient holds its parameter's values (the vocabulary-sharded embedding's: its rows alone; also
+    # asserted by every parity check)
     assert len(result["gradients_unlike_parameters"]) == 20 and not any(result["gradients_unlike_parameters"])
     if run[3] == "adafactor":  # the norms of all parameters, then of all updates: 3 all-reduces each (those
         # sharded over dp and tp, those over dp only); the rest DTensor's, for the factored moments. With one

@@ -127,18 +127,15 @@ def sharded_fraction(module: pl.LightningModule) -> float:
 
 
 class GradientProbe(pl.Callback):
-    """Whether any gradient is still a partial sum when the optimizer step begins, any is placed otherwise than
-    its parameter (or holds other local values: DTensor's own embedding backward gave each rank the whole
-    vocabulary's gradient, replicated), and the collectives the step itself (clipping and optimizer) issues."""
+    """Whether any gradient is still a partial sum when the optimizer step begins, and the collectives the
+    step itself (clipping and optimizer) issues."""
 
     def __init__(self) -> None:
-        self.partial, self.unlike, self.traffic, self.step_collectives = [], [], CollectiveTraffic(), []
+        self.partial, self.traffic, self.step_collectives = [], CollectiveTraffic(), []
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: object) -> None:
         self.partial.append(sorted(name for name, p in module.named_parameters() if isinstance(p.grad, DTensor)
                                    and any(placement.is_partial() for placement in p.grad.placements)))
-        self.unlike.append(sorted(name for name, p in module.named_parameters() if isinstance(p.grad, DTensor) and (
-            p.grad.placements != p.placements or p.grad.to_local().shape != p.to_local().shape)))
         self.traffic.reset()
         self.traffic.__enter__()
 
@@ -399,7 +396,6 @@ if __name__ == "__main__":
         probe = GradientProbe()
         result = train(variant, strategy, devices=world, data_parallel=dp, model=factory, callbacks=[probe])
         result["partial_gradients"], result["step_collectives"] = probe.partial, probe.step_collectives
-        result["gradients_unlike_parameters"] = probe.unlike
         module = result.pop("module")
         if dp == 1 and model != "llama-configure-model":  # the layers meshlight's plan shards
             result["sharded_fraction"] = _gathered(sharded_fraction(module))
