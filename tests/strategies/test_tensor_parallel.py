@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 from tests.launch import torchrun
 from tests.strategies.llama import LitLlama, LitLlamaParallelizedByUser
@@ -75,6 +76,15 @@ def test_no_gradient_is_a_partial_sum_when_the_optimizer_steps(distributed, worl
 def test_partial_gradients_are_reduced_as_dtensor_would_in_one_all_reduce_per_dtype_and_reduction(distributed):
     # cases: sum fp32 (two shapes), average fp32, sum fp64
     assert distributed[2]["partial_gradient_reduction"] == {"equal": True, "replicated": True, "all_reduce_calls": 3}
+
+
+def test_the_vocabulary_parallel_embedding_gives_each_rank_its_rows_gradient_and_keeps_the_padding_row_still(
+        distributed):
+    # 9 rows over tp=2 (5 + 4), the padding row (6) on the second rank: the output and each rank's rows of the
+    # gradient are exactly the whole embedding's, placed as the weight (torch's row-parallel style: the whole
+    # vocabulary's, replicated)
+    for rank, result in enumerate(distributed[2]["vocab_embedding"]):
+        assert result == {"output": True, "placements": (Shard(0),), "gradient": True, "padding_row_zero": True}, rank
 
 
 def test_a_norm_over_a_colwise_output_reduces_its_statistics_over_tp_and_refuses_another_width(distributed):

@@ -178,6 +178,31 @@ class ElementwiseRMSNorm(torch.nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
+def vocab_embedding() -> dict[str, object]:
+    """An embedding of 9 rows with a padding row (6, the second rank's 3rd of its 4: 5 + 4 rows at tp=2) under
+    VocabEmbedding, without sequence parallelism, against the whole embedding on the same ids (every row, the
+    padding row twice): the output, and each rank's weight gradient against its rows of the whole one's (the
+    padding row's zero)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from meshlight.parallel.tensor_styles import VocabEmbedding
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    whole = torch.nn.Embedding(9, 3, padding_idx=6)
+    split = torch.nn.Embedding(9, 3, padding_idx=6)
+    split.load_state_dict(whole.state_dict())
+    parallelize_module(split, mesh, VocabEmbedding(sequence_parallel=False))
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 6, 4, 5]])
+    weights = torch.arange(12 * 3, dtype=torch.float32).reshape(1, 12, 3)  # a gradient that differs by place
+    expected, output = whole(ids), split(ids)
+    (expected * weights).sum().backward()
+    (output * weights).sum().backward()
+    rows = slice(5 * dist.get_rank(), 5 * dist.get_rank() + split.weight.to_local().shape[0])
+    return {"output": torch.equal(output, expected), "placements": split.weight.grad.placements,
+            "gradient": torch.equal(split.weight.grad.to_local(), whole.weight.grad[rows]),
+            "padding_row_zero": not whole.weight.grad[6].any()}
+
+
 def colwise_norms() -> dict[str, object]:
     """Norms over a colwise output split over the world (``colwise_norm``) against the whole norm, in float64: the
     largest difference of output, input gradient and this rank's vectors' gradients (torch's LayerNorm with a bias,
@@ -403,6 +428,7 @@ if __name__ == "__main__":
     if world == 2:
         results["partial_gradient_reduction"] = partial_gradient_reduction()
         results["colwise_norms"] = colwise_norms()
+        results["vocab_embedding"] = _gathered(vocab_embedding())
         results["interior"] = interior_gradients()
         results["blocks_only_dropout"] = blocks_only_dropout_probe()
         results["mixed_tensor_notes"] = mixed_tensor_notes()
