@@ -179,7 +179,7 @@ class ElementwiseRMSNorm(torch.nn.Module):
 
 
 def vocab_embedding() -> dict[str, object]:
-    """An embedding of 9 rows with a padding row (6, the second rank's 3rd of its 4: 5 + 4 rows at tp=2) under
+    """An embedding of 9 rows with a padding row (6, the second of the second rank's 4: 5 + 4 rows at tp=2) under
     VocabEmbedding, without sequence parallelism, against the whole embedding on the same ids (every row, the
     padding row twice): the output, and each rank's weight gradient against its rows of the whole one's (the
     padding row's zero)."""
