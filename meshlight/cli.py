@@ -78,6 +78,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for flag, (_, meaning) in SHAPE_FLAGS.items():
         shape.add_argument(f"--{flag}", type=int, help=meaning)
     shape.add_argument("--mlp", choices=("swiglu", "gelu"), help="MLP kind (default: the preset's; custom: gelu)")
+    shape.add_argument("--trainable", type=float, metavar="SHARE",
+                       help="share of the parameters that train, the others frozen: no gradients, no optimizer"
+                            " state, no weight-gradient matmuls (default 1; a LoRA fine-tune's adapters: about 0.01)")
     planner.add_argument("--gpus", type=int, required=True, help="number of devices")
     planner.add_argument("--gpu", default="h100", choices=sorted(HARDWARE), help="device preset (default h100)")
     planner.add_argument("--gpus-per-node", type=int, help="devices per node (default: the preset's)")
@@ -276,6 +279,10 @@ def _model_of(args: argparse.Namespace) -> ModelSpec:
         hidden, heads = changes["hidden"], changes["heads"]
         base = ModelSpec(changes["layers"], hidden, heads, heads, 4 * hidden, changes["vocab"], seq_len=4096,
                          swiglu=False, name=f"custom {changes['layers']}×{hidden}")
+    if args.trainable is not None:
+        if not 0 < args.trainable <= 1:
+            raise ValueError(f"--trainable {args.trainable}: give the share of the parameters that train, in (0, 1]")
+        changes["trainable"] = args.trainable
     if changes.get("experts") and "top_k" not in changes and not base.experts:
         changes["top_k"] = 2
     changed = [f"{field}={value}" for field, value in changes.items() if field != "seq_len"]

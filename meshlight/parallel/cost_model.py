@@ -235,8 +235,9 @@ def estimate(
     # ZeRO-3 without pipelining keeps the root unit (embedding and head) gathered from forward to backward
     root = model.embedding_params + model.head_params if pp == 1 else 0
     block = model.block_params / model.layers / tp
-    model_state = [model_state_bytes(d, data, zero, hw, pipelined=pp > 1, block=block, root=root / tp)
-                   + model_state_bytes(e, expert_data, zero, hw, pipelined=pp > 1)
+    model_state = [model_state_bytes(d, data, zero, hw, pipelined=pp > 1, block=block, root=root / tp,
+                                     trainable=model.trainable)
+                   + model_state_bytes(e, expert_data, zero, hw, pipelined=pp > 1, trainable=model.trainable)
                    for d, e in zip(dense, experts_shard)]
     host_state = [host_state_bytes(d, data, zero, hw) + host_state_bytes(e, expert_data, zero, hw)
                   for d, e in zip(dense, experts_shard)]
@@ -289,7 +290,7 @@ def estimate(
         actions = 2 * microbatches * virtual_stages
         p2p = actions * (activation / tp / _bandwidth(hw, 2, world // pp) + 2 * hw.latency)
     synced = max(d + e for d, e in zip(dense, experts_shard))  # the parameters of the rank with the most
-    grad_bytes = synced * hw.state_bytes * hw.gradient_compression
+    grad_bytes = synced * model.trainable * hw.state_bytes * hw.gradient_compression
     param_bytes = synced * hw.param_bytes
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * microbatches}[zero]
     reductions = microbatches if zero >= 2 and pp == 1 else 1  # pipeline schedules reduce once per step
@@ -397,7 +398,7 @@ def _stage_sizes(model: ModelSpec, stages: int, stage_blocks: Optional[Sequence[
 
 
 def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, pipelined: bool = False,
-                      block: float = 0.0, root: float = 0.0) -> float:
+                      block: float = 0.0, root: float = 0.0, trainable: float = 1.0) -> float:
     """Bytes of ``params`` parameters (compute copy and master copy or shard), their gradients and Adam's two
     moments (``hardware.state_bytes`` each: fp32, or 16 bits in "true" 16-bit precision), data parallel over
     ``dp`` ranks with ZeRO stage ``zero``, at their peak inside a step (FSDP2: stages 1–2 keep the gathered
@@ -408,20 +409,21 @@ def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, 
     the schedule's end, so stages 2 and 3 peak where stage 1 does. With ``hardware.offload_optimizer`` the
     shards, their gradients and the optimizer's state are in host memory: the device keeps what is gathered, and
     whole gradients while they wait to be reduced. Under offload or mixed precision FSDP2 runs every layout, over
-    shard groups of one rank where nothing is sharded (``dp`` = 1)."""
+    shard groups of one rank where nothing is sharded (``dp`` = 1). Only the ``trainable`` share of the parameters
+    has gradients and moments; the frozen rest is parameters alone (master copy included)."""
     state = hardware.state_bytes
     if dp == 1 and not (hardware.offload_optimizer or hardware.param_bytes != state):
-        return 4 * state * params  # no data-parallel wrapper: parameters, gradients and Adam's two moments
+        return (1 + 3 * trainable) * state * params  # no data-parallel wrapper: parameters; gradients, Adam's moments
     if pipelined and zero:
         zero = 1
     shard = params / dp
     gathered = hardware.param_bytes * (params if zero < 3 else min(2 * block + root, params))
-    whole_gradients = state * (params if zero <= 1 else min(block, params))
+    whole_gradients = trainable * state * (params if zero <= 1 else min(block, params))
     if hardware.offload_optimizer:
         return gathered + whole_gradients
-    gradients = whole_gradients + (state * shard if zero >= 2 else 0.0)
+    gradients = whole_gradients + (trainable * state * shard if zero >= 2 else 0.0)
     master = state * (shard if zero else params) if hardware.param_bytes != state or zero else 0.0
-    optimizer = 2 * state * (shard if zero else params)
+    optimizer = 2 * trainable * state * (shard if zero else params)
     return gathered + master + gradients + optimizer
 
 

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshlight.parallel.activation_compression import apply_activation_compression
+from meshlight.parallel.adapters import check_splittable_adapters
 from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.compile import apply_compile
 from meshlight.parallel.compression import GradientCompression
@@ -108,6 +109,7 @@ def parallelize(
         options = tensor_parallel
         plan = plan if plan is not None else model_plan(module, options.plan)
         validate_plan(module, plan, layout.tp, layout.world_size, sequence_parallel=options.sequence_parallel)
+        check_splittable_adapters(module, plan)
         # a model's own experts stay plain here where expert parallelism spreads them over the tp ranks (folded, a
         # list's too) or splits each over them
         split = {name for name, m in module.named_modules() if is_stacked_experts(m) and _split_over_tp(m, layout)

@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from meshlight.parallel.adapters import adapters_unwrapped
 from meshlight.parallel.cost_model import (
     ACHIEVABLE_FRACTION,
     AUTOCAST_ACTIVATION_BYTES,
@@ -67,17 +68,21 @@ class PlanError(ValueError):
 def model_spec_of(module: nn.Module, seq_len: Optional[int] = None) -> ModelSpec:
     """The planner's view of ``module``: from a GPT-style ``config`` (``n_layers``, ``dim``, ``n_heads``,
     ``vocab_size``) anywhere in it, else from its structure as tensor parallelism reads it
-    (:func:`~meshlight.parallel.model_shape.model_shape`). ``seq_len`` default: the config's, else 2048."""
+    (:func:`~meshlight.parallel.model_shape.model_shape`). ``seq_len`` default: the config's, else 2048. The share
+    of its parameters that train is its own (``requires_grad``: a LoRA fine-tune's adapters alone)."""
+    sizes = [(p.numel(), p.requires_grad) for p in module.parameters()]
+    trainable = sum(n for n, grad in sizes if grad) / max(sum(n for n, _ in sizes), 1) if sizes else 1.0
     for child in module.modules():
         config = getattr(child, "config", None)
         if all(hasattr(config, a) for a in ("n_layers", "dim", "n_heads", "vocab_size", "ffn_dim")):
-            return ModelSpec.from_gpt_config(config, seq_len)
+            return ModelSpec.from_gpt_config(config, seq_len).replace(trainable=trainable)
     try:
-        shape = model_shape(module)
+        with adapters_unwrapped(module):  # (a LoRA layer reads as the Linear it adapts)
+            shape = model_shape(module)
     except ModelShapeError:
         raise PlanError(f"{type(module).__name__} has no repeated blocks (an nn.ModuleList of layers) to plan"
                         " a layout for: give every size (dp, pp, tp, ep and zero).") from None
-    return ModelSpec.from_shape(shape, seq_len, type(module).__name__)
+    return ModelSpec.from_shape(shape, seq_len, type(module).__name__).replace(trainable=trainable)
 
 
 def plan(

@@ -59,6 +59,9 @@ class ModelSpec:
     #: and the next), which bounds the stages: ``pp · virtual_stages ≤ layers − first_stage_layers + 1``, and may make
     #: the first rank the most loaded
     first_stage_layers: int = 1
+    #: the share of the parameters that train (1: all); the others are frozen, as a LoRA fine-tune's model is beside its
+    #: adapters: they keep no gradient and no optimizer state, and backward skips their weight-gradient matmuls
+    trainable: float = 1.0
 
     @property
     def head_dim(self) -> int:
@@ -181,8 +184,10 @@ class ModelSpec:
 
     def executed_flops_per_token(self) -> float:
         """What a training step computes per token: :meth:`flops_per_token`, whose convention leaves out a head tied
-        to the token embedding (its weight is the embedding's), plus that head's matmul, which runs all the same."""
-        return self.flops_per_token() + (self.head_flops_per_token() if self.tie_embeddings else 0)
+        to the token embedding (its weight is the embedding's), plus that head's matmul, which runs all the same;
+        less the weight-gradient matmuls of frozen parameters (a third of a matmul's forward and backward)."""
+        tied = self.head_flops_per_token() if self.tie_embeddings else 0
+        return self.flops_per_token() + tied - (1 - self.trainable) * (2 * self.active_params + tied / 3)
 
     def head_flops_per_token(self) -> float:
         """The LM head's matmul, forward and backward, tied to the token embedding or not."""

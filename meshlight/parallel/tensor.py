@@ -78,6 +78,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
+from meshlight.parallel.adapters import adapted_linear, adapters_unwrapped, check_splittable_adapter
 from meshlight.parallel.model_shape import (
     GROUP_ATTRIBUTES,
     WIDTH_ATTRIBUTES,
@@ -114,6 +115,8 @@ from meshlight.parallel.tensor_styles import (
     FusedColwise,
     Interior,
     LMHead,
+    LowRankColwise,
+    LowRankRowwise,
     OnLocalWeights,
     Replicated,
     Rowwise,
@@ -148,76 +151,79 @@ def apply_tensor_parallel(
     gathering it again (more memory, one all-gather fewer per group). ``sequence_region``: with sequence
     parallelism, :func:`sequence_region` of the whole model (``model`` may be a pipeline stage cut from it)."""
     tp = mesh.size()
-    modules = dict(model.named_modules())
-    blocks = [name for name, _ in _named_blocks(model)]
     # with sequence parallelism, whether the modules outside the blocks run on this rank's share of the sequence
     shares_outside = sequence_parallel and sequence_region is None
-    styles: dict[str, ParallelStyle] = {}
-    hidden = hidden_size(modules[name] for name in blocks)
-    # latent attentions: their down-projections and up-projections run on plain tensors, all but the heads whole
-    latent = {name.rpartition(".")[0] for name, role in plan.items() if role == "latent"}
-    # MoE blocks, which flatten the tokens for their experts (and what else they hold: a shared expert's gate)
-    flattening = moe_blocks_of(model)
-    # attention whose key/value heads tp exceeds: each rank computes the one its query heads read
-    replicated = {parent: kv for parent in _colwise_parents(plan)
-                  if hidden and (kv := replicated_kv_heads(modules, plan, parent, hidden, tp))}
-    # MLPs a block holds beside its norms: the block's input is its residual stream, so the first Linear gathers its
-    # own input over the sequence (and its gradient is reduce-scattered back to the share)
-    block_held = block_held_groups(model, plan)
-    for name, role in plan.items():
-        on_share = sequence_parallel if _within(name, blocks) else shares_outside
-        if isinstance(role, ParallelStyle):
-            styles[name] = role
-        elif role == "fused_colwise":
-            styles[name] = FusedColwise(fused_projection(modules, plan, name), replicated.get(name.rpartition(".")[0]))
-        elif role == "colwise" and (kv := replicated.get(name.rpartition(".")[0])) and (
-                linear_widths(modules[name])[1] == kv[0] * kv[1]):  # key/value heads fewer than the ranks
-            styles[name] = FusedColwise((kv[0] * kv[1],), kv)
-        elif role == "colwise" and name.rpartition(".")[0] in latent and linear_widths(modules[name])[0] != hidden:
-            styles[name] = OnLocalWeights(sharded=True)  # a latent attention's up-projection: reads a latent
-        elif role == "colwise" and name.rpartition(".")[0] in block_held:
-            styles[name] = ColwiseFromShare() if on_share else ColwiseParallel()
-        elif role == "colwise":
-            styles[name] = TransposedColwise() if is_transposed_linear(modules[name]) else ColwiseParallel()
-        elif role == "rowwise":
-            rowwise = TransposedRowwise if is_transposed_linear(modules[name]) else Rowwise
-            styles[name] = rowwise(output_layouts=Shard(1) if sequence_parallel else Replicate())
-        elif role == "embedding" and VocabEmbedding.fits(modules[name]):
-            styles[name] = VocabEmbedding(sequence_parallel=on_share)
-        elif role == "embedding":
-            styles[name] = Rowwise(input_layouts=Replicate(), output_layouts=Shard(1) if on_share else Replicate())
-        elif role == "head":
-            styles[name] = LMHead(sequence_parallel=on_share, loss_parallel=loss_parallel)
-        elif role == "norm" and on_share:
-            styles[name] = SequenceNorm(use_local_output=True)  # a plain share: post-norm blocks add it to others
-        elif role == "head_norm":
-            styles[name] = Replicated(name, over="heads")
-        elif role == "colwise_norm":
-            styles[name] = ColwiseNorm(name)
-        elif role == "replicate" and on_share and isinstance(modules[name], nn.Embedding):
-            styles[name] = Replicated(name, over="whole")
-        elif role == "replicate" and on_share and isinstance(modules[name], nn.Linear) and (
-                not _within(name, flattening)):
-            styles[name] = Replicated(name, over="sequence")
-        elif role == "replicate" and on_share or role == "latent":  # an MoE block's router, experts and shared
-            # expert's gate; a latent attention's down-projections and their norms (a block's own parameters alone
-            # where its submodules are split)
-            styles[name] = OnLocalWeights(own=any(n.startswith(name + ".") and r != "replicate"
-                                                  for n, r in plan.items()))
-        elif role == "interior":
-            owner = name.rpartition(".")[0]
-            writer = next((n for n, r in plan.items() if r == "rowwise" and n.rpartition(".")[0] == owner), None)
-            if writer is None:
-                raise TensorParallelError(
-                    f"{_shown(name)} has the role 'interior' (a module between a column→row group's projections),"
-                    f" but {_shown(owner) or 'the model'} holds no 'rowwise' projection beside it to tell this rank's"
-                    " share of the hidden units: give the group's output projection the role 'rowwise', or give this"
-                    " module another role.")
-            styles[name] = Interior(name, linear_widths(modules[writer])[0])
-        elif role == "whole" and on_share:  # (without sequence parallelism every rank computes the same: left plain)
-            styles[name] = WholeMixer()
-    per_head = {parent: names for parent in _colwise_parents(plan)
-                if hidden and (names := per_head_parameters(modules[parent], hidden))}
+    with adapters_unwrapped(model):  # roles are read off the model without its LoRA layers' own Linears
+        modules = dict(model.named_modules())
+        blocks = [name for name, _ in _named_blocks(model)]
+        styles: dict[str, ParallelStyle] = {}
+        hidden = hidden_size(modules[name] for name in blocks)
+        # latent attentions: their down-projections and up-projections run on plain tensors, all but the heads whole
+        latent = {name.rpartition(".")[0] for name, role in plan.items() if role == "latent"}
+        # MoE blocks, which flatten the tokens for their experts (and what else they hold: a shared expert's gate)
+        flattening = moe_blocks_of(model)
+        # attention whose key/value heads tp exceeds: each rank computes the one its query heads read
+        replicated = {parent: kv for parent in _colwise_parents(plan)
+                      if hidden and (kv := replicated_kv_heads(modules, plan, parent, hidden, tp))}
+        # MLPs a block holds beside its norms: the block's input is its residual stream, so the first Linear gathers
+        # its own input over the sequence (and its gradient is reduce-scattered back to the share)
+        block_held = block_held_groups(model, plan)
+        for name, role in plan.items():
+            on_share = sequence_parallel if _within(name, blocks) else shares_outside
+            if isinstance(role, ParallelStyle):
+                styles[name] = role
+            elif role == "fused_colwise":
+                parts = fused_projection(modules, plan, name)
+                styles[name] = FusedColwise(parts, replicated.get(name.rpartition(".")[0]))
+            elif role == "colwise" and (kv := replicated.get(name.rpartition(".")[0])) and (
+                    linear_widths(modules[name])[1] == kv[0] * kv[1]):  # key/value heads fewer than the ranks
+                styles[name] = FusedColwise((kv[0] * kv[1],), kv)
+            elif role == "colwise" and name.rpartition(".")[0] in latent and linear_widths(modules[name])[0] != hidden:
+                styles[name] = OnLocalWeights(sharded=True)  # a latent attention's up-projection: reads a latent
+            elif role == "colwise" and name.rpartition(".")[0] in block_held:
+                styles[name] = ColwiseFromShare() if on_share else ColwiseParallel()
+            elif role == "colwise":
+                styles[name] = TransposedColwise() if is_transposed_linear(modules[name]) else ColwiseParallel()
+            elif role == "rowwise":
+                rowwise = TransposedRowwise if is_transposed_linear(modules[name]) else Rowwise
+                styles[name] = rowwise(output_layouts=Shard(1) if sequence_parallel else Replicate())
+            elif role == "embedding" and VocabEmbedding.fits(modules[name]):
+                styles[name] = VocabEmbedding(sequence_parallel=on_share)
+            elif role == "embedding":
+                styles[name] = Rowwise(input_layouts=Replicate(), output_layouts=Shard(1) if on_share else Replicate())
+            elif role == "head":
+                styles[name] = LMHead(sequence_parallel=on_share, loss_parallel=loss_parallel)
+            elif role == "norm" and on_share:
+                styles[name] = SequenceNorm(use_local_output=True)  # a plain share: post-norm blocks add it to others
+            elif role == "head_norm":
+                styles[name] = Replicated(name, over="heads")
+            elif role == "colwise_norm":
+                styles[name] = ColwiseNorm(name)
+            elif role == "replicate" and on_share and isinstance(modules[name], nn.Embedding):
+                styles[name] = Replicated(name, over="whole")
+            elif role == "replicate" and on_share and isinstance(modules[name], nn.Linear) and (
+                    not _within(name, flattening)):
+                styles[name] = Replicated(name, over="sequence")
+            elif role == "replicate" and on_share or role == "latent":  # an MoE block's router, experts and shared
+                # expert's gate; a latent attention's down-projections and their norms (a block's own parameters alone
+                # where its submodules are split)
+                styles[name] = OnLocalWeights(own=any(n.startswith(name + ".") and r != "replicate"
+                                                      for n, r in plan.items()))
+            elif role == "interior":
+                owner = name.rpartition(".")[0]
+                writer = next((n for n, r in plan.items() if r == "rowwise" and n.rpartition(".")[0] == owner), None)
+                if writer is None:
+                    raise TensorParallelError(
+                        f"{_shown(name)} has the role 'interior' (a module between a column→row group's"
+                        f" projections), but {_shown(owner) or 'the model'} holds no 'rowwise' projection beside it to"
+                        " tell this rank's share of the hidden units: give the group's output projection the role"
+                        " 'rowwise', or give this module another role.")
+                styles[name] = Interior(name, linear_widths(modules[writer])[0])
+            elif role == "whole" and on_share:  # (without sequence parallelism every rank computes the same)
+                styles[name] = WholeMixer()
+        per_head = {parent: names for parent in _colwise_parents(plan)
+                    if hidden and (names := per_head_parameters(modules[parent], hidden))}
+    styles = _with_adapters(model, plan, styles)
     tied = _tied_parameters(model)
     parallelize_module(model, mesh, styles)
     _tie_again(model, tied)
@@ -256,6 +262,22 @@ def apply_tensor_parallel(
         for name in blocks:
             modules[name].register_forward_pre_hook(enter, prepend=True)
             modules[name].register_forward_hook(leave, always_call=True)
+
+
+def _with_adapters(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]],
+                   styles: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """``styles`` with each LoRA layer's (:mod:`meshlight.parallel.adapters`) the low-rank form of its Linear's: the
+    layer splits with its Linear and its adapters; one that cannot split is refused, naming it."""
+    for name, module in model.named_modules():
+        style = styles.get(name)
+        if style is None or adapted_linear(module) is None:
+            continue
+        role = plan[name] if isinstance(plan[name], str) else type(plan[name]).__name__
+        plain = type(style) in (ColwiseParallel, TransposedColwise, Rowwise, TransposedRowwise)
+        check_splittable_adapter(_shown(name), module, role if plain else f"{role} ({type(style).__name__})")
+        rowwise = role == "rowwise"
+        styles[name] = LowRankRowwise(output_layouts=style.output_layouts[0]) if rowwise else LowRankColwise()
+    return styles
 
 
 def _divide_counts(module: nn.Module, tp: int, kv: Optional[tuple[int, int]] = None) -> list[str]:

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshlight.nn.moe import MoE
+from meshlight.parallel.adapters import adapters_unwrapped, read_without_adapters
 from meshlight.parallel.blocks import class_path
 from meshlight.parallel.checkpoint import _shorten
 from meshlight.parallel.expert import is_dense_experts, is_stacked_experts, listed_experts
@@ -110,6 +111,7 @@ def derive_plan(model: nn.Module) -> Plan:
     return {**_left_whole(blocks, {**plan, **whole}, hidden), **plan, **whole}
 
 
+@read_without_adapters
 def whole_mixers(model: nn.Module) -> list[str]:
     """The sequence mixers in ``model``'s blocks that tensor parallelism keeps whole on every rank
     (:data:`WHOLE_MIXERS`), by full name."""
@@ -202,6 +204,7 @@ def _structural_roles(model: nn.Module, blocks: list[tuple[str, nn.Module]], hid
     return roles
 
 
+@read_without_adapters
 def sequence_region(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]]) -> Optional[tuple[str, str]]:
     """Where sequence parallelism holds this rank's share of the sequence; ``None``: Megatron-LM's region, from the
     token embedding's output to the LM head's input.
@@ -316,6 +319,7 @@ def resolve_plan(model: nn.Module, patterns: UserPlan) -> dict[str, Union[str, P
     return {**_left_whole(blocks, plan, hidden), **plan}
 
 
+@read_without_adapters
 def model_plan(model: nn.Module, patterns: Optional[UserPlan] = None) -> dict[str, Union[str, ParallelStyle]]:
     """The plan for ``model``: the user's ``patterns`` resolved (:func:`resolve_plan`), else :func:`derive_plan`."""
     return resolve_plan(model, patterns) if patterns else derive_plan(model)
@@ -328,10 +332,12 @@ def stage_plan(plan: Mapping[str, Union[str, ParallelStyle]], stage: nn.Module) 
     the token embedding the LM head is not recognizable as one, and without the head the embedding is not).
     Pieces of other stages are parameter-free pass-throughs under the same names, and are left out.
     """
-    owned = {name for name, module in stage.named_modules() if any(True for _ in module.parameters(recurse=False))}
+    with adapters_unwrapped(stage):  # (a LoRA layer's parameters are its Linears')
+        owned = {name for name, module in stage.named_modules() if any(True for _ in module.parameters(recurse=False))}
     return {name: role for name, role in plan.items() if name in owned}
 
 
+@read_without_adapters
 def validate_plan(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]], tp: int, world_size: int, *,
                   sequence_parallel: bool = True) -> None:
     """Raise, naming the valid tp values, when ``tp`` does not divide every dimension the plan shards, the

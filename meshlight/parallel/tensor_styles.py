@@ -1,9 +1,9 @@
 """The parallel styles behind tensor parallelism's roles (:mod:`meshlight.parallel.tensor` has the table): PyTorch's
 ``ColwiseParallel``, ``RowwiseParallel`` and ``SequenceParallel`` where they fit, and the styles they lack — a
 vocabulary-sharded token embedding whose gradient is each rank's rows alone, a vocabulary-sharded LM head that keeps
-its logits sharded for the loss, Hugging Face's transposed ``Conv1D``, a fused projection split part by part, modules
-left whole on every rank whose gradients are summed over tp, a norm over a sharded width, modules run on this rank's
-plain values, and a sequence mixer kept whole under sequence parallelism.
+its logits sharded for the loss, Hugging Face's transposed ``Conv1D``, a LoRA layer split with its Linear, a fused
+projection split part by part, modules left whole on every rank whose gradients are summed over tp, a norm over a
+sharded width, modules run on this rank's plain values, and a sequence mixer kept whole under sequence parallelism.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from meshlight.parallel.sequence_gather import sequence_share
 from meshlight.parallel.tensor_plan import TensorParallelError, _shown
 
 __all__ = [
-    "ColwiseFromShare", "ColwiseNorm", "FusedColwise", "Interior", "LMHead", "OnLocalWeights", "Replicated", "Rowwise",
-    "SequenceNorm", "TransposedColwise", "TransposedRowwise", "VocabEmbedding", "WholeMixer", "rows_of_rank",
-    "split_by_head",
+    "ColwiseFromShare", "ColwiseNorm", "FusedColwise", "Interior", "LMHead", "LowRankColwise", "LowRankRowwise",
+    "OnLocalWeights", "Replicated", "Rowwise", "SequenceNorm", "TransposedColwise", "TransposedRowwise",
+    "VocabEmbedding", "WholeMixer", "rows_of_rank", "split_by_head",
 ]
 
 
@@ -147,6 +147,54 @@ class TransposedRowwise(_Transposed, Rowwise):
     desired_input_layouts = (Shard(-1),)
 
 
+class _LowRank:
+    """Tensor parallelism for a LoRA layer (:mod:`meshlight.parallel.adapters`) in its Linear's role: the Linear
+    (``base_layer``) split as the role splits it, each adapter's ``lora_A`` and ``lora_B`` placed so that
+    ``B(A(x))`` is split as the Linear's output is (``lora_A.*`` and ``lora_B.*`` by :attr:`down` and :attr:`up`);
+    the layer's own forward runs on DTensors between the role's input and output hooks."""
+
+    base: dict[str, Placement]
+    transposed_base: dict[str, Placement]
+    down: dict[str, Placement]
+    up: dict[str, Placement]
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        base = self.transposed_base if is_transposed_linear(module.base_layer) else self.base
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            placements = {"base_layer": base, "lora_A": self.down, "lora_B": self.up}.get(name.split(".")[0])
+            if placements is not None:
+                _distribute_parameters(mod, mesh, placements, self.src_data_rank)
+
+        return distribute_module(
+            module, device_mesh, partition,
+            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class LowRankColwise(_LowRank, ColwiseParallel):
+    """Column-parallel LoRA: the Linear's and each ``lora_B``'s output rows split, each ``lora_A`` whole on every rank
+    (its gradient summed over tp), so the adapter adds to each rank's columns of the output its own."""
+
+    base = {"weight": Shard(0), "bias": Shard(0)}
+    transposed_base = TransposedColwise.placements
+    down = {"weight": Replicate(), "bias": Replicate()}
+    up = {"weight": Shard(0), "bias": Shard(0)}
+
+
+class LowRankRowwise(_LowRank, Rowwise):
+    """Row-parallel LoRA: the Linear's and each ``lora_A``'s input columns split, each ``lora_B`` whole on every rank
+    (its gradient summed over tp). ``B`` is linear, so it runs on the partial sums ``A`` leaves, and the adapter's
+    output joins the Linear's partial output before the one reduction of the role."""
+
+    base = {"weight": Shard(1), "bias": Replicate()}
+    transposed_base = TransposedRowwise.placements
+    down = {"weight": Shard(1), "bias": Replicate()}
+    up = {"weight": Replicate(), "bias": Replicate()}
+    desired_input_layouts = (Shard(-1),)
+
+
 class ColwiseFromShare(ColwiseParallel):
     """Column-parallel on this rank's share of the sequence, gathered first (its gradient reduce-scattered back):
     the first Linear of an MLP its block holds beside its norms (:func:`~meshlight.parallel.tensor_plan.
@@ -174,6 +222,10 @@ class SequenceNorm(SequenceParallel):
         if not isinstance(inputs[0], DTensor):
             sequence_sharding = (sequence_share(inputs[0]),)
         return SequenceParallel._prepare_input_fn(sequence_sharding, mod, inputs, device_mesh)
+
+    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        # (torch's makes every parameter trainable: a frozen norm, as a LoRA fine-tune's are, stays frozen)
+        _replicate_parameters(name, module, device_mesh)
 
 
 class FusedColwise(ColwiseParallel):

@@ -53,6 +53,30 @@ def test_model_state_follows_the_precision_and_what_is_offloaded(world):
     assert model_state_bytes(psi, world, 3, offload, pipelined=True) == 8 * psi
 
 
+def test_frozen_parameters_keep_no_gradient_or_optimizer_state_and_skip_their_weight_gradients(capsys):
+    """A LoRA fine-tune trains a small share of the parameters: the frozen rest holds its parameters (and, under
+    FSDP, their master shards) alone, backward computes no weight gradient for it (a third of its matmuls' FLOPs),
+    and the data-parallel reductions carry the trainable share's gradients. So Llama 3 70B, which does not fit on
+    8 H100s trained whole (16 bytes a parameter: 140 GB a rank), fits with 1% of it trainable."""
+    psi, world, quarter = 1000, 4, 0.25
+    assert model_state_bytes(psi, 1, 0, CPU, trainable=quarter) == 4 * psi + 12 * quarter * psi
+    assert model_state_bytes(psi, world, 3, CPU, trainable=quarter) == pytest.approx((4 + 12 * quarter) * psi / world)
+    assert model_state_bytes(psi, world, 1, CPU, trainable=quarter) == pytest.approx(
+        4 * psi + 4 * quarter * psi + (4 + 8 * quarter) * psi / world)  # gathered, whole gradients, master, moments
+    model = MODELS["llama3-8b"]
+    frozen = model.replace(trainable=0.0)
+    assert frozen.executed_flops_per_token() == pytest.approx(
+        model.executed_flops_per_token() - 2 * model.active_params)
+    h100 = HARDWARE["h100"]
+    whole, lora = (estimate(model.replace(trainable=share), h100, 8, 64, 8, 1, 1, 1, 3, 8, 1, False)
+                   for share in (1.0, 0.01))
+    assert lora.times["compute"] < whole.times["compute"] and lora.times["dp"] <= whole.times["dp"]
+    assert lora.memory_bytes < whole.memory_bytes
+    for share, status in ((1, 1), (0.01, 0)):
+        assert main(["plan", "--model", "llama3-70b", "--gpus", "8", "--trainable", str(share)]) == status
+    capsys.readouterr()
+
+
 def test_activations_offloaded_from_every_block_do_not_grow_with_depth():
     def activations(layers: int, share: float) -> float:
         model = MODELS["llama3-8b"].replace(layers=layers)

@@ -488,8 +488,9 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
     (``"llama-vocab61"``), an MoE family with its load-balancing loss on (``"mixtral-aux"``: coefficient 0.02; the
     model adding it to its own loss from labels: ``"mixtral-aux-labels"``), or a family with :data:`DEEP_LAYERS` layers
     (``"llama-deep"``), or with key/value heads of its own (``"llama-kv1"``), or its gradients clipped to a norm of
-    0.05 before each step (``"litgpt_moe-clip"``: every step clipped, its norm 0.8–2.1 before), with the family's
-    :func:`training_options`; ``data_shards``, ``microbatches``: see :class:`LitCausalLM`. A vision-language family
+    0.05 before each step (``"litgpt_moe-clip"``: every step clipped, its norm 0.8–2.1 before), or fine-tuned with
+    LoRA (``"llama-lora"``: :func:`with_lora`), with the family's :func:`training_options`;
+    ``data_shards``, ``microbatches``: see :class:`LitCausalLM`. A vision-language family
     (:data:`~tests.strategies.hf_vlm.FAMILIES`): :func:`~tests.strategies.hf_vlm.lit_vlm`'s model."""
     from tests.strategies import hf_vlm
 
@@ -501,6 +502,7 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
     deep = name.endswith("-deep")
     fp64 = name.endswith("-fp64")
     name = name.removesuffix("-labels").removesuffix("-deep").removesuffix("-fp64")
+    name, adapted, _ = name.partition("-lora")
     name, _, vocab = name.partition("-vocab")
     name, _, kv_heads = name.partition("-kv")
     family, aux, _ = name.partition("-aux")
@@ -510,7 +512,24 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
                          data_shards=data_shards, microbatches=microbatches, layers=DEEP_LAYERS if deep else LAYERS,
                          own_loss=own_loss,
                          kv_heads=int(kv_heads or KV_HEADS), clip=0.05 if clip else 0.0)
+    if adapted:
+        module.model = with_lora(module.model, family)
     return in_float64(module) if fp64 else module
+
+
+#: the Linears :func:`with_lora` adapts: the attention's and the MLP's projections (GPT-2's output projections and
+#: the MLP's first; its fused q|k|v tensor parallelism refuses to split with adapters)
+LORA_TARGETS = {"gpt2": ["c_fc", "c_proj"]}
+
+
+def with_lora(model: torch.nn.Module, family: str) -> torch.nn.Module:
+    """``model`` fine-tuned with PEFT's LoRA (rank 4, on :data:`LORA_TARGETS`, initialized as PEFT does: ``lora_B``
+    zeros, the adapters starting as no change), its own weights frozen."""
+    import peft
+
+    targets = LORA_TARGETS.get(family, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, fan_in_fan_out=family == "gpt2")
+    return peft.get_peft_model(model, config)
 
 
 def in_float64(module: LitCausalLM) -> LitCausalLM:

@@ -127,7 +127,12 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     keeping two of them (also with every step's gradients clipped, by a norm that sums the ranks' experts)."""
     result = torch.load(runs / f"{layout}-{model}.pt", weights_only=False)
     assert len(result["losses"]) == parity.STEPS
-    parity.assert_parity(result, controls[control_of(layout, model)], rtol=PARITY_RTOL.get(model, 1e-4))
+    control = controls[control_of(layout, model)]
+    parity.assert_parity(result, control, rtol=PARITY_RTOL.get(model, 1e-4))
+    if "-lora" in model:  # the model's own weights frozen, as in one process: only the adapters trained
+        frozen = [name for name in control["weights"] if ".lora_" not in name]
+        assert len(frozen) < len(control["weights"])
+        assert all(torch.equal(result["weights"][name], control["weights"][name]) for name in frozen)
     # 4 experts: over 2 or 4 ranks, or whole
     stacked = (*MOE_FAMILIES, "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "ernie4_5_moe",
                "llama4", "jamba", "granite4", "lfm2_moe", "minimax", "kimi_linear", "gemma4_moe", "qwen3_vl_moe",
@@ -240,3 +245,28 @@ def test_experts_that_take_every_token_are_refused_by_expert_parallelism_naming_
                                          r" expert on every token, as Llama 4's MoE does.*Train it with ep=1; tp"
                                          r" splits each of its experts"):
         parallelize(lit_causal_lm("llama4"), ParallelLayout(dp_replicate=2, ep=2), mesh=None)
+
+
+def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_out():
+    """PEFT's LoRA on a Linear whose role is not colwise or rowwise (GPT-2's fused q|k|v, split part by part), or a
+    LoRA variant holding weights of its own (DoRA's magnitude vector): refused before anything is split (the check
+    :func:`~meshlight.parallel.parallelize.parallelize` runs beside the plan's validation), naming the layer and the
+    ways out."""
+    import peft
+
+    from meshlight.parallel.adapters import check_splittable_adapters
+    from meshlight.parallel.tensor_plan import model_plan
+
+    fused = lit_causal_lm("gpt2")
+    fused.model = peft.get_peft_model(fused.model, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    with pytest.raises(NotImplementedError, match=r"model.base_model.model.transformer.h.0.attn.c_attn is a LoRA layer"
+                                                  r" \(Linear\), but tensor parallelism gives its Linear the role"
+                                                  r" 'fused_colwise', .* Leave that module out of the adapter's"
+                                                  r" target_modules .* or train it with tp=1"):
+        check_splittable_adapters(fused, model_plan(fused))
+    dora = lit_causal_lm("llama")
+    dora.model = peft.get_peft_model(dora.model, peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(NotImplementedError, match=r"q_proj is a LoRA layer \(Linear\), but it holds"
+                                                  r" lora_magnitude_vector beside its adapters' lora_A and lora_B"
+                                                  r" \(DoRA's magnitude vector\).* use plain LoRA"):
+        check_splittable_adapters(dora, model_plan(dora))

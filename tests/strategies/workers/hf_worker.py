@@ -73,6 +73,12 @@ VLM_PIPELINED = ("qwen2_5_vl", "llava", "idefics3-fp64", "ernie4_5_vl_moe", "qwe
 #: clipped, and DeepSeek-V3's (grouped routing, a shared expert, a dense first layer)
 LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 
+#: fine-tuned with PEFT's LoRA, the models' own weights frozen (hf_models.with_lora): each adapted Linear split with its
+#: adapters (a column-parallel one's lora_B by rows, its lora_A whole; a row-parallel one's lora_A by columns, its
+#: lora_B whole, run on lora_A's partial sums), the frozen norms run on the sequence's shares staying frozen; GPT-2's
+#: Conv1D output projections and MLP
+LORA = ("llama-lora", "gpt2-lora")
+
 #: the microbatches each pipelined layout's schedule cuts a rank's batch into: a model's own load-balancing loss is
 #: computed per forward call, one per microbatch (the one-process control computes it over the same pieces)
 MICROBATCHES = {"pp2-1f1b": 4, "pp2-interleaved": 2, "3d": 2, "pp2-tp2": 2, "3d-moe": 2, "3d-ep2": 2, "dp2-pp2-ep2": 2}
@@ -94,7 +100,7 @@ LAYOUTS = {
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
                                                             *TP_FAMILIES, *KV_FEWER_THAN_TP, *BY_LAYOUT,
                                                             *ALIBI, *BLOCK_MLP, *WHOLE_MIXER_FAMILIES,
-                                                            "qwen3_5_moe-fp64", *HYBRIDS, *GEMMA, *VLM)),
+                                                            "qwen3_5_moe-fp64", *HYBRIDS, *GEMMA, *VLM, *LORA)),
     # one key/value head on all 4 ranks (Qwen3), and two on 2 ranks each (Phi-3's fused q|k|v)
     "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1-fp64", "phi3-kv2-fp64")),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
@@ -104,7 +110,7 @@ LAYOUTS = {
     # as it is there: every rank computes it); ERNIE 4.5-VL, whose MoE layer takes each token's type (text or image)
     # beside the hidden state, which sequence parallelism refuses
     "tp2-no-sp": (lambda: ml.TensorParallelStrategy(tp=2, sequence_parallel=False), 2, 1,
-                  ("deepseek_v3", "litgpt_moe", "llama4-fp64", "apertus", "ernie4_5_vl_moe")),
+                  ("deepseek_v3", "litgpt_moe", "llama4-fp64", "apertus", "ernie4_5_vl_moe", "llama-lora")),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61-fp64",)),
     "ddp": (lambda: "ddp", 2, 2, (*FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
@@ -131,7 +137,7 @@ LAYOUTS = {
     # load-balancing loss per data rank's part (3d-moe: from router logits gathered over the sequence's shares and
     # carried down the pipeline)
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=MICROBATCHES["3d"]), 8, 2,
-           ("qwen2_5_vl", "qwen3", "gpt2")),
+           ("qwen2_5_vl", "qwen3", "gpt2", "llama-lora")),
     # traits that pipelining and tensor parallelism meet together, data parallelism adding nothing of their own (the
     # same reduction over dp as the 3d runs'): OLMo 2's q and k norms over all heads; Falcon-RW's ALiBi biases handed
     # out by head on each stage, its blocks returning tuples (BLOOM's and OPT's traits beside it are their tp's or their
@@ -150,7 +156,7 @@ LAYOUTS = {
     "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=MICROBATCHES["3d-moe"]), 8, 2,
                ("qwen3_moe-aux",)),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
-    "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral")),
+    "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral", "llama-lora")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2); litgpt's listed
     # experts too, each rank keeping two of the list (also with the gradients clipped: the norm of each rank's
     # experts summed over ep); DeepSeek-V4's, its hash-routed layer's too (in float64), and HY-V4's
@@ -171,7 +177,8 @@ LAYOUTS = {
     # its half of 2 experts on the whole tokens of its tp group; without sequence parallelism under ZeRO-3 as well
     "dp2-tp2-ep2-split": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split"), 4, 2, MOE_FAMILIES),
     # a vision-language model's encoder, its parameters plain beside the decoder's tensor-parallel ones, under ZeRO-3
-    "dp2-tp2-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, zero=3), 4, 2, ("llava",)),
+    # (and LoRA's frozen weights beside its adapters, sharded alike)
+    "dp2-tp2-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, zero=3), 4, 2, ("llava", "llama-lora")),
     "dp2-tp2-ep2-split-no-sp-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split", zero=3,
                                                                   sequence_parallel=False), 4, 2, ("mixtral",)),
 }
