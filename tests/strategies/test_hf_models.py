@@ -83,7 +83,7 @@ def launches(tmp_path_factory) -> Future[Path]:
     def launch() -> Path:
         for world in (2, 4, 8):
             layouts = [name for name, (_, devices, _, _) in hf_worker.LAYOUTS.items() if devices == world]
-            extras = {2: ["reshard-tied", "resume-listed"], 4: ["resume-split"]}.get(world, [])
+            extras = {2: ["reshard-tied", "resume-listed", "resume-lora"], 4: ["resume-split"]}.get(world, [])
             torchrun(WORKER, world, str(out), *layouts, *extras, timeout=1200)
         return out
 
@@ -187,14 +187,17 @@ def test_experts_split_part_by_part_over_tp_resume_exactly_and_load_under_other_
     parity.assert_parity(results["folded"], second_half)
 
 
-def test_experts_held_as_a_list_resume_exactly_and_load_under_other_layouts(runs):
-    """litgpt's MoE under ep2, each rank holding two experts of each list (under the names one process gives them):
-    resumed from its checkpoint of step 10 it ends on exactly the weights of the run not interrupted, and its last
-    checkpoint loads under ddp into exactly its weights; resumed under ddp, its last 10 losses and its weights are
-    within 1e-4 of it, and ddp's last checkpoint loads under ep2 into exactly ddp's weights."""
-    results = torch.load(runs / "resume-listed.pt", weights_only=False)
+@pytest.mark.parametrize(("family", "sample"), [("litgpt_moe", "model.transformer.h.1.mlp.experts.3.fc_1.weight"), (
+    "llama-lora", "model.base_model.model.model.layers.1.mlp.down_proj.lora_A.default.weight")])
+def test_a_checkpoint_resumes_exactly_and_loads_under_other_layouts(runs, family, sample):
+    """litgpt's MoE under ep2, each rank holding two experts of each list (under the names one process gives them),
+    and Llama with LoRA adapters under tp2, each adapted Linear split with its adapters: resumed from its checkpoint
+    of step 10 each ends on exactly the weights of the run not interrupted, and its last checkpoint loads under ddp
+    into exactly its weights; resumed under ddp, its last 10 losses and its weights are within 1e-4 of it, and ddp's
+    last checkpoint loads under the first layout into exactly ddp's weights."""
+    results = torch.load(runs / f"resume-{family}.pt", weights_only=False)
     whole, on_ddp = results["whole"]["weights"], results["on_ddp"]["weights"]
-    assert "model.transformer.h.1.mlp.experts.3.fc_1.weight" in whole
+    assert sample in whole
     for weights, expected in ((results["resumed"], whole), (results["loaded"], whole),
                               (results["ddp_loaded"], on_ddp)):
         assert weights.keys() == expected.keys()

@@ -3,7 +3,7 @@ processes those layouts run on); rank 0 saves each run's losses and full final w
 ``OUT/<layout>-<family>.pt`` (the checks in :data:`EXTRAS`: see their functions).
 
     python tests/forkrun.py 2 tests/strategies/workers/hf_worker.py OUT tp2 ddp zero3 pp2-1f1b pp2-interleaved \
-        reshard-tied resume-listed
+        reshard-tied resume-listed resume-lora
     python tests/forkrun.py 4 tests/strategies/workers/hf_worker.py OUT dp2-tp2-ep2-split resume-split
     python tests/forkrun.py 8 tests/strategies/workers/hf_worker.py OUT 3d
 """
@@ -230,15 +230,15 @@ def resume_split(out: Path) -> None:
                     "resumed": resumed["weights"], "loaded": loaded}, out / "resume-split.pt")
 
 
-def resume_listed(out: Path) -> None:
-    """litgpt's MoE (experts held as a list) trained under ep2, checkpointed halfway and at the end: resumed from
-    halfway under ep2 and under ddp; its last checkpoint loaded under ddp; ddp's last checkpoint (of the resumed run)
-    loaded under ep2. Saved to ``resume-listed.pt``: ``whole`` and ``on_ddp`` (losses and weights), ``resumed``,
+def resume_across(out: Path, family: str, layout: str) -> None:
+    """``family`` trained under ``layout``, checkpointed halfway and at the end: resumed from halfway under
+    ``layout`` and under ddp; its last checkpoint loaded under ddp; ddp's last checkpoint (of the resumed run) loaded
+    under ``layout``. Saved to ``resume-<family>.pt``: ``whole`` and ``on_ddp`` (losses and weights), ``resumed``,
     ``loaded`` and ``ddp_loaded`` (weights)."""
     from meshlight.callbacks import DistributedCheckpoint
 
-    model, folder = functools.partial(lit_causal_lm, "litgpt_moe"), out / "listed-checkpoints"
-    ep2, devices, replicas, _ = LAYOUTS["ep2"]
+    model, folder = functools.partial(lit_causal_lm, family), out / f"{family}-checkpoints"
+    strategy, devices, replicas, _ = LAYOUTS[layout]
     halfway, last = (folder / f"step={step:09d}" for step in (parity.STEPS // 2, parity.STEPS))
 
     def checkpoints(where: Path) -> list:
@@ -251,19 +251,19 @@ def resume_listed(out: Path) -> None:
         trainer.validate(module, parity.make_data(4), ckpt_path=path, verbose=False)
         return parity.full_weights(module)
 
-    whole = parity.train("adamw", strategy=ep2(), devices=devices, data_parallel=replicas, model=model,
+    whole = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas, model=model,
                          callbacks=checkpoints(folder), enable_checkpointing=True)
-    resumed = parity.train("adamw", strategy=ep2(), devices=devices, data_parallel=replicas, model=model,
+    resumed = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas, model=model,
                            ckpt_path=halfway)
-    on_ddp = parity.train("adamw", strategy="ddp", devices=devices, data_parallel=replicas, model=model,
-                          ckpt_path=halfway, callbacks=checkpoints(out / "listed-ddp"), enable_checkpointing=True)
+    on_ddp = parity.train("adamw", strategy="ddp", devices=devices, data_parallel=devices, model=model,
+                          ckpt_path=halfway, callbacks=checkpoints(out / f"{family}-ddp"), enable_checkpointing=True)
     loaded = loaded_under("ddp", last)
-    ddp_loaded = loaded_under(ep2(), out / "listed-ddp" / f"step={parity.STEPS:09d}")
+    ddp_loaded = loaded_under(strategy(), out / f"{family}-ddp" / f"step={parity.STEPS:09d}")
     if torch.distributed.get_rank() == 0:
         runs = {"whole": whole, "on_ddp": on_ddp}
         torch.save({**{name: {key: run[key] for key in ("losses", "weights")} for name, run in runs.items()},
                     "resumed": resumed["weights"], "loaded": loaded, "ddp_loaded": ddp_loaded},
-                   out / "resume-listed.pt")
+                   out / f"resume-{family}.pt")
 
 
 def local_experts(module: torch.nn.Module) -> list[tuple[int, int]]:
@@ -296,7 +296,10 @@ def main(out: Path, layouts: list[str]) -> None:
 
 
 #: checks beside the layouts' parity runs: name -> what runs it (on as many processes as its layouts)
-EXTRAS = {"reshard-tied": reshard_tied, "resume-split": resume_split, "resume-listed": resume_listed}
+EXTRAS = {"reshard-tied": reshard_tied, "resume-split": resume_split,
+          # litgpt's experts held as a list under ep2; LoRA adapters split with their Linears under tp2
+          "resume-listed": functools.partial(resume_across, family="litgpt_moe", layout="ep2"),
+          "resume-lora": functools.partial(resume_across, family="llama-lora", layout="tp2")}
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
