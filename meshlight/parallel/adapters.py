@@ -12,16 +12,20 @@ where its adapter layer stands, under the same name), and the adapter layer take
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+import math
+import zlib
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Optional, TypeVar
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshlight.parallel.model_shape import linear_widths
 
-__all__ = ["adapted_linear", "adapters_unwrapped", "check_splittable_adapter", "check_splittable_adapters",
-           "read_without_adapters"]
+__all__ = ["adapted_linear", "adapter_layers", "adapters_unwrapped", "base_name", "check_splittable_adapter",
+           "check_splittable_adapters", "initialize_adapters", "peft_base", "read_without_adapters"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -33,6 +37,70 @@ def adapted_linear(module: nn.Module) -> Optional[nn.Module]:
     if isinstance(down, nn.ModuleDict) and isinstance(up, nn.ModuleDict) and len(down) and linear_widths(base):
         return base
     return None
+
+
+def adapter_layers(model: nn.Module) -> set[str]:
+    """The names of ``model``'s LoRA layers."""
+    return {name for name, module in model.named_modules() if adapted_linear(module) is not None}
+
+
+def base_name(name: str, layers: Collection[str]) -> Optional[str]:
+    """A parameter's ``name`` in a model whose LoRA layers are ``layers`` (:func:`adapter_layers`), as the model
+    without its adapters names it: the Linear a layer adapts under the layer's name (``q_proj.base_layer.weight``:
+    ``q_proj.weight``); None for an adapter's own weight (``q_proj.lora_A.default.weight``)."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[:end]) in layers:
+            return ".".join([*parts[:end], *parts[end + 1:]]) if parts[end] == "base_layer" else None
+    return name
+
+
+def peft_base(module: nn.Module, prefix: str) -> tuple[Optional[nn.Module], str]:
+    """Where ``prefix`` names a PEFT model in ``module`` (``get_peft_model``'s), that model and the prefix of the
+    model it adapts (``base_model.model.`` below it); else None and ``prefix``."""
+    inner = module.get_submodule(prefix.rstrip(".")) if prefix else module
+    if hasattr(inner, "peft_config") and hasattr(inner, "get_base_model"):
+        return inner, f"{prefix}base_model.model."
+    return None, prefix
+
+
+def initialize_adapters(peft_model: nn.Module) -> None:
+    """Initialize every LoRA adapter of ``peft_model`` as PEFT does on creation (its config's ``init_lora_weights``:
+    ``lora_A`` Kaiming-uniform or, ``"gaussian"``, normal with std 1/r; ``lora_B`` zeros): for a model allocated from
+    the meta device, whose adapters hold nothing yet. Each rank draws the whole tensor from a generator seeded by the
+    weight's name and keeps its part, so a weight split or replicated over ranks is one tensor. Initializations PEFT
+    computes from the base weights (PiSSA, OLoRA, LoftQ …) are refused."""
+    for layer_name, layer in peft_model.named_modules():
+        if adapted_linear(layer) is None:
+            continue
+        for adapter, down in layer.lora_A.items():
+            init = peft_model.peft_config[adapter].init_lora_weights
+            if init not in (True, "gaussian"):
+                raise ValueError(
+                    f"{layer_name}'s adapter {adapter!r} has init_lora_weights={init!r}, which PEFT computes from the"
+                    " base weights, but the model was built on the meta device: build it on a real device, or"
+                    " initialize its adapters with init_lora_weights=True or 'gaussian'."
+                )
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{layer_name}.lora_A.{adapter}".encode()))
+            weight = down.weight
+            if init is True:  # nn.Linear's own: Kaiming-uniform with a = √5, a bound of 1/√fan_in
+                bound = 1 / math.sqrt(weight.shape[1])
+                whole = torch.empty(weight.shape).uniform_(-bound, bound, generator=generator)
+            else:
+                whole = torch.empty(weight.shape).normal_(0, 1 / layer.r[adapter], generator=generator)
+            _fill(weight, whole)
+            for param in layer.lora_B[adapter].parameters():
+                _fill(param, torch.zeros(param.shape))
+
+
+def _fill(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy ``whole`` into ``param``: this rank's part of it where ``param`` is a DTensor."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            part = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(part)
+        else:
+            param.copy_(whole)
 
 
 @contextmanager

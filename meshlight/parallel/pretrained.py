@@ -49,6 +49,7 @@ from meshlight.models.hf_layout import (
     llama_name,
     rotary_order,
 )
+from meshlight.parallel.adapters import adapter_layers, base_name, initialize_adapters, peft_base
 from meshlight.parallel.dtensors import block_to_fill, from_blocks, in_blocks
 from meshlight.parallel.expert_files import file_names, per_expert_sources, read_per_expert
 
@@ -72,12 +73,14 @@ class PretrainedWeightsError(ValueError):
 @dataclass
 class LoadReport:
     """What :func:`load_pretrained` did: keys loaded, the model's names the files lack, the files' keys no model name
-    takes, and the (stored, parameter) dtype pairs it cast between."""
+    takes, the (stored, parameter) dtype pairs it cast between, and the adapters' weights it left."""
 
     loaded: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     cast: set[tuple[str, str]] = field(default_factory=set)
+    #: the LoRA adapters' own weights, which base model files do not hold: left as PEFT initialized them
+    adapters: list[str] = field(default_factory=list)
 
 
 def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model.", strict: bool = True) -> LoadReport:
@@ -87,12 +90,20 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
 
     Raises :class:`PretrainedWeightsError` naming a file that cannot be read, every shape that differs, and — with
     ``strict`` — every name the files lack and every key no name takes (``strict=False`` loads what matches). A
-    dtype that differs (bf16 files into fp32 parameters) is cast, and noted in the report's ``cast``."""
+    dtype that differs (bf16 files into fp32 parameters) is cast, and noted in the report's ``cast``.
+
+    A PEFT model under ``prefix`` (LoRA) loads its base model's files: each adapted Linear's weights from the
+    Linear's own keys, the adapters left as PEFT initialized them (initialized again where the model was built on the
+    meta device)."""
     folder = Path(path)
     files = _weights_files(folder)
     stored = files.stored
     distributed = dist.is_initialized()
+    peft_model, prefix = peft_base(module, prefix)
     built_on_meta = _allocate(module)
+    if built_on_meta and peft_model is not None:
+        initialize_adapters(peft_model)
+    adapted = adapter_layers(module)
     state = get_model_state_dict(module) if distributed else module.state_dict()
     aliases = _tied_keys(module, prefix)
     renamed = _renamed_keys(module, prefix, stored)
@@ -101,7 +112,11 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
     for name, tensor in state.items():
         if not name.startswith(prefix):
             continue
-        key = name[len(prefix):]
+        base = base_name(name, adapted) if adapted else name
+        if base is None:
+            report.adapters.append(name[len(prefix):])
+            continue
+        key = base[len(prefix):]
         if gpt is not None:  # Llama's names, q and k rows in Llama's rotary order
             key = llama_name(key) or key
             order = rotary_order(name, tensor.shape[0], gpt.head_dim)

@@ -6,6 +6,7 @@ trained model; mismatches and damaged files are named."""
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from meshlight.models.hf_layout import llama_config_json  # noqa: E402
 from meshlight.parallel.pretrained import PretrainedWeightsError, export_pretrained, load_pretrained  # noqa: E402
 from tests.launch import torchrun  # noqa: E402
 from tests.strategies import parity  # noqa: E402
-from tests.strategies.hf_models import hf_config, lit_causal_lm  # noqa: E402
+from tests.strategies.hf_models import hf_config, lit_causal_lm, with_lora  # noqa: E402
 from tests.strategies.hf_vlm import FAMILIES as VLM_FAMILIES  # noqa: E402
 from tests.strategies.hf_vlm import lit_vlm, vlm_config  # noqa: E402
 from tests.strategies.workers import pretrained_worker  # noqa: E402
@@ -93,7 +94,7 @@ def runs(folders, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pretrained-runs")
     for world in (2, 8):
         layouts = [name for name, (_, devices, _) in LAYOUTS.items() if devices == world]
-        torchrun(WORKER, world, str(out), str(folders), *layouts, *(["litgpt-files"] if world == 2 else []),
+        torchrun(WORKER, world, str(out), str(folders), *layouts, *(pretrained_worker.EXTRAS if world == 2 else []),
                  timeout=1200)
     return out
 
@@ -130,6 +131,25 @@ def test_litgpt_files_load_under_every_layout_and_train_as_one_process(runs, fol
                for name, weight in module.model.state_dict().items())
 
 
+@pytest.mark.parametrize("layout", pretrained_worker.LORA_FILES)
+def test_a_lora_model_loads_its_base_models_files_under_every_layout_and_trains_as_one_process(runs, folders, layout):
+    """Llama with PEFT's LoRA loading Llama's folder (each adapted Linear's weights from the Linear's keys, each rank
+    its part) under tp=2 and ZeRO-3 built on the meta device (its adapters initialized after allocation, each rank
+    keeping its part of the same tensors): losses and weights within 1e-4 of one process loading the same folder
+    into the same model (its adapters initialized so too) over 20 steps."""
+    from meshlight.parallel.adapters import initialize_adapters
+
+    def model() -> Any:
+        module = lit_causal_lm("llama-lora")
+        if layout.endswith("-meta"):
+            initialize_adapters(module.model)
+        return module
+
+    control = parity.train("adamw", model=model, callbacks=[ml.callbacks.PretrainedWeights(folders / "llama")])
+    control.pop("module")
+    parity.assert_parity(torch.load(runs / f"{layout}-llama-lora.pt", weights_only=False), control)
+
+
 def test_loading_in_one_process_equals_from_pretrained_also_on_the_meta_device_and_casts_noting_it(tmp_path):
     folder = save_pretrained(tmp_path, "llama", dtype=torch.bfloat16)
     expected = from_pretrained(folder).float()
@@ -142,6 +162,33 @@ def test_loading_in_one_process_equals_from_pretrained_also_on_the_meta_device_a
         assert report.cast == {("bfloat16", "float32")} and not report.missing and not report.unexpected
         with torch.no_grad():
             torch.testing.assert_close(module.model(input_ids=PROBE).logits, expected(input_ids=PROBE).logits)
+
+
+def test_a_lora_model_loads_its_base_models_files_leaving_its_adapters_also_on_the_meta_device(tmp_path):
+    """PEFT's LoRA on Llama, under the LightningModule's ``model.`` as any model: the base model's folder loads, each
+    adapted Linear's weights (``q_proj.base_layer.weight``) from the Linear's key (``q_proj.weight``), and the
+    adapters, which the files do not hold, stay as PEFT initialized them, lora_B zeros: the logits are the base
+    model's. Built on the meta device, the adapters are initialized as PEFT does (lora_A Kaiming-uniform, within
+    1/√fan_in; lora_B zeros)."""
+    folder = save_pretrained(tmp_path, "llama")
+    expected = from_pretrained(folder)
+    for meta in (False, True):
+        module = lit_causal_lm("llama-lora")
+        if meta:
+            with torch.device("meta"):
+                module.model = with_lora(transformers.AutoModelForCausalLM.from_config(hf_config("llama")), "llama")
+        adapters = {name: p.detach().clone() for name, p in module.named_parameters() if ".lora_" in name}
+        report = load_pretrained(module, folder)
+        assert not report.missing and not report.unexpected
+        assert sorted(f"model.base_model.model.{name}" for name in report.adapters) == sorted(adapters)
+        assert len(adapters) == 28  # 7 projections × 2 layers × (lora_A, lora_B)
+        with torch.no_grad():
+            torch.testing.assert_close(module.model(input_ids=PROBE).logits, expected(input_ids=PROBE).logits)
+        for name, param in module.named_parameters():
+            if ".lora_B." in name or ".lora_" in name and not meta:
+                assert torch.equal(param, torch.zeros_like(param) if meta else adapters[name]), name
+            elif ".lora_A." in name:
+                assert 0 < param.abs().max() <= 1 / param.shape[1] ** 0.5, name
 
 
 def test_torch_save_files_load_memory_mapped_as_tensors_only(tmp_path):

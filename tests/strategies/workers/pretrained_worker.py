@@ -20,7 +20,7 @@ from meshlight.demos import LitGPT
 from meshlight.models import GPT, GPTConfig
 from meshlight.parallel.pretrained import export_pretrained
 from tests.strategies import parity
-from tests.strategies.hf_models import attention_implementation, lit_causal_lm
+from tests.strategies.hf_models import attention_implementation, lit_causal_lm, with_lora
 from tests.strategies.hf_vlm import family_of, image_inputs
 
 # GPT-2: Conv1D, a fused q|k|v split for tp, its head tied to the embedding; gpt: meshlight's GPT in a Llama
@@ -67,12 +67,15 @@ def model_of(family: str, *, meta: bool = False) -> Any:
 
     module = LitGPT(GPT_LLAMA, lr=1e-2, warmup_steps=2) if family == "gpt" else lit_causal_lm(family)
     config = module.model.config
+    base, lora, _ = family.partition("-lora")
 
     def configure_model() -> None:
         with torch.device("meta"):
             module.model = (GPT(config) if family == "gpt" else
                             transformers.AutoModelForCausalLM.from_config(
-                                config, attn_implementation=attention_implementation(family)))
+                                config, attn_implementation=attention_implementation(base)))
+            if lora:
+                module.model = with_lora(module.model, base)
 
     if meta:
         module.configure_model = configure_model
@@ -134,10 +137,28 @@ def litgpt_files(out: Path, folders: Path) -> None:
         torch.distributed.barrier()
 
 
+#: Llama fine-tuned with PEFT's LoRA, loading its base model's folder under these layouts (``-meta``: built on the
+#: meta device, its adapters initialized after allocation)
+LORA_FILES = ("tp2", "zero3-meta")
+
+
+def lora_files(out: Path, folders: Path) -> None:
+    """Llama with LoRA trained under each of :data:`LORA_FILES` from Llama's folder; rank 0 saves its losses and full
+    weights to ``OUT/<layout>-llama-lora.pt``."""
+    for layout in LORA_FILES:
+        strategy, devices, replicas = LAYOUTS[layout]
+        result = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas,
+                              model=lambda layout=layout: model_of("llama-lora", meta=layout.endswith("-meta")),
+                              callbacks=[ml.callbacks.PretrainedWeights(folders / "llama")])
+        result.pop("module")
+        if torch.distributed.get_rank() == 0:
+            torch.save(result, out / f"{layout}-llama-lora.pt")
+
+
 def main(out: Path, folders: Path, layouts: list[str]) -> None:
     for layout in layouts:
-        if layout == "litgpt-files":
-            litgpt_files(out, folders)
+        if layout in EXTRAS:
+            EXTRAS[layout](out, folders)
             continue
         strategy, devices, replicas = LAYOUTS[layout]
         assert devices == int(os.environ["WORLD_SIZE"]), f"{layout} runs on {devices} processes"
@@ -156,6 +177,9 @@ def main(out: Path, folders: Path, layouts: list[str]) -> None:
                            out / f"{layout}-{family}.pt")
             torch.distributed.barrier()
 
+
+#: runs beside the layouts' (on 2 processes): litgpt's files, and a LoRA model loading its base model's
+EXTRAS = {"litgpt-files": litgpt_files, "lora-files": lora_files}
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
