@@ -112,7 +112,7 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
     for name, tensor in state.items():
         if not name.startswith(prefix):
             continue
-        base = base_name(name, adapted) if adapted else name
+        base = base_name(name, adapted)
         if base is None:
             report.adapters.append(name[len(prefix):])
             continue
