@@ -116,6 +116,7 @@ from meshlight.parallel.tensor_styles import (
     Interior,
     LMHead,
     LowRankColwise,
+    LowRankFused,
     LowRankRowwise,
     OnLocalWeights,
     Replicated,
@@ -273,10 +274,14 @@ def _with_adapters(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle
         if style is None or adapted_linear(module) is None:
             continue
         role = plan[name] if isinstance(plan[name], str) else type(plan[name]).__name__
-        plain = type(style) in (ColwiseParallel, TransposedColwise, Rowwise, TransposedRowwise)
+        plain = type(style) in (ColwiseParallel, TransposedColwise, Rowwise, TransposedRowwise, FusedColwise)
         check_splittable_adapter(_shown(name), module, role if plain else f"{role} ({type(style).__name__})")
-        rowwise = role == "rowwise"
-        styles[name] = LowRankRowwise(output_layouts=style.output_layouts[0]) if rowwise else LowRankColwise()
+        if isinstance(style, FusedColwise):
+            styles[name] = LowRankFused(style.parts, style.kv)
+        elif role == "rowwise":
+            styles[name] = LowRankRowwise(output_layouts=style.output_layouts[0])
+        else:
+            styles[name] = LowRankColwise()
     return styles
 
 

@@ -451,15 +451,17 @@ def _writer_widths(modules: Mapping[str, nn.Module], plan: Mapping[str, Any],
 
 def published_roles(model: nn.Module) -> dict[str, str]:
     """The tensor-parallel styles a Hugging Face model publishes for its modules (``config.base_model_tp_plan``,
-    patterns relative to its base model), by full module name."""
-    for prefix, module in model.named_modules():
+    patterns relative to its base model), by full module name. (A wrapper forwarding attributes to the model it wraps,
+    PEFT's, shows that model's config and base model: the base model's name is where it truly is.)"""
+    names = {module: name for name, module in model.named_modules()}
+    for module in names:
         published = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
         if not isinstance(published, Mapping) or not published:
             continue
         base_name = getattr(module, "base_model_prefix", "")
         base = getattr(module, base_name, None) if base_name else None
-        root, root_prefix = (base, _join(prefix, base_name)) if isinstance(base, nn.Module) else (module, prefix)
-        return {_join(root_prefix, name): style for name, _ in root.named_modules() if name
+        root = base if isinstance(base, nn.Module) and base in names else module
+        return {_join(names[root], name): style for name, _ in root.named_modules() if name
                 for pattern, style in published.items() if _matches_whole(name, pattern)}
     return {}
 

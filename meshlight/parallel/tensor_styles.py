@@ -27,9 +27,9 @@ from meshlight.parallel.sequence_gather import sequence_share
 from meshlight.parallel.tensor_plan import TensorParallelError, _shown
 
 __all__ = [
-    "ColwiseFromShare", "ColwiseNorm", "FusedColwise", "Interior", "LMHead", "LowRankColwise", "LowRankRowwise",
-    "OnLocalWeights", "Replicated", "Rowwise", "SequenceNorm", "TransposedColwise", "TransposedRowwise",
-    "VocabEmbedding", "WholeMixer", "rows_of_rank", "split_by_head",
+    "ColwiseFromShare", "ColwiseNorm", "FusedColwise", "Interior", "LMHead", "LowRankColwise", "LowRankFused",
+    "LowRankRowwise", "OnLocalWeights", "Replicated", "Rowwise", "SequenceNorm", "TransposedColwise",
+    "TransposedRowwise", "VocabEmbedding", "WholeMixer", "rows_of_rank", "split_by_head",
 ]
 
 
@@ -254,6 +254,33 @@ class FusedColwise(ColwiseParallel):
         distribute_module(module, device_mesh, partition,
                           functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts))
         module.forward = functools.partial(_fused_forward, module, rows, is_transposed_linear(module))
+        return module
+
+
+class LowRankFused(FusedColwise):
+    """:class:`FusedColwise` for a LoRA layer on a fused projection (GPT-2's ``c_attn``, Phi-3's ``qkv_proj`` and
+    ``gate_up_proj``, multi-query Falcon's ``query_key_value``), or on a key or value projection whose heads tp
+    exceeds: the Linear (``base_layer``) and each adapter's ``lora_B`` write the packed parts, so both are stored
+    sharded by rows, gathered for the forward and computing this rank's rows of every part; each ``lora_A`` stays
+    whole on every rank (its gradient, a partial sum over the ranks' rows, summed over tp). The layer's own forward
+    adds the two on this rank's rows; ``lora_B``'s gather (rank × width values) is the one collective added."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rows = rows_of_rank(self.parts, self.kv, device_mesh.size(), device_mesh.get_local_rank())
+        by_rows = {"weight": Shard(0), "bias": Shard(0)}
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            whole = {"weight": Replicate(), "bias": Replicate()}
+            placements = {"base_layer": by_rows, "lora_A": whole, "lora_B": by_rows}.get(name.split(".")[0])
+            if placements is not None:
+                _distribute_parameters(mod, mesh, placements, self.src_data_rank)
+
+        distribute_module(module, device_mesh, partition,
+                          functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts))
+        base = module.base_layer
+        base.forward = functools.partial(_fused_forward, base, rows, is_transposed_linear(base))
+        for up in module.lora_B.values():
+            up.forward = functools.partial(_fused_forward, up, rows, False)
         return module
 
 

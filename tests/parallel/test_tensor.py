@@ -727,19 +727,24 @@ def test_blocks_without_linear_layers_are_refused_naming_what_holds_their_weight
         derive_plan(model)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gpt_neox", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gpt_neox", "mixtral", "qwen3_moe",
+                                    "gpt_neox-lora"])
 def test_the_automatic_plan_agrees_with_the_plan_a_hugging_face_model_publishes(family):
     """Where a model publishes its tensor-parallel plan (``base_model_tp_plan``), its column and row roles for the
     blocks' projections are the ones the structure gives; the published plan decides only what structure cannot
-    tell (GPT-NeoX's fused q|k|v held head by head)."""
+    tell (GPT-NeoX's fused q|k|v held head by head). Adapted by PEFT's LoRA (``-lora``), whose wrapper shows the
+    model's config and base model as its own, the published names are where the model's modules truly are, as plans
+    read it (its LoRA layers as their Linears)."""
     pytest.importorskip("transformers")
+    from meshlight.parallel.adapters import adapters_unwrapped
     from meshlight.parallel.tensor_plan import published_roles
     from tests.strategies.hf_models import lit_causal_lm
 
     model = lit_causal_lm(family)
-    published = {name: style for name, style in published_roles(model).items() if style in ("colwise", "rowwise")}
+    with adapters_unwrapped(model):
+        published = {name: style for name, style in published_roles(model).items() if style in ("colwise", "rowwise")}
+        derived = derive_plan(model)
     assert len(published) >= 4 * 2  # each layer's attention at least (q|k|v, output)
-    derived = derive_plan(model)
     assert {name: derived.get(name) for name in published} == published
 
 

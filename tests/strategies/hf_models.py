@@ -517,9 +517,11 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
     return in_float64(module) if fp64 else module
 
 
-#: the Linears :func:`with_lora` adapts: the attention's and the MLP's projections (GPT-2's output projections and
-#: the MLP's first; its fused q|k|v tensor parallelism refuses to split with adapters)
-LORA_TARGETS = {"gpt2": ["c_fc", "c_proj"]}
+#: the Linears :func:`with_lora` adapts: the attention's and the MLP's projections, fused ones too (GPT-2's q|k|v,
+#: PEFT's default target for it, Phi-3's q|k|v and gate|up)
+LORA_TARGETS = {"gpt2": ["c_attn", "c_fc", "c_proj"], "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                **dict.fromkeys(("falcon", "bloom", "gpt_neox"),
+                                ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"])}
 
 
 def with_lora(model: torch.nn.Module, family: str) -> torch.nn.Module:

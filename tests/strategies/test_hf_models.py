@@ -253,22 +253,22 @@ def test_experts_that_take_every_token_are_refused_by_expert_parallelism_naming_
 
 
 def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_out():
-    """PEFT's LoRA on a Linear whose role is not colwise or rowwise (GPT-2's fused q|k|v, split part by part), or a
-    LoRA variant holding weights of its own (DoRA's magnitude vector): refused before anything is split (the check
-    :func:`~meshlight.parallel.parallelize.parallelize` runs beside the plan's validation), naming the layer and the
-    ways out."""
+    """PEFT's LoRA on a Linear whose role is not colwise, rowwise or fused_colwise (the LM head, split over the
+    vocabulary), or a LoRA variant holding weights of its own (DoRA's magnitude vector): refused before anything is
+    split (the check :func:`~meshlight.parallel.parallelize.parallelize` runs beside the plan's validation), naming the
+    layer and the ways out."""
     import peft
 
     from meshlight.parallel.adapters import check_splittable_adapters
     from meshlight.parallel.tensor_plan import model_plan
 
-    fused = lit_causal_lm("gpt2")
-    fused.model = peft.get_peft_model(fused.model, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
-    with pytest.raises(NotImplementedError, match=r"model.base_model.model.transformer.h.0.attn.c_attn is a LoRA layer"
-                                                  r" \(Linear\), but tensor parallelism gives its Linear the role"
-                                                  r" 'fused_colwise', .* Leave that module out of the adapter's"
-                                                  r" target_modules .* or train it with tp=1"):
-        check_splittable_adapters(fused, model_plan(fused))
+    head = lit_causal_lm("llama")
+    head.model = peft.get_peft_model(head.model, peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    with pytest.raises(NotImplementedError, match=r"model.base_model.model.lm_head is a LoRA layer \(Linear\), but"
+                                                  r" tensor parallelism gives its Linear the role 'head', .* Leave"
+                                                  r" that module out of the adapter's target_modules .* or train it"
+                                                  r" with tp=1"):
+        check_splittable_adapters(head, model_plan(head))
     dora = lit_causal_lm("llama")
     dora.model = peft.get_peft_model(dora.model, peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(NotImplementedError, match=r"q_proj is a LoRA layer \(Linear\), but it holds"

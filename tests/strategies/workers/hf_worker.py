@@ -75,9 +75,11 @@ LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 
 #: fine-tuned with PEFT's LoRA, the models' own weights frozen (hf_models.with_lora): each adapted Linear split with its
 #: adapters (a column-parallel one's lora_B by rows, its lora_A whole; a row-parallel one's lora_A by columns, its
-#: lora_B whole, run on lora_A's partial sums), the frozen norms run on the sequence's shares staying frozen; GPT-2's
-#: Conv1D output projections and MLP
-LORA = ("llama-lora", "gpt2-lora")
+#: lora_B whole, run on lora_A's partial sums; a fused one's lora_B by rows, computing this rank's rows of each part
+#: as its Linear does), the frozen norms run on the sequence's shares staying frozen: GPT-2's Conv1D projections (its
+#: fused q|k|v too), Phi-3's fused q|k|v with one key/value head (each rank computing it) and fused gate|up,
+#: GPT-NeoX's q|k|v held head by head (as the plan it publishes says, read through PEFT's wrapper)
+LORA = ("llama-lora", "gpt2-lora", "phi3-kv1-lora", "gpt_neox-lora")
 
 #: the microbatches each pipelined layout's schedule cuts a rank's batch into: a model's own load-balancing loss is
 #: computed per forward call, one per microbatch (the one-process control computes it over the same pieces)
