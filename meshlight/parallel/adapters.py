@@ -1,12 +1,14 @@
-"""Low-rank adapters (PEFT's LoRA) on a model's Linears, as tensor parallelism sees them.
+"""Low-rank adapters (PEFT's LoRA) on a model's Linears, and the modules PEFT trains whole beside them, as
+tensor parallelism and pipelining see them.
 
 A LoRA layer holds the Linear it adapts (``base_layer``) beside ``lora_A`` and ``lora_B``, one Linear each per
 adapter, and computes ``base(x) + B(A(dropout(x))) · scaling``. Tensor-parallel plans read a model's structure — its
 Linears, their widths, who owns them — and an adapter's own Linears would read as a projection group of their own.
 So plans are made on the model as it would be without its adapters (:func:`adapters_unwrapped`: each base Linear
 where its adapter layer stands, under the same name), and the adapter layer takes the role its Linear got, split by
-:class:`~meshlight.parallel.tensor_styles.LowRankColwise` or
-:class:`~meshlight.parallel.tensor_styles.LowRankRowwise`.
+:class:`~meshlight.parallel.tensor_styles.LowRankColwise`, :class:`~meshlight.parallel.tensor_styles.LowRankRowwise`
+or :class:`~meshlight.parallel.tensor_styles.LowRankFused`. A ``modules_to_save`` wrapper (a trainable copy of a
+module beside the frozen original) reads as the copy it runs (:func:`saved_copy`), whose role splits both.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshlight.parallel.model_shape import linear_widths
 
-__all__ = ["adapted_linear", "adapter_layers", "adapters_unwrapped", "base_name", "check_splittable_adapter",
-           "check_splittable_adapters", "initialize_adapters", "peft_base", "read_without_adapters"]
+__all__ = ["adapted_linear", "adapter_layers", "adapters_unwrapped", "as_planned", "base_name",
+           "check_splittable_adapter", "check_splittable_adapters", "initialize_adapters", "peft_base",
+           "read_without_adapters", "saved_copy"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,19 +42,34 @@ def adapted_linear(module: nn.Module) -> Optional[nn.Module]:
     return None
 
 
+def saved_copy(module: nn.Module) -> Optional[nn.Module]:
+    """Where ``module`` is PEFT's ``modules_to_save`` wrapper (``ModulesToSaveWrapper``: a trainable copy of the
+    module it wraps per adapter, in ``modules_to_save``, beside the frozen ``original_module``), the module its
+    forward runs: the active adapter's copy, or the original where adapters are disabled; else None."""
+    copies, original = module._modules.get("modules_to_save"), module._modules.get("original_module")
+    if not isinstance(copies, nn.ModuleDict) or original is None:
+        return None
+    active = getattr(module, "active_adapters", None) or []
+    return original if getattr(module, "disable_adapters", False) or not active or active[0] not in copies else (
+        copies[active[0]])
+
+
 def adapter_layers(model: nn.Module) -> set[str]:
-    """The names of ``model``'s LoRA layers."""
-    return {name for name, module in model.named_modules() if adapted_linear(module) is not None}
+    """The names of ``model``'s LoRA layers and ``modules_to_save`` wrappers."""
+    return {name for name, module in model.named_modules() if as_planned(module) is not module}
 
 
 def base_name(name: str, layers: Collection[str]) -> Optional[str]:
-    """A parameter's ``name`` in a model whose LoRA layers are ``layers`` (:func:`adapter_layers`), as the model
-    without its adapters names it: the Linear a layer adapts under the layer's name (``q_proj.base_layer.weight``:
-    ``q_proj.weight``); None for an adapter's own weight (``q_proj.lora_A.default.weight``)."""
+    """A parameter's ``name`` in a model whose LoRA layers and ``modules_to_save`` wrappers are ``layers``
+    (:func:`adapter_layers`), as the model without its adapters names it: the Linear a layer adapts under the layer's
+    name (``q_proj.base_layer.weight``: ``q_proj.weight``), and so the module a wrapper holds, its original and its
+    trainable copies alike (``lm_head.original_module.weight``, ``lm_head.modules_to_save.default.weight``:
+    ``lm_head.weight``); None for an adapter's own weight (``q_proj.lora_A.default.weight``)."""
     parts = name.split(".")
     for end in range(len(parts) - 1, 0, -1):
         if ".".join(parts[:end]) in layers:
-            return ".".join([*parts[:end], *parts[end + 1:]]) if parts[end] == "base_layer" else None
+            held = {"base_layer": 1, "original_module": 1, "modules_to_save": 2}.get(parts[end])
+            return ".".join([*parts[:end], *parts[end + held:]]) if held else None
     return name
 
 
@@ -105,12 +123,13 @@ def _fill(param: torch.Tensor, whole: torch.Tensor) -> None:
 
 @contextmanager
 def adapters_unwrapped(model: nn.Module) -> Iterator[None]:
-    """Within it, each LoRA layer of ``model`` is replaced by the Linear it adapts, under the layer's name (and put
-    back on leaving, whatever happened): the structure the tensor-parallel plan and the planner read. Nested use is
-    a no-op inside."""
+    """Within it, each LoRA layer of ``model`` is replaced by the Linear it adapts, and each ``modules_to_save``
+    wrapper by the module it runs (:func:`saved_copy`), under the layer's name (and put back on leaving, whatever
+    happened): the structure the tensor-parallel plan, the pipeline's split and the planner read. Nested use is a
+    no-op inside."""
     swapped = []
     for name, module in list(model.named_modules()):
-        if name and (base := adapted_linear(module)) is not None:
+        if name and (base := as_planned(module)) is not module:
             parent_name, _, attribute = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             parent._modules[attribute] = base  # (not setattr: its order among the parent's children is kept)
@@ -120,6 +139,14 @@ def adapters_unwrapped(model: nn.Module) -> Iterator[None]:
     finally:
         for parent, attribute, module in reversed(swapped):
             parent._modules[attribute] = module
+
+
+def as_planned(module: nn.Module) -> nn.Module:
+    """What :func:`adapters_unwrapped` shows in ``module``'s place: the Linear a LoRA layer adapts, the module a
+    ``modules_to_save`` wrapper runs; any other module itself."""
+    base = adapted_linear(module)
+    base = saved_copy(module) if base is None else base
+    return module if base is None else base
 
 
 def read_without_adapters(function: F) -> F:

@@ -46,6 +46,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from meshlight.parallel.adapters import read_without_adapters
 from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.collectives import all_gather_along
 from meshlight.parallel.dtensors import as_dtensor_like, dtensor_spec
@@ -83,6 +84,7 @@ class ContextParallelError(ValueError):
     """Something context parallelism cannot split; the message names it and what to change."""
 
 
+@read_without_adapters
 def check_no_encoder(model: nn.Module) -> None:
     """Refuse a model with blocks beside its decoder's (:func:`~meshlight.parallel.model_shape.encoder_blocks`: a
     multimodal model's vision encoder), whose inputs do not follow a cut of the token sequence."""

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from meshlight.parallel.adapters import read_without_adapters
 from meshlight.parallel.blocks import holds_blocks
 from meshlight.parallel.model_shape import blocks_fed_between, decoder_container, encoder_blocks, lm_heads
 
@@ -140,6 +141,7 @@ def check_split(split: SplitSpec, pp: Optional[int], virtual_stages: Optional[in
                             f" is {stages}.")
 
 
+@read_without_adapters
 def find_pipelined_module(root: nn.Module) -> tuple[str, nn.Module, str]:
     """``(name, module, container)``: the module that owns the outermost container of blocks in ``root``
     (:func:`~meshlight.parallel.data_parallel.holds_blocks`; e.g. ``model`` holding ``blocks``), and that
@@ -176,6 +178,7 @@ class ModelRoot:
     encoders: tuple[str, ...] = ()
 
 
+@read_without_adapters
 def model_root(module: nn.Module) -> ModelRoot:
     """The :class:`ModelRoot` of ``module`` (a LightningModule): Hugging Face's ``LlamaForCausalLM`` over the
     ``LlamaModel`` holding the layers, beside ``lm_head``; meshlight's GPT is its own root."""

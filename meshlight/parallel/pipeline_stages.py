@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from meshlight.parallel.adapters import as_planned
 from meshlight.parallel.pipeline import ModelRoot, PipelineError, StagePlan
 from meshlight.parallel.rank_zero import rank_zero_warn
 from meshlight.parallel.router_logits import CarriedRouterLogits, router_logits_collected
@@ -331,6 +332,7 @@ class _ZerosLike(nn.Module):
 
 
 def _stand_in(piece: nn.Module) -> nn.Module:
+    piece = as_planned(piece)  # (an embedding PEFT trains a copy of, in modules_to_save: the copy's shape)
     if isinstance(piece, _ZerosLike):
         return piece
     if isinstance(piece, nn.Embedding):

@@ -93,7 +93,8 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
     dtype that differs (bf16 files into fp32 parameters) is cast, and noted in the report's ``cast``.
 
     A PEFT model under ``prefix`` (LoRA) loads its base model's files: each adapted Linear's weights from the
-    Linear's own keys, the adapters left as PEFT initialized them (initialized again where the model was built on the
+    Linear's own keys, a module it trains a copy of (``modules_to_save``) into the original and the copy alike, the
+    adapters left as PEFT initialized them (initialized again where the model was built on the
     meta device)."""
     folder = Path(path)
     files = _weights_files(folder)
@@ -135,12 +136,14 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
         if tuple(tensor.shape) != shape:
             wrong.append(f"{key}: the model's is {list(tensor.shape)}, the file's {list(shape)}")
             continue
-        if source in reads:  # a tied weight held twice on this rank: read once, copied
+        if source in reads:  # a tied weight held twice on this rank, or a module and the copy of it PEFT trains
+            # (modules_to_save): read once, copied
             copies.append((reads[source], tensor))
         else:
             reads[source] = tensor
         report.cast.update(_cast(dtype, tensor.dtype))
         report.loaded.append(key)
+    report.loaded = list(dict.fromkeys(report.loaded))  # (a module and its copy load one key)
     taken = set(reads) | {k for _, experts in per_expert.values() for row in experts for k in row}
     if distributed:  # a pipeline stage holds some names; the files' keys are taken by the whole model's
         gathered: list[Any] = [None] * dist.get_world_size()

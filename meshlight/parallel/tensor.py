@@ -78,7 +78,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
-from meshlight.parallel.adapters import adapted_linear, adapters_unwrapped, check_splittable_adapter
+from meshlight.parallel.adapters import adapted_linear, adapters_unwrapped, check_splittable_adapter, saved_copy
 from meshlight.parallel.model_shape import (
     GROUP_ATTRIBUTES,
     WIDTH_ATTRIBUTES,
@@ -268,9 +268,14 @@ def apply_tensor_parallel(
 def _with_adapters(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]],
                    styles: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """``styles`` with each LoRA layer's (:mod:`meshlight.parallel.adapters`) the low-rank form of its Linear's: the
-    layer splits with its Linear and its adapters; one that cannot split is refused, naming it."""
+    layer splits with its Linear and its adapters; one that cannot split is refused, naming it. A ``modules_to_save``
+    wrapper's style (planned on the module it runs) splits its original and each trainable copy alike."""
     for name, module in model.named_modules():
         style = styles.get(name)
+        if style is not None and saved_copy(module) is not None:  # PEFT's modules_to_save: each copy and the original
+            del styles[name]
+            styles.update({f"{name}.{held}": style for held in ("original_module", *(
+                f"modules_to_save.{adapter}" for adapter in module.modules_to_save))})
         if style is None or adapted_linear(module) is None:
             continue
         role = plan[name] if isinstance(plan[name], str) else type(plan[name]).__name__

@@ -131,8 +131,8 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     assert len(result["losses"]) == parity.STEPS
     control = controls[control_of(layout, model)]
     parity.assert_parity(result, control, rtol=PARITY_RTOL.get(model, 1e-4))
-    if "-lora" in model:  # the model's own weights frozen, as in one process: only the adapters trained
-        frozen = [name for name in control["weights"] if ".lora_" not in name]
+    if "-lora" in model:  # the model's own weights frozen, as in one process: only the adapters (and copies) trained
+        frozen = [name for name in control["weights"] if ".lora_" not in name and ".modules_to_save." not in name]
         assert len(frozen) < len(control["weights"])
         assert all(torch.equal(result["weights"][name], control["weights"][name]) for name in frozen)
     # 4 experts: over 2 or 4 ranks, or whole
@@ -190,13 +190,14 @@ def test_experts_split_part_by_part_over_tp_resume_exactly_and_load_under_other_
 
 
 @pytest.mark.parametrize(("family", "sample"), [("litgpt_moe", "model.transformer.h.1.mlp.experts.3.fc_1.weight"), (
-    "llama-lora", "model.base_model.model.model.layers.1.mlp.down_proj.lora_A.default.weight")])
+    "llama-lora-saved", "model.base_model.model.model.layers.1.mlp.down_proj.lora_A.default.weight")])
 def test_a_checkpoint_resumes_exactly_and_loads_under_other_layouts(runs, family, sample):
     """litgpt's MoE under ep2, each rank holding two experts of each list (under the names one process gives them),
-    and Llama with LoRA adapters under tp2, each adapted Linear split with its adapters: resumed from its checkpoint
-    of step 10 each ends on exactly the weights of the run not interrupted, and its last checkpoint loads under ddp
-    into exactly its weights; resumed under ddp, its last 10 losses and its weights are within 1e-4 of it, and ddp's
-    last checkpoint loads under the first layout into exactly ddp's weights."""
+    and Llama with LoRA adapters under tp2, each adapted Linear split with its adapters, its embedding and head
+    trained whole beside (PEFT's modules_to_save, the frozen originals split with their copies): resumed from its
+    checkpoint of step 10 each ends on exactly the weights of the run not interrupted, and its last checkpoint loads
+    under ddp into exactly its weights; resumed under ddp, its last 10 losses and its weights are within 1e-4 of it,
+    and ddp's last checkpoint loads under the first layout into exactly ddp's weights."""
     results = torch.load(runs / f"resume-{family}.pt", weights_only=False)
     whole, on_ddp = results["whole"]["weights"], results["on_ddp"]["weights"]
     assert sample in whole

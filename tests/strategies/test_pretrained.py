@@ -4,6 +4,7 @@ dp=2 × pp=2 × tp=2 (GPT-2 and meshlight's GPT) trains as one process trained f
 checkpoint it leaves exports (``export_pretrained``) to a folder ``from_pretrained`` loads into that one-process run's
 trained model; mismatches and damaged files are named."""
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -133,21 +134,22 @@ def test_litgpt_files_load_under_every_layout_and_train_as_one_process(runs, fol
 
 @pytest.mark.parametrize("layout", pretrained_worker.LORA_FILES)
 def test_a_lora_model_loads_its_base_models_files_under_every_layout_and_trains_as_one_process(runs, folders, layout):
-    """Llama with PEFT's LoRA loading Llama's folder (each adapted Linear's weights from the Linear's keys, each rank
-    its part) under tp=2 and ZeRO-3 built on the meta device (its adapters initialized after allocation, each rank
+    """Llama with PEFT's LoRA, its embedding and head trained whole beside (modules_to_save), loading Llama's folder
+    (each adapted Linear's weights from the Linear's keys, the embedding's and head's into original and copy, each
+    rank its part) under tp=2 and ZeRO-3 built on the meta device (its adapters initialized after allocation, each rank
     keeping its part of the same tensors): losses and weights within 1e-4 of one process loading the same folder
     into the same model (its adapters initialized so too) over 20 steps."""
     from meshlight.parallel.adapters import initialize_adapters
 
     def model() -> Any:
-        module = lit_causal_lm("llama-lora")
+        module = lit_causal_lm("llama-lora-saved")
         if layout.endswith("-meta"):
             initialize_adapters(module.model)
         return module
 
     control = parity.train("adamw", model=model, callbacks=[ml.callbacks.PretrainedWeights(folders / "llama")])
     control.pop("module")
-    parity.assert_parity(torch.load(runs / f"{layout}-llama-lora.pt", weights_only=False), control)
+    parity.assert_parity(torch.load(runs / f"{layout}-llama-lora-saved.pt", weights_only=False), control)
 
 
 def test_loading_in_one_process_equals_from_pretrained_also_on_the_meta_device_and_casts_noting_it(tmp_path):
@@ -169,19 +171,26 @@ def test_a_lora_model_loads_its_base_models_files_leaving_its_adapters_also_on_t
     adapted Linear's weights (``q_proj.base_layer.weight``) from the Linear's key (``q_proj.weight``), and the
     adapters, which the files do not hold, stay as PEFT initialized them, lora_B zeros: the logits are the base
     model's. Built on the meta device, the adapters are initialized as PEFT does (lora_A Kaiming-uniform, within
-    1/√fan_in; lora_B zeros)."""
+    1/√fan_in; lora_B zeros). The embedding and head trained whole beside (``-saved``: PEFT's modules_to_save), the
+    original and the trainable copy of each load the same key."""
     folder = save_pretrained(tmp_path, "llama")
     expected = from_pretrained(folder)
-    for meta in (False, True):
-        module = lit_causal_lm("llama-lora")
+    for saved, meta in itertools.product(("", "-saved"), (False, True)):
+        module = lit_causal_lm(f"llama-lora{saved}")
         if meta:
             with torch.device("meta"):
-                module.model = with_lora(transformers.AutoModelForCausalLM.from_config(hf_config("llama")), "llama")
+                module.model = with_lora(transformers.AutoModelForCausalLM.from_config(hf_config("llama")), "llama",
+                                         saved=bool(saved))
         adapters = {name: p.detach().clone() for name, p in module.named_parameters() if ".lora_" in name}
         report = load_pretrained(module, folder)
         assert not report.missing and not report.unexpected
         assert sorted(f"model.base_model.model.{name}" for name in report.adapters) == sorted(adapters)
         assert len(adapters) == 28  # 7 projections × 2 layers × (lora_A, lora_B)
+        assert len(report.loaded) == len(set(report.loaded)) == 2 * 9 + 3  # 2 layers' Linears and norms; 3 beside
+        for wrapped in ("model.embed_tokens", "lm_head") if saved else ():
+            original, copy = (module.model.get_parameter(f"base_model.model.{wrapped}.{held}.weight")
+                              for held in ("original_module", "modules_to_save.default"))
+            assert torch.equal(original, expected.get_parameter(f"{wrapped}.weight")) and torch.equal(copy, original)
         with torch.no_grad():
             torch.testing.assert_close(module.model(input_ids=PROBE).logits, expected(input_ids=PROBE).logits)
         for name, param in module.named_parameters():

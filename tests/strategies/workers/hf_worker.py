@@ -139,7 +139,7 @@ LAYOUTS = {
     # load-balancing loss per data rank's part (3d-moe: from router logits gathered over the sequence's shares and
     # carried down the pipeline)
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=MICROBATCHES["3d"]), 8, 2,
-           ("qwen2_5_vl", "qwen3", "gpt2", "llama-lora")),
+           ("qwen2_5_vl", "qwen3", "gpt2", "llama-lora-saved")),
     # traits that pipelining and tensor parallelism meet together, data parallelism adding nothing of their own (the
     # same reduction over dp as the 3d runs'): OLMo 2's q and k norms over all heads; Falcon-RW's ALiBi biases handed
     # out by head on each stage, its blocks returning tuples (BLOOM's and OPT's traits beside it are their tp's or their
@@ -180,7 +180,7 @@ LAYOUTS = {
     "dp2-tp2-ep2-split": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split"), 4, 2, MOE_FAMILIES),
     # a vision-language model's encoder, its parameters plain beside the decoder's tensor-parallel ones, under ZeRO-3
     # (and LoRA's frozen weights beside its adapters, sharded alike)
-    "dp2-tp2-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, zero=3), 4, 2, ("llava", "llama-lora")),
+    "dp2-tp2-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, zero=3), 4, 2, ("llava", "llama-lora-saved")),
     "dp2-tp2-ep2-split-no-sp-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split", zero=3,
                                                                   sequence_parallel=False), 4, 2, ("mixtral",)),
 }
@@ -299,9 +299,10 @@ def main(out: Path, layouts: list[str]) -> None:
 
 #: checks beside the layouts' parity runs: name -> what runs it (on as many processes as its layouts)
 EXTRAS = {"reshard-tied": reshard_tied, "resume-split": resume_split,
-          # litgpt's experts held as a list under ep2; LoRA adapters split with their Linears under tp2
+          # litgpt's experts held as a list under ep2; LoRA adapters split with their Linears under tp2 (and the
+          # embedding and head trained whole beside, their originals split with their copies)
           "resume-listed": functools.partial(resume_across, family="litgpt_moe", layout="ep2"),
-          "resume-lora": functools.partial(resume_across, family="llama-lora", layout="tp2")}
+          "resume-lora": functools.partial(resume_across, family="llama-lora-saved", layout="tp2")}
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])

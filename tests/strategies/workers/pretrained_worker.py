@@ -67,7 +67,7 @@ def model_of(family: str, *, meta: bool = False) -> Any:
 
     module = LitGPT(GPT_LLAMA, lr=1e-2, warmup_steps=2) if family == "gpt" else lit_causal_lm(family)
     config = module.model.config
-    base, lora, _ = family.partition("-lora")
+    base, lora, saved = family.partition("-lora")
 
     def configure_model() -> None:
         with torch.device("meta"):
@@ -75,7 +75,7 @@ def model_of(family: str, *, meta: bool = False) -> Any:
                             transformers.AutoModelForCausalLM.from_config(
                                 config, attn_implementation=attention_implementation(base)))
             if lora:
-                module.model = with_lora(module.model, base)
+                module.model = with_lora(module.model, base, saved=bool(saved))
 
     if meta:
         module.configure_model = configure_model
@@ -137,22 +137,22 @@ def litgpt_files(out: Path, folders: Path) -> None:
         torch.distributed.barrier()
 
 
-#: Llama fine-tuned with PEFT's LoRA, loading its base model's folder under these layouts (``-meta``: built on the
-#: meta device, its adapters initialized after allocation)
+#: Llama fine-tuned with PEFT's LoRA, its embedding and head trained whole beside (modules_to_save), loading its base
+#: model's folder under these layouts (``-meta``: built on the meta device, its adapters initialized after allocation)
 LORA_FILES = ("tp2", "zero3-meta")
 
 
 def lora_files(out: Path, folders: Path) -> None:
     """Llama with LoRA trained under each of :data:`LORA_FILES` from Llama's folder; rank 0 saves its losses and full
-    weights to ``OUT/<layout>-llama-lora.pt``."""
+    weights to ``OUT/<layout>-llama-lora-saved.pt``."""
     for layout in LORA_FILES:
         strategy, devices, replicas = LAYOUTS[layout]
         result = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas,
-                              model=lambda layout=layout: model_of("llama-lora", meta=layout.endswith("-meta")),
+                              model=lambda layout=layout: model_of("llama-lora-saved", meta=layout.endswith("-meta")),
                               callbacks=[ml.callbacks.PretrainedWeights(folders / "llama")])
         result.pop("module")
         if torch.distributed.get_rank() == 0:
-            torch.save(result, out / f"{layout}-llama-lora.pt")
+            torch.save(result, out / f"{layout}-llama-lora-saved.pt")
 
 
 def main(out: Path, folders: Path, layouts: list[str]) -> None:
