@@ -6,6 +6,7 @@
     meshlight plan --config ./Qwen2.5-7B --gpus 16                          # ... a Hugging Face or litgpt config
     meshlight consolidate runs/ckpt/step=000001000 model.safetensors         # one full state dict, for inference
     meshlight export runs/ckpt/last hf-model --to hf                          # a folder from_pretrained loads
+    meshlight export runs/ckpt/last adapter --to peft                         # a LoRA fine-tune's adapter folder
 """
 
 from __future__ import annotations
@@ -155,10 +156,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "export", help="write a sharded checkpoint's model in another library's layout",
         description="Write the model weights of a sharded meshlight checkpoint (any layout) as Hugging Face"
                     " safetensors (sharded above --max-shard-gb, with their index) and its config.json, a folder"
-                    " AutoModelForCausalLM.from_pretrained loads.")
+                    " AutoModelForCausalLM.from_pretrained loads. A PEFT model (LoRA) is written merged into its base"
+                    " model's weights (--to hf), or as PEFT's adapter folder (--to peft), which"
+                    " PeftModel.from_pretrained loads onto the base model.")
     export.add_argument("checkpoint", help="checkpoint folder")
     export.add_argument("out", help="output folder")
-    export.add_argument("--to", choices=("hf",), default="hf", help="the layout to write (hf: Hugging Face)")
+    export.add_argument("--to", choices=("hf", "peft"), default="hf",
+                        help="the layout to write (hf: Hugging Face, a PEFT model merged; peft: its adapters)")
     export.add_argument("--prefix", default="model.",
                         help='the names the model has in the LightningModule (default "model.": its self.model)')
     export.add_argument("--config", help="config.json to write beside the weights (a file, or a folder holding"
@@ -377,11 +381,11 @@ def _export(args: argparse.Namespace) -> int:
 
     try:
         files = export_pretrained(args.checkpoint, args.out, prefix=args.prefix, config=args.config,
-                                  max_shard_bytes=int(args.max_shard_gb * 2**30))
+                                  max_shard_bytes=int(args.max_shard_gb * 2**30), to=args.to)
     except (CheckpointError, PretrainedWeightsError, OSError) as error:
         print(f"meshlight export: {error}", file=sys.stderr)
         return 2
-    if "config.json" not in files:
+    if args.to == "hf" and "config.json" not in files:
         print("meshlight export: the checkpoint holds no Hugging Face config for this prefix; pass --config so that"
               " from_pretrained can load the folder.", file=sys.stderr)
     print(f"Wrote {', '.join(files)} to {args.out}")

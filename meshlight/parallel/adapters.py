@@ -14,6 +14,7 @@ module beside the frozen original) reads as the copy it runs (:func:`saved_copy`
 from __future__ import annotations
 
 import functools
+import json
 import math
 import zlib
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -26,9 +27,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshlight.parallel.model_shape import linear_widths
 
-__all__ = ["adapted_linear", "adapter_layers", "adapters_unwrapped", "as_planned", "base_name",
+__all__ = ["adapted_linear", "adapter_configs", "adapter_layers", "adapters_unwrapped", "as_planned", "base_name",
            "check_splittable_adapter", "check_splittable_adapters", "initialize_adapters", "peft_base",
-           "read_without_adapters", "saved_copy"]
+           "read_without_adapters", "rebuilt_peft_model", "saved_copy"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -80,6 +81,37 @@ def peft_base(module: nn.Module, prefix: str) -> tuple[Optional[nn.Module], str]
     if hasattr(inner, "peft_config") and hasattr(inner, "get_base_model"):
         return inner, f"{prefix}base_model.model."
     return None, prefix
+
+
+def adapter_configs(module: nn.Module) -> Optional[str]:
+    """Where ``module`` is a PEFT model, its adapters' configs as JSON (``{adapter: config}``, as ``peft_config``
+    holds them), for a checkpoint's metadata (:func:`rebuilt_peft_model` reads them back); else None."""
+    configs = getattr(module, "peft_config", None)
+    if not isinstance(configs, Mapping) or not hasattr(module, "get_base_model"):
+        return None
+    return json.dumps({name: config.to_dict() for name, config in configs.items()}, default=sorted)  # (sets: lists)
+
+
+def rebuilt_peft_model(model_config: str, adapters: str, state: Mapping[str, torch.Tensor]) -> nn.Module:
+    """The PEFT model a checkpoint holds, in one process: the Hugging Face model of ``model_config`` (its
+    ``config.json``, built as its ``architectures`` names) adapted as ``adapters`` says (:func:`adapter_configs`),
+    built on the meta device and given the tensors of ``state`` (its state dict, by the PEFT model's names) without
+    a copy."""
+    import peft
+    import transformers
+
+    settings = json.loads(model_config)
+    config = transformers.AutoConfig.for_model(**settings)
+    architecture = getattr(transformers, next(iter(settings.get("architectures") or ()), ""), None)
+    with torch.device("meta"):
+        model = (architecture._from_config(config) if architecture is not None else
+                 transformers.AutoModelForCausalLM.from_config(config))
+        (first, settings), *others = json.loads(adapters).items()
+        peft_model = peft.get_peft_model(model, peft.PeftConfig.from_peft_type(**settings), adapter_name=first)
+        for name, settings in others:
+            peft_model.add_adapter(name, peft.PeftConfig.from_peft_type(**settings))
+    peft_model.load_state_dict(state, assign=True)
+    return peft_model
 
 
 def initialize_adapters(peft_model: nn.Module) -> None:

@@ -49,13 +49,20 @@ from meshlight.models.hf_layout import (
     llama_name,
     rotary_order,
 )
-from meshlight.parallel.adapters import adapter_layers, base_name, initialize_adapters, peft_base
+from meshlight.parallel.adapters import (
+    adapter_configs,
+    adapter_layers,
+    base_name,
+    initialize_adapters,
+    peft_base,
+    rebuilt_peft_model,
+)
 from meshlight.parallel.dtensors import block_to_fill, from_blocks, in_blocks
 from meshlight.parallel.expert_files import file_names, per_expert_sources, read_per_expert
 
 __all__ = [
-    "CONFIGS_KEY", "GPT_CONFIGS_KEY", "LoadReport", "PretrainedWeightsError", "export_pretrained", "load_pretrained",
-    "model_configs",
+    "CONFIGS_KEY", "GPT_CONFIGS_KEY", "LoadReport", "PEFT_CONFIGS_KEY", "PretrainedWeightsError", "export_pretrained",
+    "load_pretrained", "model_configs",
 ]
 
 PathLike = Union[str, Path]
@@ -63,6 +70,8 @@ PathLike = Union[str, Path]
 CONFIGS_KEY = "hf_configs"
 #: … and the configs of the meshlight GPTs it holds (exported in Hugging Face's Llama layout)
 GPT_CONFIGS_KEY = "gpt_configs"
+#: … and the adapter configs of the PEFT models it holds (exported merged, or as PEFT's adapter folder)
+PEFT_CONFIGS_KEY = "peft_configs"
 _INDEX = "model.safetensors.index.json"
 
 
@@ -441,8 +450,9 @@ def _tied_keys(module: nn.Module, prefix: str) -> dict[str, str]:
 
 def model_configs(module: nn.Module) -> dict[str, dict[str, str]]:
     """The configs (as JSON) of the models ``module`` holds, by their name in it (``"model"``), for a checkpoint's
-    metadata: Hugging Face models' under :data:`CONFIGS_KEY`, meshlight GPTs' under :data:`GPT_CONFIGS_KEY`.
-    :func:`export_pretrained` writes the one it exports as ``config.json`` (a GPT's as its Llama equivalent's)."""
+    metadata: Hugging Face models' under :data:`CONFIGS_KEY` (a PEFT model's, its base model's), meshlight GPTs' under
+    :data:`GPT_CONFIGS_KEY`, and a PEFT model's adapters' under :data:`PEFT_CONFIGS_KEY`. :func:`export_pretrained`
+    writes the one it exports as ``config.json`` (a GPT's as its Llama equivalent's)."""
     configs: dict[str, dict[str, str]] = {}
     for name, child in module.named_modules():
         if not name or any(name.startswith(held + ".") for kind in configs.values() for held in kind):
@@ -450,17 +460,25 @@ def model_configs(module: nn.Module) -> dict[str, dict[str, str]]:
         config = getattr(child, "config", None)
         if callable(getattr(config, "to_json_string", None)) and getattr(config, "model_type", None):
             configs.setdefault(CONFIGS_KEY, {})[name] = config.to_json_string()
+            if (adapters := adapter_configs(child)) is not None:
+                configs.setdefault(PEFT_CONFIGS_KEY, {})[name] = adapters
         elif isinstance(child, GPT):
             configs.setdefault(GPT_CONFIGS_KEY, {})[name] = gpt_config_json(child.config)
     return configs
 
 
 def export_pretrained(checkpoint: PathLike, out: PathLike, *, prefix: str = "model.", config: Optional[PathLike] = None,
-                      max_shard_bytes: int = 5 * 2**30) -> list[str]:
+                      max_shard_bytes: int = 5 * 2**30, to: str = "hf") -> list[str]:
     """Write the model weights of a meshlight checkpoint (any layout) as Hugging Face safetensors in the folder
     ``out``: the names under ``prefix``, without it; shards of at most ``max_shard_bytes`` with their index when they
     do not fit one file. ``config.json`` comes from ``config`` (a file, or a folder holding one), else from the
-    checkpoint's metadata. Returns the files written. One process, no process group."""
+    checkpoint's metadata. Returns the files written. One process, no process group.
+
+    A PEFT model (LoRA) is rebuilt from the checkpoint's configs (:data:`PEFT_CONFIGS_KEY`): ``to="hf"`` writes it
+    merged (``merge_and_unload``: each adapter added into its Linear, the copies ``modules_to_save`` trained in the
+    modules' places), a folder ``from_pretrained`` loads as the base model's class; ``to="peft"`` writes PEFT's
+    adapter folder (``save_pretrained``: ``adapter_model.safetensors``, ``adapter_config.json``), which
+    ``PeftModel.from_pretrained`` loads onto the base model."""
     from safetensors.torch import save_file
 
     from meshlight.parallel.checkpoint import load_metadata, read_model_weights
@@ -471,6 +489,25 @@ def export_pretrained(checkpoint: PathLike, out: PathLike, *, prefix: str = "mod
         raise PretrainedWeightsError(f"{str(checkpoint)!r} holds no weights under prefix {prefix!r}; its names start"
                                      f" {sorted({n.split('.')[0] + '.' for n in weights})}.")
     metadata = load_metadata(checkpoint, weights_only=True)
+    adapters = (metadata.get(PEFT_CONFIGS_KEY) or {}).get(prefix.rstrip("."))
+    if adapters is not None:
+        peft_model = rebuilt_peft_model(_peft_base_config(checkpoint, metadata, prefix, config), adapters, state)
+        if to == "peft":
+            # (the embedding saved where a LoRA adapts it, as PEFT's "auto" would, without its look-up on the Hub)
+            embedding = any(hasattr(module, "lora_embedding_A") for module in peft_model.modules())
+            peft_model.save_pretrained(str(out), save_embedding_layers=embedding)
+            return sorted(path.name for path in Path(out).iterdir())
+        state = _unshared(peft_model.merge_and_unload().state_dict())
+    elif any(".base_layer." in name or ".modules_to_save." in name for name in state):
+        raise PretrainedWeightsError(f"{str(checkpoint)!r} holds a PEFT model's weights under prefix {prefix!r}, but"
+                                     " its metadata names no adapter configs (it was saved before meshlight kept"
+                                     " them): resume it for one step and save again, or load it into the same"
+                                     " LightningModule in one process (meshlight consolidate, then load_state_dict)"
+                                     " and write it with PEFT's save_pretrained or merge_and_unload.")
+    elif to == "peft":
+        raise PretrainedWeightsError(f"{str(checkpoint)!r} holds no PEFT model under prefix {prefix!r} (its metadata"
+                                     " names no adapters): --to peft writes a PEFT model's adapters; write this model"
+                                     " with --to hf.")
     gpt = (metadata.get(GPT_CONFIGS_KEY) or {}).get(prefix.rstrip("."))
     if gpt is not None:  # meshlight's GPT, written as its Llama equivalent
         state, llama_text = _as_llama(state, gpt_config_from_dict(json.loads(gpt)))
@@ -497,6 +534,25 @@ def export_pretrained(checkpoint: PathLike, out: PathLike, *, prefix: str = "mod
         (target / "config.json").write_text(text)
         written.append("config.json")
     return written
+
+
+def _peft_base_config(checkpoint: PathLike, metadata: dict[str, Any], prefix: str, config: Optional[PathLike]) -> str:
+    text = _config_text(metadata, prefix, config)
+    if text is None:
+        raise PretrainedWeightsError(f"{str(checkpoint)!r} holds a PEFT model under prefix {prefix!r} but no config of"
+                                     " the model it adapts: pass --config (its config.json, or the folder holding it).")
+    return text
+
+
+def _unshared(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each tensor in memory of its own (a head tied to the embedding copied), as safetensors wants."""
+    seen: set[int] = set()
+    unshared = {}
+    for name, tensor in state.items():
+        tensor = tensor.contiguous()
+        unshared[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
+        seen.add(tensor.data_ptr())
+    return unshared
 
 
 def _config_text(metadata: dict[str, Any], prefix: str, config: Optional[PathLike]) -> Optional[str]:

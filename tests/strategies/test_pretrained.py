@@ -133,12 +133,17 @@ def test_litgpt_files_load_under_every_layout_and_train_as_one_process(runs, fol
 
 
 @pytest.mark.parametrize("layout", pretrained_worker.LORA_FILES)
-def test_a_lora_model_loads_its_base_models_files_under_every_layout_and_trains_as_one_process(runs, folders, layout):
+def test_a_lora_model_loads_its_base_models_files_under_every_layout_and_trains_as_one_process(runs, folders, layout,
+                                                                                             tmp_path):
     """Llama with PEFT's LoRA, its embedding and head trained whole beside (modules_to_save), loading Llama's folder
     (each adapted Linear's weights from the Linear's keys, the embedding's and head's into original and copy, each
     rank its part) under tp=2 and ZeRO-3 built on the meta device (its adapters initialized after allocation, each rank
     keeping its part of the same tensors): losses and weights within 1e-4 of one process loading the same folder
-    into the same model (its adapters initialized so too) over 20 steps."""
+    into the same model (its adapters initialized so too) over 20 steps. The run's checkpoint exports merged (a
+    folder from_pretrained loads) and as PEFT's adapter folder (which PeftModel.from_pretrained loads onto the base
+    model's folder), each computing the run's trained model's logits."""
+    import peft
+
     from meshlight.parallel.adapters import initialize_adapters
 
     def model() -> Any:
@@ -149,7 +154,19 @@ def test_a_lora_model_loads_its_base_models_files_under_every_layout_and_trains_
 
     control = parity.train("adamw", model=model, callbacks=[ml.callbacks.PretrainedWeights(folders / "llama")])
     control.pop("module")
-    parity.assert_parity(torch.load(runs / f"{layout}-llama-lora-saved.pt", weights_only=False), control)
+    result = torch.load(runs / f"{layout}-llama-lora-saved.pt", weights_only=False)
+    parity.assert_parity(result, control)
+    trained = lit_causal_lm("llama-lora-saved")
+    assert not trained.load_state_dict(result["weights"], strict=False).unexpected_keys
+    checkpoint, out = runs / f"{layout}-llama-lora-saved.ckpt", tmp_path
+    assert sorted(export_pretrained(checkpoint, out / "merged")) == ["config.json", "model.safetensors"]
+    assert cli(["export", str(checkpoint), str(out / "adapter"), "--to", "peft"]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (out / "adapter").iterdir()}
+    adapted = peft.PeftModel.from_pretrained(from_pretrained(folders / "llama"), out / "adapter")
+    with torch.no_grad():
+        expected = trained.model(input_ids=PROBE).logits
+        for exported in (from_pretrained(out / "merged"), adapted):
+            torch.testing.assert_close(exported(input_ids=PROBE).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_loading_in_one_process_equals_from_pretrained_also_on_the_meta_device_and_casts_noting_it(tmp_path):
@@ -294,6 +311,10 @@ def test_export_shards_above_the_threshold_writes_the_config_and_the_command_lin
     assert cli(["export", str(checkpoint), str(tmp_path / "cli"), "--to", "hf"]) == 0
     assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == ["config.json", "model.safetensors"]
     assert cli(["export", str(checkpoint), str(tmp_path / "none"), "--prefix", "missing."]) == 2
+    with pytest.raises(PretrainedWeightsError, match=r"holds no PEFT model under prefix 'model.' \(its metadata"
+                                                     r" names no adapters\): --to peft writes a PEFT model's adapters;"
+                                                     r" write this model with --to hf"):
+        export_pretrained(checkpoint, tmp_path / "peft", to="peft")
 
 
 def test_a_resumed_run_keeps_its_checkpoints_weights(runs, folders):
@@ -340,6 +361,24 @@ def test_a_gpt_loads_llama_weights_and_exports_as_a_llama_in_one_process(tmp_pat
     trainer.save_checkpoint(tmp_path / "gelu")
     with pytest.raises(PretrainedWeightsError, match=r"as a Llama only: GPTConfig\(mlp='gelu'\) has no"):
         export_pretrained(tmp_path / "gelu", tmp_path / "gelu-out")
+
+
+def test_a_peft_checkpoint_without_its_adapter_configs_is_refused_by_export(tmp_path, monkeypatch):
+    """A PEFT model's checkpoint whose metadata lacks the adapters' configs (as checkpoints saved before meshlight
+    kept them do) would export its PEFT names as a Hugging Face folder nothing loads: refused, naming the ways out."""
+    import meshlight.parallel.pretrained as pretrained
+
+    monkeypatch.setattr(pretrained, "adapter_configs", lambda module: None)
+    trainer = ml.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0)
+    trainer.fit(lit_causal_lm("gpt2-lora"), parity.make_data(4))
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(PretrainedWeightsError, match=r"holds a PEFT model's weights under prefix 'model.', but its"
+                                                     r" metadata names no adapter configs .*: resume it for one step"
+                                                     r" and save again, or .* PEFT's save_pretrained or"
+                                                     r" merge_and_unload"):
+        export_pretrained(tmp_path / "ckpt", tmp_path / "out")
 
 
 def test_an_untied_head_the_files_lack_is_missing_not_read_from_the_embedding(tmp_path):

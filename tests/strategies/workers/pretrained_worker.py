@@ -144,11 +144,12 @@ LORA_FILES = ("tp2", "zero3-meta")
 
 def lora_files(out: Path, folders: Path) -> None:
     """Llama with LoRA trained under each of :data:`LORA_FILES` from Llama's folder; rank 0 saves its losses and full
-    weights to ``OUT/<layout>-llama-lora-saved.pt``."""
+    weights to ``OUT/<layout>-llama-lora-saved.pt``, and the run its checkpoint to ``….ckpt`` beside."""
     for layout in LORA_FILES:
         strategy, devices, replicas = LAYOUTS[layout]
         result = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas,
                               model=lambda layout=layout: model_of("llama-lora-saved", meta=layout.endswith("-meta")),
+                              save_to=out / f"{layout}-llama-lora-saved.ckpt",
                               callbacks=[ml.callbacks.PretrainedWeights(folders / "llama")])
         result.pop("module")
         if torch.distributed.get_rank() == 0:
