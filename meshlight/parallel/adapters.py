@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshlight.parallel.model_shape import linear_widths
 
 __all__ = ["adapted_linear", "adapter_configs", "adapter_layers", "adapters_unwrapped", "as_planned", "base_name",
-           "check_splittable_adapter", "check_splittable_adapters", "initialize_adapters", "peft_base",
+           "check_parameter_adapters", "check_splittable_adapter", "check_splittable_adapters", "initialize_adapters",
+           "parameter_adapters", "peft_base",
            "read_without_adapters", "rebuilt_peft_model", "saved_copy"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -36,8 +37,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def adapted_linear(module: nn.Module) -> Optional[nn.Module]:
     """The Linear (``nn.Linear`` or Hugging Face's ``Conv1D``) that ``module`` adapts, where ``module`` is a LoRA
-    layer holding one (PEFT's: ``base_layer`` beside the ``lora_A`` and ``lora_B`` of its adapters); else None."""
+    layer holding one (PEFT's: ``base_layer`` beside the ``lora_A`` and ``lora_B`` of its adapters, adding
+    ``B(A(x))`` to its output; not one adapting its weight in place, :func:`parameter_adapters`); else None."""
     base, down, up = (getattr(module, name, None) for name in ("base_layer", "lora_A", "lora_B"))
+    if isinstance(getattr(module, "parameter_name", None), str):
+        return None
     if isinstance(down, nn.ModuleDict) and isinstance(up, nn.ModuleDict) and len(down) and linear_widths(base):
         return base
     return None
@@ -190,6 +194,35 @@ def read_without_adapters(function: F) -> F:
             return function(model, *args, **kwargs)
 
     return read  # type: ignore[return-value]
+
+
+def parameter_adapters(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """PEFT's LoRA layers on a module's parameters (``ParamWrapper``: ``target_parameters``, which PEFT also sets for
+    an MoE model's stacked experts where ``target_modules`` names ``gate_proj``, ``up_proj`` or ``down_proj``), by
+    name, outermost first (PEFT nests one per parameter)."""
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(getattr(module, "parameter_name", None), str)
+            and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)]
+
+
+def check_parameter_adapters(model: nn.Module, *, tp: int, ep: int) -> None:
+    """Refuse, naming the way out, LoRA on a module's parameters (:func:`parameter_adapters`: an MoE layer's stacked
+    experts, mostly) under tensor or expert parallelism, which split those parameters but not the adapter's
+    low-rank factors of them. Data, ZeRO and pipeline parallelism run such adapters whole."""
+    wrapped = parameter_adapters(model) if tp > 1 or ep > 1 else []
+    if not wrapped:
+        return
+    name, layer = wrapped[0]
+    parameters = ", ".join(repr(m.parameter_name) for n, m in wrapped if n.startswith(name))
+    sizes = " and ".join(f"{axis}={size}" for axis, size in (("tp", tp), ("ep", ep)) if size > 1)
+    raise NotImplementedError(
+        f"{name} is PEFT's LoRA on the parameters {parameters} of {type(layer.get_base_layer()).__name__}"
+        " (target_parameters; PEFT targets an MoE layer's stacked experts so where target_modules names gate_proj,"
+        f" up_proj or down_proj), which {sizes} would split but not their adapters. Leave the experts out of the"
+        " adapter (target_modules naming the attention's projections, e.g. ['q_proj', 'k_proj', 'v_proj',"
+        " 'o_proj'], and no target_parameters), or train with tp=1 and ep=1 (data, ZeRO and pipeline parallelism"
+        " run it)."
+    )
 
 
 def check_splittable_adapters(model: nn.Module, plan: Mapping[str, Any]) -> None:

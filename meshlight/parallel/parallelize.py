@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshlight.parallel.activation_compression import apply_activation_compression
-from meshlight.parallel.adapters import check_splittable_adapters
+from meshlight.parallel.adapters import check_parameter_adapters, check_splittable_adapters
 from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.compile import apply_compile
 from meshlight.parallel.compression import GradientCompression
@@ -100,6 +100,7 @@ def parallelize(
     if layout.tp > 1 and stacked_experts(module):
         _check_stacked_experts_under_tp(module, layout)
     check_listed_experts(module, layout)
+    check_parameter_adapters(module, tp=layout.tp, ep=layout.ep)
     if is_data_parallel(module):
         return module
     # Every transform starts from the same weights on every rank (DDP would broadcast; FSDP and TP do not).

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from meshlight.parallel.activation_compression import ActivationCompressionPolicy
+from meshlight.parallel.adapters import parameter_adapters
 from meshlight.parallel.blocks import BlockSelection, repeated_blocks
 from meshlight.parallel.cost_model import _schedule_of
 from meshlight.parallel.dtensors import has_dtensor_parameters
@@ -331,8 +332,10 @@ class Hybrid3DStrategy(MeshStrategy):
         layout that cannot be split over tp, and experts held as a list (litgpt's): tp=1 unless requested, and under
         a requested tp ``experts="fold"`` (or ep=1); sequence mixers every tp rank runs whole
         (:data:`~meshlight.parallel.model_shape.WHOLE_MIXERS`), which the cost model does not price: tp=1 unless
-        requested; and pp where pipelining refuses the model's structure
-        (:func:`~meshlight.parallel.pipeline.find_pipelined_module`: no container of blocks)."""
+        requested; tp and ep where PEFT's LoRA adapts parameters in place (an MoE layer's stacked experts:
+        :func:`~meshlight.parallel.adapters.parameter_adapters`), which they would split but not the adapters; and pp
+        where pipelining refuses the model's structure (:func:`~meshlight.parallel.pipeline.find_pipelined_module`: no
+        container of blocks)."""
         fixed = {}
         if self._requested["pp"] is None:
             try:
@@ -348,6 +351,8 @@ class Hybrid3DStrategy(MeshStrategy):
                 rank_zero_info(f"Planning with tp=1: tensor parallelism cannot split this model ({error})")
         if self._requested["ep"] is None and not has_experts(self.lightning_module):
             fixed["ep"] = 1
+        if parameter_adapters(self.lightning_module):  # tp and ep would split the experts, not their adapters
+            fixed.update({axis: 1 for axis in ("tp", "ep") if self._requested[axis] is None})
         if self._requested["tp"] is None and whole_mixers(self.lightning_module):
             # sequence mixers every tp rank runs whole (Qwen3.5's linear attention): not priced
             fixed["tp"] = 1

@@ -257,10 +257,13 @@ def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_
     """PEFT's LoRA on a Linear whose role is not colwise, rowwise or fused_colwise (the LM head, split over the
     vocabulary), or a LoRA variant holding weights of its own (DoRA's magnitude vector): refused before anything is
     split (the check :func:`~meshlight.parallel.parallelize.parallelize` runs beside the plan's validation), naming the
-    layer and the ways out."""
+    layer and the ways out; so is LoRA on an MoE layer's stacked experts (PEFT adapts them in place) under ep or
+    tp."""
     import peft
 
     from meshlight.parallel.adapters import check_splittable_adapters
+    from meshlight.parallel.layout import ParallelLayout
+    from meshlight.parallel.parallelize import parallelize
     from meshlight.parallel.tensor_plan import model_plan
 
     head = lit_causal_lm("llama")
@@ -270,6 +273,13 @@ def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_
                                                   r" that module out of the adapter's target_modules .* or train it"
                                                   r" with tp=1"):
         check_splittable_adapters(head, model_plan(head))
+    with pytest.raises(NotImplementedError, match=r"layers.0.mlp.experts is PEFT's LoRA on the parameters 'down_proj',"
+                                                  r" 'gate_up_proj' of Qwen3MoeExperts .* which ep=2 would split but"
+                                                  r" not their adapters. Leave the experts out of the adapter .* or"
+                                                  r" train with tp=1 and ep=1"):
+        parallelize(lit_causal_lm("qwen3_moe-lora"), ParallelLayout(dp_replicate=2, ep=2), mesh=None)
+    with pytest.raises(NotImplementedError, match=r"which tp=2 would split"):
+        parallelize(lit_causal_lm("qwen3_moe-lora"), ParallelLayout(tp=2), mesh=None)
     dora = lit_causal_lm("llama")
     dora.model = peft.get_peft_model(dora.model, peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(NotImplementedError, match=r"q_proj is a LoRA layer \(Linear\), but it holds"

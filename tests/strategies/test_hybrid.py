@@ -241,6 +241,14 @@ def test_the_planner_splits_a_models_own_experts_over_tp_where_it_can_else_keeps
     ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", logger=False)
     strategy.connect(lit_causal_lm("mixtral-aux"))
     assert strategy._unsplittable() == {}
+    # PEFT's LoRA on Qwen3-MoE's stacked experts (which PEFT adapts in place, target_modules naming gate_proj …): tp
+    # and ep stay 1 unless given (given, parallelize refuses them); LoRA on Mixtral's attention alone fixes nothing
+    for family, arguments, fixed in (("qwen3_moe-lora", {}, {"tp": 1, "ep": 1}),
+                                     ("qwen3_moe-lora", {"ep": 2}, {"tp": 1}), ("mixtral-lora", {}, {})):
+        strategy = ml.Hybrid3DStrategy(**arguments)
+        ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", logger=False)
+        strategy.connect(lit_causal_lm(family))
+        assert strategy._unsplittable() == fixed, (family, arguments)
 
 
 def test_the_strategy_runs_the_virtual_stages_the_planner_chose():

@@ -157,8 +157,10 @@ LAYOUTS = {
                ("litgpt_moe",)),
     "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=MICROBATCHES["3d-moe"]), 8, 2,
                ("qwen3_moe-aux",)),
-    # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2)
-    "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2, ("llama", "litgpt", "mixtral", "llama-lora")),
+    # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2); Qwen3-MoE with
+    # LoRA on its stacked experts too (PEFT adapts them in place, which tp and ep cannot split: planned with both 1)
+    "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2,
+                   ("llama", "litgpt", "mixtral", "llama-lora", "qwen3_moe-lora")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2); litgpt's listed
     # experts too, each rank keeping two of the list (also with the gradients clipped: the norm of each rank's
     # experts summed over ep); DeepSeek-V4's, its hash-routed layer's too (in float64), and HY-V4's
@@ -176,8 +178,10 @@ LAYOUTS = {
     "dp2-tp2-ep4-no-sp": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4, sequence_parallel=False), 4, 2,
                           ("mixtral", "litgpt_moe-clip")),
     # each expert split over tp=2 (the fused gate|up part by part), the experts over ep=2 data ranks: each rank runs
-    # its half of 2 experts on the whole tokens of its tp group; without sequence parallelism under ZeRO-3 as well
-    "dp2-tp2-ep2-split": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split"), 4, 2, MOE_FAMILIES),
+    # its half of 2 experts on the whole tokens of its tp group; without sequence parallelism under ZeRO-3 as well;
+    # Mixtral fine-tuned with LoRA on its attention (its experts frozen, split so)
+    "dp2-tp2-ep2-split": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split"), 4, 2,
+                          (*MOE_FAMILIES, "mixtral-lora")),
     # a vision-language model's encoder, its parameters plain beside the decoder's tensor-parallel ones, under ZeRO-3
     # (and LoRA's frozen weights beside its adapters, sharded alike)
     "dp2-tp2-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, zero=3), 4, 2, ("llava", "llama-lora-saved")),
