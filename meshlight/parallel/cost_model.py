@@ -239,7 +239,8 @@ def estimate(
                                      trainable=model.trainable)
                    + model_state_bytes(e, expert_data, zero, hw, pipelined=pp > 1, trainable=model.trainable)
                    for d, e in zip(dense, experts_shard)]
-    host_state = [host_state_bytes(d, data, zero, hw) + host_state_bytes(e, expert_data, zero, hw)
+    host_state = [host_state_bytes(d, data, zero, hw, trainable=model.trainable)
+                  + host_state_bytes(e, expert_data, zero, hw, trainable=model.trainable)
                   for d, e in zip(dense, experts_shard)]
     # --- activations of each rank: micro-batches in flight × its blocks × per-layer bytes
     # bytes per saved value, where ActivationCompression keeps some blocks' in fewer (never more) bytes
@@ -316,7 +317,8 @@ def estimate(
                            shard=max(host_state),
                            gathers=microbatches if zero == 3 else 1,
                            regathers=microbatches if zero == 3 else 0, reductions=reductions,
-                           kept=host_state_bytes(root / tp, data, zero, hw) if zero == 3 else 0.0)
+                           kept=host_state_bytes(root / tp, data, zero, hw, trainable=model.trainable)
+                           if zero == 3 else 0.0)
     times = {"compute": compute, "bubble": bubble, "tp": tp_time, "cp": cp_time, "p2p": p2p, "dp": dp_exposed,
              "ep": ep_time, "host": host_time}
     return Candidate(dp, pp, tp, ep, cp, zero, microbatches, virtual_stages, recompute, schedule, tuple(model_state),
@@ -427,13 +429,13 @@ def model_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, 
     return gathered + master + gradients + optimizer
 
 
-def host_state_bytes(params: float, dp: int, zero: int, hardware: Hardware) -> float:
+def host_state_bytes(params: float, dp: int, zero: int, hardware: Hardware, *, trainable: float = 1.0) -> float:
     """Bytes of host memory per rank under ``hardware.offload_optimizer`` (else none): the master copy of the
-    rank's share of ``params``, its gradients and Adam's two moments — sharded over ``dp`` ranks under ZeRO,
-    whole on each without (FSDP2 then replicates over shard groups of one rank)."""
+    rank's share of ``params``, and of its ``trainable`` share the gradients and Adam's two moments — sharded over
+    ``dp`` ranks under ZeRO, whole on each without (FSDP2 then replicates over shard groups of one rank)."""
     if not hardware.offload_optimizer:
         return 0.0
-    return 4 * hardware.state_bytes * (params / dp if zero else params)
+    return (1 + 3 * trainable) * hardware.state_bytes * (params / dp if zero else params)
 
 
 def _host_time(model: ModelSpec, hw: Hardware, world: int, compute: float, recompute: bool, *, moved: float,
@@ -445,19 +447,22 @@ def _host_time(model: ModelSpec, hw: Hardware, world: int, compute: float, recom
     again for ZeRO-3's ``regathers`` (but those of the root unit, whose host-held bytes are ``kept``: it stays
     gathered from forward to backward), and sends each gradient shard out after each of its ``reductions`` — all but
     the last while accumulating, which FSDP2 copies synchronously: exposed. ``shard``: the host-held bytes
-    (:func:`host_state_bytes`: master copy, gradients and Adam's two moments, a quarter each), whose parameters
-    the host steps after backward, with nothing to overlap, sharing the node's host memory with the ``world``'s other
-    ranks there."""
+    (:func:`host_state_bytes`: master copy, and of the trainable share gradients and Adam's two moments, as many
+    bytes each), whose trainable parameters the host steps after backward, with nothing to overlap, sharing the
+    node's host memory with the ``world``'s other ranks there. Frozen parameters travel in as the others do, but
+    send no gradient out and take no step."""
     if not moved and not shard:
         return 0.0
-    master = shard / 4
+    per_copy = 1 + 3 * model.trainable  # host-held bytes per master byte
+    master, kept_master = shard / per_copy, kept / per_copy
+    trained = model.trainable * master  # bytes of the trainable share's master copy (and of its gradients)
     forward_share = model.executed_flops_per_token() / 3 / (
         model.executed_flops_per_token() + (model.recompute_flops_per_token() if recompute else 0.0))
     forward = max(moved, gathers * master) / hw.host_bandwidth
-    backward = max(moved + regathers * (master - kept / 4), master) / hw.host_bandwidth
-    accumulating = (reductions - 1) * master / hw.host_bandwidth
+    backward = max(moved + regathers * (master - kept_master), trained) / hw.host_bandwidth
+    accumulating = (reductions - 1) * trained / hw.host_bandwidth
     return (max(0.0, forward - compute * forward_share) + max(0.0, backward - compute * (1 - forward_share))
-            + accumulating + master / hw.state_bytes / hw.host_steps_per_second(world))
+            + accumulating + trained / hw.state_bytes / hw.host_steps_per_second(world))
 
 
 def _context_parallel_values(model: ModelSpec, cp: int, tp: int, micro_batch: int) -> float:

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from meshlight.cli import main
-from meshlight.parallel.cost_model import _bandwidth, _ring_latency, estimate, model_state_bytes, precision_bytes
+from meshlight.parallel.cost_model import (
+    _bandwidth,
+    _ring_latency,
+    estimate,
+    host_state_bytes,
+    model_state_bytes,
+    precision_bytes,
+)
 from meshlight.parallel.planner import best_per_layout, plan
 from meshlight.parallel.presets import GB, HARDWARE, MODELS, ModelSpec, detect_hardware
 
@@ -72,6 +79,14 @@ def test_frozen_parameters_keep_no_gradient_or_optimizer_state_and_skip_their_we
                    for share in (1.0, 0.01))
     assert lora.times["compute"] < whole.times["compute"] and lora.times["dp"] <= whole.times["dp"]
     assert lora.memory_bytes < whole.memory_bytes
+    # under optimizer offload the host holds every master shard, and of the trainable share gradients and moments;
+    # frozen shards travel in for the gathers but send no gradient out and take no host step
+    assert host_state_bytes(psi, world, 3, CPU.replace(offload_optimizer=True), trainable=quarter) == pytest.approx(
+        (1 + 3 * quarter) * 4 * psi / world)
+    whole, lora = (estimate(model.replace(trainable=share), h100.replace(offload_optimizer=True), 8, 64, 8, 1, 1, 1,
+                            3, 8, 1, False) for share in (1.0, 0.01))
+    assert lora.host_bytes == pytest.approx(whole.host_bytes * (1 + 3 * 0.01) / 4)
+    assert 0 < lora.times["host"] < whole.times["host"]
     for share, status in ((1, 1), (0.01, 0)):
         assert main(["plan", "--model", "llama3-70b", "--gpus", "8", "--trainable", str(share)]) == status
     capsys.readouterr()
