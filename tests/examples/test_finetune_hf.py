@@ -1,7 +1,8 @@
 """examples/finetune_hf.py fine-tunes a Hugging Face model wrapped in a plain LightningModule: a tiny random Llama
 in two pipeline stages (its LM head beside the module holding the layers), a tiny Mixtral with its experts split
 over two ranks, and a local save_pretrained folder
-under ZeRO-3 (loaded by PretrainedWeights, exported back), each learning (the loss falls) and reporting its answer
+under ZeRO-3 (loaded by PretrainedWeights, exported back), and LoRA adapters on such a folder under tensor
+parallelism (exported merged and as PEFT's adapter folder), each learning (the loss falls) and reporting its answer
 accuracy."""
 
 import os
@@ -60,3 +61,28 @@ def test_a_local_save_pretrained_folder_fine_tunes_under_zero3_and_exports(tmp_p
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))
     assert tuned.config.model_type == "qwen3"
     assert not torch.equal(tuned.model.norm.weight, saved.model.norm.weight)  # trained
+
+
+def test_lora_adapters_on_a_local_folder_fine_tune_under_tensor_parallelism_and_export_merged_and_alone(tmp_path):
+    """--lora 8: PEFT's LoRA on every Linear but the head of the folder's model, loaded into its base model and split
+    with it over tp=2; the loss falls from ln(16) with the model's own weights frozen. The merged folder and the
+    adapter folder on the saved model compute the same logits, which the adapters moved from the saved model's."""
+    import peft
+    import torch
+    import transformers
+
+    from examples.finetune_hf import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    result = run("--model-path", str(tmp_path / "model"), "--lora", "8", "--strategy", "tp", "--out", str(tmp_path),
+                 "--export", str(tmp_path / "merged"), "--export-adapter", str(tmp_path / "adapter"))
+    train_loss, val_loss = losses(result)
+    assert train_loss < 2.4 and val_loss < 2.4  # from about ln(16) = 2.77
+    saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    probe = torch.arange(16).reshape(2, 8)
+    with torch.no_grad():
+        before, after = saved(input_ids=probe).logits, merged(input_ids=probe).logits
+        adapted = peft.PeftModel.from_pretrained(saved, str(tmp_path / "adapter"))(input_ids=probe).logits
+    torch.testing.assert_close(adapted, after, rtol=1e-5, atol=1e-5)
+    assert (after - before).abs().max() > 1e-2
