@@ -224,7 +224,7 @@ def apply_tensor_parallel(
                 styles[name] = WholeMixer()
         per_head = {parent: names for parent in _colwise_parents(plan)
                     if hidden and (names := per_head_parameters(modules[parent], hidden))}
-    styles = _with_adapters(model, plan, styles)
+    styles = _with_adapters(model, plan, styles, streams_of_own=sequence_parallel)
     tied = _tied_parameters(model)
     parallelize_module(model, mesh, styles)
     _tie_again(model, tied)
@@ -265,11 +265,13 @@ def apply_tensor_parallel(
             modules[name].register_forward_hook(leave, always_call=True)
 
 
-def _with_adapters(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]],
-                   styles: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+def _with_adapters(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]], styles: dict[str, ParallelStyle],
+                   *, streams_of_own: bool) -> dict[str, ParallelStyle]:
     """``styles`` with each LoRA layer's (:mod:`meshlight.parallel.adapters`) the low-rank form of its Linear's: the
     layer splits with its Linear and its adapters; one that cannot split is refused, naming it. A ``modules_to_save``
-    wrapper's style (planned on the module it runs) splits its original and each trainable copy alike."""
+    wrapper's style (planned on the module it runs) splits its original and each trainable copy alike.
+    ``streams_of_own``: the tp ranks draw random numbers from streams of their own (sequence parallelism), so a
+    column-parallel layer's adapters drop their whole input by one gathered mask."""
     for name, module in model.named_modules():
         style = styles.get(name)
         if style is not None and saved_copy(module) is not None:  # PEFT's modules_to_save: each copy and the original
@@ -282,11 +284,11 @@ def _with_adapters(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle
         plain = type(style) in (ColwiseParallel, TransposedColwise, Rowwise, TransposedRowwise, FusedColwise)
         check_splittable_adapter(_shown(name), module, role if plain else f"{role} ({type(style).__name__})")
         if isinstance(style, FusedColwise):
-            styles[name] = LowRankFused(style.parts, style.kv)
-        elif role == "rowwise":
+            styles[name] = LowRankFused(style.parts, style.kv, agreed_dropout=streams_of_own)
+        elif role == "rowwise":  # (its input is split by columns: each rank drops its own, as one mask would)
             styles[name] = LowRankRowwise(output_layouts=style.output_layouts[0])
         else:
-            styles[name] = LowRankColwise()
+            styles[name] = LowRankColwise(agreed_dropout=streams_of_own)
     return styles
 
 

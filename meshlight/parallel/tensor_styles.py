@@ -27,8 +27,8 @@ from meshlight.parallel.sequence_gather import sequence_share
 from meshlight.parallel.tensor_plan import TensorParallelError, _shown
 
 __all__ = [
-    "ColwiseFromShare", "ColwiseNorm", "FusedColwise", "Interior", "LMHead", "LowRankColwise", "LowRankFused",
-    "LowRankRowwise", "OnLocalWeights", "Replicated", "Rowwise", "SequenceNorm", "TransposedColwise",
+    "AgreedDropout", "ColwiseFromShare", "ColwiseNorm", "FusedColwise", "Interior", "LMHead", "LowRankColwise",
+    "LowRankFused", "LowRankRowwise", "OnLocalWeights", "Replicated", "Rowwise", "SequenceNorm", "TransposedColwise",
     "TransposedRowwise", "VocabEmbedding", "WholeMixer", "rows_of_rank", "split_by_head",
 ]
 
@@ -157,9 +157,13 @@ class _LowRank:
     transposed_base: dict[str, Placement]
     down: dict[str, Placement]
     up: dict[str, Placement]
+    #: the tp ranks draw from streams of their own (sequence parallelism) and hold the input whole: masks gathered
+    agreed_dropout: bool = False
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         base = self.transposed_base if is_transposed_linear(module.base_layer) else self.base
+        if self.agreed_dropout:
+            _agreeing_dropouts(module, device_mesh)
 
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             placements = {"base_layer": base, "lora_A": self.down, "lora_B": self.up}.get(name.split(".")[0])
@@ -173,14 +177,61 @@ class _LowRank:
         )
 
 
+class AgreedDropout(nn.Module):
+    """Dropout of probability ``p`` on an input every tp rank of ``mesh`` holds whole (a column-parallel LoRA
+    layer's: PEFT's ``lora_dropout``), where the ranks draw from random streams of their own (under sequence
+    parallelism): each draws its ``1/tp`` of the mask from its stream and the parts are gathered, so every rank
+    drops the same values, as one process's one mask does (separate masks would feed each rank's columns of the
+    adapter a different input). Recomputation replays the draws; the gather is of one byte a value."""
+
+    def __init__(self, p: float, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.p, self.mesh = p, mesh
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        if not self.training or self.p == 0:
+            return inputs
+        local = inputs.to_local() if isinstance(inputs, DTensor) else inputs
+        count, ranks = local.numel(), self.mesh.size()
+        part = (torch.rand(-(-count // ranks), device=local.device) >= self.p).to(torch.uint8)
+        keep = _gathered_parts(part, self.mesh)[:count].view(local.shape)
+        dropped = local * keep.to(local.dtype) / (1 - self.p)
+        if isinstance(inputs, DTensor):
+            return DTensor.from_local(dropped, inputs.device_mesh, inputs.placements, run_check=False)
+        return dropped
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, over tp={self.mesh.size()}"
+
+
+def _gathered_parts(part: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Every rank's ``part`` (of one size) one after another, on each rank."""
+    whole = part.new_empty(mesh.size() * part.numel())
+    torch.distributed.all_gather_into_tensor(whole, part, group=mesh.get_group())
+    return whole
+
+
+def _agreeing_dropouts(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Give a LoRA layer whose input every tp rank holds whole an :class:`AgreedDropout` for each adapter's dropout."""
+    for adapter, dropout in module.lora_dropout.items():
+        if isinstance(dropout, nn.Dropout) and dropout.p > 0:
+            module.lora_dropout[adapter] = AgreedDropout(dropout.p, mesh)
+
+
 class LowRankColwise(_LowRank, ColwiseParallel):
     """Column-parallel LoRA: the Linear's and each ``lora_B``'s output rows split, each ``lora_A`` whole on every rank
-    (its gradient summed over tp), so the adapter adds to each rank's columns of the output its own."""
+    (its gradient summed over tp), so the adapter adds to each rank's columns of the output its own.
+    ``agreed_dropout``: the tp ranks draw from streams of their own (sequence parallelism), so the adapters' dropout
+    is an :class:`AgreedDropout`."""
 
     base = {"weight": Shard(0), "bias": Shard(0)}
     transposed_base = TransposedColwise.placements
     down = {"weight": Replicate(), "bias": Replicate()}
     up = {"weight": Shard(0), "bias": Shard(0)}
+
+    def __init__(self, *, agreed_dropout: bool = False) -> None:
+        super().__init__()
+        self.agreed_dropout = agreed_dropout
 
 
 class LowRankRowwise(_LowRank, Rowwise):
@@ -263,10 +314,18 @@ class LowRankFused(FusedColwise):
     exceeds: the Linear (``base_layer``) and each adapter's ``lora_B`` write the packed parts, so both are stored
     sharded by rows, gathered for the forward and computing this rank's rows of every part; each ``lora_A`` stays
     whole on every rank (its gradient, a partial sum over the ranks' rows, summed over tp). The layer's own forward
-    adds the two on this rank's rows; ``lora_B``'s gather (rank × width values) is the one collective added."""
+    adds the two on this rank's rows; ``lora_B``'s gather (rank × width values) is the one collective added.
+    ``agreed_dropout``: as :class:`LowRankColwise`'s."""
+
+    def __init__(self, parts: tuple[int, ...], kv: Optional[tuple[int, int]] = None, *,
+                 agreed_dropout: bool = False) -> None:
+        super().__init__(parts, kv)
+        self.agreed_dropout = agreed_dropout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         rows = rows_of_rank(self.parts, self.kv, device_mesh.size(), device_mesh.get_local_rank())
+        if self.agreed_dropout:
+            _agreeing_dropouts(module, device_mesh)
         by_rows = {"weight": Shard(0), "bias": Shard(0)}
 
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:

@@ -489,7 +489,8 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
     model adding it to its own loss from labels: ``"mixtral-aux-labels"``), or a family with :data:`DEEP_LAYERS` layers
     (``"llama-deep"``), or with key/value heads of its own (``"llama-kv1"``), or its gradients clipped to a norm of
     0.05 before each step (``"litgpt_moe-clip"``: every step clipped, its norm 0.8–2.1 before), or fine-tuned with
-    LoRA (``"llama-lora"``: :func:`with_lora`; ``"llama-lora-saved"``: its embedding and head trained whole beside),
+    LoRA (``"llama-lora"``: :func:`with_lora`; ``"llama-lora-saved"``: its embedding and head trained whole beside;
+    ``"llama-lora-drop"``: the adapters' inputs dropped with probability 0.5),
     with the family's :func:`training_options`; ``data_shards``, ``microbatches``: see :class:`LitCausalLM`. A
     vision-language family (:data:`~tests.strategies.hf_vlm.FAMILIES`): :func:`~tests.strategies.hf_vlm.lit_vlm`'s
     model."""
@@ -503,7 +504,7 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
     deep = name.endswith("-deep")
     fp64 = name.endswith("-fp64")
     name = name.removesuffix("-labels").removesuffix("-deep").removesuffix("-fp64")
-    name, adapted, saved = name.partition("-lora")
+    name, adapted, variant = name.partition("-lora")
     name, _, vocab = name.partition("-vocab")
     name, _, kv_heads = name.partition("-kv")
     family, aux, _ = name.partition("-aux")
@@ -514,7 +515,8 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
                          own_loss=own_loss,
                          kv_heads=int(kv_heads or KV_HEADS), clip=0.05 if clip else 0.0)
     if adapted:
-        module.model = with_lora(module.model, family, saved=bool(saved))
+        module.model = with_lora(module.model, family, saved="-saved" in variant,
+                                 dropout=0.5 if "-drop" in variant else 0.0)
     return in_float64(module) if fp64 else module
 
 
@@ -525,16 +527,16 @@ LORA_TARGETS = {"gpt2": ["c_attn", "c_fc", "c_proj"], "phi3": ["qkv_proj", "o_pr
                                 ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"])}
 
 
-def with_lora(model: torch.nn.Module, family: str, saved: bool = False) -> torch.nn.Module:
+def with_lora(model: torch.nn.Module, family: str, saved: bool = False, dropout: float = 0.0) -> torch.nn.Module:
     """``model`` fine-tuned with PEFT's LoRA (rank 4, on :data:`LORA_TARGETS`, initialized as PEFT does: ``lora_B``
     zeros, the adapters starting as no change), its own weights frozen; ``saved``: its token embedding and LM head
     trained whole too (PEFT's ``modules_to_save``: a trainable copy of each beside the frozen original, as a
-    fine-tune adding tokens trains them)."""
+    fine-tune adding tokens trains them); ``dropout``: PEFT's ``lora_dropout``."""
     import peft
 
     targets = LORA_TARGETS.get(family, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, fan_in_fan_out=family == "gpt2",
-                             modules_to_save=["embed_tokens", "lm_head"] if saved else None)
+                             modules_to_save=["embed_tokens", "lm_head"] if saved else None, lora_dropout=dropout)
     return peft.get_peft_model(model, config)
 
 

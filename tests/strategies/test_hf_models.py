@@ -85,7 +85,8 @@ def launches(tmp_path_factory) -> Future[Path]:
     def launch() -> Path:
         for world in (2, 4, 8):
             layouts = [name for name, (_, devices, _, _) in hf_worker.LAYOUTS.items() if devices == world]
-            extras = {2: ["reshard-tied", "resume-listed", "resume-lora"], 4: ["resume-split"]}.get(world, [])
+            extras = {2: ["reshard-tied", "resume-listed", "resume-lora", "lora-dropout"],
+                      4: ["resume-split"]}.get(world, [])
             torchrun(WORKER, world, str(out), *layouts, *extras, timeout=1200)
         return out
 
@@ -251,6 +252,19 @@ def test_experts_that_take_every_token_are_refused_by_expert_parallelism_naming_
                                          r" expert on every token, as Llama 4's MoE does.*Train it with ep=1; tp"
                                          r" splits each of its experts"):
         parallelize(lit_causal_lm("llama4"), ParallelLayout(dp_replicate=2, ep=2), mesh=None)
+
+
+def test_lora_dropout_is_one_mask_over_the_tensor_parallel_ranks_and_recomputation_replays_it(runs):
+    """Under sequence parallelism the tp ranks draw from streams of their own, while a column-parallel LoRA layer's
+    input is whole on each: its dropout mask is drawn a part per rank and gathered, so every rank drops the same
+    values (with separate masks each rank's columns of the adapter saw another input). A row-parallel layer's input
+    is split by columns, each rank dropping its own. Recomputing every block ends on the same weights."""
+    results = torch.load(runs / "lora-dropout.pt", weights_only=False)
+    first, second = results["masks"]
+    assert torch.equal(first["q_proj"], second["q_proj"])
+    assert not torch.equal(first["o_proj"], second["o_proj"])
+    assert all(0.45 < mask.float().mean() < 0.55 for masks in (first, second) for mask in masks.values())
+    assert results["recompute_replays"]
 
 
 def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_out():

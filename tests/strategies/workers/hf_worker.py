@@ -3,7 +3,7 @@ processes those layouts run on); rank 0 saves each run's losses and full final w
 ``OUT/<layout>-<family>.pt`` (the checks in :data:`EXTRAS`: see their functions).
 
     python tests/forkrun.py 2 tests/strategies/workers/hf_worker.py OUT tp2 ddp zero3 pp2-1f1b pp2-interleaved \
-        reshard-tied resume-listed resume-lora
+        reshard-tied resume-listed resume-lora lora-dropout
     python tests/forkrun.py 4 tests/strategies/workers/hf_worker.py OUT dp2-tp2-ep2-split resume-split
     python tests/forkrun.py 8 tests/strategies/workers/hf_worker.py OUT 3d
 """
@@ -11,6 +11,7 @@ processes those layouts run on); rank 0 saves each run's losses and full final w
 import functools
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -272,6 +273,43 @@ def resume_across(out: Path, family: str, layout: str) -> None:
                    out / f"resume-{family}.pt")
 
 
+def lora_dropout(out: Path) -> None:
+    """Llama with LoRA dropout (0.5) trained under tp2 with sequence parallelism, whose tp ranks draw from streams
+    of their own, 3 steps, and again with every block recomputed. Saved to ``lora-dropout.pt``: each column-parallel
+    (q_proj) and row-parallel (o_proj) adapter's first dropped-values mask on each rank, and whether the two runs end
+    on the same weights (recomputation replays the masks)."""
+    from lightning.pytorch.callbacks import Callback
+
+    from meshlight.callbacks import ActivationCheckpointing
+
+    masks: dict[str, torch.Tensor] = {}
+
+    def keep(key: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+            masks.setdefault(key, local_tensor(output) == 0)
+
+        return hook
+
+    class Masks(Callback):
+        def on_train_start(self, trainer: object, module: torch.nn.Module) -> None:
+            layer = next(m for name, m in module.named_modules() if name.endswith("layers.0.self_attn"))
+            for projection in ("q_proj", "o_proj"):
+                getattr(layer, projection).lora_dropout["default"].register_forward_hook(keep(projection))
+
+    def train(*callbacks: object) -> dict:
+        return parity.train("adamw", strategy=ml.TensorParallelStrategy(tp=2), devices=2, data_parallel=1,
+                            model=lambda: lit_causal_lm("llama-lora-drop"), callbacks=callbacks, max_steps=3)
+
+    plain = train(Masks())
+    recomputed = train(ActivationCheckpointing())
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, masks)
+    if torch.distributed.get_rank() == 0:
+        same = plain["weights"].keys() == recomputed["weights"].keys() and all(
+            torch.equal(plain["weights"][name], recomputed["weights"][name]) for name in plain["weights"])
+        torch.save({"masks": gathered, "recompute_replays": same}, out / "lora-dropout.pt")
+
+
 def local_experts(module: torch.nn.Module) -> list[tuple[int, int]]:
     """For each of the model's own MoE blocks, the experts it runs on this rank (all of them where not split over
     ep) and the parts tp splits each of them into (one whole expert's ``down_proj`` ÷ this rank's slice of it; a
@@ -306,7 +344,8 @@ EXTRAS = {"reshard-tied": reshard_tied, "resume-split": resume_split,
           # litgpt's experts held as a list under ep2; LoRA adapters split with their Linears under tp2 (and the
           # embedding and head trained whole beside, their originals split with their copies)
           "resume-listed": functools.partial(resume_across, family="litgpt_moe", layout="ep2"),
-          "resume-lora": functools.partial(resume_across, family="llama-lora-saved", layout="tp2")}
+          "resume-lora": functools.partial(resume_across, family="llama-lora-saved", layout="tp2"),
+          "lora-dropout": lora_dropout}
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
