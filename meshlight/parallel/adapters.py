@@ -29,8 +29,7 @@ from meshlight.parallel.model_shape import linear_widths
 
 __all__ = ["adapted_linear", "adapter_configs", "adapter_layers", "adapters_unwrapped", "as_planned", "base_name",
            "check_parameter_adapters", "check_splittable_adapter", "check_splittable_adapters", "initialize_adapters",
-           "parameter_adapters", "peft_base",
-           "read_without_adapters", "rebuilt_peft_model", "saved_copy"]
+           "parameter_adapters", "peft_base", "read_without_adapters", "rebuilt_peft_model", "saved_copy"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,7 +39,7 @@ def adapted_linear(module: nn.Module) -> Optional[nn.Module]:
     layer holding one (PEFT's: ``base_layer`` beside the ``lora_A`` and ``lora_B`` of its adapters, adding
     ``B(A(x))`` to its output; not one adapting its weight in place, :func:`parameter_adapters`); else None."""
     base, down, up = (getattr(module, name, None) for name in ("base_layer", "lora_A", "lora_B"))
-    if isinstance(getattr(module, "parameter_name", None), str):
+    if _adapts_parameter(module):
         return None
     if isinstance(down, nn.ModuleDict) and isinstance(up, nn.ModuleDict) and len(down) and linear_widths(base):
         return base
@@ -59,23 +58,34 @@ def saved_copy(module: nn.Module) -> Optional[nn.Module]:
         copies[active[0]])
 
 
+def _adapts_parameter(module: nn.Module) -> bool:
+    """Whether ``module`` is PEFT's LoRA on a module's parameter (``ParamWrapper``: :func:`parameter_adapters`)."""
+    return isinstance(getattr(module, "parameter_name", None), str) and isinstance(
+        getattr(module, "lora_A", None), nn.ModuleDict)
+
+
 def adapter_layers(model: nn.Module) -> set[str]:
-    """The names of ``model``'s LoRA layers and ``modules_to_save`` wrappers."""
-    return {name for name, module in model.named_modules() if as_planned(module) is not module}
+    """The names of ``model``'s LoRA layers (on Linears or on parameters) and ``modules_to_save`` wrappers."""
+    return {name for name, module in model.named_modules()
+            if as_planned(module) is not module or _adapts_parameter(module)}
 
 
 def base_name(name: str, layers: Collection[str]) -> Optional[str]:
     """A parameter's ``name`` in a model whose LoRA layers and ``modules_to_save`` wrappers are ``layers``
     (:func:`adapter_layers`), as the model without its adapters names it: the Linear a layer adapts under the layer's
-    name (``q_proj.base_layer.weight``: ``q_proj.weight``), and so the module a wrapper holds, its original and its
-    trainable copies alike (``lm_head.original_module.weight``, ``lm_head.modules_to_save.default.weight``:
-    ``lm_head.weight``); None for an adapter's own weight (``q_proj.lora_A.default.weight``)."""
+    name (``q_proj.base_layer.weight``: ``q_proj.weight``), the parameters nested LoRA layers adapt in place under
+    the outermost's (``experts.base_layer.base_layer.down_proj``: ``experts.down_proj``), and the module a wrapper
+    holds, its original and its trainable copies alike (``lm_head.original_module.weight``,
+    ``lm_head.modules_to_save.default.weight``: ``lm_head.weight``); None for an adapter's own weight
+    (``q_proj.lora_A.default.weight``)."""
     parts = name.split(".")
     for end in range(len(parts) - 1, 0, -1):
         if ".".join(parts[:end]) in layers:
-            held = {"base_layer": 1, "original_module": 1, "modules_to_save": 2}.get(parts[end])
-            return ".".join([*parts[:end], *parts[end + held:]]) if held else None
-    return name
+            if parts[end].startswith("lora_"):
+                return None
+            held = {"base_layer": 1, "original_module": 1, "modules_to_save": 2}.get(parts[end], 0)
+            parts = [*parts[:end], *parts[end + held:]]
+    return ".".join(parts)
 
 
 def peft_base(module: nn.Module, prefix: str) -> tuple[Optional[nn.Module], str]:
@@ -125,7 +135,7 @@ def initialize_adapters(peft_model: nn.Module) -> None:
     weight's name and keeps its part, so a weight split or replicated over ranks is one tensor. Initializations PEFT
     computes from the base weights (PiSSA, OLoRA, LoftQ …) are refused."""
     for layer_name, layer in peft_model.named_modules():
-        if adapted_linear(layer) is None:
+        if adapted_linear(layer) is None and not _adapts_parameter(layer):
             continue
         for adapter, down in layer.lora_A.items():
             init = peft_model.peft_config[adapter].init_lora_weights
@@ -200,9 +210,7 @@ def parameter_adapters(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """PEFT's LoRA layers on a module's parameters (``ParamWrapper``: ``target_parameters``, which PEFT also sets for
     an MoE model's stacked experts where ``target_modules`` names ``gate_proj``, ``up_proj`` or ``down_proj``), by
     name, outermost first (PEFT nests one per parameter)."""
-    return [(name, module) for name, module in model.named_modules()
-            if isinstance(getattr(module, "parameter_name", None), str)
-            and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)]
+    return [(name, module) for name, module in model.named_modules() if _adapts_parameter(module)]
 
 
 def check_parameter_adapters(model: nn.Module, *, tp: int, ep: int) -> None:

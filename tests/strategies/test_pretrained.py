@@ -219,6 +219,26 @@ def test_a_lora_model_loads_its_base_models_files_leaving_its_adapters_also_on_t
                 assert 0 < param.abs().max() <= 1 / param.shape[1] ** 0.5, name
 
 
+def test_lora_on_an_moe_models_experts_loads_its_base_models_files_also_on_the_meta_device(tmp_path):
+    """PEFT's LoRA on Qwen3-MoE's stacked experts (adapted in place, one nested wrapper per parameter): the experts
+    load from the files' keys under the outermost wrapper's name, the adapters stay as PEFT made them (on the meta
+    device initialized: lora_B zeros), and the logits are the base model's."""
+    folder = save_pretrained(tmp_path, "qwen3_moe")
+    expected = from_pretrained(folder)
+    for meta in (False, True):
+        module = lit_causal_lm("qwen3_moe-lora")
+        if meta:
+            with torch.device("meta"):
+                module.model = with_lora(transformers.AutoModelForCausalLM.from_config(hf_config("qwen3_moe")),
+                                         "qwen3_moe")
+        report = load_pretrained(module, folder)
+        assert not report.missing and not report.unexpected
+        assert any(".mlp.experts.base_layer.lora_A." in name for name in report.adapters)
+        assert all(not p.any() for name, p in module.named_parameters() if ".lora_B." in name)
+        with torch.no_grad():
+            torch.testing.assert_close(module.model(input_ids=PROBE).logits, expected(input_ids=PROBE).logits)
+
+
 def test_torch_save_files_load_memory_mapped_as_tensors_only(tmp_path):
     """litgpt's ``lit_model.pth`` (a flat state dict, or a training checkpoint's ``{"model": …}``; its MoE with
     experts held as a list too) and Hugging Face's older ``pytorch_model*.bin`` (sharded, Mixtral's experts stored one
