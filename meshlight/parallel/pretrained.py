@@ -101,10 +101,9 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
     ``strict`` — every name the files lack and every key no name takes (``strict=False`` loads what matches). A
     dtype that differs (bf16 files into fp32 parameters) is cast, and noted in the report's ``cast``.
 
-    A PEFT model under ``prefix`` (LoRA) loads its base model's files: each adapted Linear's weights from the
-    Linear's own keys, a module it trains a copy of (``modules_to_save``) into the original and the copy alike, the
-    adapters left as PEFT initialized them (initialized again where the model was built on the
-    meta device)."""
+    A PEFT model under ``prefix`` (LoRA) loads its base model's files: each adapted Linear's (or parameter's) weights
+    from its own keys, a module it trains a copy of (``modules_to_save``) into the original and the copy alike, the
+    adapters left as PEFT initialized them (initialized again where the model was built on the meta device)."""
     folder = Path(path)
     files = _weights_files(folder)
     stored = files.stored
@@ -483,6 +482,9 @@ def export_pretrained(checkpoint: PathLike, out: PathLike, *, prefix: str = "mod
 
     from meshlight.parallel.checkpoint import load_metadata, read_model_weights
 
+    if to not in ("hf", "peft"):
+        raise ValueError(f"to={to!r}: export writes 'hf' (Hugging Face's layout; a PEFT model merged) or 'peft' (a"
+                         " PEFT model's adapter folder).")
     weights = read_model_weights(checkpoint)
     state = {name[len(prefix):]: tensor.contiguous() for name, tensor in weights.items() if name.startswith(prefix)}
     if not state:

@@ -335,6 +335,8 @@ def test_export_shards_above_the_threshold_writes_the_config_and_the_command_lin
                                                      r" names no adapters\): --to peft writes a PEFT model's adapters;"
                                                      r" write this model with --to hf"):
         export_pretrained(checkpoint, tmp_path / "peft", to="peft")
+    with pytest.raises(ValueError, match=r"to='onnx': export writes 'hf' .* or 'peft'"):
+        export_pretrained(checkpoint, tmp_path / "onnx", to="onnx")
 
 
 def test_a_resumed_run_keeps_its_checkpoints_weights(runs, folders):
