@@ -32,9 +32,12 @@ rank), Qwen2.5-VL, LLaVA, LLaVA-NeXT (in float64: its image_newline the first st
 encoder on the first stage), ERNIE 4.5-VL under tensor parallelism without sequence parallelism (its MoE layer takes
 each token's type), Qwen2.5-VL under all three and Qwen3-VL (in float64) under pipelining × tensor parallelism,
 Qwen3-VL under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3, and Qwen3-VL-MoE under expert parallelism, alone and
-folded over tp; Llama and GPT-2 fine-tuned with PEFT's LoRA under tensor parallelism (each adapted Linear split with
-its adapters), Llama also under dp=2 × tp=2 with ZeRO-3, all three and the planned layout, its frozen weights
-unchanged, its checkpoint resumed and resharded. One launch per process count."""
+folded over tp; Llama, GPT-2, Phi-3 and GPT-NeoX fine-tuned with PEFT's LoRA under tensor parallelism (each adapted
+Linear split with its adapters, fused ones part by part), Llama also under dp=2 × tp=2 with ZeRO-3, all three and
+the planned layout (there with its embedding and head trained whole beside, modules_to_save), its frozen weights
+unchanged, its checkpoint resumed and resharded, its dropout one mask over the tp ranks; Mixtral with LoRA on its
+attention under dp=2 × tp=2 × ep=2, and Qwen3-MoE with LoRA on its experts planned without tp and ep. One launch per
+process count."""
 
 from concurrent.futures import Future
 from pathlib import Path

@@ -222,7 +222,7 @@ def test_a_lora_model_loads_its_base_models_files_leaving_its_adapters_also_on_t
 def test_lora_on_an_moe_models_experts_loads_its_base_models_files_also_on_the_meta_device(tmp_path):
     """PEFT's LoRA on Qwen3-MoE's stacked experts (adapted in place, one nested wrapper per parameter): the experts
     load from the files' keys under the outermost wrapper's name, the adapters stay as PEFT made them (on the meta
-    device initialized: lora_B zeros), and the logits are the base model's."""
+    device initialized so: lora_A Kaiming-uniform, lora_B zeros), and the logits are the base model's."""
     folder = save_pretrained(tmp_path, "qwen3_moe")
     expected = from_pretrained(folder)
     for meta in (False, True):
@@ -235,6 +235,9 @@ def test_lora_on_an_moe_models_experts_loads_its_base_models_files_also_on_the_m
         assert not report.missing and not report.unexpected
         assert any(".mlp.experts.base_layer.lora_A." in name for name in report.adapters)
         assert all(not p.any() for name, p in module.named_parameters() if ".lora_B." in name)
+        # lora_A Kaiming-uniform (on the meta device: initialized after allocation, as PEFT initializes it)
+        assert all(0 < p.abs().max() <= 1 / p.shape[1] ** 0.5 for name, p in module.named_parameters()
+                   if ".lora_A." in name)
         with torch.no_grad():
             torch.testing.assert_close(module.model(input_ids=PROBE).logits, expected(input_ids=PROBE).logits)
 
