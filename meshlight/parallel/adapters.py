@@ -26,10 +26,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshlight.parallel.model_shape import linear_widths
+from meshlight.parallel.parameter_adapters import adapts_parameter
 
 __all__ = ["adapted_linear", "adapter_configs", "adapter_layers", "adapters_unwrapped", "as_planned", "base_name",
-           "check_parameter_adapters", "check_splittable_adapter", "check_splittable_adapters", "initialize_adapters",
-           "parameter_adapters", "peft_base", "read_without_adapters", "rebuilt_peft_model", "saved_copy"]
+           "check_splittable_adapter", "check_splittable_adapters", "initialize_adapters", "peft_base",
+           "read_without_adapters", "rebuilt_peft_model", "saved_copy"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,7 +40,7 @@ def adapted_linear(module: nn.Module) -> Optional[nn.Module]:
     layer holding one (PEFT's: ``base_layer`` beside the ``lora_A`` and ``lora_B`` of its adapters, adding
     ``B(A(x))`` to its output; not one adapting its weight in place, :func:`parameter_adapters`); else None."""
     base, down, up = (getattr(module, name, None) for name in ("base_layer", "lora_A", "lora_B"))
-    if _adapts_parameter(module):
+    if adapts_parameter(module):
         return None
     if isinstance(down, nn.ModuleDict) and isinstance(up, nn.ModuleDict) and len(down) and linear_widths(base):
         return base
@@ -58,16 +59,10 @@ def saved_copy(module: nn.Module) -> Optional[nn.Module]:
         copies[active[0]])
 
 
-def _adapts_parameter(module: nn.Module) -> bool:
-    """Whether ``module`` is PEFT's LoRA on a module's parameter (``ParamWrapper``: :func:`parameter_adapters`)."""
-    return isinstance(getattr(module, "parameter_name", None), str) and isinstance(
-        getattr(module, "lora_A", None), nn.ModuleDict)
-
-
 def adapter_layers(model: nn.Module) -> set[str]:
     """The names of ``model``'s LoRA layers (on Linears or on parameters) and ``modules_to_save`` wrappers."""
     return {name for name, module in model.named_modules()
-            if as_planned(module) is not module or _adapts_parameter(module)}
+            if as_planned(module) is not module or adapts_parameter(module)}
 
 
 def base_name(name: str, layers: Collection[str]) -> Optional[str]:
@@ -135,7 +130,7 @@ def initialize_adapters(peft_model: nn.Module) -> None:
     weight's name and keeps its part, so a weight split or replicated over ranks is one tensor. Initializations PEFT
     computes from the base weights (PiSSA, OLoRA, LoftQ …) are refused."""
     for layer_name, layer in peft_model.named_modules():
-        if adapted_linear(layer) is None and not _adapts_parameter(layer):
+        if adapted_linear(layer) is None and not adapts_parameter(layer):
             continue
         for adapter, down in layer.lora_A.items():
             init = peft_model.peft_config[adapter].init_lora_weights
@@ -169,17 +164,20 @@ def _fill(param: torch.Tensor, whole: torch.Tensor) -> None:
 
 @contextmanager
 def adapters_unwrapped(model: nn.Module) -> Iterator[None]:
-    """Within it, each LoRA layer of ``model`` is replaced by the Linear it adapts, and each ``modules_to_save``
-    wrapper by the module it runs (:func:`saved_copy`), under the layer's name (and put back on leaving, whatever
-    happened): the structure the tensor-parallel plan, the pipeline's split and the planner read. Nested use is a
-    no-op inside."""
-    swapped = []
-    for name, module in list(model.named_modules()):
+    """Within it, each LoRA layer of ``model`` is replaced by the Linear or the module it adapts, and each
+    ``modules_to_save`` wrapper by the module it runs (:func:`saved_copy`), under the layer's name (and put back on
+    leaving, whatever happened): the structure the tensor-parallel plan, the pipeline's split and the planner read.
+    Nested use is a no-op inside."""
+    swapped, within = [], ()
+    for name, module in list(model.named_modules()):  # (parents first: a layer's own modules follow it)
+        if name.startswith(within):  # inside a layer shown as what it adapts (nested layers: the outermost)
+            continue
         if name and (base := as_planned(module)) is not module:
             parent_name, _, attribute = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             parent._modules[attribute] = base  # (not setattr: its order among the parent's children is kept)
             swapped.append((parent, attribute, module))
+            within = f"{name}."
     try:
         yield
     finally:
@@ -188,8 +186,11 @@ def adapters_unwrapped(model: nn.Module) -> Iterator[None]:
 
 
 def as_planned(module: nn.Module) -> nn.Module:
-    """What :func:`adapters_unwrapped` shows in ``module``'s place: the Linear a LoRA layer adapts, the module a
-    ``modules_to_save`` wrapper runs; any other module itself."""
+    """What :func:`adapters_unwrapped` shows in ``module``'s place: the Linear a LoRA layer adapts, the module whose
+    parameters LoRA layers adapt in place (stacked experts, mostly), the module a ``modules_to_save`` wrapper runs;
+    any other module itself."""
+    if adapts_parameter(module):
+        return module.get_base_layer()
     base = adapted_linear(module)
     base = saved_copy(module) if base is None else base
     return module if base is None else base
@@ -204,33 +205,6 @@ def read_without_adapters(function: F) -> F:
             return function(model, *args, **kwargs)
 
     return read  # type: ignore[return-value]
-
-
-def parameter_adapters(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """PEFT's LoRA layers on a module's parameters (``ParamWrapper``: ``target_parameters``, which PEFT also sets for
-    an MoE model's stacked experts where ``target_modules`` names ``gate_proj``, ``up_proj`` or ``down_proj``), by
-    name, outermost first (PEFT nests one per parameter)."""
-    return [(name, module) for name, module in model.named_modules() if _adapts_parameter(module)]
-
-
-def check_parameter_adapters(model: nn.Module, *, tp: int, ep: int) -> None:
-    """Refuse, naming the way out, LoRA on a module's parameters (:func:`parameter_adapters`: an MoE layer's stacked
-    experts, mostly) under tensor or expert parallelism, which split those parameters but not the adapter's
-    low-rank factors of them. Data, ZeRO and pipeline parallelism run such adapters whole."""
-    wrapped = parameter_adapters(model) if tp > 1 or ep > 1 else []
-    if not wrapped:
-        return
-    name, layer = wrapped[0]
-    parameters = ", ".join(repr(m.parameter_name) for n, m in wrapped if n.startswith(name))
-    sizes = " and ".join(f"{axis}={size}" for axis, size in (("tp", tp), ("ep", ep)) if size > 1)
-    raise NotImplementedError(
-        f"{name} is PEFT's LoRA on the parameters {parameters} of {type(layer.get_base_layer()).__name__}"
-        " (target_parameters; PEFT targets an MoE layer's stacked experts so where target_modules names gate_proj,"
-        f" up_proj or down_proj), which {sizes} would split but not their adapters. Leave the experts out of the"
-        " adapter (target_modules naming the attention's projections, e.g. ['q_proj', 'k_proj', 'v_proj',"
-        " 'o_proj'], and no target_parameters), or train with tp=1 and ep=1 (data, ZeRO and pipeline parallelism"
-        " run it)."
-    )
 
 
 def check_splittable_adapters(model: nn.Module, plan: Mapping[str, Any]) -> None:

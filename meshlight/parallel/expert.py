@@ -28,7 +28,7 @@ the block's own routing sends the tokens (:class:`ListedExpertsParallel`); under
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
 import torch
@@ -53,6 +53,7 @@ from meshlight.parallel.expert_tensor import (
     stacked_split_placements,
 )
 from meshlight.parallel.layout import DATA_AXES, ParallelLayout, axis, hybrid_mesh, same_experts_axis
+from meshlight.parallel.parameter_adapters import ExpertAdapters, adapters_of, parameter_adapters
 
 __all__ = [
     "AllToAllDispatcher",
@@ -61,6 +62,7 @@ __all__ = [
     "ListedExpertsParallel",
     "StackedExpertsParallel",
     "apply_expert_parallel",
+    "check_expert_adapters",
     "check_listed_experts",
     "dense_experts",
     "expert_data_mesh",
@@ -72,6 +74,7 @@ __all__ = [
     "listed_experts_split",
     "sharded_experts",
     "split_dense_experts",
+    "split_over_tp",
     "splittable_listed_experts",
     "stacked_experts",
 ]
@@ -191,6 +194,42 @@ def check_listed_experts(module: nn.Module, layout: ParallelLayout) -> None:
         _check_experts_divide(len(experts), layout.ep, layout.tp if layout.folded else 1)
 
 
+def split_over_tp(experts: nn.Module, layout: ParallelLayout) -> bool:
+    """Whether a model's own stacked ``experts`` are spread over the tp ranks (folded) or each split over them (in
+    a layout :func:`~meshlight.parallel.expert_tensor.stacked_split_placements` knows), rather than kept whole."""
+    return layout.folded or stacked_split_placements(experts) is not None
+
+
+def check_expert_adapters(module: nn.Module, layout: ParallelLayout) -> None:
+    """PEFT's LoRA on a module's parameters (:func:`~meshlight.parallel.parameter_adapters.parameter_adapters`)
+    follows a model's own stacked experts as they are split (:class:`~meshlight.parallel.parameter_adapters.
+    ExpertAdapters`): over ep ranks, folded over the tp ranks too, or each expert over the tp ranks in a layout
+    :func:`~meshlight.parallel.expert_tensor.stacked_split_placements` knows. Refused, naming the way out: experts in
+    another layout under tp (kept whole on every tp rank), and LoRA on any other parameter tensor or expert
+    parallelism would split."""
+    if layout.tp == 1 and layout.ep == 1:
+        return
+    for name, wrapper in parameter_adapters(module):
+        base = wrapper.get_base_layer()
+        if is_stacked_experts(base) and (layout.tp == 1 or split_over_tp(base, layout)):
+            continue
+        parameters = ", ".join(repr(other.parameter_name) for other_name, other in parameter_adapters(module)
+                               if other_name.startswith(name))
+        adapted = f"{layout.describe()}: {name} is PEFT's LoRA on the parameters {parameters} of {type(base).__name__}"
+        if is_stacked_experts(base):
+            raise NotImplementedError(
+                f"{adapted}, stacked experts in a layout meshlight does not split over the tp ranks (it would keep them"
+                " whole on every tp rank, where their adapters would train on each rank's share of the tokens alone):"
+                " fold expert parallelism over the tp ranks instead, each rank holding whole experts: experts='fold'"
+                f" with ep in {layout.folded_ep_choices()}, or tp=1."
+            )
+        raise NotImplementedError(
+            f"{adapted} (target_parameters), which tp or ep would split but not their adapters: leave them out of the"
+            " adapter (target_modules naming Linears, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj'], and no"
+            " target_parameters), or train with tp=1 and ep=1 (data, ZeRO and pipeline parallelism run it)."
+        )
+
+
 def has_experts(module: nn.Module) -> bool:
     """Whether ``module`` has experts expert parallelism splits: ``meshlight.nn.MoE`` layers, stacked experts, or
     experts held as a list in a block whose forward it knows (split already, or not)."""
@@ -269,7 +308,8 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, ep: int, *, seque
             layer.experts.gradient_scale = 1.0 / data_ranks
             layer.dispatcher = AllToAllDispatcher(mesh["ep"].get_group(), layer.num_experts // ep)
     for experts in stacked_experts(module):
-        _split_stacked(experts, mesh, ep, sequence_parallel=sequence_parallel, fold=fold, data_ranks=data_ranks)
+        _split_stacked(experts, mesh, ep, sequence_parallel=sequence_parallel, fold=fold, data_ranks=data_ranks,
+                       adapters=adapters_of(module, experts))
     if ep > 1:  # (under tp: folded, checked by check_listed_experts)
         for name in splittable_listed_experts(module):
             parent, _, list_name = name.rpartition(".")
@@ -285,11 +325,12 @@ def _same_tokens(mesh: DeviceMesh, fold: bool, sequence_parallel: bool) -> Optio
 
 
 def _split_stacked(experts: nn.Module, mesh: DeviceMesh, ep: int, *, sequence_parallel: bool, fold: bool,
-                   data_ranks: int) -> None:
+                   data_ranks: int, adapters: Mapping[str, nn.Module]) -> None:
     """Split a model's own stacked experts: over ``ep`` (folded over the tp ranks, or over data ranks alone), and
     under tensor parallelism (not folded) each expert over tp where its weights are in the layout
     :func:`~meshlight.parallel.expert_tensor.stacked_split_placements` knows — else, with ``ep=1``, they stay whole
-    on every tp rank, as the tensor-parallel plan left them."""
+    on every tp rank, as the tensor-parallel plan left them. ``adapters``: PEFT's LoRA on its weights, by name, whose
+    updates are split as the weights are (:class:`~meshlight.parallel.parameter_adapters.ExpertAdapters`)."""
     tp_split = stacked_split_placements(experts) if mesh["tp"].size() > 1 and not fold else None
     if tp_split is not None:
         check_expert_split(stacked_expert_width(experts), mesh["tp"].size())
@@ -303,8 +344,12 @@ def _split_stacked(experts: nn.Module, mesh: DeviceMesh, ep: int, *, sequence_pa
         return
     if _split(experts, experts.num_experts, split_mesh, placements):
         once = added_once(tp_split, [name for name, _ in experts.named_parameters(recurse=False)]) if tp_split else []
+        coordinates = [(split_mesh.get_local_rank(dim), split_mesh.size(dim)) for dim in range(split_mesh.ndim)]
+        # (the tp ranks hold other experts, or other slices of each)
+        summed_over = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
+        adapted = ExpertAdapters(adapters, coordinates, placements, summed_over) if adapters else None
         StackedExpertsParallel(experts, mesh["ep"].get_group() if ep > 1 else None, data_ranks=data_ranks,
-                               tensor_parallel=tensor_parallel, added_once=once)
+                               tensor_parallel=tensor_parallel, added_once=once, adapters=adapted)
 
 
 def split_dense_experts(module: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
@@ -426,11 +471,13 @@ class StackedExpertsParallel:
     its part of the pairs; the outputs are summed over tp, and the gradients of the tokens and the router's weights,
     each rank's partial, in backward. ``added_once``: weights each tp rank holds whole (each expert split over tp)
     whose term the ranks' partial outputs add once — tp rank 0 adds it, the others add zeros (and the gradient, a
-    partial sum over tp, is rank 0's)."""
+    partial sum over tp, is rank 0's). ``adapters``: PEFT's LoRA on the weights, whose updates of this rank's
+    experts are added to them (:class:`~meshlight.parallel.parameter_adapters.ExpertAdapters`)."""
 
     def __init__(self, experts: nn.Module, group: Optional[dist.ProcessGroup], *, data_ranks: int,
-                 tensor_parallel: Optional[ExpertTensorParallel] = None, added_once: Sequence[str] = ()) -> None:
-        self.experts, self.added_once = experts, tuple(added_once)
+                 tensor_parallel: Optional[ExpertTensorParallel] = None, added_once: Sequence[str] = (),
+                 adapters: Optional[ExpertAdapters] = None) -> None:
+        self.experts, self.added_once, self.adapters = experts, tuple(added_once), adapters
         self.ranks = dist.get_world_size(group) if group is not None else 1
         self.gradient_scale = 1.0 / data_ranks
         self.tensor_parallel = tensor_parallel
@@ -453,7 +500,7 @@ class StackedExpertsParallel:
     def _local_experts(self, rows: Tensor, counts: Tensor) -> Tensor:
         """The module's own forward on this rank's experts: ``rows`` grouped by local expert, ``counts`` of each."""
         tp_rank = self.tensor_parallel.rank if self.tensor_parallel is not None else 0
-        local = _on_local_weights(self.experts, self.gradient_scale, self.added_once, tp_rank)
+        local = _on_local_weights(self.experts, self.gradient_scale, self.added_once, tp_rank, self.adapters)
         object.__setattr__(local, "num_experts", len(counts))
         index = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts, output_size=len(rows))
         ones = torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)
@@ -529,10 +576,12 @@ class DenseExpertsParallel:
         return tp.share(out.view(self.experts.num_experts, -1, out.shape[-1])).reshape(-1, out.shape[-1])
 
 
-def _on_local_weights(experts: nn.Module, gradient_scale: float, once: Sequence[str], tp_rank: int) -> nn.Module:
+def _on_local_weights(experts: nn.Module, gradient_scale: float, once: Sequence[str], tp_rank: int,
+                      adapters: Optional[ExpertAdapters] = None) -> nn.Module:
     """A shallow copy of ``experts`` holding this rank's part of each weight as a plain tensor, its gradient scaled by
     ``gradient_scale``, for the module's own forward to run on without the module's hooks (which ran for the call
-    being served). Weights named in ``once`` count on tp rank ``0`` alone (see :class:`StackedExpertsParallel`)."""
+    being served); with ``adapters``' updates added (not scaled: the adapters are dense weights). Weights named in
+    ``once`` count on tp rank ``0`` alone (see :class:`StackedExpertsParallel`)."""
     local = shallow_copy(experts)
     local._parameters = {}
     for name, param in experts.named_parameters(recurse=False):
@@ -542,5 +591,7 @@ def _on_local_weights(experts: nn.Module, gradient_scale: float, once: Sequence[
             weight = weight if tp_rank == 0 else weight * 0  # a zero gradient, not none
         else:
             weight = local_weight(param, gradient_scale)
+        if adapters is not None:
+            weight = adapters.adapted(name, weight)
         object.__setattr__(local, name, weight)
     return local

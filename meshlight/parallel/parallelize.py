@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshlight.parallel.activation_compression import apply_activation_compression
-from meshlight.parallel.adapters import check_parameter_adapters, check_splittable_adapters
+from meshlight.parallel.adapters import as_planned, check_splittable_adapters
 from meshlight.parallel.blocks import repeated_blocks
 from meshlight.parallel.compile import apply_compile
 from meshlight.parallel.compression import GradientCompression
@@ -24,6 +24,7 @@ from meshlight.parallel.data_parallel import apply_data_parallel, broadcast_modu
 from meshlight.parallel.dtensors import has_dtensor_parameters
 from meshlight.parallel.expert import (
     apply_expert_parallel,
+    check_expert_adapters,
     check_listed_experts,
     dense_experts,
     has_experts,
@@ -32,10 +33,10 @@ from meshlight.parallel.expert import (
     listed_experts,
     sharded_experts,
     split_dense_experts,
+    split_over_tp,
     splittable_listed_experts,
     stacked_experts,
 )
-from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.layout import ParallelLayout, axis
 from meshlight.parallel.offload import apply_activation_offload
 from meshlight.parallel.recompute import apply_recompute
@@ -100,7 +101,7 @@ def parallelize(
     if layout.tp > 1 and stacked_experts(module):
         _check_stacked_experts_under_tp(module, layout)
     check_listed_experts(module, layout)
-    check_parameter_adapters(module, tp=layout.tp, ep=layout.ep)
+    check_expert_adapters(module, layout)
     if is_data_parallel(module):
         return module
     # Every transform starts from the same weights on every rank (DDP would broadcast; FSDP and TP do not).
@@ -113,7 +114,9 @@ def parallelize(
         check_splittable_adapters(module, plan)
         # a model's own experts stay plain here where expert parallelism spreads them over the tp ranks (folded, a
         # list's too) or splits each over them
-        split = {name for name, m in module.named_modules() if is_stacked_experts(m) and _split_over_tp(m, layout)
+        # (by the plan's names: LoRA layers on the experts' weights stand for them, adapters_unwrapped)
+        planned = {name: as_planned(m) for name, m in module.named_modules()}
+        split = {name for name, m in planned.items() if is_stacked_experts(m) and split_over_tp(m, layout)
                  or is_dense_experts(m)}
         listed = tuple(f"{name}." for name in (splittable_listed_experts(module) if layout.ep > 1 else ()))
         plan = {name: role for name, role in plan.items() if name not in split and not name.startswith(listed)}
@@ -160,19 +163,13 @@ def parallelize(
                                grad_compression=grad_compression)
 
 
-def _split_over_tp(experts: nn.Module, layout: ParallelLayout) -> bool:
-    """Whether a model's own stacked ``experts`` are spread over the tp ranks (folded) or each split over them (in
-    a layout :func:`~meshlight.parallel.expert_tensor.stacked_split_placements` knows), rather than kept whole."""
-    return layout.folded or stacked_split_placements(experts) is not None
-
-
 def _check_stacked_experts_under_tp(module: nn.Module, layout: ParallelLayout) -> None:
     """A model's own MoE blocks (Hugging Face's stacked experts) under tensor parallelism: attention is split, the
     router kept whole (on this rank's share of the tokens under sequence parallelism), and the experts each split over
     the tp ranks (``experts="split"``, in a layout :func:`~meshlight.parallel.expert_tensor.stacked_split_placements`
     knows), or spread over them by ``ep`` folded over them (``experts="fold"``); experts in another layout are kept
     whole on every tp rank with ``ep=1``. Refused: such experts with ``ep > 1`` not folded."""
-    unsplit = [name for name, m in module.named_modules() if is_stacked_experts(m) and not _split_over_tp(m, layout)]
+    unsplit = [name for name, m in module.named_modules() if is_stacked_experts(m) and not split_over_tp(m, layout)]
     if layout.ep > 1 and unsplit:
         raise NotImplementedError(
             f"{layout.describe()}: {unsplit[0]}'s weights are not in the layout meshlight splits over the tp ranks"

@@ -13,14 +13,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from meshlight.parallel.activation_compression import ActivationCompressionPolicy
-from meshlight.parallel.adapters import parameter_adapters
 from meshlight.parallel.blocks import BlockSelection, repeated_blocks
 from meshlight.parallel.cost_model import _schedule_of
 from meshlight.parallel.dtensors import has_dtensor_parameters
-from meshlight.parallel.expert import has_experts, listed_experts, stacked_experts
+from meshlight.parallel.expert import has_experts, is_stacked_experts, listed_experts, stacked_experts
 from meshlight.parallel.expert_tensor import stacked_split_placements
 from meshlight.parallel.layout import ParallelLayout, _check_size, _check_zero, _fix_hint, data_sizes
 from meshlight.parallel.offload import OffloadPolicy, apart_from_host
+from meshlight.parallel.parameter_adapters import parameter_adapters
 from meshlight.parallel.pipeline import (
     PipelineError,
     SplitSpec,
@@ -332,10 +332,10 @@ class Hybrid3DStrategy(MeshStrategy):
         layout that cannot be split over tp, and experts held as a list (litgpt's): tp=1 unless requested, and under
         a requested tp ``experts="fold"`` (or ep=1); sequence mixers every tp rank runs whole
         (:data:`~meshlight.parallel.model_shape.WHOLE_MIXERS`), which the cost model does not price: tp=1 unless
-        requested; tp and ep where PEFT's LoRA adapts parameters in place (an MoE layer's stacked experts:
-        :func:`~meshlight.parallel.adapters.parameter_adapters`), which they would split but not the adapters; and pp
-        where pipelining refuses the model's structure (:func:`~meshlight.parallel.pipeline.find_pipelined_module`: no
-        container of blocks)."""
+        requested; tp and ep where PEFT's LoRA adapts parameters in place other than stacked experts' (which the
+        adapters follow as they are split: :func:`~meshlight.parallel.parameter_adapters.parameter_adapters`), which
+        they would split but not the adapters; and pp where pipelining refuses the model's structure
+        (:func:`~meshlight.parallel.pipeline.find_pipelined_module`: no container of blocks)."""
         fixed = {}
         if self._requested["pp"] is None:
             try:
@@ -351,7 +351,8 @@ class Hybrid3DStrategy(MeshStrategy):
                 rank_zero_info(f"Planning with tp=1: tensor parallelism cannot split this model ({error})")
         if self._requested["ep"] is None and not has_experts(self.lightning_module):
             fixed["ep"] = 1
-        if parameter_adapters(self.lightning_module):  # tp and ep would split the experts, not their adapters
+        adapted = [wrapper.get_base_layer() for _, wrapper in parameter_adapters(self.lightning_module)]
+        if not all(map(is_stacked_experts, adapted)):  # tp and ep would split such parameters, not their adapters
             fixed.update({axis: 1 for axis in ("tp", "ep") if self._requested[axis] is None})
         if self._requested["tp"] is None and whole_mixers(self.lightning_module):
             # sequence mixers every tp rank runs whole (Qwen3.5's linear attention): not priced

@@ -748,6 +748,26 @@ def test_the_automatic_plan_agrees_with_the_plan_a_hugging_face_model_publishes(
     assert {name: derived.get(name) for name in published} == published
 
 
+def test_lora_nested_on_the_experts_weights_reads_as_the_experts_and_is_put_back_as_it_was():
+    """PEFT nests one LoRA layer per adapted parameter (Qwen3-MoE's experts: ``down_proj``'s around
+    ``gate_up_proj``'s around the experts). Plans read the experts under the outermost layer's name; leaving the view
+    puts back exactly the structure that was (before, the inner layer was swapped inside the swapped-in experts,
+    which then held themselves: PEFT's get_base_layer looped for ever)."""
+    pytest.importorskip("peft")
+    from meshlight.parallel.adapters import adapters_unwrapped
+    from meshlight.parallel.expert import is_stacked_experts
+    from tests.strategies.hf_models import lit_causal_lm
+
+    model = lit_causal_lm("qwen3_moe-lora")
+    before = [(name, id(module)) for name, module in model.named_modules()]
+    experts = "model.base_model.model.model.layers.0.mlp.experts"
+    with adapters_unwrapped(model):
+        assert is_stacked_experts(model.get_submodule(experts))
+        assert not any(name.startswith(f"{experts}.") and ("base_layer" in name or ".lora_" in name)
+                       for name, _ in model.named_modules())
+    assert [(name, id(module)) for name, module in model.named_modules()] == before
+    assert model.get_submodule(experts).get_base_layer() is model.get_submodule(f"{experts}.base_layer.base_layer")
+
 def test_an_output_gate_registered_after_the_output_projection_is_split_with_the_heads():
     """AFMoE's attention registers its output gate (``gate_proj``, hidden → heads × head_dim, multiplied into the
     attention's output) after ``o_proj``; both read and write the hidden size, so widths cannot tell which is the

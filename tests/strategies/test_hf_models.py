@@ -36,8 +36,9 @@ folded over tp; Llama, GPT-2, Phi-3 and GPT-NeoX fine-tuned with PEFT's LoRA und
 Linear split with its adapters, fused ones part by part), Llama also under dp=2 × tp=2 with ZeRO-3, all three and
 the planned layout (there with its embedding and head trained whole beside, modules_to_save), its frozen weights
 unchanged, its checkpoint resumed and resharded, its dropout one mask over the tp ranks; Mixtral with LoRA on its
-attention under dp=2 × tp=2 × ep=2, and Qwen3-MoE with LoRA on its experts planned without tp and ep. One launch per
-process count."""
+attention under dp=2 × tp=2 × ep=2; Qwen3-MoE with LoRA on its experts under tp=2 (each expert split), dp=2 × tp=2
+× ep=2 (split) and ep=4 (folded over tp), and planned, GPT-OSS's (target_parameters) under tp=2 and ep=2. One launch
+per process count."""
 
 from concurrent.futures import Future
 from pathlib import Path
@@ -274,8 +275,9 @@ def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_
     """PEFT's LoRA on a Linear whose role is not colwise, rowwise or fused_colwise (the LM head, split over the
     vocabulary), or a LoRA variant holding weights of its own (DoRA's magnitude vector): refused before anything is
     split (the check :func:`~meshlight.parallel.parallelize.parallelize` runs beside the plan's validation), naming the
-    layer and the ways out; so is LoRA on an MoE layer's stacked experts (PEFT adapts them in place) under ep or
-    tp."""
+    layer and the ways out; so is LoRA on an MoE layer's stacked experts (PEFT adapts them in place) stored in a
+    layout meshlight does not split over tp, under tp (they would be kept whole on every tp rank), and LoRA on any
+    other parameter under tp or ep."""
     import peft
 
     from meshlight.parallel.adapters import check_splittable_adapters
@@ -291,12 +293,19 @@ def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_
                                                   r" with tp=1"):
         check_splittable_adapters(head, model_plan(head))
     with pytest.raises(NotImplementedError, match=r"layers.0.mlp.experts is PEFT's LoRA on the parameters 'down_proj',"
-                                                  r" 'gate_up_proj' of Qwen3MoeExperts .* which ep=2 would split but"
-                                                  r" not their adapters. Leave the experts out of the adapter .* or"
-                                                  r" train with tp=1 and ep=1"):
-        parallelize(lit_causal_lm("qwen3_moe-lora"), ParallelLayout(dp_replicate=2, ep=2), mesh=None)
-    with pytest.raises(NotImplementedError, match=r"which tp=2 would split"):
-        parallelize(lit_causal_lm("qwen3_moe-lora"), ParallelLayout(tp=2), mesh=None)
+                                                  r" 'gate_up_proj' of Qwen3MoeExperts, stacked experts in a layout"
+                                                  r" meshlight does not split over the tp ranks .* fold expert"
+                                                  r" parallelism over the tp ranks instead, each rank holding whole"
+                                                  r" experts: experts='fold' with ep in \[2\], or tp=1"):
+        parallelize(experts_in_another_layout(lit_causal_lm("qwen3_moe-lora")), ParallelLayout(tp=2), mesh=None)
+    on_weight = lit_causal_lm("llama")
+    on_weight.model = peft.get_peft_model(on_weight.model, peft.LoraConfig(
+        r=4, target_modules=[], target_parameters=["layers.0.self_attn.q_proj.weight"]))
+    with pytest.raises(NotImplementedError, match=r"q_proj is PEFT's LoRA on the parameters 'weight' of Linear"
+                                                  r" \(target_parameters\), which tp or ep would split but not their"
+                                                  r" adapters: leave them out of the adapter .* or train with tp=1 and"
+                                                  r" ep=1"):
+        parallelize(on_weight, ParallelLayout(tp=2), mesh=None)
     dora = lit_causal_lm("llama")
     dora.model = peft.get_peft_model(dora.model, peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(NotImplementedError, match=r"q_proj is a LoRA layer \(Linear\), but it holds"

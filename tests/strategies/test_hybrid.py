@@ -241,14 +241,20 @@ def test_the_planner_splits_a_models_own_experts_over_tp_where_it_can_else_keeps
     ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", logger=False)
     strategy.connect(lit_causal_lm("mixtral-aux"))
     assert strategy._unsplittable() == {}
-    # PEFT's LoRA on Qwen3-MoE's stacked experts (which PEFT adapts in place, target_modules naming gate_proj …): tp
-    # and ep stay 1 unless given (given, parallelize refuses them); LoRA on Mixtral's attention alone fixes nothing
-    for family, arguments, fixed in (("qwen3_moe-lora", {}, {"tp": 1, "ep": 1}),
-                                     ("qwen3_moe-lora", {"ep": 2}, {"tp": 1}), ("mixtral-lora", {}, {})):
-        strategy = ml.Hybrid3DStrategy(**arguments)
+    # PEFT's LoRA on Qwen3-MoE's stacked experts (which PEFT adapts in place, target_modules naming gate_proj …) follows
+    # them as they are split: nothing is fixed, as for Mixtral with LoRA on its attention; LoRA on a Linear's weight
+    # (target_parameters naming it) fixes tp and ep
+    import peft
+
+    on_weight = lit_causal_lm("llama")
+    on_weight.model = peft.get_peft_model(on_weight.model, peft.LoraConfig(
+        r=4, target_modules=[], target_parameters=["layers.0.self_attn.q_proj.weight"]))
+    for module, fixed in ((lit_causal_lm("qwen3_moe-lora"), {}), (lit_causal_lm("mixtral-lora"), {}),
+                          (on_weight, {"tp": 1, "ep": 1})):
+        strategy = ml.Hybrid3DStrategy()
         ml.Trainer(strategy=strategy, devices=1, accelerator="cpu", logger=False)
-        strategy.connect(lit_causal_lm(family))
-        assert strategy._unsplittable() == fixed, (family, arguments)
+        strategy.connect(module)
+        assert strategy._unsplittable() == fixed, module
 
 
 def test_the_strategy_runs_the_virtual_stages_the_planner_chose():

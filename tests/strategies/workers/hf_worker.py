@@ -79,8 +79,9 @@ LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 #: lora_B whole, run on lora_A's partial sums; a fused one's lora_B by rows, computing this rank's rows of each part
 #: as its Linear does), the frozen norms run on the sequence's shares staying frozen: GPT-2's Conv1D projections (its
 #: fused q|k|v too), Phi-3's fused q|k|v with one key/value head (each rank computing it) and fused gate|up,
-#: GPT-NeoX's q|k|v held head by head (as the plan it publishes says, read through PEFT's wrapper)
-LORA = ("llama-lora", "gpt2-lora", "phi3-kv1-lora", "gpt_neox-lora")
+#: GPT-NeoX's q|k|v held head by head (as the plan it publishes says, read through PEFT's wrapper); Llama's with its
+#: embedding and head trained whole beside (modules_to_save: resume-lora trains it, checkpointed)
+LORA = ("llama-lora-saved", "gpt2-lora", "phi3-kv1-lora", "gpt_neox-lora")
 
 #: the microbatches each pipelined layout's schedule cuts a rank's batch into: a model's own load-balancing loss is
 #: computed per forward call, one per microbatch (the one-process control computes it over the same pieces)
@@ -98,12 +99,15 @@ LAYOUTS = {
     # tokens (its gate replicated beside the router), and OLMo 2's and OLMoE's q and k norms over all heads (their
     # statistics reduced over tp; OLMo 2 also in float64, its norms torch's)
     # (and one key/value head, fewer than the ranks: each computes it, under Qwen3's norm over each head, in Phi-3's
-    # fused q|k|v, litgpt's, and Llama's separate k and v)
+    # fused q|k|v, litgpt's, and Llama's separate k and v); Qwen3-MoE and GPT-OSS with LoRA on their experts (PEFT's
+    # target_parameters; Qwen3-MoE's stored [experts, out, in], its gate|up part by part, GPT-OSS's [experts, in,
+    # out]), each rank adding the rows or columns of the update its slice of each expert takes
     "tp2": (lambda: ml.TensorParallelStrategy(tp=2), 2, 1, (*FAMILIES, "qwen2-fp64", "gpt2-vocab61", "gpt_neox",
                                                             *MOE_FAMILIES, "mixtral-aux", "mixtral-aux-labels",
                                                             *TP_FAMILIES, *KV_FEWER_THAN_TP, *BY_LAYOUT,
                                                             *ALIBI, *BLOCK_MLP, *WHOLE_MIXER_FAMILIES,
-                                                            "qwen3_5_moe-fp64", *HYBRIDS, *GEMMA, *VLM, *LORA)),
+                                                            "qwen3_5_moe-fp64", *HYBRIDS, *GEMMA, *VLM, *LORA,
+                                                            "qwen3_moe-lora", "gpt_oss-lora-experts")),
     # one key/value head on all 4 ranks (Qwen3), and two on 2 ranks each (Phi-3's fused q|k|v)
     "tp4": (lambda: ml.TensorParallelStrategy(tp=4), 4, 1, ("qwen3-kv1-fp64", "phi3-kv2-fp64")),
     # without sequence parallelism: DeepSeek-V3's latents' partial gradients reduced where the attention's input is,
@@ -159,30 +163,34 @@ LAYOUTS = {
     "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=MICROBATCHES["3d-moe"]), 8, 2,
                ("qwen3_moe-aux",)),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2); Qwen3-MoE with
-    # LoRA on its stacked experts too (PEFT adapts them in place, which tp and ep cannot split: planned with both 1)
+    # LoRA on its stacked experts too (PEFT adapts them in place: planned with tp=1, the adapters following whole
+    # experts over ep)
     "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2,
                    ("llama", "litgpt", "mixtral", "llama-lora", "qwen3_moe-lora")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2); litgpt's listed
     # experts too, each rank keeping two of the list (also with the gradients clipped: the norm of each rank's
-    # experts summed over ep); DeepSeek-V4's, its hash-routed layer's too (in float64), and HY-V4's
+    # experts summed over ep); DeepSeek-V4's, its hash-routed layer's too (in float64), and HY-V4's; GPT-OSS with LoRA
+    # on its experts (PEFT's target_parameters): each rank adds its experts' part of the adapters' update to them
     "ep2": (lambda: ml.MoEStrategy(ep=2), 2, 2, (*MOE_FAMILIES, "mixtral-aux", "qwen3_moe-aux", *LISTED,
                                                   "granite4", "gemma4_moe", "qwen3_vl_moe", "deepseek_v4-fp64",
-                                                  "hy_v4")),
+                                                  "hy_v4", "gpt_oss-lora-experts")),
     # (Qwen3-MoE with its load-balancing loss, over each data rank's part, per microbatch)
     "dp2-pp2-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=1, ep=2, microbatches=MICROBATCHES["dp2-pp2-ep2"]), 4,
                     2, ("mixtral", "qwen3_moe-aux", "gpt_oss", *LISTED)),
     # expert parallelism folded over tp=2 and 2 data ranks: each of the 4 ranks holds one whole expert (of a list
     # too: litgpt's); with sequence parallelism each tp rank sends its share of the tokens, without it its part of
-    # the (same) tokens (litgpt's also with every step's gradients clipped)
+    # the (same) tokens (litgpt's also with every step's gradients clipped); Qwen3-MoE with LoRA on its experts, the
+    # adapters' gradients summed over the tp ranks, which hold other experts
     "dp2-tp2-ep4": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4), 4, 2, (*MOE_FAMILIES, "litgpt_moe_grouped",
-                                                                              "qwen3_vl_moe")),
+                                                                              "qwen3_vl_moe", "qwen3_moe-lora")),
     "dp2-tp2-ep4-no-sp": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4, sequence_parallel=False), 4, 2,
                           ("mixtral", "litgpt_moe-clip")),
     # each expert split over tp=2 (the fused gate|up part by part), the experts over ep=2 data ranks: each rank runs
     # its half of 2 experts on the whole tokens of its tp group; without sequence parallelism under ZeRO-3 as well;
-    # Mixtral fine-tuned with LoRA on its attention (its experts frozen, split so)
+    # Mixtral fine-tuned with LoRA on its attention (its experts frozen, split so), Qwen3-MoE with LoRA on its experts
+    # too (each rank adding the block of the update its block of the weights takes)
     "dp2-tp2-ep2-split": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split"), 4, 2,
-                          (*MOE_FAMILIES, "mixtral-lora")),
+                          (*MOE_FAMILIES, "mixtral-lora", "qwen3_moe-lora")),
     # a vision-language model's encoder, its parameters plain beside the decoder's tensor-parallel ones, under ZeRO-3
     # (and LoRA's frozen weights beside its adapters, sharded alike)
     "dp2-tp2-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, zero=3), 4, 2, ("llava", "llama-lora-saved")),
@@ -222,6 +230,7 @@ def resume_split(out: Path) -> None:
     halfway, last = folder / f"step={parity.STEPS // 2:09d}", folder / f"step={parity.STEPS:09d}"
     whole = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas, model=model,
                          callbacks=[checkpoint], enable_checkpointing=True)
+    save_run(out, "dp2-tp2-ep2-split", "mixtral", whole)
     resumed = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas, model=model,
                            ckpt_path=halfway)
     folded = parity.train("adamw", strategy=LAYOUTS["dp2-tp2-ep4"][0](), devices=devices, data_parallel=replicas,
@@ -260,6 +269,7 @@ def resume_across(out: Path, family: str, layout: str) -> None:
 
     whole = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas, model=model,
                          callbacks=checkpoints(folder), enable_checkpointing=True)
+    save_run(out, layout, family, whole)
     resumed = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas, model=model,
                            ckpt_path=halfway)
     on_ddp = parity.train("adamw", strategy="ddp", devices=devices, data_parallel=devices, model=model,
@@ -322,6 +332,7 @@ def local_experts(module: torch.nn.Module) -> list[tuple[int, int]]:
 
 
 def main(out: Path, layouts: list[str]) -> None:
+    trained_by_extras = {run for extra in layouts for run in TRAINED_BY_EXTRAS.get(extra, ())}
     for layout in layouts:
         if layout in EXTRAS:
             EXTRAS[layout](out)
@@ -329,14 +340,22 @@ def main(out: Path, layouts: list[str]) -> None:
         strategy, devices, replicas, models = LAYOUTS[layout]
         assert devices == int(os.environ["WORLD_SIZE"]), f"{layout} runs on {devices} processes"
         for family in models:
-            result = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas,
-                                  model=lambda family=family: lit_causal_lm(family))
-            # every rank's: a pipeline stage may hold no MoE block (DeepSeek-V3's dense first layer)
-            gathered = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(gathered, local_experts(result.pop("module")))
-            result["local_experts"] = [experts for part in gathered for experts in part]
-            if torch.distributed.get_rank() == 0:
-                torch.save(result, out / f"{layout}-{family}.pt")
+            if (layout, family) not in trained_by_extras:
+                save_run(out, layout, family, parity.train("adamw", strategy=strategy(), devices=devices,
+                                                           data_parallel=replicas,
+                                                           model=lambda family=family: lit_causal_lm(family)))
+
+
+def save_run(out: Path, layout: str, family: str, result: dict) -> None:
+    """``family``'s run under ``layout`` (:func:`parity.train`'s ``result``), with the experts each rank ran
+    (:func:`local_experts`, every rank's: a pipeline stage may hold no MoE block, DeepSeek-V3's dense first layer),
+    saved by rank 0 as ``<layout>-<family>.pt``; a collective."""
+    result = {**result}
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, local_experts(result.pop("module")))
+    result["local_experts"] = [experts for part in gathered for experts in part]
+    if torch.distributed.get_rank() == 0:
+        torch.save(result, out / f"{layout}-{family}.pt")
 
 
 #: checks beside the layouts' parity runs: name -> what runs it (on as many processes as its layouts)
@@ -346,6 +365,9 @@ EXTRAS = {"reshard-tied": reshard_tied, "resume-split": resume_split,
           "resume-listed": functools.partial(resume_across, family="litgpt_moe", layout="ep2"),
           "resume-lora": functools.partial(resume_across, family="llama-lora-saved", layout="tp2"),
           "lora-dropout": lora_dropout}
+#: the layouts' runs an extra trains and saves as theirs (each resumed run's uninterrupted one), not trained again
+TRAINED_BY_EXTRAS = {"resume-split": [("dp2-tp2-ep2-split", "mixtral")], "resume-listed": [("ep2", "litgpt_moe")],
+                     "resume-lora": [("tp2", "llama-lora-saved")]}
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
