@@ -62,7 +62,7 @@ def litgpt_weights(family: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("pretrained")
-    for family in ALL_FAMILIES:
+    for family in {*ALL_FAMILIES, *(lora.partition("-lora")[0] for lora in pretrained_worker.LORA_FILES.values())}:
         save_pretrained(folder, family)
     for family in set(pretrained_worker.TORCH_FILES.values()):  # litgpt's own files
         (folder / family).mkdir()
@@ -132,13 +132,14 @@ def test_litgpt_files_load_under_every_layout_and_train_as_one_process(runs, fol
                for name, weight in module.model.state_dict().items())
 
 
-@pytest.mark.parametrize("layout", pretrained_worker.LORA_FILES)
+@pytest.mark.parametrize(("layout", "family"), list(pretrained_worker.LORA_FILES.items()))
 def test_a_lora_model_loads_its_base_models_files_under_every_layout_and_trains_as_one_process(runs, folders, layout,
-                                                                                             tmp_path):
+                                                                                             family, tmp_path):
     """Llama with PEFT's LoRA, its embedding and head trained whole beside (modules_to_save), loading Llama's folder
     (each adapted Linear's weights from the Linear's keys, the embedding's and head's into original and copy, each
     rank its part) under tp=2 and ZeRO-3 built on the meta device (its adapters initialized after allocation, each rank
-    keeping its part of the same tensors): losses and weights within 1e-4 of one process loading the same folder
+    keeping its part of the same tensors); Qwen3-MoE with LoRA on its experts too (PEFT adapts them in place) under
+    ep=2, each rank loading its experts: losses and weights within 1e-4 of one process loading the same folder
     into the same model (its adapters initialized so too) over 20 steps. The run's checkpoint exports merged (a
     folder from_pretrained loads) and as PEFT's adapter folder (which PeftModel.from_pretrained loads onto the base
     model's folder), each computing the run's trained model's logits."""
@@ -147,22 +148,23 @@ def test_a_lora_model_loads_its_base_models_files_under_every_layout_and_trains_
     from meshlight.parallel.adapters import initialize_adapters
 
     def model() -> Any:
-        module = lit_causal_lm("llama-lora-saved")
+        module = lit_causal_lm(family)
         if layout.endswith("-meta"):
             initialize_adapters(module.model)
         return module
 
-    control = parity.train("adamw", model=model, callbacks=[ml.callbacks.PretrainedWeights(folders / "llama")])
+    base = folders / family.partition("-lora")[0]
+    control = parity.train("adamw", model=model, callbacks=[ml.callbacks.PretrainedWeights(base)])
     control.pop("module")
-    result = torch.load(runs / f"{layout}-llama-lora-saved.pt", weights_only=False)
+    result = torch.load(runs / f"{layout}-{family}.pt", weights_only=False)
     parity.assert_parity(result, control)
-    trained = lit_causal_lm("llama-lora-saved")
+    trained = lit_causal_lm(family)
     assert not trained.load_state_dict(result["weights"], strict=False).unexpected_keys
-    checkpoint, out = runs / f"{layout}-llama-lora-saved.ckpt", tmp_path
+    checkpoint, out = runs / f"{layout}-{family}.ckpt", tmp_path
     assert sorted(export_pretrained(checkpoint, out / "merged")) == ["config.json", "model.safetensors"]
     assert cli(["export", str(checkpoint), str(out / "adapter"), "--to", "peft"]) == 0
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (out / "adapter").iterdir()}
-    adapted = peft.PeftModel.from_pretrained(from_pretrained(folders / "llama"), out / "adapter")
+    adapted = peft.PeftModel.from_pretrained(from_pretrained(base), out / "adapter")
     with torch.no_grad():
         expected = trained.model(input_ids=PROBE).logits
         for exported in (from_pretrained(out / "merged"), adapted):

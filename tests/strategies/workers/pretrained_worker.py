@@ -137,23 +137,26 @@ def litgpt_files(out: Path, folders: Path) -> None:
         torch.distributed.barrier()
 
 
-#: Llama fine-tuned with PEFT's LoRA, its embedding and head trained whole beside (modules_to_save), loading its base
-#: model's folder under these layouts (``-meta``: built on the meta device, its adapters initialized after allocation)
-LORA_FILES = ("tp2", "zero3-meta")
+#: layout -> the model fine-tuned with PEFT's LoRA that loads its base model's folder under it: Llama, its embedding
+#: and head trained whole beside (modules_to_save; ``-meta``: built on the meta device, its adapters initialized after
+#: allocation), and Qwen3-MoE with LoRA on its experts too, split over 2 ranks (each adding its experts' part of the
+#: adapters' update)
+LORA_FILES = {"tp2": "llama-lora-saved", "zero3-meta": "llama-lora-saved", "ep2": "qwen3_moe-lora"}
 
 
 def lora_files(out: Path, folders: Path) -> None:
-    """Llama with LoRA trained under each of :data:`LORA_FILES` from Llama's folder; rank 0 saves its losses and full
-    weights to ``OUT/<layout>-llama-lora-saved.pt``, and the run its checkpoint to ``….ckpt`` beside."""
-    for layout in LORA_FILES:
-        strategy, devices, replicas = LAYOUTS[layout]
+    """Each of :data:`LORA_FILES` trained under its layout from its base model's folder; rank 0 saves its losses and
+    full weights to ``OUT/<layout>-<model>.pt``, and the run its checkpoint to ``….ckpt`` beside."""
+    for layout, family in LORA_FILES.items():
+        strategy, devices, replicas = {**LAYOUTS, **TORCH_FILE_LAYOUTS}[layout]
         result = parity.train("adamw", strategy=strategy(), devices=devices, data_parallel=replicas,
-                              model=lambda layout=layout: model_of("llama-lora-saved", meta=layout.endswith("-meta")),
-                              save_to=out / f"{layout}-llama-lora-saved.ckpt",
-                              callbacks=[ml.callbacks.PretrainedWeights(folders / "llama")])
+                              model=lambda layout=layout, family=family: model_of(
+                                  family, meta=layout.endswith("-meta")),
+                              save_to=out / f"{layout}-{family}.ckpt",
+                              callbacks=[ml.callbacks.PretrainedWeights(folders / family.partition("-lora")[0])])
         result.pop("module")
         if torch.distributed.get_rank() == 0:
-            torch.save(result, out / f"{layout}-llama-lora-saved.pt")
+            torch.save(result, out / f"{layout}-{family}.pt")
 
 
 def main(out: Path, folders: Path, layouts: list[str]) -> None:
