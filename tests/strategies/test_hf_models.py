@@ -36,9 +36,8 @@ folded over tp; Llama, GPT-2, Phi-3 and GPT-NeoX fine-tuned with PEFT's LoRA und
 Linear split with its adapters, fused ones part by part), Llama also under dp=2 × tp=2 with ZeRO-3, all three and
 the planned layout (there with its embedding and head trained whole beside, modules_to_save), its frozen weights
 unchanged, its checkpoint resumed and resharded, its dropout one mask over the tp ranks; Mixtral with LoRA on its
-attention under dp=2 × tp=2 × ep=2; Qwen3-MoE with LoRA on its experts under tp=2 (each expert split), dp=2 × tp=2
-× ep=2 (split) and ep=4 (folded over tp), and planned, GPT-OSS's (target_parameters) under tp=2 and ep=2. One launch
-per process count."""
+attention under dp=2 × tp=2 × ep=2; Qwen3-MoE with LoRA on its experts under tp=2 (each expert split) and dp=2 ×
+tp=2 × ep=2 (split), and planned, GPT-OSS's (target_parameters) under tp=2 and ep=2. One launch per process count."""
 
 from concurrent.futures import Future
 from pathlib import Path

@@ -82,6 +82,8 @@ LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 #: GPT-NeoX's q|k|v held head by head (as the plan it publishes says, read through PEFT's wrapper); Llama's with its
 #: embedding and head trained whole beside (modules_to_save: resume-lora trains it, checkpointed)
 LORA = ("llama-lora-saved", "gpt2-lora", "phi3-kv1-lora", "gpt_neox-lora")
+#: the families data parallelism trains (FAMILIES but Mistral, Llama's structure under its own classes)
+DATA_FAMILIES = tuple(family for family in FAMILIES if family != "mistral")
 
 #: the microbatches each pipelined layout's schedule cuts a rank's batch into: a model's own load-balancing loss is
 #: computed per forward call, one per microbatch (the one-process control computes it over the same pieces)
@@ -120,8 +122,10 @@ LAYOUTS = {
                   ("deepseek_v3", "litgpt_moe", "llama4-fp64", "apertus", "ernie4_5_vl_moe", "llama-lora")),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61-fp64",)),
-    "ddp": (lambda: "ddp", 2, 2, (*FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
-    "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, (*FAMILIES, "qwen3_vl")),
+    # (Mistral is Llama's structure under its own classes: tp2 and pp2-1f1b run it; data parallelism does nothing
+    # a model's classes change)
+    "ddp": (lambda: "ddp", 2, 2, (*DATA_FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
+    "zero3": (lambda: ml.ZeroStrategy(stage=3), 2, 2, (*DATA_FAMILIES, "qwen3_vl")),
     # Llama 4's forward reads its token embedding's device from the embedding's weight on every stage; Mixtral adds
     # its load-balancing loss to its own loss, from every layer's router logits (carried down the pipeline);
     # DeepSeek-V4 and HY-V4 widen the embedding's output into hyper-connection streams, and collapse them after the
@@ -163,8 +167,7 @@ LAYOUTS = {
     "3d-moe": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=1, microbatches=MICROBATCHES["3d-moe"]), 8, 2,
                ("qwen3_moe-aux",)),
     # no sizes: the planner reads each config (tiny models on CPU processes: it replicates them, dp=2); Qwen3-MoE with
-    # LoRA on its stacked experts too (PEFT adapts them in place: planned with tp=1, the adapters following whole
-    # experts over ep)
+    # LoRA on its stacked experts too (PEFT adapts them in place; the adapters follow the experts as they are split)
     "3d-planned": (lambda: ml.Hybrid3DStrategy(), 2, 2,
                    ("llama", "litgpt", "mixtral", "llama-lora", "qwen3_moe-lora")),
     # the models' own MoE blocks, their stacked experts split over 2 ranks (ep carved out of dp=2); litgpt's listed
@@ -179,10 +182,9 @@ LAYOUTS = {
                     2, ("mixtral", "qwen3_moe-aux", "gpt_oss", *LISTED)),
     # expert parallelism folded over tp=2 and 2 data ranks: each of the 4 ranks holds one whole expert (of a list
     # too: litgpt's); with sequence parallelism each tp rank sends its share of the tokens, without it its part of
-    # the (same) tokens (litgpt's also with every step's gradients clipped); Qwen3-MoE with LoRA on its experts, the
-    # adapters' gradients summed over the tp ranks, which hold other experts
+    # the (same) tokens (litgpt's also with every step's gradients clipped)
     "dp2-tp2-ep4": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4), 4, 2, (*MOE_FAMILIES, "litgpt_moe_grouped",
-                                                                              "qwen3_vl_moe", "qwen3_moe-lora")),
+                                                                              "qwen3_vl_moe")),
     "dp2-tp2-ep4-no-sp": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=4, sequence_parallel=False), 4, 2,
                           ("mixtral", "litgpt_moe-clip")),
     # each expert split over tp=2 (the fused gate|up part by part), the experts over ep=2 data ranks: each rank runs
@@ -208,6 +210,7 @@ def reshard_tied(out: Path) -> None:
         path = out / f"tied-{trained}.ckpt"
         result = parity.train("adamw", strategy=strategy(), devices=2, data_parallel=replicas, save_to=path,
                               model=lambda: lit_causal_lm("gpt2"))
+        save_run(out, trained, "gpt2", result)
         module = lit_causal_lm("gpt2")
         trainer = ml.Trainer(strategy=LAYOUTS[loaded][0](), devices=2, accelerator="cpu", logger=False,
                              enable_progress_bar=False, enable_model_summary=False)
@@ -367,7 +370,8 @@ EXTRAS = {"reshard-tied": reshard_tied, "resume-split": resume_split,
           "lora-dropout": lora_dropout}
 #: the layouts' runs an extra trains and saves as theirs (each resumed run's uninterrupted one), not trained again
 TRAINED_BY_EXTRAS = {"resume-split": [("dp2-tp2-ep2-split", "mixtral")], "resume-listed": [("ep2", "litgpt_moe")],
-                     "resume-lora": [("tp2", "llama-lora-saved")]}
+                     "resume-lora": [("tp2", "llama-lora-saved")], "reshard-tied": [("pp2-1f1b", "gpt2"),
+                                                                                  ("ddp", "gpt2")]}
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
