@@ -29,8 +29,8 @@ from meshlight.parallel.model_shape import linear_widths
 from meshlight.parallel.parameter_adapters import adapts_parameter
 
 __all__ = ["adapted_linear", "adapter_configs", "adapter_layers", "adapters_unwrapped", "as_planned", "base_name",
-           "check_splittable_adapter", "check_splittable_adapters", "initialize_adapters", "peft_base",
-           "read_without_adapters", "rebuilt_peft_model", "saved_copy"]
+           "check_splittable_adapter", "check_splittable_adapters", "initialize_adapters", "initialize_trained_tokens",
+           "peft_base", "read_without_adapters", "rebuilt_peft_model", "saved_copy", "trained_tokens"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -59,8 +59,19 @@ def saved_copy(module: nn.Module) -> Optional[nn.Module]:
         copies[active[0]])
 
 
+def trained_tokens(module: nn.Module) -> Optional[nn.Module]:
+    """Where ``module`` is PEFT's layer training some rows of a module (``TrainableTokensLayer``: the module as
+    ``base_layer`` beside the rows trained, ``trainable_tokens_delta``; PEFT's trainable-tokens method, on the token
+    embedding and an LM head tied to it), or the wrapper holding one (``token_adapter``: ``trainable_token_indices``
+    beside LoRA), that layer; else None."""
+    layer = module._modules.get("token_adapter", module)
+    trained = layer._modules.get("trainable_tokens_delta")
+    return layer if isinstance(trained, nn.ParameterDict) and "base_layer" in layer._modules else None
+
+
 def adapter_layers(model: nn.Module) -> set[str]:
-    """The names of ``model``'s LoRA layers (on Linears or on parameters) and ``modules_to_save`` wrappers."""
+    """The names of ``model``'s LoRA layers (on Linears or on parameters), ``modules_to_save`` wrappers and layers
+    training some rows of a module (:func:`trained_tokens`)."""
     return {name for name, module in model.named_modules()
             if as_planned(module) is not module or adapts_parameter(module)}
 
@@ -71,14 +82,15 @@ def base_name(name: str, layers: Collection[str]) -> Optional[str]:
     name (``q_proj.base_layer.weight``: ``q_proj.weight``), the parameters nested LoRA layers adapt in place under
     the outermost's (``experts.base_layer.base_layer.down_proj``: ``experts.down_proj``), and the module a wrapper
     holds, its original and its trainable copies alike (``lm_head.original_module.weight``,
-    ``lm_head.modules_to_save.default.weight``: ``lm_head.weight``); None for an adapter's own weight
-    (``q_proj.lora_A.default.weight``)."""
+    ``lm_head.modules_to_save.default.weight``: ``lm_head.weight``), and the module whose rows train
+    (``embed_tokens.token_adapter.base_layer.weight``: ``embed_tokens.weight``); None for an adapter's own weight
+    (``q_proj.lora_A.default.weight``, ``embed_tokens.token_adapter.trainable_tokens_delta.default``)."""
     parts = name.split(".")
     for end in range(len(parts) - 1, 0, -1):
         if ".".join(parts[:end]) in layers:
-            if parts[end].startswith("lora_"):
+            if parts[end].startswith(("lora_", "trainable_tokens_")):
                 return None
-            held = {"base_layer": 1, "original_module": 1, "modules_to_save": 2}.get(parts[end], 0)
+            held = {"base_layer": 1, "original_module": 1, "modules_to_save": 2, "token_adapter": 1}.get(parts[end], 0)
             parts = [*parts[:end], *parts[end + held:]]
     return ".".join(parts)
 
@@ -152,6 +164,29 @@ def initialize_adapters(peft_model: nn.Module) -> None:
                 _fill(param, torch.zeros(param.shape))
 
 
+def initialize_trained_tokens(peft_model: nn.Module, built_on_meta: bool) -> None:
+    """Give each trainable-token layer of ``peft_model`` (:func:`trained_tokens`) the rows of its module's weight that
+    its trained rows stand for, as PEFT copies them on creation (into ``trainable_tokens_delta`` and the originals
+    kept beside): for a model whose weights were loaded after PEFT made its adapters, which copied the rows it held
+    then. An adapter PEFT initializes at random (``init_weights=False``) keeps its rows, drawn again where the model
+    was built on the meta device (normal, from a generator seeded by the adapter and its rows). A split weight is
+    gathered once."""
+    # (a head tied to the embedding shares its rows, and its weight: on a pipeline's last stage it stands for it)
+    for layer in dict.fromkeys(layer for module in peft_model.modules()
+                               if (layer := trained_tokens(module)) is not None):
+        weight = layer.base_layer.weight
+        whole = (weight.full_tensor() if isinstance(weight, DTensor) else weight).detach()
+        for adapter, trained in layer.trainable_tokens_delta.items():
+            rows = whole[torch.tensor(layer.token_indices[adapter], device=whole.device)]
+            _fill(layer.trainable_tokens_original[adapter], rows)
+            if getattr(peft_model.peft_config[adapter], "init_weights", True):
+                _fill(trained, rows)
+            elif built_on_meta:
+                seed = f"trainable_tokens.{adapter}.{layer.token_indices[adapter]}"  # (a tied head's: its embedding's)
+                generator = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
+                _fill(trained, torch.empty(rows.shape).normal_(generator=generator).to(rows.dtype))
+
+
 def _fill(param: torch.Tensor, whole: torch.Tensor) -> None:
     """Copy ``whole`` into ``param``: this rank's part of it where ``param`` is a DTensor."""
     with torch.no_grad():
@@ -187,10 +222,12 @@ def adapters_unwrapped(model: nn.Module) -> Iterator[None]:
 
 def as_planned(module: nn.Module) -> nn.Module:
     """What :func:`adapters_unwrapped` shows in ``module``'s place: the Linear a LoRA layer adapts, the module whose
-    parameters LoRA layers adapt in place (stacked experts, mostly), the module a ``modules_to_save`` wrapper runs;
-    any other module itself."""
+    parameters LoRA layers adapt in place (stacked experts, mostly), the module a ``modules_to_save`` wrapper runs,
+    the module some of whose rows PEFT trains (:func:`trained_tokens`); any other module itself."""
     if adapts_parameter(module):
         return module.get_base_layer()
+    if (tokens := trained_tokens(module)) is not None:
+        return tokens.base_layer
     base = adapted_linear(module)
     base = saved_copy(module) if base is None else base
     return module if base is None else base
@@ -209,11 +246,19 @@ def read_without_adapters(function: F) -> F:
 
 def check_splittable_adapters(model: nn.Module, plan: Mapping[str, Any]) -> None:
     """Refuse, before anything is split, each LoRA layer of ``model`` that tensor parallelism's ``plan`` (name → role
-    or style) cannot split (:func:`check_splittable_adapter`)."""
+    or style) cannot split (:func:`check_splittable_adapter`), and rows trained (PEFT's ``trainable_token_indices``)
+    of a module other than the token embedding and the LM head (roles ``embedding`` and ``head``)."""
     for name, module in model.named_modules():
-        if name in plan and adapted_linear(module) is not None:
-            role = plan[name]
-            check_splittable_adapter(name, module, role if isinstance(role, str) else type(role).__name__)
+        role = plan.get(name)
+        role = role if role is None or isinstance(role, str) else type(role).__name__
+        if role is not None and adapted_linear(module) is not None:
+            check_splittable_adapter(name, module, role)
+        if role not in (None, "embedding", "head") and trained_tokens(module) is not None:
+            raise NotImplementedError(
+                f"{name} trains some of its rows (PEFT's trainable_token_indices), but tensor parallelism gives it the"
+                f" role {role!r}, and puts trained rows into the token embedding and the LM head (roles 'embedding'"
+                " and 'head') only: target the token embedding, or train with tp=1 (data, ZeRO or pipeline"
+                " parallelism).")
 
 
 def check_splittable_adapter(name: str, module: nn.Module, role: str) -> None:

@@ -78,7 +78,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
-from meshlight.parallel.adapters import adapted_linear, adapters_unwrapped, check_splittable_adapter, saved_copy
+from meshlight.parallel.adapters import (
+    adapted_linear,
+    adapters_unwrapped,
+    check_splittable_adapter,
+    saved_copy,
+    trained_tokens,
+)
 from meshlight.parallel.model_shape import (
     GROUP_ATTRIBUTES,
     WIDTH_ATTRIBUTES,
@@ -122,6 +128,7 @@ from meshlight.parallel.tensor_styles import (
     Replicated,
     Rowwise,
     SequenceNorm,
+    TrainedTokens,
     TransposedColwise,
     TransposedRowwise,
     VocabEmbedding,
@@ -269,15 +276,20 @@ def _with_adapters(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle
                    *, streams_of_own: bool) -> dict[str, ParallelStyle]:
     """``styles`` with each LoRA layer's (:mod:`meshlight.parallel.adapters`) the low-rank form of its Linear's: the
     layer splits with its Linear and its adapters; one that cannot split is refused, naming it. A ``modules_to_save``
-    wrapper's style (planned on the module it runs) splits its original and each trainable copy alike.
-    ``streams_of_own``: the tp ranks draw random numbers from streams of their own (sequence parallelism), so a
-    column-parallel layer's adapters drop their whole input by one gathered mask."""
+    wrapper's style (planned on the module it runs) splits its original and each trainable copy alike; a
+    trainable-token wrapper's (``trainable_token_indices``, on the token embedding or the head) splits its module and
+    puts the trained rows in their places on each forward (``TrainedTokens``). ``streams_of_own``: the tp ranks draw
+    random numbers from streams of their own (sequence parallelism), so a column-parallel layer's adapters drop their
+    whole input by one gathered mask."""
     for name, module in model.named_modules():
         style = styles.get(name)
         if style is not None and saved_copy(module) is not None:  # PEFT's modules_to_save: each copy and the original
             del styles[name]
             styles.update({f"{name}.{held}": style for held in ("original_module", *(
                 f"modules_to_save.{adapter}" for adapter in module.modules_to_save))})
+        if style is not None and trained_tokens(module) is not None:  # (the embedding's or the head's: checked)
+            styles[name] = TrainedTokens(style)
+            continue
         if style is None or adapted_linear(module) is None:
             continue
         role = plan[name] if isinstance(plan[name], str) else type(plan[name]).__name__

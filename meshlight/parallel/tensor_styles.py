@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from meshlight.nn.experts import scale_gradient
+from meshlight.parallel.adapters import trained_tokens
 from meshlight.parallel.collectives import gather_whole_along, slice_along
 from meshlight.parallel.dtensors import modifiable_local, shallow_copy
 from meshlight.parallel.model_shape import is_transposed_linear
@@ -29,7 +30,7 @@ from meshlight.parallel.tensor_plan import TensorParallelError, _shown
 __all__ = [
     "AgreedDropout", "ColwiseFromShare", "ColwiseNorm", "FusedColwise", "Interior", "LMHead", "LowRankColwise",
     "LowRankFused", "LowRankRowwise", "OnLocalWeights", "Replicated", "Rowwise", "SequenceNorm", "TransposedColwise",
-    "TransposedRowwise", "VocabEmbedding", "WholeMixer", "rows_of_rank", "split_by_head",
+    "TrainedTokens", "TransposedRowwise", "VocabEmbedding", "WholeMixer", "rows_of_rank", "split_by_head",
 ]
 
 
@@ -118,12 +119,16 @@ class VocabEmbedding(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute_parameters(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
-        rows = module.weight.shape[0]
-        # torch.chunk's split, as Shard(0) places them: ceil(rows / tp) on each rank but the last ones
-        first = min(device_mesh.get_local_rank() * -(-rows // device_mesh.size()), rows)
-        module.forward = functools.partial(_vocab_lookup, module, type(module).forward, first, device_mesh,
-                                           self.sequence_parallel)
+        module.forward = functools.partial(_vocab_lookup, module, type(module).forward, _first_row(module.weight),
+                                           device_mesh, self.sequence_parallel)
         return module
+
+
+def _first_row(weight: DTensor) -> int:
+    """The first of the rows this rank holds of ``weight``, sharded by rows over one mesh dimension: torch.chunk's
+    split, as ``Shard(0)`` places them (``ceil(rows / tp)`` on each rank but the last ones)."""
+    rows, mesh = weight.shape[0], weight.device_mesh
+    return min(mesh.get_local_rank() * -(-rows // mesh.size()), rows)
 
 
 def _vocab_lookup(module: nn.Embedding, forward: Any, first: int, mesh: DeviceMesh, sequence_parallel: bool,
@@ -175,6 +180,48 @@ class _LowRank:
             functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
+
+
+class TrainedTokens(ParallelStyle):
+    """PEFT's trainable tokens (``trainable_token_indices``: some rows of the token embedding trained, the same rows
+    of an LM head tied to it) on a module ``style`` splits over the vocabulary (:class:`VocabEmbedding`,
+    :class:`Rowwise`, :class:`LMHead`): the style splits the module (the ``base_layer`` of the layer training its
+    rows, :func:`~meshlight.parallel.adapters.trained_tokens`), the trained rows (``trainable_tokens_delta``) stay
+    whole on every rank, and each forward runs the module on this rank's rows of its weight with the trained ones
+    among them put in their places, as PEFT's forward puts them all into one process's weight (``index_copy``). A
+    trained row's gradient is its owner rank's alone, summed over tp."""
+
+    def __init__(self, style: ParallelStyle) -> None:
+        super().__init__()
+        self.style = style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        layer = trained_tokens(module)
+        self.style._apply(layer.base_layer, device_mesh)
+        # (a head tied to the embedding shares its ParameterDict: the first of the two replicates it)
+        _replicate_parameters("trainable_tokens_delta", layer.trainable_tokens_delta, device_mesh)
+        layer.forward = functools.partial(_with_trained_rows, layer)
+        return module
+
+
+def _with_trained_rows(layer: nn.Module, inputs: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """:class:`TrainedTokens`'s forward of PEFT's trainable-token ``layer``: its module run on this rank's rows of
+    the weight, the active adapters' trained rows among them in their places (PEFT's forward with adapters off or
+    merged: the module as it is)."""
+    base, active = layer.base_layer, layer.active_adapters
+    if layer.disable_adapters or layer.merged or not active:
+        return base(inputs, *args, **kwargs)
+    layer._check_overlapping_tokens(active)
+    weight = base.weight
+    rows, first = weight.to_local(), _first_row(weight)
+    for adapter in active:  # (a later adapter's rows over an earlier's, as PEFT writes them)
+        indices = torch.tensor(layer.token_indices[adapter], device=rows.device)
+        mine = (indices >= first) & (indices < first + rows.shape[0])
+        trained = layer.trainable_tokens_delta[adapter].to_local(grad_placements=[Partial()])
+        rows = rows.index_copy(0, indices[mine] - first, trained[mine].to(rows.dtype))
+    placed = DTensor.from_local(rows, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
+                                stride=weight.stride())
+    return torch.func.functional_call(base, {"weight": placed}, (inputs, *args), kwargs)
 
 
 class AgreedDropout(nn.Module):

@@ -491,7 +491,8 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
     0.05 before each step (``"litgpt_moe-clip"``: every step clipped, its norm 0.8–2.1 before), or fine-tuned with
     LoRA (``"llama-lora"``: :func:`with_lora`; ``"llama-lora-saved"``: its embedding and head trained whole beside;
     ``"llama-lora-drop"``: the adapters' inputs dropped with probability 0.5; ``"gpt_oss-lora-experts"``: on the
-    attention and, by ``target_parameters``, the stacked experts' weights, as GPT-OSS fine-tunes do),
+    attention and, by ``target_parameters``, the stacked experts' weights, as GPT-OSS fine-tunes do;
+    ``"gpt2-vocab61-lora-tokens"``: some rows of the token embedding trained beside, :func:`tokens_to_train`),
     with the family's :func:`training_options`; ``data_shards``, ``microbatches``: see :class:`LitCausalLM`. A
     vision-language family (:data:`~tests.strategies.hf_vlm.FAMILIES`): :func:`~tests.strategies.hf_vlm.lit_vlm`'s
     model."""
@@ -517,7 +518,8 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
                          kv_heads=int(kv_heads or KV_HEADS), clip=0.05 if clip else 0.0)
     if adapted:
         module.model = with_lora(module.model, family, saved="-saved" in variant,
-                                 dropout=0.5 if "-drop" in variant else 0.0, experts="-experts" in variant)
+                                 dropout=0.5 if "-drop" in variant else 0.0, experts="-experts" in variant,
+                                 tokens="-tokens" in variant)
     return in_float64(module) if fp64 else module
 
 
@@ -529,20 +531,40 @@ LORA_TARGETS = {"gpt2": ["c_attn", "c_fc", "c_proj"], "phi3": ["qkv_proj", "o_pr
 
 
 def with_lora(model: torch.nn.Module, family: str, saved: bool = False, dropout: float = 0.0,
-              experts: bool = False) -> torch.nn.Module:
+              experts: bool = False, tokens: bool = False) -> torch.nn.Module:
     """``model`` fine-tuned with PEFT's LoRA (rank 4, on :data:`LORA_TARGETS`, initialized as PEFT does: ``lora_B``
     zeros, the adapters starting as no change), its own weights frozen; ``saved``: its token embedding and LM head
     trained whole too (PEFT's ``modules_to_save``: a trainable copy of each beside the frozen original, as a
     fine-tune adding tokens trains them); ``dropout``: PEFT's ``lora_dropout``; ``experts``: on the attention's
-    projections and the stacked experts' ``gate_up_proj`` and ``down_proj`` (``target_parameters``)."""
+    projections and the stacked experts' ``gate_up_proj`` and ``down_proj`` (``target_parameters``); ``tokens``: rows
+    of the token embedding trained beside (PEFT's ``trainable_token_indices``, as a fine-tune adding a few tokens
+    trains them; the same rows of an LM head tied to it too), :func:`tokens_to_train`."""
     import peft
 
     targets = LORA_TARGETS.get(family, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets[:4] if experts else targets,
                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts
                              else None, fan_in_fan_out=family == "gpt2",
-                             modules_to_save=["embed_tokens", "lm_head"] if saved else None, lora_dropout=dropout)
+                             modules_to_save=["embed_tokens", "lm_head"] if saved else None, lora_dropout=dropout,
+                             trainable_token_indices=tokens_to_train(model) if tokens else None)
     return peft.get_peft_model(model, config)
+
+
+def with_trained_tokens(model: torch.nn.Module, family: str) -> torch.nn.Module:
+    """``model`` with the rows :func:`tokens_to_train` of its token embedding trained (and of its head, tied to it),
+    by PEFT's trainable-tokens method alone (no LoRA), its own weights frozen."""
+    import peft
+
+    embedding = "wte" if family == "gpt2" else "embed_tokens"
+    config = peft.TrainableTokensConfig(target_modules=[embedding], token_indices=tokens_to_train(model))
+    return peft.get_peft_model(model, config)
+
+
+def tokens_to_train(model: torch.nn.Module) -> list[int]:
+    """The rows of ``model``'s token embedding :func:`with_lora` trains with ``tokens``: the first and the last, and
+    the last and the first of the two halves tp=2 splits them into (``ceil(vocabulary / 2)``: torch.chunk's)."""
+    rows = model.get_input_embeddings().num_embeddings
+    return [0, -(-rows // 2) - 1, -(-rows // 2), rows - 1]
 
 
 def in_float64(module: LitCausalLM) -> LitCausalLM:

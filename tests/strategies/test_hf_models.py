@@ -136,7 +136,8 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     control = controls[control_of(layout, model)]
     parity.assert_parity(result, control, rtol=PARITY_RTOL.get(model, 1e-4))
     if "-lora" in model:  # the model's own weights frozen, as in one process: only the adapters (and copies) trained
-        frozen = [name for name in control["weights"] if ".lora_" not in name and ".modules_to_save." not in name]
+        frozen = [name for name in control["weights"]
+                  if not any(trained in name for trained in (".lora_", ".modules_to_save.", ".trainable_tokens_"))]
         assert len(frozen) < len(control["weights"])
         assert all(torch.equal(result["weights"][name], control["weights"][name]) for name in frozen)
     # 4 experts: over 2 or 4 ranks, or whole
@@ -270,13 +271,36 @@ def test_lora_dropout_is_one_mask_over_the_tensor_parallel_ranks_and_recomputati
     assert results["recompute_replays"]
 
 
+@pytest.mark.parametrize("method", ["beside-lora", "alone"])
+def test_rows_peft_trains_are_planned_as_the_module_holding_them(method):
+    """PEFT's trainable tokens (some rows of GPT-2's token embedding trained, and of its head tied to it; beside LoRA,
+    ``trainable_token_indices``, or PEFT's trainable-tokens method alone): the tensor-parallel plan gives the layer
+    training them the role of the module whose rows it trains (the embedding's, the head's), as without adapters,
+    and the module's weight loads from that module's name; the trained rows are the adapter's own (tp=2 trains the
+    first form: test_each_layout_matches_single_process_training)."""
+    from meshlight.parallel.adapters import adapter_layers, base_name
+    from meshlight.parallel.tensor_plan import model_plan
+    from tests.strategies.hf_models import with_lora, with_trained_tokens
+
+    module = lit_causal_lm("gpt2")
+    expected = {n: r for n, r in model_plan(module).items() if r in ("embedding", "head")}
+    module.model = (with_lora(module.model, "gpt2", tokens=True) if method == "beside-lora" else
+                    with_trained_tokens(module.model, "gpt2"))
+    planned = {n.replace("base_model.model.", ""): r for n, r in model_plan(module).items() if r in expected.values()}
+    assert planned == expected == {"model.transformer.wte": "embedding", "model.lm_head": "head"}
+    layers = adapter_layers(module)
+    names = {n: base_name(n, layers) for n, _ in module.named_parameters() if ".wte." in n}
+    assert sorted(names.values(), key=str) == [None, "model.base_model.model.transformer.wte.weight"], names
+
+
 def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_out():
     """PEFT's LoRA on a Linear whose role is not colwise, rowwise or fused_colwise (the LM head, split over the
-    vocabulary), or a LoRA variant holding weights of its own (DoRA's magnitude vector): refused before anything is
-    split (the check :func:`~meshlight.parallel.parallelize.parallelize` runs beside the plan's validation), naming the
-    layer and the ways out; so is LoRA on an MoE layer's stacked experts (PEFT adapts them in place) stored in a
-    layout meshlight does not split over tp, under tp (they would be kept whole on every tp rank), and LoRA on any
-    other parameter under tp or ep."""
+    vocabulary), or a LoRA variant holding weights of its own (DoRA's magnitude vector), or rows trained
+    (``trainable_token_indices``) of an embedding other than the token embedding (a position table): refused before
+    anything is split (the check :func:`~meshlight.parallel.parallelize.parallelize` runs beside the plan's
+    validation), naming the layer and the ways out; so is LoRA on an MoE layer's stacked experts (PEFT adapts them in
+    place) stored in a layout meshlight does not split over tp, under tp (they would be kept whole on every tp rank),
+    and LoRA on any other parameter under tp or ep."""
     import peft
 
     from meshlight.parallel.adapters import check_splittable_adapters
@@ -311,3 +335,11 @@ def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_
                                                   r" lora_magnitude_vector beside its adapters' lora_A and lora_B"
                                                   r" \(DoRA's magnitude vector\).* use plain LoRA"):
         check_splittable_adapters(dora, model_plan(dora))
+    positions = lit_causal_lm("gpt2")
+    positions.model = peft.get_peft_model(positions.model, peft.LoraConfig(
+        r=4, target_modules=["c_attn"], trainable_token_indices={"wpe": [0, 1]}))
+    with pytest.raises(NotImplementedError, match=r"model.base_model.model.transformer.wpe trains some of its rows"
+                                                  r" \(PEFT's trainable_token_indices\), but tensor parallelism gives"
+                                                  r" it the role 'replicate', .* target the token embedding, or train"
+                                                  r" with tp=1"):
+        check_splittable_adapters(positions, model_plan(positions))

@@ -22,7 +22,7 @@ from meshlight.models.hf_layout import llama_config_json  # noqa: E402
 from meshlight.parallel.pretrained import PretrainedWeightsError, export_pretrained, load_pretrained  # noqa: E402
 from tests.launch import torchrun  # noqa: E402
 from tests.strategies import parity  # noqa: E402
-from tests.strategies.hf_models import hf_config, lit_causal_lm, with_lora  # noqa: E402
+from tests.strategies.hf_models import hf_config, lit_causal_lm, with_lora, with_trained_tokens  # noqa: E402
 from tests.strategies.hf_vlm import FAMILIES as VLM_FAMILIES  # noqa: E402
 from tests.strategies.hf_vlm import lit_vlm, vlm_config  # noqa: E402
 from tests.strategies.workers import pretrained_worker  # noqa: E402
@@ -139,10 +139,12 @@ def test_a_lora_model_loads_its_base_models_files_under_every_layout_and_trains_
     (each adapted Linear's weights from the Linear's keys, the embedding's and head's into original and copy, each
     rank its part) under tp=2 and ZeRO-3 built on the meta device (its adapters initialized after allocation, each rank
     keeping its part of the same tensors); Qwen3-MoE with LoRA on its experts too (PEFT adapts them in place) under
-    ep=2, each rank loading its experts: losses and weights within 1e-4 of one process loading the same folder
-    into the same model (its adapters initialized so too) over 20 steps. The run's checkpoint exports merged (a
-    folder from_pretrained loads) and as PEFT's adapter folder (which PeftModel.from_pretrained loads onto the base
-    model's folder), each computing the run's trained model's logits."""
+    ep=2, each rank loading its experts; GPT-2 with rows of its embedding trained (trainable_token_indices) under
+    pp=2, its head tied to the embedding on the other stage, each stage's rows starting from the rows it loaded:
+    losses and weights within 1e-4 of one process loading the same folder into the same model (its adapters
+    initialized so too) over 20 steps. The run's checkpoint exports merged (a folder from_pretrained loads) and as
+    PEFT's adapter folder (which PeftModel.from_pretrained loads onto the base model's folder), each computing the
+    run's trained model's logits."""
     import peft
 
     from meshlight.parallel.adapters import initialize_adapters
@@ -219,6 +221,35 @@ def test_a_lora_model_loads_its_base_models_files_leaving_its_adapters_also_on_t
                 assert not param.any(), name
             elif ".lora_A." in name:  # Kaiming-uniform
                 assert 0 < param.abs().max() <= 1 / param.shape[1] ** 0.5, name
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("method", ["beside-lora", "alone"])
+def test_rows_peft_trains_start_from_the_loaded_rows_also_on_the_meta_device(tmp_path, family, method):
+    """PEFT's trainable tokens (some rows of the token embedding trained, and of GPT-2's head tied to it; beside LoRA,
+    ``trainable_token_indices``, or PEFT's trainable-tokens method alone): the base model's folder loaded after PEFT
+    made them, the trained rows and the originals PEFT keeps beside are the loaded rows, as PEFT makes them on the
+    loaded model (so the logits are the base model's), also built on the meta device, where they held nothing."""
+    def adapted(model: Any) -> Any:
+        return with_lora(model, family, tokens=True) if method == "beside-lora" else with_trained_tokens(model, family)
+
+    folder = save_pretrained(tmp_path, family)
+    expected = from_pretrained(folder)
+    name, rows = next((name, tensor) for name, tensor in adapted(from_pretrained(folder)).state_dict().items()
+                      if ".trainable_tokens_delta." in name)  # the embedding's (a tied head's are the same)
+    for meta in (False, True):
+        module = lit_causal_lm(family)
+        with torch.device("meta" if meta else "cpu"):
+            module.model = adapted(transformers.AutoModelForCausalLM.from_config(hf_config(family)) if meta
+                                   else module.model)
+        report = load_pretrained(module, folder)
+        assert not report.missing and not report.unexpected
+        assert name.removeprefix("base_model.model.") in report.adapters
+        layer = module.model.get_submodule(name.partition(".trainable_tokens_delta.")[0])
+        assert torch.equal(layer.trainable_tokens_delta["default"], rows)
+        assert torch.equal(layer.trainable_tokens_original["default"], rows)  # (not in the state: a buffer of its own)
+        with torch.no_grad():
+            torch.testing.assert_close(module.model(input_ids=PROBE).logits, expected(input_ids=PROBE).logits)
 
 
 def test_lora_on_an_moe_models_experts_loads_its_base_models_files_also_on_the_meta_device(tmp_path):

@@ -80,8 +80,10 @@ LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 #: as its Linear does), the frozen norms run on the sequence's shares staying frozen: GPT-2's Conv1D projections (its
 #: fused q|k|v too), Phi-3's fused q|k|v with one key/value head (each rank computing it) and fused gate|up,
 #: GPT-NeoX's q|k|v held head by head (as the plan it publishes says, read through PEFT's wrapper); Llama's with its
-#: embedding and head trained whole beside (modules_to_save: resume-lora trains it, checkpointed)
-LORA = ("llama-lora-saved", "gpt2-lora", "phi3-kv1-lora", "gpt_neox-lora")
+#: embedding and head trained whole beside (modules_to_save: resume-lora trains it, checkpointed); GPT-2 with rows of
+#: its embedding trained beside (trainable_token_indices: on either side of where tp splits a vocabulary of 61, 31 +
+#: 30, and in its head tied to it), each rank putting those it holds into its rows of the weight
+LORA = ("llama-lora-saved", "gpt2-lora", "phi3-kv1-lora", "gpt_neox-lora", "gpt2-vocab61-lora-tokens")
 #: the families data parallelism trains (FAMILIES but Mistral, Llama's structure under its own classes)
 DATA_FAMILIES = tuple(family for family in FAMILIES if family != "mistral")
 
@@ -120,8 +122,10 @@ LAYOUTS = {
     # beside the hidden state, which sequence parallelism refuses
     "tp2-no-sp": (lambda: ml.TensorParallelStrategy(tp=2, sequence_parallel=False), 2, 1,
                   ("deepseek_v3", "litgpt_moe", "llama4-fp64", "apertus", "ernie4_5_vl_moe", "llama-lora")),
-    # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism)
-    "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1, ("llama-vocab61-fp64",)),
+    # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism; GPT-2 with rows
+    # of its embedding and of its head tied to it trained, the logits of those rows computed by the rank holding each)
+    "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1,
+                          ("llama-vocab61-fp64", "gpt2-vocab61-lora-tokens")),
     # (Mistral is Llama's structure under its own classes: tp2 and pp2-1f1b run it; data parallelism does nothing
     # a model's classes change)
     "ddp": (lambda: "ddp", 2, 2, (*DATA_FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
@@ -157,9 +161,11 @@ LAYOUTS = {
     # for it and cuts it again; and three MoE families, ep=1, each expert split over tp (Mixtral's are split as
     # Qwen3-MoE's are): DeepSeek-V3's latent attention, its dense first layer a stage of its own; Llama 4's experts
     # that take every token (in float64, as at tp2); Granite 4's Mamba mixers whole on every tp rank (as Qwen3.5's
-    # linear attention, whose float64 run cost 32 s on 8 processes), its experts beside its fused shared expert
+    # linear attention, whose float64 run cost 32 s on 8 processes), its experts beside its fused shared expert; GPT-2
+    # with rows of its embedding trained, and of its head tied to it on the other stage
     "pp2-tp2": (lambda: ml.Hybrid3DStrategy(dp=1, pp=2, tp=2, microbatches=MICROBATCHES["pp2-tp2"]), 4, 1,
-                ("olmo2", "falcon_rw", "qwen3_vl-deep-fp64", "deepseek_v3", "llama4-fp64", "granite4")),
+                ("olmo2", "falcon_rw", "qwen3_vl-deep-fp64", "deepseek_v3", "llama4-fp64", "granite4",
+                 "gpt2-vocab61-lora-tokens")),
     # litgpt's fused grouped q|k|v split over tp, and its experts held as a list spread over the tp ranks by ep
     # folded over them (each rank two whole experts of each list, each tp rank sending its share of the tokens)
     "3d-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=2, microbatches=MICROBATCHES["3d-ep2"]), 8, 2,
@@ -194,8 +200,9 @@ LAYOUTS = {
     "dp2-tp2-ep2-split": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split"), 4, 2,
                           (*MOE_FAMILIES, "mixtral-lora", "qwen3_moe-lora")),
     # a vision-language model's encoder, its parameters plain beside the decoder's tensor-parallel ones, under ZeRO-3
-    # (and LoRA's frozen weights beside its adapters, sharded alike)
-    "dp2-tp2-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, zero=3), 4, 2, ("llava", "llama-lora-saved")),
+    # (and LoRA's frozen weights beside its adapters, sharded alike; the rows of an embedding trained beside them too)
+    "dp2-tp2-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, zero=3), 4, 2,
+                      ("llava", "llama-lora-saved", "llama-lora-tokens")),
     "dp2-tp2-ep2-split-no-sp-zero3": (lambda: ml.Hybrid3DStrategy(dp=2, pp=1, tp=2, ep=2, experts="split", zero=3,
                                                                   sequence_parallel=False), 4, 2, ("mixtral",)),
 }

@@ -67,7 +67,7 @@ def model_of(family: str, *, meta: bool = False) -> Any:
 
     module = LitGPT(GPT_LLAMA, lr=1e-2, warmup_steps=2) if family == "gpt" else lit_causal_lm(family)
     config = module.model.config
-    base, lora, saved = family.partition("-lora")
+    base, lora, variant = family.partition("-lora")
 
     def configure_model() -> None:
         with torch.device("meta"):
@@ -75,7 +75,7 @@ def model_of(family: str, *, meta: bool = False) -> Any:
                             transformers.AutoModelForCausalLM.from_config(
                                 config, attn_implementation=attention_implementation(base)))
             if lora:
-                module.model = with_lora(module.model, base, saved=bool(saved))
+                module.model = with_lora(module.model, base, saved="-saved" in variant, tokens="-tokens" in variant)
 
     if meta:
         module.configure_model = configure_model
@@ -139,9 +139,11 @@ def litgpt_files(out: Path, folders: Path) -> None:
 
 #: layout -> the model fine-tuned with PEFT's LoRA that loads its base model's folder under it: Llama, its embedding
 #: and head trained whole beside (modules_to_save; ``-meta``: built on the meta device, its adapters initialized after
-#: allocation), and Qwen3-MoE with LoRA on its experts too, split over 2 ranks (each adding its experts' part of the
-#: adapters' update)
-LORA_FILES = {"tp2": "llama-lora-saved", "zero3-meta": "llama-lora-saved", "ep2": "qwen3_moe-lora"}
+#: allocation), Qwen3-MoE with LoRA on its experts too, split over 2 ranks (each adding its experts' part of the
+#: adapters' update), and GPT-2 with rows of its embedding trained (trainable_token_indices; its head, tied to it, on
+#: the other stage: each stage's rows start from the rows it loaded)
+LORA_FILES = {"tp2": "llama-lora-saved", "zero3-meta": "llama-lora-saved", "ep2": "qwen3_moe-lora",
+              "pp2": "gpt2-lora-tokens"}
 
 
 def lora_files(out: Path, folders: Path) -> None:
