@@ -263,19 +263,19 @@ def check_splittable_adapters(model: nn.Module, plan: Mapping[str, Any]) -> None
 
 def check_splittable_adapter(name: str, module: nn.Module, role: str) -> None:
     """Refuse, naming the way out, a LoRA layer tensor parallelism cannot split: one on a Linear whose role is not
-    ``colwise``, ``rowwise`` or ``fused_colwise`` (the LM head, a replicated gate …), or holding weights beside its
+    ``colwise``, ``rowwise``, ``fused_colwise`` or ``head`` (a replicated gate …), or holding weights beside its
     Linear's and its adapters' ``lora_A`` and ``lora_B`` (DoRA's magnitude vector), or an adapter variant PEFT runs
     otherwise (``lora_variant``)."""
     extra = sorted({n.split(".")[0] for n, _ in module.named_parameters()} - {"base_layer", "lora_A", "lora_B"})
     variants = sorted(getattr(module, "lora_variant", None) or ())
-    if role in ("colwise", "rowwise", "fused_colwise") and not (extra or variants):
+    if role in ("colwise", "rowwise", "fused_colwise", "head") and not (extra or variants):
         return
     why = (f"it holds {', '.join(extra)} beside its adapters' lora_A and lora_B (DoRA's magnitude vector), which"
            " tensor parallelism does not split" if extra else
            f"its adapter {variants[0]!r} is a LoRA variant ({type(module.lora_variant[variants[0]]).__name__}), which"
            " tensor parallelism does not split" if variants else
            f"tensor parallelism gives its Linear the role {role!r}, and splits the adapters of 'colwise',"
-           " 'rowwise' and 'fused_colwise' Linears only")
+           " 'rowwise', 'fused_colwise' and 'head' Linears only")
     raise NotImplementedError(
         f"{name} is a LoRA layer ({type(module).__name__}), but {why}. Leave that module out of the adapter's"
         " target_modules (the attention's and MLP's separate projections split), use plain LoRA, or train it"

@@ -123,6 +123,7 @@ from meshlight.parallel.tensor_styles import (
     LMHead,
     LowRankColwise,
     LowRankFused,
+    LowRankHead,
     LowRankRowwise,
     OnLocalWeights,
     Replicated,
@@ -293,9 +294,12 @@ def _with_adapters(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle
         if style is None or adapted_linear(module) is None:
             continue
         role = plan[name] if isinstance(plan[name], str) else type(plan[name]).__name__
-        plain = type(style) in (ColwiseParallel, TransposedColwise, Rowwise, TransposedRowwise, FusedColwise)
+        plain = type(style) in (ColwiseParallel, TransposedColwise, Rowwise, TransposedRowwise, FusedColwise, LMHead)
         check_splittable_adapter(_shown(name), module, role if plain else f"{role} ({type(style).__name__})")
-        if isinstance(style, FusedColwise):
+        if isinstance(style, LMHead):
+            styles[name] = LowRankHead(sequence_parallel=style.sequence_parallel, loss_parallel=style.loss_parallel,
+                                       agreed_dropout=streams_of_own)
+        elif isinstance(style, FusedColwise):
             styles[name] = LowRankFused(style.parts, style.kv, agreed_dropout=streams_of_own)
         elif role == "rowwise":  # (its input is split by columns: each rank drops its own, as one mask would)
             styles[name] = LowRankRowwise(output_layouts=style.output_layouts[0])

@@ -29,8 +29,9 @@ from meshlight.parallel.tensor_plan import TensorParallelError, _shown
 
 __all__ = [
     "AgreedDropout", "ColwiseFromShare", "ColwiseNorm", "FusedColwise", "Interior", "LMHead", "LowRankColwise",
-    "LowRankFused", "LowRankRowwise", "OnLocalWeights", "Replicated", "Rowwise", "SequenceNorm", "TransposedColwise",
-    "TrainedTokens", "TransposedRowwise", "VocabEmbedding", "WholeMixer", "rows_of_rank", "split_by_head",
+    "LowRankFused", "LowRankHead", "LowRankRowwise", "OnLocalWeights", "Replicated", "Rowwise", "SequenceNorm",
+    "TrainedTokens", "TransposedColwise", "TransposedRowwise", "VocabEmbedding", "WholeMixer", "rows_of_rank",
+    "split_by_head",
 ]
 
 
@@ -40,9 +41,9 @@ class LMHead(ColwiseParallel):
     on one rank. In eval mode they are gathered, so metrics and predictions see ordinary tensors."""
 
     def __init__(self, *, sequence_parallel: bool, loss_parallel: bool) -> None:
-        super().__init__(input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Shard(-1),
-                         use_local_output=False)
-        self.loss_parallel = loss_parallel
+        ColwiseParallel.__init__(self, input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                 output_layouts=Shard(-1), use_local_output=False)
+        self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
@@ -291,6 +292,17 @@ class LowRankRowwise(_LowRank, Rowwise):
     down = {"weight": Shard(1), "bias": Replicate()}
     up = {"weight": Replicate(), "bias": Replicate()}
     desired_input_layouts = (Shard(-1),)
+
+
+class LowRankHead(LMHead, LowRankColwise):
+    """LoRA on the LM head (:class:`LMHead`: split over the vocabulary, its logits left so for loss parallelism in
+    training): the head's and each ``lora_B``'s vocabulary rows split, each ``lora_A`` whole on every rank, as
+    :class:`LowRankColwise` places them (whose ``_apply`` the head's runs). ``agreed_dropout``: as
+    :class:`LowRankColwise`'s."""
+
+    def __init__(self, *, sequence_parallel: bool, loss_parallel: bool, agreed_dropout: bool = False) -> None:
+        super().__init__(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        self.agreed_dropout = agreed_dropout
 
 
 class ColwiseFromShare(ColwiseParallel):

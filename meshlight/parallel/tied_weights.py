@@ -2,8 +2,8 @@
 
 Each of the two ranks holds a copy (its stage's module), as Megatron-LM does with its embedding group: the first
 stage's copy is broadcast to the last at setup, and after each step's backward the two copies' gradients are summed
-between them, so both take the same optimizer step and stay one weight. The last stage's copy is left out of the
-gradient norm, which counts every weight once.
+between them, so both take the same optimizer step and stay one weight (a frozen one takes none). The last stage's
+copy is left out of the gradient norm, which counts every weight once.
 """
 
 from __future__ import annotations
@@ -55,9 +55,12 @@ class TiedWeights:
     def reduce_gradients(self) -> None:
         """Sum the two copies' gradients (each the whole gradient of its stage's use, already reduced over data
         parallelism); a copy that got none counts as zero. The stages may split their copies differently (tensor
-        parallelism shards a token embedding and an LM head each its own way), so whole gradients are summed."""
+        parallelism shards a token embedding and an LM head each its own way), so whole gradients are summed. A
+        frozen weight (a LoRA fine-tune's) is left without one: a zero gradient would have AdamW decay it."""
         with torch.no_grad():
             for param in self._parameters():
+                if not param.requires_grad:
+                    continue
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 grad = param.grad

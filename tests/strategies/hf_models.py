@@ -492,7 +492,8 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
     LoRA (``"llama-lora"``: :func:`with_lora`; ``"llama-lora-saved"``: its embedding and head trained whole beside;
     ``"llama-lora-drop"``: the adapters' inputs dropped with probability 0.5; ``"gpt_oss-lora-experts"``: on the
     attention and, by ``target_parameters``, the stacked experts' weights, as GPT-OSS fine-tunes do;
-    ``"gpt2-vocab61-lora-tokens"``: some rows of the token embedding trained beside, :func:`tokens_to_train`),
+    ``"gpt2-vocab61-lora-tokens"``: some rows of the token embedding trained beside, :func:`tokens_to_train`;
+    ``"llama-lora-head"``: on the LM head too),
     with the family's :func:`training_options`; ``data_shards``, ``microbatches``: see :class:`LitCausalLM`. A
     vision-language family (:data:`~tests.strategies.hf_vlm.FAMILIES`): :func:`~tests.strategies.hf_vlm.lit_vlm`'s
     model."""
@@ -519,7 +520,7 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
     if adapted:
         module.model = with_lora(module.model, family, saved="-saved" in variant,
                                  dropout=0.5 if "-drop" in variant else 0.0, experts="-experts" in variant,
-                                 tokens="-tokens" in variant)
+                                 tokens="-tokens" in variant, head="-head" in variant)
     return in_float64(module) if fp64 else module
 
 
@@ -531,18 +532,19 @@ LORA_TARGETS = {"gpt2": ["c_attn", "c_fc", "c_proj"], "phi3": ["qkv_proj", "o_pr
 
 
 def with_lora(model: torch.nn.Module, family: str, saved: bool = False, dropout: float = 0.0,
-              experts: bool = False, tokens: bool = False) -> torch.nn.Module:
+              experts: bool = False, tokens: bool = False, head: bool = False) -> torch.nn.Module:
     """``model`` fine-tuned with PEFT's LoRA (rank 4, on :data:`LORA_TARGETS`, initialized as PEFT does: ``lora_B``
     zeros, the adapters starting as no change), its own weights frozen; ``saved``: its token embedding and LM head
     trained whole too (PEFT's ``modules_to_save``: a trainable copy of each beside the frozen original, as a
     fine-tune adding tokens trains them); ``dropout``: PEFT's ``lora_dropout``; ``experts``: on the attention's
     projections and the stacked experts' ``gate_up_proj`` and ``down_proj`` (``target_parameters``); ``tokens``: rows
     of the token embedding trained beside (PEFT's ``trainable_token_indices``, as a fine-tune adding a few tokens
-    trains them; the same rows of an LM head tied to it too), :func:`tokens_to_train`."""
+    trains them; the same rows of an LM head tied to it too), :func:`tokens_to_train`; ``head``: on the LM head too."""
     import peft
 
     targets = LORA_TARGETS.get(family, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets[:4] if experts else targets,
+    targets = [*(targets[:4] if experts else targets), *(["lm_head"] if head else [])]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts
                              else None, fan_in_fan_out=family == "gpt2",
                              modules_to_save=["embed_tokens", "lm_head"] if saved else None, lora_dropout=dropout,

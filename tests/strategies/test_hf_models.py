@@ -294,8 +294,8 @@ def test_rows_peft_trains_are_planned_as_the_module_holding_them(method):
 
 
 def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_out():
-    """PEFT's LoRA on a Linear whose role is not colwise, rowwise or fused_colwise (the LM head, split over the
-    vocabulary), or a LoRA variant holding weights of its own (DoRA's magnitude vector), or rows trained
+    """PEFT's LoRA on a Linear whose role is not colwise, rowwise, fused_colwise or head (a shared expert's gate,
+    whole on every rank), or a LoRA variant holding weights of its own (DoRA's magnitude vector), or rows trained
     (``trainable_token_indices``) of an embedding other than the token embedding (a position table): refused before
     anything is split (the check :func:`~meshlight.parallel.parallelize.parallelize` runs beside the plan's
     validation), naming the layer and the ways out; so is LoRA on an MoE layer's stacked experts (PEFT adapts them in
@@ -308,13 +308,13 @@ def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_
     from meshlight.parallel.parallelize import parallelize
     from meshlight.parallel.tensor_plan import model_plan
 
-    head = lit_causal_lm("llama")
-    head.model = peft.get_peft_model(head.model, peft.LoraConfig(r=4, target_modules=["lm_head"]))
-    with pytest.raises(NotImplementedError, match=r"model.base_model.model.lm_head is a LoRA layer \(Linear\), but"
-                                                  r" tensor parallelism gives its Linear the role 'head', .* Leave"
+    gate = lit_causal_lm("qwen2_moe")
+    gate.model = peft.get_peft_model(gate.model, peft.LoraConfig(r=4, target_modules=["shared_expert_gate"]))
+    with pytest.raises(NotImplementedError, match=r"layers.0.mlp.shared_expert_gate is a LoRA layer \(Linear\), but"
+                                                  r" tensor parallelism gives its Linear the role 'replicate', .* Leave"
                                                   r" that module out of the adapter's target_modules .* or train it"
                                                   r" with tp=1"):
-        check_splittable_adapters(head, model_plan(head))
+        check_splittable_adapters(gate, model_plan(gate))
     with pytest.raises(NotImplementedError, match=r"layers.0.mlp.experts is PEFT's LoRA on the parameters 'down_proj',"
                                                   r" 'gate_up_proj' of Qwen3MoeExperts, stacked experts in a layout"
                                                   r" meshlight does not split over the tp ranks .* fold expert"

@@ -82,8 +82,10 @@ LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 #: GPT-NeoX's q|k|v held head by head (as the plan it publishes says, read through PEFT's wrapper); Llama's with its
 #: embedding and head trained whole beside (modules_to_save: resume-lora trains it, checkpointed); GPT-2 with rows of
 #: its embedding trained beside (trainable_token_indices: on either side of where tp splits a vocabulary of 61, 31 +
-#: 30, and in its head tied to it), each rank putting those it holds into its rows of the weight
-LORA = ("llama-lora-saved", "gpt2-lora", "phi3-kv1-lora", "gpt_neox-lora", "gpt2-vocab61-lora-tokens")
+#: 30, and in its head tied to it), each rank putting those it holds into its rows of the weight; Gemma 3 with LoRA on
+#: its head too (tied to its embedding, the vocabulary of 61 split 31 + 30: lora_B's rows split with the head's)
+LORA = ("llama-lora-saved", "gpt2-lora", "phi3-kv1-lora", "gpt_neox-lora", "gpt2-vocab61-lora-tokens",
+        "gemma3-vocab61-lora-head")
 #: the families data parallelism trains (FAMILIES but Mistral, Llama's structure under its own classes)
 DATA_FAMILIES = tuple(family for family in FAMILIES if family != "mistral")
 
@@ -123,9 +125,10 @@ LAYOUTS = {
     "tp2-no-sp": (lambda: ml.TensorParallelStrategy(tp=2, sequence_parallel=False), 2, 1,
                   ("deepseek_v3", "litgpt_moe", "llama4-fp64", "apertus", "ernie4_5_vl_moe", "llama-lora")),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism; GPT-2 with rows
-    # of its embedding and of its head tied to it trained, the logits of those rows computed by the rank holding each)
+    # of its embedding and of its head tied to it trained, the logits of those rows computed by the rank holding each;
+    # Llama with LoRA on its head too, the adapter's logits as sharded as the head's)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1,
-                          ("llama-vocab61-fp64", "gpt2-vocab61-lora-tokens")),
+                          ("llama-vocab61-fp64", "gpt2-vocab61-lora-tokens", "llama-vocab61-lora-head")),
     # (Mistral is Llama's structure under its own classes: tp2 and pp2-1f1b run it; data parallelism does nothing
     # a model's classes change)
     "ddp": (lambda: "ddp", 2, 2, (*DATA_FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL
@@ -162,10 +165,12 @@ LAYOUTS = {
     # Qwen3-MoE's are): DeepSeek-V3's latent attention, its dense first layer a stage of its own; Llama 4's experts
     # that take every token (in float64, as at tp2); Granite 4's Mamba mixers whole on every tp rank (as Qwen3.5's
     # linear attention, whose float64 run cost 32 s on 8 processes), its experts beside its fused shared expert; GPT-2
-    # with rows of its embedding trained, and of its head tied to it on the other stage
+    # with rows of its embedding trained, and of its head tied to it on the other stage; Gemma 3 with LoRA on its head
+    # too, its embedding and head one frozen weight held by both stages (left without a gradient: AdamW decayed a zero
+    # one, by 2e-3 over 20 steps)
     "pp2-tp2": (lambda: ml.Hybrid3DStrategy(dp=1, pp=2, tp=2, microbatches=MICROBATCHES["pp2-tp2"]), 4, 1,
                 ("olmo2", "falcon_rw", "qwen3_vl-deep-fp64", "deepseek_v3", "llama4-fp64", "granite4",
-                 "gpt2-vocab61-lora-tokens")),
+                 "gpt2-vocab61-lora-tokens", "gemma3-vocab61-lora-head")),
     # litgpt's fused grouped q|k|v split over tp, and its experts held as a list spread over the tp ranks by ep
     # folded over them (each rank two whole experts of each list, each tp rank sending its share of the tokens)
     "3d-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=2, microbatches=MICROBATCHES["3d-ep2"]), 8, 2,
