@@ -9,6 +9,7 @@
     python examples/finetune_hf.py --model-path ./my-model --export ./tuned   # ... written back for from_pretrained
     python examples/finetune_hf.py --lora 8 --strategy 3d --devices 8     # LoRA (PEFT) on every Linear, under 3d
     python examples/finetune_hf.py --lora 8 --export ./merged --export-adapter ./adapter   # ... merged, and its adapter
+    python examples/finetune_hf.py --lora 8 --dora --strategy tp          # DoRA, split over tp=2 with its Linears
 
 The task is the addition of examples/train_gpt.py (``^12+34=640``: the sum least-significant digit first). With
 ``--model-path`` the model's own tokens stand for the digits, ``+``, ``=`` and ``^`` (its tokenizer in the folder,
@@ -16,10 +17,11 @@ or else its first 16 token ids); the model is built from the folder's config and
 ``PretrainedWeights`` once the strategy has split it, each rank reading only its part. ``--export`` writes the
 trained model back as a folder ``from_pretrained`` loads (``meshlight export``). ``--lora R`` fine-tunes LoRA adapters
 of rank R on every Linear but the head (PEFT's ``"all-linear"``), the model's own weights frozen (``pip install
-meshlight[peft]``); ``--export`` then writes the model with the adapters merged, ``--export-adapter`` PEFT's adapter
-folder, which ``PeftModel.from_pretrained`` loads onto the base model. Nothing is downloaded: ``--family``
-builds a small random model from a config (4 layers, width 128; Mixtral's with 4 experts, top-2, in every layer),
-which reaches 100% answer accuracy in the default 500 steps: 50 s on 2 CPU processes (ddp, Llama).
+meshlight[peft]``), as DoRA with ``--dora``; ``--export`` then writes the model with the adapters merged,
+``--export-adapter`` PEFT's adapter folder, which ``PeftModel.from_pretrained`` loads onto the base model. Nothing is
+downloaded: ``--family`` builds a small random model from a config (4 layers, width 128; Mixtral's with 4 experts,
+top-2, in every layer), which reaches 100% answer accuracy in the default 500 steps: 50 s on 2 CPU processes (ddp,
+Llama).
 Requires ``pip install meshlight[hf]``.
 """
 
@@ -61,18 +63,22 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--lora", type=int, default=0, metavar="R",
                         help="train LoRA adapters of rank R on every Linear but the head, the model frozen (PEFT)")
     parser.add_argument("--export-adapter", type=Path, help="with --lora: write PEFT's adapter folder here")
+    parser.add_argument("--dora", action="store_true", help="with --lora: DoRA (a magnitude per output beside LoRA)")
     args = parser.parse_args(argv)
     if args.export_adapter is not None and not args.lora:
         parser.error("--export-adapter writes LoRA adapters: give --lora R too")
+    if args.dora and not args.lora:
+        parser.error("--dora trains DoRA adapters: give --lora R too")
     return args
 
 
-def with_lora(model: Any, rank: int) -> Any:
-    """``model`` adapted by PEFT's LoRA of ``rank`` on every Linear but the output head, its own weights frozen;
-    lora_alpha = 2·rank, as PEFT's examples set it."""
+def with_lora(model: Any, rank: int, dora: bool = False) -> Any:
+    """``model`` adapted by PEFT's LoRA of ``rank`` on every Linear but the output head (``dora``: as DoRA), its own
+    weights frozen; lora_alpha = 2·rank, as PEFT's examples set it."""
     import peft
 
-    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                                      use_dora=dora))
 
 
 def tiny_model(family: str) -> Any:
@@ -180,7 +186,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         model = tiny_model(args.family)
     symbols = symbol_ids(args.model_path, model.config.vocab_size)
     if args.lora:
-        model = with_lora(model, args.lora)  # (the folder's weights load into its base model all the same)
+        model = with_lora(model, args.lora, args.dora)  # (the folder's weights load into its base model all the same)
     module = LitCausalLM(model, symbols, args.lr, args.max_steps)
     # sequence parallelism needs a length tp divides
     data = AdditionDataModule(2, batch_size=args.batch_size, pad_to_multiple_of=8)

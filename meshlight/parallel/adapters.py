@@ -29,8 +29,9 @@ from meshlight.parallel.model_shape import linear_widths
 from meshlight.parallel.parameter_adapters import adapts_parameter
 
 __all__ = ["adapted_linear", "adapter_configs", "adapter_layers", "adapters_unwrapped", "as_planned", "base_name",
-           "check_splittable_adapter", "check_splittable_adapters", "initialize_adapters", "initialize_trained_tokens",
-           "peft_base", "read_without_adapters", "rebuilt_peft_model", "saved_copy", "trained_tokens"]
+           "check_splittable_adapter", "check_splittable_adapters", "initialize_adapters", "initialize_dora_magnitudes",
+           "initialize_trained_tokens", "low_rank_update", "peft_base", "read_without_adapters", "rebuilt_peft_model",
+           "saved_copy", "trained_tokens"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -187,6 +188,28 @@ def initialize_trained_tokens(peft_model: nn.Module, built_on_meta: bool) -> Non
                 _fill(trained, torch.empty(rows.shape).normal_(generator=generator).to(rows.dtype))
 
 
+def initialize_dora_magnitudes(peft_model: nn.Module) -> None:
+    """Give each DoRA adapter of ``peft_model`` the magnitude PEFT computes on creation (``lora_magnitude_vector``:
+    the norm of each output's row of its Linear's weight with the adapter's update added), from the weights it holds
+    now: for a model whose weights were loaded after PEFT made its adapters. Split weights are multiplied and normed
+    as DTensors (each rank its part)."""
+    for layer in peft_model.modules():
+        if adapted_linear(layer) is None:
+            continue
+        for adapter, dora in getattr(layer, "lora_magnitude_vector", {}).items():
+            with torch.no_grad():
+                update = low_rank_update(layer.lora_A[adapter], layer.lora_B[adapter])
+                norm = dora.get_weight_norm(layer.get_base_layer().weight, update, layer.scaling[adapter])
+            _fill(dora.weight, norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def low_rank_update(lora_A: nn.Module, lora_B: nn.Module, adapter_name: Optional[str] = None) -> torch.Tensor:
+    """DoRA's ``lora_B · lora_A`` as a product of the factors' weights, split or not (PEFT runs the factors on an
+    identity matrix, which would be a plain tensor beside split ones): no collective where tensor parallelism
+    splits them."""
+    return lora_B.weight @ lora_A.weight
+
+
 def _fill(param: torch.Tensor, whole: torch.Tensor) -> None:
     """Copy ``whole`` into ``param``: this rank's part of it where ``param`` is a DTensor."""
     with torch.no_grad():
@@ -263,15 +286,21 @@ def check_splittable_adapters(model: nn.Module, plan: Mapping[str, Any]) -> None
 
 def check_splittable_adapter(name: str, module: nn.Module, role: str) -> None:
     """Refuse, naming the way out, a LoRA layer tensor parallelism cannot split: one on a Linear whose role is not
-    ``colwise``, ``rowwise``, ``fused_colwise`` or ``head`` (a replicated gate …), or holding weights beside its
-    Linear's and its adapters' ``lora_A`` and ``lora_B`` (DoRA's magnitude vector), or an adapter variant PEFT runs
-    otherwise (``lora_variant``)."""
+    ``colwise``, ``rowwise``, ``fused_colwise`` or ``head`` (a replicated gate …), DoRA on one whose role is not
+    ``colwise``, ``rowwise`` or ``head`` (its magnitude vector split as the Linear's output), or one holding other
+    weights beside its Linear's and its adapters' ``lora_A`` and ``lora_B``, or running another adapter variant
+    (``lora_variant``)."""
     extra = sorted({n.split(".")[0] for n, _ in module.named_parameters()} - {"base_layer", "lora_A", "lora_B"})
     variants = sorted(getattr(module, "lora_variant", None) or ())
-    if role in ("colwise", "rowwise", "fused_colwise", "head") and not (extra or variants):
+    dora = extra == ["lora_magnitude_vector"] and all(
+        type(module.lora_variant[v]).__name__ == "DoraLinearVariant" for v in variants)
+    if role in ("colwise", "rowwise", "head") and dora or role in ("colwise", "rowwise", "fused_colwise", "head") and (
+            not (extra or variants)):
         return
-    why = (f"it holds {', '.join(extra)} beside its adapters' lora_A and lora_B (DoRA's magnitude vector), which"
-           " tensor parallelism does not split" if extra else
+    why = (f"it is DoRA, whose magnitude vector (lora_magnitude_vector) tensor parallelism splits with the output of a"
+           f" 'colwise', 'rowwise' or 'head' Linear, and its Linear has the role {role!r}" if dora else
+           f"it holds {', '.join(extra)} beside its adapters' lora_A and lora_B, which tensor parallelism does not"
+           " split" if extra else
            f"its adapter {variants[0]!r} is a LoRA variant ({type(module.lora_variant[variants[0]]).__name__}), which"
            " tensor parallelism does not split" if variants else
            f"tensor parallelism gives its Linear the role {role!r}, and splits the adapters of 'colwise',"

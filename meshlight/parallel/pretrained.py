@@ -54,6 +54,7 @@ from meshlight.parallel.adapters import (
     adapter_layers,
     base_name,
     initialize_adapters,
+    initialize_dora_magnitudes,
     initialize_trained_tokens,
     peft_base,
     rebuilt_peft_model,
@@ -105,7 +106,8 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
     A PEFT model under ``prefix`` (LoRA) loads its base model's files: each adapted Linear's (or parameter's) weights
     from its own keys, a module it trains a copy of (``modules_to_save``) into the original and the copy alike, the
     adapters left as PEFT initialized them (initialized again where the model was built on the meta device), rows of
-    the embedding it trains (``trainable_token_indices``) starting from the rows loaded, as PEFT's do."""
+    the embedding it trains (``trainable_token_indices``) starting from the rows loaded and DoRA's magnitudes from the
+    weights loaded, as PEFT computes them."""
     folder = Path(path)
     files = _weights_files(folder)
     stored = files.stored
@@ -183,8 +185,9 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "model."
         set_model_state_dict(module, state, options=StateDictOptions(strict=False))
     else:
         module.load_state_dict(state, strict=False)
-    if peft_model is not None:  # rows PEFT trains stand for the rows just loaded
+    if peft_model is not None:  # what PEFT computed from the base weights, from the weights just loaded
         initialize_trained_tokens(peft_model, built_on_meta)
+        initialize_dora_magnitudes(peft_model)
     return report
 
 

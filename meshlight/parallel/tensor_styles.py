@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from meshlight.nn.experts import scale_gradient
-from meshlight.parallel.adapters import trained_tokens
+from meshlight.parallel.adapters import low_rank_update, trained_tokens
 from meshlight.parallel.collectives import gather_whole_along, slice_along
 from meshlight.parallel.dtensors import modifiable_local, shallow_copy
 from meshlight.parallel.model_shape import is_transposed_linear
@@ -163,6 +163,7 @@ class _LowRank:
     transposed_base: dict[str, Placement]
     down: dict[str, Placement]
     up: dict[str, Placement]
+    magnitude: dict[str, Placement]
     #: the tp ranks draw from streams of their own (sequence parallelism) and hold the input whole: masks gathered
     agreed_dropout: bool = False
 
@@ -172,10 +173,13 @@ class _LowRank:
             _agreeing_dropouts(module, device_mesh)
 
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            placements = {"base_layer": base, "lora_A": self.down, "lora_B": self.up}.get(name.split(".")[0])
+            placements = {"base_layer": base, "lora_A": self.down, "lora_B": self.up,
+                          "lora_magnitude_vector": self.magnitude}.get(name.split(".")[0])
             if placements is not None:
                 _distribute_parameters(mod, mesh, placements, self.src_data_rank)
 
+        for dora in module.lora_magnitude_vector.values():  # DoRA's: B·A as a product of the split factors
+            dora.get_lora_weight = low_rank_update
         return distribute_module(
             module, device_mesh, partition,
             functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
@@ -276,6 +280,7 @@ class LowRankColwise(_LowRank, ColwiseParallel):
     transposed_base = TransposedColwise.placements
     down = {"weight": Replicate(), "bias": Replicate()}
     up = {"weight": Shard(0), "bias": Shard(0)}
+    magnitude = {"weight": Shard(0)}
 
     def __init__(self, *, agreed_dropout: bool = False) -> None:
         super().__init__()
@@ -291,6 +296,7 @@ class LowRankRowwise(_LowRank, Rowwise):
     transposed_base = TransposedRowwise.placements
     down = {"weight": Shard(1), "bias": Replicate()}
     up = {"weight": Replicate(), "bias": Replicate()}
+    magnitude = {"weight": Replicate()}
     desired_input_layouts = (Shard(-1),)
 
 

@@ -8,8 +8,10 @@ the others terminated), and each rank then runs the rest of the script exactly a
 forked rank does not repeat is the script's code before ``fit``: it inherits its results — the model, the data,
 the seeded random state — as rank 0 computed them.
 
-Forking is unsafe once other threads or an accelerator runtime exist, so it happens only when neither does; else,
-and off Linux, on GPUs or under Hydra, Lightning's own launcher runs unchanged. ``MESHLIGHT_FORK=0`` turns it off.
+Forking is unsafe once other threads or an accelerator runtime exist, so it happens only when neither does (an OpenMP
+pool's native threads are let be where the ranks run on one thread each, Lightning's share of a small node's cores,
+which never asks for them); else, and off Linux, on GPUs or under Hydra, Lightning's own launcher runs unchanged.
+``MESHLIGHT_FORK=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -72,8 +74,16 @@ class ForkingScriptLauncher(ScriptLauncher):
             and self._device.type == "cpu"
             and not torch.cuda.is_initialized()
             and threading.active_count() == 1
+            and (torch.get_num_threads() == 1 or _native_threads() == 1)
             and not _hydra_in_use()
         )
+
+
+def _native_threads() -> int:
+    """The threads this process runs (Linux), native ones too: an OpenMP pool's workers, which a forked child lacks
+    while its OpenMP runtime still counts on them — its first parallel region on more than one thread waits for them
+    forever (a child running on one thread never asks for them)."""
+    return len(os.listdir("/proc/self/task"))
 
 
 class _ForkedRank:

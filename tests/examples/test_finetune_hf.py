@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 def run(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "examples/finetune_hf.py", "--max-steps", "40", "--val-every", "20", *args]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -64,9 +64,10 @@ def test_a_local_save_pretrained_folder_fine_tunes_under_zero3_and_exports(tmp_p
 
 
 def test_lora_adapters_on_a_local_folder_fine_tune_under_tensor_parallelism_and_export_merged_and_alone(tmp_path):
-    """--lora 8: PEFT's LoRA on every Linear but the head of the folder's model, loaded into its base model and split
-    with it over tp=2; the loss falls from ln(16) with the model's own weights frozen. The merged folder and the
-    adapter folder on the saved model compute the same logits, which the adapters moved from the saved model's."""
+    """--lora 8 --dora: PEFT's DoRA on every Linear but the head of the folder's model, loaded into its base model
+    (the magnitudes computed from the weights loaded) and split with it over tp=2; the loss falls from ln(16) with
+    the model's own weights frozen. The merged folder and the adapter folder on the saved model compute the same
+    logits, which the adapters moved from the saved model's."""
     import peft
     import torch
     import transformers
@@ -74,8 +75,8 @@ def test_lora_adapters_on_a_local_folder_fine_tune_under_tensor_parallelism_and_
     from examples.finetune_hf import tiny_model
 
     tiny_model("llama").save_pretrained(tmp_path / "model")
-    result = run("--model-path", str(tmp_path / "model"), "--lora", "8", "--strategy", "tp", "--out", str(tmp_path),
-                 "--export", str(tmp_path / "merged"), "--export-adapter", str(tmp_path / "adapter"))
+    result = run("--model-path", str(tmp_path / "model"), "--lora", "8", "--dora", "--strategy", "tp", "--out",
+                 str(tmp_path), "--export", str(tmp_path / "merged"), "--export-adapter", str(tmp_path / "adapter"))
     train_loss, val_loss = losses(result)
     assert train_loss < 2.4 and val_loss < 2.4  # from about ln(16) = 2.77
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))

@@ -295,7 +295,7 @@ def test_rows_peft_trains_are_planned_as_the_module_holding_them(method):
 
 def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_out():
     """PEFT's LoRA on a Linear whose role is not colwise, rowwise, fused_colwise or head (a shared expert's gate,
-    whole on every rank), or a LoRA variant holding weights of its own (DoRA's magnitude vector), or rows trained
+    whole on every rank), DoRA on a fused projection (its magnitude vector is split with separate ones), or rows trained
     (``trainable_token_indices``) of an embedding other than the token embedding (a position table): refused before
     anything is split (the check :func:`~meshlight.parallel.parallelize.parallelize` runs beside the plan's
     validation), naming the layer and the ways out; so is LoRA on an MoE layer's stacked experts (PEFT adapts them in
@@ -329,11 +329,14 @@ def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_
                                                   r" adapters: leave them out of the adapter .* or train with tp=1 and"
                                                   r" ep=1"):
         parallelize(on_weight, ParallelLayout(tp=2), mesh=None)
-    dora = lit_causal_lm("llama")
-    dora.model = peft.get_peft_model(dora.model, peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
-    with pytest.raises(NotImplementedError, match=r"q_proj is a LoRA layer \(Linear\), but it holds"
-                                                  r" lora_magnitude_vector beside its adapters' lora_A and lora_B"
-                                                  r" \(DoRA's magnitude vector\).* use plain LoRA"):
+    dora = lit_causal_lm("gpt2")
+    dora.model = peft.get_peft_model(dora.model, peft.LoraConfig(r=4, target_modules=["c_attn"], use_dora=True,
+                                                                 fan_in_fan_out=True))
+    with pytest.raises(NotImplementedError, match=r"c_attn is a LoRA layer \(Linear\), but it is DoRA, whose"
+                                                  r" magnitude vector \(lora_magnitude_vector\) tensor parallelism"
+                                                  r" splits with the output of a 'colwise', 'rowwise' or 'head'"
+                                                  r" Linear, and its Linear has the role 'fused_colwise'.* use plain"
+                                                  r" LoRA"):
         check_splittable_adapters(dora, model_plan(dora))
     positions = lit_causal_lm("gpt2")
     positions.model = peft.get_peft_model(positions.model, peft.LoraConfig(

@@ -13,9 +13,9 @@ from tests.launch import REPO
 WORKER = Path(__file__).parent / "workers" / "launch_worker.py"
 
 
-def _run(mode: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(WORKER), mode], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO), **env})
+def _run(mode: str, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(WORKER), mode], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), **env})
 
 
 def _ranks(result: subprocess.CompletedProcess) -> dict[str, str]:
@@ -39,3 +39,12 @@ def test_a_failing_forked_rank_ends_the_job():
     result = _run("fail", MESHLIGHT_FORK="1")
     assert result.returncode != 0
     assert "rank 1 fails on purpose" in result.stderr
+
+
+def test_a_script_that_started_other_threads_is_re_run_not_forked():
+    """An OpenMP pool's worker thread (not a Python thread) exists once the script ran an op on two threads: a
+    forked rank would lack it while its OpenMP runtime counts on it (a rank forked so once hung in its first
+    parallel region), so the second rank is started as Lightning starts it, by re-running the script."""
+    result = _run("threads", timeout=120, MESHLIGHT_FORK="1", OMP_NUM_THREADS="2")
+    assert result.stdout.count("script start") == 2
+    assert sorted(_ranks(result)) == ["0/2 local 0", "1/2 local 1"]

@@ -137,10 +137,11 @@ def test_a_lora_model_loads_its_base_models_files_under_every_layout_and_trains_
                                                                                              family, tmp_path):
     """Llama with PEFT's LoRA, its embedding and head trained whole beside (modules_to_save), loading Llama's folder
     (each adapted Linear's weights from the Linear's keys, the embedding's and head's into original and copy, each
-    rank its part) under tp=2 and ZeRO-3 built on the meta device (its adapters initialized after allocation, each rank
-    keeping its part of the same tensors); Qwen3-MoE with LoRA on its experts too (PEFT adapts them in place) under
-    ep=2, each rank loading its experts; GPT-2 with rows of its embedding trained (trainable_token_indices) under
-    pp=2, its head tied to the embedding on the other stage, each stage's rows starting from the rows it loaded:
+    rank its part) under tp=2 and, as DoRA, ZeRO-3 built on the meta device (its adapters initialized after allocation,
+    each rank keeping its part of the same tensors, its magnitudes computed from the weights loaded); Qwen3-MoE with
+    LoRA on its experts too (PEFT adapts them in place) under ep=2, each rank loading its experts; GPT-2 with rows of
+    its embedding trained (trainable_token_indices) under pp=2, its head tied to the embedding on the other stage,
+    each stage's rows starting from the rows it loaded:
     losses and weights within 1e-4 of one process loading the same folder into the same model (its adapters
     initialized so too) over 20 steps. The run's checkpoint exports merged (a folder from_pretrained loads) and as
     PEFT's adapter folder (which PeftModel.from_pretrained loads onto the base model's folder), each computing the
@@ -248,6 +249,31 @@ def test_rows_peft_trains_start_from_the_loaded_rows_also_on_the_meta_device(tmp
         layer = module.model.get_submodule(name.partition(".trainable_tokens_delta.")[0])
         assert torch.equal(layer.trainable_tokens_delta["default"], rows)
         assert torch.equal(layer.trainable_tokens_original["default"], rows)  # (not in the state: a buffer of its own)
+        with torch.no_grad():
+            torch.testing.assert_close(module.model(input_ids=PROBE).logits, expected(input_ids=PROBE).logits)
+
+
+def test_dora_magnitudes_are_the_loaded_weights_norms_also_on_the_meta_device(tmp_path):
+    """DoRA (a magnitude per output beside LoRA's update of the direction): the base model's folder loaded after PEFT
+    made the adapters, each magnitude is the norm of its output's row of the loaded weight (the update starting at
+    zero), as PEFT makes it on the loaded model (so the logits are the base model's), also built on the meta device,
+    where it held nothing."""
+    folder = save_pretrained(tmp_path, "llama")
+    expected = from_pretrained(folder)
+    magnitudes = {name: tensor for name, tensor in with_lora(from_pretrained(folder), "llama", dora=True)
+                  .state_dict().items() if ".lora_magnitude_vector." in name}
+    assert len(magnitudes) == 14  # 7 projections × 2 layers
+    for meta in (False, True):
+        module = lit_causal_lm("llama-lora-dora")
+        if meta:
+            with torch.device("meta"):
+                module.model = with_lora(transformers.AutoModelForCausalLM.from_config(hf_config("llama")), "llama",
+                                         dora=True)
+        report = load_pretrained(module, folder)
+        assert not report.missing and not report.unexpected
+        state = module.model.state_dict()
+        for name, magnitude in magnitudes.items():
+            torch.testing.assert_close(state[name], magnitude, rtol=1e-6, atol=0)
         with torch.no_grad():
             torch.testing.assert_close(module.model(input_ids=PROBE).logits, expected(input_ids=PROBE).logits)
 

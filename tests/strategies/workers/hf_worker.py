@@ -82,10 +82,12 @@ LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 #: GPT-NeoX's q|k|v held head by head (as the plan it publishes says, read through PEFT's wrapper); Llama's with its
 #: embedding and head trained whole beside (modules_to_save: resume-lora trains it, checkpointed); GPT-2 with rows of
 #: its embedding trained beside (trainable_token_indices: on either side of where tp splits a vocabulary of 61, 31 +
-#: 30, and in its head tied to it), each rank putting those it holds into its rows of the weight; Gemma 3 with LoRA on
-#: its head too (tied to its embedding, the vocabulary of 61 split 31 + 30: lora_B's rows split with the head's)
+#: 30, and in its head tied to it), each rank putting those it holds into its rows of the weight; Gemma 3 as DoRA, on
+#: its head too (tied to its embedding, the vocabulary of 61 split 31 + 30: lora_B's rows split with the head's; each
+#: magnitude vector split with its Linear's output: by rows under a column-parallel Linear and the head, whole under a
+#: row-parallel one, whose weight's norms DTensor sums over tp)
 LORA = ("llama-lora-saved", "gpt2-lora", "phi3-kv1-lora", "gpt_neox-lora", "gpt2-vocab61-lora-tokens",
-        "gemma3-vocab61-lora-head")
+        "gemma3-vocab61-lora-head-dora")
 #: the families data parallelism trains (FAMILIES but Mistral, Llama's structure under its own classes)
 DATA_FAMILIES = tuple(family for family in FAMILIES if family != "mistral")
 
@@ -126,9 +128,9 @@ LAYOUTS = {
                   ("deepseek_v3", "litgpt_moe", "llama4-fp64", "apertus", "ernie4_5_vl_moe", "llama-lora")),
     # a vocabulary tp does not divide, the logits left sharded over it for the loss (loss parallelism; GPT-2 with rows
     # of its embedding and of its head tied to it trained, the logits of those rows computed by the rank holding each;
-    # Llama with LoRA on its head too, the adapter's logits as sharded as the head's)
+    # Llama as DoRA on its head too, the adapter's logits as sharded as the head's, its magnitude split 31 + 30)
     "tp2-loss-parallel": (lambda: ml.TensorParallelStrategy(tp=2, loss_parallel=True), 2, 1,
-                          ("llama-vocab61-fp64", "gpt2-vocab61-lora-tokens", "llama-vocab61-lora-head")),
+                          ("llama-vocab61-fp64", "gpt2-vocab61-lora-tokens", "llama-vocab61-lora-head-dora")),
     # (Mistral is Llama's structure under its own classes: tp2 and pp2-1f1b run it; data parallelism does nothing
     # a model's classes change)
     "ddp": (lambda: "ddp", 2, 2, (*DATA_FAMILIES, "qwen2-fp64")),  # float64: hf_models.PARITY_RTOL

@@ -1,7 +1,9 @@
 """Started as a user starts a script (no torchrun): Lightning's launcher path, meshlight's forking launcher on
 this CPU machine. Prints what tests/strategies/test_launcher.py checks.
 
-    python launch_worker.py ok|fail
+    python launch_worker.py ok|fail|threads
+
+``threads``: the script ran an op on two OpenMP threads before ``fit`` (so a pool's worker thread exists).
 """
 
 import os
@@ -24,6 +26,9 @@ class FailOnRank1(pl.Callback):
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "threads":  # a parallel region: OpenMP starts its pool's worker thread, which stays
+        torch.set_num_threads(2)
+        torch.ones(1 << 22).exp_()
     pl.seed_everything(0, verbose=False)
     module = LitGPT(GPTConfig.tiny(dim=32, vocab_size=32, max_seq_len=16))
     data = RandomTokensDataModule(vocab_size=32, seq_len=16, batch_size=2, train_size=8, val_size=2)

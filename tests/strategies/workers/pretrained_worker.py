@@ -75,7 +75,8 @@ def model_of(family: str, *, meta: bool = False) -> Any:
                             transformers.AutoModelForCausalLM.from_config(
                                 config, attn_implementation=attention_implementation(base)))
             if lora:
-                module.model = with_lora(module.model, base, saved="-saved" in variant, tokens="-tokens" in variant)
+                module.model = with_lora(module.model, base, saved="-saved" in variant, tokens="-tokens" in variant,
+                                         dora="-dora" in variant)
 
     if meta:
         module.configure_model = configure_model
@@ -139,10 +140,11 @@ def litgpt_files(out: Path, folders: Path) -> None:
 
 #: layout -> the model fine-tuned with PEFT's LoRA that loads its base model's folder under it: Llama, its embedding
 #: and head trained whole beside (modules_to_save; ``-meta``: built on the meta device, its adapters initialized after
-#: allocation), Qwen3-MoE with LoRA on its experts too, split over 2 ranks (each adding its experts' part of the
-#: adapters' update), and GPT-2 with rows of its embedding trained (trainable_token_indices; its head, tied to it, on
-#: the other stage: each stage's rows start from the rows it loaded)
-LORA_FILES = {"tp2": "llama-lora-saved", "zero3-meta": "llama-lora-saved", "ep2": "qwen3_moe-lora",
+#: allocation, as DoRA, its magnitudes computed from the weights loaded), Qwen3-MoE with LoRA on its experts too,
+#: split over 2 ranks (each adding its experts' part of the adapters' update), and GPT-2 with rows of its embedding
+#: trained (trainable_token_indices; its head, tied to it, on the other stage: each stage's rows start from the rows
+#: it loaded)
+LORA_FILES = {"tp2": "llama-lora-saved", "zero3-meta": "llama-lora-saved-dora", "ep2": "qwen3_moe-lora",
               "pp2": "gpt2-lora-tokens"}
 
 
