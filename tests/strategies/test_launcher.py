@@ -24,7 +24,10 @@ def _ranks(result: subprocess.CompletedProcess) -> dict[str, str]:
 
 
 def test_forked_ranks_train_exactly_as_re_run_ranks():
-    forked, re_run = _run("ok", MESHLIGHT_FORK="1"), _run("ok", MESHLIGHT_FORK="0")
+    # (one thread per rank, as Lightning's share of this node's cores sets it where OMP_NUM_THREADS is unset; a test
+    # before may have left another in pytest's environment, which test_a_script_that_started_other_threads… covers)
+    forked, re_run = _run("ok", MESHLIGHT_FORK="1", OMP_NUM_THREADS="1"), _run("ok", MESHLIGHT_FORK="0",
+                                                                              OMP_NUM_THREADS="1")
     assert forked.stdout.count("script start") == 1  # the second rank inherited the script's start
     assert re_run.stdout.count("script start") == 2  # Lightning's launcher ran the script again
     ranks = _ranks(forked)
@@ -36,7 +39,7 @@ def test_forked_ranks_train_exactly_as_re_run_ranks():
 
 
 def test_a_failing_forked_rank_ends_the_job():
-    result = _run("fail", MESHLIGHT_FORK="1")
+    result = _run("fail", MESHLIGHT_FORK="1", OMP_NUM_THREADS="1")
     assert result.returncode != 0
     assert "rank 1 fails on purpose" in result.stderr
 
