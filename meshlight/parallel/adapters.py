@@ -294,8 +294,9 @@ def check_splittable_adapter(name: str, module: nn.Module, role: str) -> None:
     variants = sorted(getattr(module, "lora_variant", None) or ())
     dora = extra == ["lora_magnitude_vector"] and all(
         type(module.lora_variant[v]).__name__ == "DoraLinearVariant" for v in variants)
-    if role in ("colwise", "rowwise", "head") and dora or role in ("colwise", "rowwise", "fused_colwise", "head") and (
-            not (extra or variants)):
+    splittable = (("colwise", "rowwise", "head") if dora else () if extra or variants else
+                  ("colwise", "rowwise", "fused_colwise", "head"))
+    if role in splittable:
         return
     why = (f"it is DoRA, whose magnitude vector (lora_magnitude_vector) tensor parallelism splits with the output of a"
            f" 'colwise', 'rowwise' or 'head' Linear, and its Linear has the role {role!r}" if dora else

@@ -178,7 +178,7 @@ class _LowRank:
             if placements is not None:
                 _distribute_parameters(mod, mesh, placements, self.src_data_rank)
 
-        for dora in module.lora_magnitude_vector.values():  # DoRA's: B·A as a product of the split factors
+        for dora in getattr(module, "lora_magnitude_vector", {}).values():  # DoRA's B·A: of the split factors
             dora.get_lora_weight = low_rank_update
         return distribute_module(
             module, device_mesh, partition,

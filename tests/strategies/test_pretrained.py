@@ -141,11 +141,10 @@ def test_a_lora_model_loads_its_base_models_files_under_every_layout_and_trains_
     each rank keeping its part of the same tensors, its magnitudes computed from the weights loaded); Qwen3-MoE with
     LoRA on its experts too (PEFT adapts them in place) under ep=2, each rank loading its experts; GPT-2 with rows of
     its embedding trained (trainable_token_indices) under pp=2, its head tied to the embedding on the other stage,
-    each stage's rows starting from the rows it loaded:
-    losses and weights within 1e-4 of one process loading the same folder into the same model (its adapters
-    initialized so too) over 20 steps. The run's checkpoint exports merged (a folder from_pretrained loads) and as
-    PEFT's adapter folder (which PeftModel.from_pretrained loads onto the base model's folder), each computing the
-    run's trained model's logits."""
+    each stage's rows starting from the rows it loaded: losses and weights within 1e-4 of one process loading the
+    same folder into the same model (its adapters initialized so too) over 20 steps. The run's checkpoint exports
+    merged (a folder from_pretrained loads) and as PEFT's adapter folder (which PeftModel.from_pretrained loads onto
+    the base model's folder), each computing the run's trained model's logits."""
     import peft
 
     from meshlight.parallel.adapters import initialize_adapters
