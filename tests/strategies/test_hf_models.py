@@ -3,7 +3,8 @@
 tied to the token embedding), and litgpt's GPT (a fused q|k|v for grouped queries, its blocks in a ModuleDict
 namespace the root's forward runs) — matches one process's training within 1e-4 over 20 steps, under tensor (+
 sequence) parallelism, data parallelism, pipeline parallelism (1F1B and interleaved, the LM head beside the module
-holding the layers) and (Qwen3, GPT-2 and litgpt; Llama's structure as Qwen2.5-VL's decoder) all three; and Mixtral,
+holding the layers) and (GPT-2 and litgpt; Llama's structure as Qwen2.5-VL's decoder; Qwen3 under pipelining ×
+tensor parallelism) all three; and Mixtral,
 Qwen3-MoE and GPT-OSS (attention sinks, sliding-window layers, experts stored transposed with biases) under expert
 parallelism, with and without pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also with
 dp and pp; Phi-3 (a fused q|k|v sliced by the config's head counts, a fused gate|up), Qwen2-MoE (a shared expert
@@ -33,8 +34,8 @@ encoder on the first stage), ERNIE 4.5-VL under tensor parallelism without seque
 each token's type), Qwen2.5-VL under all three and Qwen3-VL (in float64) under pipelining × tensor parallelism,
 Qwen3-VL under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3, and Qwen3-VL-MoE under expert parallelism, alone and
 folded over tp; Llama, GPT-2, Phi-3 and GPT-NeoX fine-tuned with PEFT's LoRA under tensor parallelism (each adapted
-Linear split with its adapters, fused ones part by part), Llama also under dp=2 × tp=2 with ZeRO-3, all three and
-the planned layout (there with its embedding and head trained whole beside, modules_to_save), its frozen weights
+Linear split with its adapters, fused ones part by part), Llama also under dp=2 × tp=2 with ZeRO-3, pipelining ×
+tensor parallelism and the planned layout (there with its embedding and head trained whole beside, modules_to_save), its frozen weights
 unchanged, its checkpoint resumed and resharded, its dropout one mask over the tp ranks; Mixtral with LoRA on its
 attention under dp=2 × tp=2 × ep=2; Qwen3-MoE with LoRA on its experts under tp=2 (each expert split) and dp=2 ×
 tp=2 × ep=2 (split), and planned, GPT-OSS's (target_parameters) under tp=2 and ep=2. One launch per process count."""
@@ -114,8 +115,9 @@ def test_each_layout_matches_single_process_training(runs, controls, layout, mod
     parallel) on 8 processes (Qwen2.5-VL's vision encoder on the first stage, whole on its tp ranks; 3d-moe: Qwen3-MoE,
     ep=1, each expert split over tp, with its load-balancing loss, per data rank's part and microbatch, from router
     logits gathered over tp and carried down the pipeline); pp2-tp2: pp=2 × tp=2 on 4 processes, the traits those two
-    meet together (OLMo 2's norms over all heads, Falcon-RW's ALiBi, Qwen3-VL's deepstack; DeepSeek-V3, Llama 4 (in
-    float64, as at tp2) and Granite 4, ep=1, each expert split over tp); dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over
+    meet together (OLMo 2's norms over all heads, Qwen3's QK-norm, Falcon-RW's ALiBi, Qwen3-VL's deepstack, Llama with
+    LoRA and its embedding and head trained whole; DeepSeek-V3, Llama 4 (in float64, as at tp2) and Granite 4, ep=1,
+    each expert split over tp); dp2-tp2-ep4: dp=2 × tp=2 with ep=4 folded over
     the tp and data ranks (each rank one whole expert; litgpt's of its lists too), with sequence parallelism and
     (Mixtral, litgpt's MoE with its gradients clipped) without; 3d-ep2: litgpt's MoE under dp=2 × pp=2 × tp=2 with ep=2
     folded over tp (each rank two whole experts of each list); dp2-tp2-ep2-split*: each expert split over tp=2 and the

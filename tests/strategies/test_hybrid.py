@@ -1,15 +1,14 @@
 """Hybrid 3-D parallelism reproduces single-process training: (dp, pp, tp) = (1, 2, 2) and (2, 2, 1) on 4
 processes and (2, 2, 2) on 8, each with ZeRO-1 and ZeRO-3 and under 1F1B and Interleaved1F1B (4-block GPT; two
-runs per layout, on 8 the ZeRO-1 one with biases and the ZeRO-3 one the head_dim Llama below), and an MoE GPT under
+runs per layout, on 8 the ZeRO-1 one with biases and the ZeRO-3 one the MoE GPT's below), and an MoE GPT under
 dp=2 × pp=2 × ep=2, and strategy="3d" with no sizes on 4 processes — logged losses and final weights within 1e-4
 over 20 steps; models that read the sequence length on every pipeline stage (rotary GPT, a user-written Llama)
 under pp=2 × tp=2 with sequence parallelism, and a Llama with modules outside its blocks that no tensor-parallel role
 describes (sequence parallelism then covers the blocks only) under pp=2 × tp=2 ZeRO-3; a grouped-query Llama whose
-attention keeps only head_dim (the planner reads its heads as tensor parallelism does) under dp=2 × pp=2 × tp=2 on 8
-and pp=2 × tp=2 ZeRO-3 on 4; a GPT with a vocabulary tp does not divide (61) and its embedding tied to the head
-across the first and last stage under pp=2 × tp=2; an 8-expert MoE GPT under dp=2 × pp=2 × tp=2 × ep=2 (top-1 and
-top-2, dropless and with a capacity factor; experts split over tp, and folded); and torchmetrics and a loss left a
-DTensor under pp=2 × tp=2."""
+attention keeps only head_dim (the planner reads its heads as tensor parallelism does) under pp=2 × tp=2 ZeRO-3; a
+GPT with a vocabulary tp does not divide (61) and its embedding tied to the head across the first and last stage
+under pp=2 × tp=2; an 8-expert MoE GPT under dp=2 × pp=2 × tp=2 × ep=2 (top-1 and top-2, dropless and with a
+capacity factor; experts split over tp, and folded); and torchmetrics and a loss left a DTensor under pp=2 × tp=2."""
 
 from pathlib import Path
 

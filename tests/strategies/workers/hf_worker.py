@@ -152,12 +152,11 @@ LAYOUTS = {
     # one microbatch per stage: the schedules' microbatch counts are tested in test_pipeline.py
     # on 8 processes a run costs ~11 s (about 5 runs on 2, 2 on 4): the families whose structure all three axes meet
     # differently — Llama's, in Qwen2.5-VL's decoder (Qwen2's: Llama's with q/k/v biases; Mistral's is Llama's too) with
-    # its vision encoder on the first stage, whole on its tp ranks, QK-norm with an explicit head_dim, GPT-2's Conv1D
-    # and head tied across the first and last stage, litgpt's fused grouped q|k|v (3d-ep2: its MoE's), and Qwen3-MoE's
-    # load-balancing loss per data rank's part (3d-moe: from router logits gathered over the sequence's shares and
-    # carried down the pipeline)
+    # its vision encoder on the first stage, whole on its tp ranks, GPT-2's Conv1D and head tied across the first and
+    # last stage, litgpt's fused grouped q|k|v (3d-ep2: its MoE's), and Qwen3-MoE's load-balancing loss per data
+    # rank's part (3d-moe: from router logits gathered over the sequence's shares and carried down the pipeline)
     "3d": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, microbatches=MICROBATCHES["3d"]), 8, 2,
-           ("qwen2_5_vl", "qwen3", "gpt2", "llama-lora-saved")),
+           ("qwen2_5_vl", "gpt2")),
     # traits that pipelining and tensor parallelism meet together, data parallelism adding nothing of their own (the
     # same reduction over dp as the 3d runs'): OLMo 2's q and k norms over all heads; Falcon-RW's ALiBi biases handed
     # out by head on each stage, its blocks returning tuples (BLOOM's and OPT's traits beside it are their tp's or their
@@ -169,10 +168,11 @@ LAYOUTS = {
     # linear attention, whose float64 run cost 32 s on 8 processes), its experts beside its fused shared expert; GPT-2
     # with rows of its embedding trained, and of its head tied to it on the other stage; Gemma 3 with LoRA on its head
     # too, its embedding and head one frozen weight held by both stages (left without a gradient: AdamW decayed a zero
-    # one, by 2e-3 over 20 steps)
+    # one, by 2e-3 over 20 steps); Qwen3's QK-norm with an explicit head_dim; Llama with LoRA and its embedding and
+    # head trained whole beside (modules_to_save: each copy on its stage, split over tp as the original is)
     "pp2-tp2": (lambda: ml.Hybrid3DStrategy(dp=1, pp=2, tp=2, microbatches=MICROBATCHES["pp2-tp2"]), 4, 1,
                 ("olmo2", "falcon_rw", "qwen3_vl-deep-fp64", "deepseek_v3", "llama4-fp64", "granite4",
-                 "gpt2-vocab61-lora-tokens", "gemma3-vocab61-lora-head")),
+                 "gpt2-vocab61-lora-tokens", "gemma3-vocab61-lora-head", "qwen3", "llama-lora-saved")),
     # litgpt's fused grouped q|k|v split over tp, and its experts held as a list spread over the tp ranks by ep
     # folded over them (each rank two whole experts of each list, each tp rank sending its share of the tokens)
     "3d-ep2": (lambda: ml.Hybrid3DStrategy(dp=2, pp=2, tp=2, ep=2, microbatches=MICROBATCHES["3d-ep2"]), 8, 2,

@@ -1,14 +1,14 @@
 """torchrun worker: 3-D parity runs — (dp, pp, tp) with ZeRO-1 and ZeRO-3 and under 1F1B and Interleaved1F1B on a
-4-block GPT (one block per virtual stage; each layout in two runs that cover both stages and both schedules, on 8
-processes the ZeRO-1 one with biases and the ZeRO-3 one the head_dim Llama below), an MoE GPT under dp=2 × pp=2 ×
-ep=2, and strategy="3d" with no sizes (the planner's layout) — for the world size it is launched with (4 or 8); on 4
-also torchmetrics under pp=2 × tp=2, and under pp=2 × tp=2 with sequence parallelism models whose forward reads the
-sequence length from its input on every stage (rotary tables: the GPT with rotary positions, the user-written Llama,
-here with a gate Linear that tensor parallelism leaves whole); and a 4-block grouped-query Llama whose attention
-keeps only ``head_dim`` (its head counts read from the projections' widths, by the planner as by tensor parallelism)
-under dp=2 × pp=2 × tp=2 on 8 and pp=2 × tp=2 on 4 (ZeRO-3, 1F1B), ep left to the planner; on 8 also the GPT with
-biases (GPTConfig's default) at the examples' learning rate, and an 8-expert MoE GPT under dp=2 × pp=2 × tp=2 × ep=2
-with every routing (top-1, top-2, dropless, capacity), its experts split over tp and folded."""
+4-block GPT (one block per virtual stage; each layout in two runs that cover both stages and both schedules; on 8
+processes the GPT with biases, ZeRO-1 and interleaved, and the MoE GPT's runs, ZeRO-3 and 1F1B among them), an MoE GPT
+under dp=2 × pp=2 × ep=2, and strategy="3d" with no sizes (the planner's layout) — for the world size it is launched
+with (4 or 8); on 4 also torchmetrics under pp=2 × tp=2, and under pp=2 × tp=2 with sequence parallelism models whose
+forward reads the sequence length from its input on every stage (rotary tables: the GPT with rotary positions, the
+user-written Llama, here with a gate Linear that tensor parallelism leaves whole); and a 4-block grouped-query Llama
+whose attention keeps only ``head_dim`` (its head counts read from the projections' widths, by the planner as by
+tensor parallelism) under pp=2 × tp=2 (ZeRO-3, 1F1B), ep left to the planner; on 8 also the GPT with biases
+(GPTConfig's default) at the examples' learning rate, and an 8-expert MoE GPT under dp=2 × pp=2 × tp=2 × ep=2 with
+every routing (top-1, top-2, dropless, capacity), its experts split over tp and folded."""
 
 import functools
 import sys
@@ -100,12 +100,11 @@ def validation_metrics() -> list[dict[str, object]]:
 def runs(world: int) -> list[tuple[int, int, int, Optional[int], Optional[int], str, str]]:
     """(dp, pp, tp, ep, zero, schedule, model) for this world size; None: the planner's choice."""
     # each layout with ZeRO-1 and ZeRO-3, and under 1F1B and Interleaved1F1B, in two runs; on 8 (a run there costs
-    # about 3 on 4) they are the head_dim Llama's (ZeRO-3, 1F1B) and the GPT with biases' (ZeRO-1, interleaved)
+    # about 2.5 on 4) they are the GPT with biases' (ZeRO-1, interleaved) and the MoE GPT's split over tp (ZeRO-3,
+    # 1F1B: its attention and embeddings sharded as a dense model's are)
     gpt4_runs = {4: [(1, 2, 2, 1, "1f1b"), (1, 2, 2, 3, "interleaved1f1b"), (2, 2, 1, 1, "interleaved1f1b"),
                      (2, 2, 1, 3, "1f1b")], 8: []}
     grid = [(dp, pp, tp, 1, zero, schedule, "gpt4") for dp, pp, tp, zero, schedule in gpt4_runs[world]]
-    # ep left to the planner, which then reads the model's heads
-    grid.append((2 if world == 8 else 1, 2, 2, None, 3, "1f1b", "llama-head-dim"))
     if world == 8:
         grid.append((2, 2, 2, 1, 1, "interleaved1f1b", "gpt4-bias"))
         # dp=2 × pp=2 × tp=2 × ep=2, every routing once: experts split over tp (ep over the data ranks), and folded
@@ -113,7 +112,9 @@ def runs(world: int) -> list[tuple[int, int, int, Optional[int], Optional[int], 
         grid += [(2, 2, 2, 2, 1, "1f1b", "moe8-top2", "split"), (2, 2, 2, 2, 3, "1f1b", "moe8-top1-capacity", "split"),
                  (2, 2, 2, 2, 0, "1f1b", "moe8-top1", "fold"), (2, 2, 2, 2, 1, "1f1b", "moe8-top2-capacity", "fold")]
     if world == 4:
-        grid += [(2, 2, 1, 2, 1, "1f1b", "moe"), (1, 2, 2, 1, 1, "interleaved1f1b", "gpt4-rotary"),
+        # ep left to the planner, which then reads the model's heads
+        grid += [(1, 2, 2, None, 3, "1f1b", "llama-head-dim"), (2, 2, 1, 2, 1, "1f1b", "moe"),
+                 (1, 2, 2, 1, 1, "interleaved1f1b", "gpt4-rotary"),
                  (1, 2, 2, 1, 1, "1f1b", "llama-gated"), (1, 2, 2, 1, 3, "1f1b", "llama-outside"),
                  (1, 2, 2, 1, 1, "1f1b", "gpt4-tied-vocab61")]
     return grid
