@@ -28,10 +28,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshlight.parallel.model_shape import linear_widths
 from meshlight.parallel.parameter_adapters import adapts_parameter
 
-__all__ = ["adapted_linear", "adapter_configs", "adapter_layers", "adapters_unwrapped", "as_planned", "base_name",
-           "check_splittable_adapter", "check_splittable_adapters", "initialize_adapters", "initialize_dora_magnitudes",
-           "initialize_trained_tokens", "low_rank_update", "peft_base", "read_without_adapters", "rebuilt_peft_model",
-           "saved_copy", "trained_tokens"]
+__all__ = ["ADAPTED_ROLES", "adapted_linear", "adapter_configs", "adapter_layers", "adapters_unwrapped", "as_planned",
+           "base_name", "check_splittable_adapter", "check_splittable_adapters", "initialize_adapters",
+           "initialize_dora_magnitudes", "initialize_trained_tokens", "low_rank_update", "peft_base",
+           "read_without_adapters", "rebuilt_peft_model", "saved_copy", "trained_tokens"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -267,6 +267,11 @@ def read_without_adapters(function: F) -> F:
     return read  # type: ignore[return-value]
 
 
+#: the tensor-parallel roles of a Linear whose LoRA (or DoRA) adapters split with it, or stay whole beside it
+#: (``replicate``: a Linear every rank holds whole, its adapters too, their gradients summed over tp alike)
+ADAPTED_ROLES = ("colwise", "rowwise", "fused_colwise", "head", "replicate")
+
+
 def check_splittable_adapters(model: nn.Module, plan: Mapping[str, Any]) -> None:
     """Refuse, before anything is split, each LoRA layer of ``model`` that tensor parallelism's ``plan`` (name → role
     or style) cannot split (:func:`check_splittable_adapter`), and rows trained (PEFT's ``trainable_token_indices``)
@@ -285,29 +290,25 @@ def check_splittable_adapters(model: nn.Module, plan: Mapping[str, Any]) -> None
 
 
 def check_splittable_adapter(name: str, module: nn.Module, role: str) -> None:
-    """Refuse, naming the way out, a LoRA layer tensor parallelism cannot split: one on a Linear whose role is not
-    ``colwise``, ``rowwise``, ``fused_colwise`` or ``head`` (a replicated gate …), DoRA on one whose role is not
-    ``colwise``, ``rowwise`` or ``head`` (its magnitude vector split as the Linear's output), or one holding other
-    weights beside its Linear's and its adapters' ``lora_A`` and ``lora_B``, or running another adapter variant
+    """Refuse, naming the way out, a LoRA layer tensor parallelism cannot split: one on a Linear whose role is not one
+    of :data:`ADAPTED_ROLES` (``role`` names the style too where it is not that role's usual one: a latent
+    attention's up-projection's), or one holding other weights beside its Linear's, its adapters' ``lora_A`` and
+    ``lora_B`` and DoRA's magnitudes (``lora_magnitude_vector``), or running another adapter variant
     (``lora_variant``)."""
     extra = sorted({n.split(".")[0] for n, _ in module.named_parameters()} - {"base_layer", "lora_A", "lora_B"})
     variants = sorted(getattr(module, "lora_variant", None) or ())
     dora = extra == ["lora_magnitude_vector"] and all(
         type(module.lora_variant[v]).__name__ == "DoraLinearVariant" for v in variants)
-    splittable = (("colwise", "rowwise", "head") if dora else () if extra or variants else
-                  ("colwise", "rowwise", "fused_colwise", "head"))
-    if role in splittable:
+    if role in ADAPTED_ROLES and (dora or not (extra or variants)):
         return
-    why = (f"it is DoRA, whose magnitude vector (lora_magnitude_vector) tensor parallelism splits with the output of a"
-           f" 'colwise', 'rowwise' or 'head' Linear, and its Linear has the role {role!r}" if dora else
-           f"it holds {', '.join(extra)} beside its adapters' lora_A and lora_B, which tensor parallelism does not"
-           " split" if extra else
+    why = (f"it holds {', '.join(extra)} beside its adapters' lora_A and lora_B, which tensor parallelism does not"
+           " split" if extra and not dora else
            f"its adapter {variants[0]!r} is a LoRA variant ({type(module.lora_variant[variants[0]]).__name__}), which"
-           " tensor parallelism does not split" if variants else
-           f"tensor parallelism gives its Linear the role {role!r}, and splits the adapters of 'colwise',"
-           " 'rowwise', 'fused_colwise' and 'head' Linears only")
+           " tensor parallelism does not split" if variants and not dora else
+           f"tensor parallelism gives its Linear the role {role!r}, and splits the adapters of 'colwise', 'rowwise',"
+           " 'fused_colwise' and 'head' Linears, or keeps them whole beside a 'replicate' one, only")
     raise NotImplementedError(
         f"{name} is a LoRA layer ({type(module).__name__}), but {why}. Leave that module out of the adapter's"
-        " target_modules (the attention's and MLP's separate projections split), use plain LoRA, or train it"
+        " target_modules (the attention's and MLP's separate projections split), use plain LoRA or DoRA, or train it"
         " with tp=1 (data, ZeRO or pipeline parallelism)."
     )

@@ -124,6 +124,7 @@ from meshlight.parallel.tensor_styles import (
     LowRankColwise,
     LowRankFused,
     LowRankHead,
+    LowRankReplicated,
     LowRankRowwise,
     OnLocalWeights,
     Replicated,
@@ -276,12 +277,12 @@ def apply_tensor_parallel(
 def _with_adapters(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]], styles: dict[str, ParallelStyle],
                    *, streams_of_own: bool) -> dict[str, ParallelStyle]:
     """``styles`` with each LoRA layer's (:mod:`meshlight.parallel.adapters`) the low-rank form of its Linear's: the
-    layer splits with its Linear and its adapters; one that cannot split is refused, naming it. A ``modules_to_save``
-    wrapper's style (planned on the module it runs) splits its original and each trainable copy alike; a
-    trainable-token wrapper's (``trainable_token_indices``, on the token embedding or the head) splits its module and
-    puts the trained rows in their places on each forward (``TrainedTokens``). ``streams_of_own``: the tp ranks draw
-    random numbers from streams of their own (sequence parallelism), so a column-parallel layer's adapters drop their
-    whole input by one gathered mask."""
+    layer splits with its Linear and its adapters (or, where its Linear is kept whole, stays whole with them); one that
+    cannot split is refused, naming it. A ``modules_to_save`` wrapper's style (planned on the module it runs) splits its
+    original and each trainable copy alike; a trainable-token wrapper's (``trainable_token_indices``, on the token
+    embedding or the head) splits its module and puts the trained rows in their places on each forward
+    (``TrainedTokens``). ``streams_of_own``: the tp ranks draw random numbers from streams of their own (sequence
+    parallelism), so a column-parallel layer's adapters drop their whole input by one gathered mask."""
     for name, module in model.named_modules():
         style = styles.get(name)
         if style is not None and saved_copy(module) is not None:  # PEFT's modules_to_save: each copy and the original
@@ -294,9 +295,14 @@ def _with_adapters(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle
         if style is None or adapted_linear(module) is None:
             continue
         role = plan[name] if isinstance(plan[name], str) else type(plan[name]).__name__
-        plain = type(style) in (ColwiseParallel, TransposedColwise, Rowwise, TransposedRowwise, FusedColwise, LMHead)
+        plain = type(style) in (ColwiseParallel, TransposedColwise, Rowwise, TransposedRowwise, FusedColwise, LMHead,
+                                Replicated, OnLocalWeights) and not getattr(style, "sharded", False)
         check_splittable_adapter(_shown(name), module, role if plain else f"{role} ({type(style).__name__})")
-        if isinstance(style, LMHead):
+        if isinstance(style, OnLocalWeights):  # (whole, on this rank's plain values: the adapters' forward as it is)
+            continue
+        if isinstance(style, Replicated):
+            styles[name] = LowRankReplicated(style.name)
+        elif isinstance(style, LMHead):
             styles[name] = LowRankHead(sequence_parallel=style.sequence_parallel, loss_parallel=style.loss_parallel,
                                        agreed_dropout=streams_of_own)
         elif isinstance(style, FusedColwise):

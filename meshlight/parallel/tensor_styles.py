@@ -29,9 +29,9 @@ from meshlight.parallel.tensor_plan import TensorParallelError, _shown
 
 __all__ = [
     "AgreedDropout", "ColwiseFromShare", "ColwiseNorm", "FusedColwise", "Interior", "LMHead", "LowRankColwise",
-    "LowRankFused", "LowRankHead", "LowRankRowwise", "OnLocalWeights", "Replicated", "Rowwise", "SequenceNorm",
-    "TrainedTokens", "TransposedColwise", "TransposedRowwise", "VocabEmbedding", "WholeMixer", "rows_of_rank",
-    "split_by_head",
+    "LowRankFused", "LowRankHead", "LowRankReplicated", "LowRankRowwise", "OnLocalWeights", "Replicated", "Rowwise",
+    "SequenceNorm", "TrainedTokens", "TransposedColwise", "TransposedRowwise", "VocabEmbedding", "WholeMixer",
+    "rows_of_rank", "split_by_head",
 ]
 
 
@@ -379,7 +379,8 @@ class LowRankFused(FusedColwise):
     exceeds: the Linear (``base_layer``) and each adapter's ``lora_B`` write the packed parts, so both are stored
     sharded by rows, gathered for the forward and computing this rank's rows of every part; each ``lora_A`` stays
     whole on every rank (its gradient, a partial sum over the ranks' rows, summed over tp). The layer's own forward
-    adds the two on this rank's rows; ``lora_B``'s gather (rank × width values) is the one collective added.
+    adds the two on this rank's rows; ``lora_B``'s gather (rank × width values) is the one collective added. DoRA's
+    magnitudes are stored by rows as the Linear's output is, and scale this rank's rows (:func:`_fused_dora_forward`).
     ``agreed_dropout``: as :class:`LowRankColwise`'s."""
 
     def __init__(self, parts: tuple[int, ...], kv: Optional[tuple[int, int]] = None, *,
@@ -395,7 +396,8 @@ class LowRankFused(FusedColwise):
 
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             whole = {"weight": Replicate(), "bias": Replicate()}
-            placements = {"base_layer": by_rows, "lora_A": whole, "lora_B": by_rows}.get(name.split(".")[0])
+            placements = {"base_layer": by_rows, "lora_A": whole, "lora_B": by_rows,
+                          "lora_magnitude_vector": by_rows}.get(name.split(".")[0])
             if placements is not None:
                 _distribute_parameters(mod, mesh, placements, self.src_data_rank)
 
@@ -405,7 +407,33 @@ class LowRankFused(FusedColwise):
         base.forward = functools.partial(_fused_forward, base, rows, is_transposed_linear(base))
         for up in module.lora_B.values():
             up.forward = functools.partial(_fused_forward, up, rows, False)
+        for dora in getattr(module, "lora_magnitude_vector", {}).values():
+            dora.forward = functools.partial(_fused_dora_forward, dora, rows, is_transposed_linear(base))
         return module
+
+
+def _fused_dora_forward(dora: nn.Module, rows: Tensor, transposed: bool, inputs: Tensor, *, lora_A: nn.Module,
+                        lora_B: nn.Module, scaling: float, base_layer: nn.Module, base_result: Optional[Tensor] = None,
+                        **_: Any) -> Tensor:
+    """PEFT's DoRA forward (``DoraLinearLayer.forward``: what the adapter adds to the Linear's output) on this rank's
+    ``rows`` of a fused projection (:class:`LowRankFused`): the Linear's weight, ``lora_B``'s and the magnitudes are
+    gathered whole and cut to those rows, each row's norm of the weight plus the update computed there and detached,
+    as PEFT detaches it. ``base_result``: the Linear's output on these rows (None where the adapter's dropout is on:
+    the dropped input is multiplied by these rows of the weight again, as PEFT does)."""
+    index = rows.to(inputs.device)
+    weight = _gathered(base_layer.weight)
+    weight = (weight.t() if transposed else weight).index_select(0, index)
+    with torch.no_grad():
+        update = _gathered(lora_B.weight).index_select(0, index) @ lora_A.weight.to_local()
+        norm = torch.linalg.norm(weight + scaling * update, dim=1)
+    scale = _gathered(dora.weight).index_select(0, index) / norm
+    adapted = lora_B(lora_A(inputs))  # (lora_B's forward: these rows)
+    if base_result is None:
+        plain = inputs.to_local(grad_placements=[Partial()]) if isinstance(inputs, DTensor) else inputs
+        base_result = nn.functional.linear(plain, weight)
+    elif base_layer.bias is not None:
+        base_result = base_result - _gathered(base_layer.bias).index_select(0, index)
+    return (scale - 1) * base_result + scale * adapted * scaling
 
 
 def rows_of_rank(parts: tuple[int, ...], kv: Optional[tuple[int, int]], tp: int, rank: int) -> Tensor:
@@ -502,6 +530,21 @@ class Replicated(ParallelStyle):
             return output.to_local()
 
         return distribute_module(module, device_mesh, _replicate_parameters, inputs_as_dtensors, output_local)
+
+
+class LowRankReplicated(Replicated):
+    """:class:`Replicated` (``over="sequence"``) for a LoRA layer on a Linear left whole on every rank (a shared
+    expert's gate) that reads this rank's share of the sequence: its adapters (and DoRA's magnitudes) whole beside it,
+    replicated, their gradients summed over tp with the Linear's; DoRA's ``B·A`` multiplied from the factors' weights
+    (PEFT runs them on an identity matrix, a plain tensor beside replicated ones)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, over="sequence")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for dora in getattr(module, "lora_magnitude_vector", {}).values():
+            dora.get_lora_weight = low_rank_update
+        return super()._apply(module, device_mesh)
 
 
 def _described(value: Any) -> str:

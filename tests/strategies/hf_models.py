@@ -493,7 +493,8 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
     ``"llama-lora-drop"``: the adapters' inputs dropped with probability 0.5; ``"gpt_oss-lora-experts"``: on the
     attention and, by ``target_parameters``, the stacked experts' weights, as GPT-OSS fine-tunes do;
     ``"gpt2-vocab61-lora-tokens"``: some rows of the token embedding trained beside, :func:`tokens_to_train`;
-    ``"llama-lora-head"``: on the LM head too; ``"llama-lora-dora"``: DoRA),
+    ``"llama-lora-head"``: on the LM head too; ``"llama-lora-dora"``: DoRA; ``"gpt2-lora-dora-p0"``: its dropouts
+    of probability 0, modules that change nothing, on which DoRA multiplies the input by the weight again),
     with the family's :func:`training_options`; ``data_shards``, ``microbatches``: see :class:`LitCausalLM`. A
     vision-language family (:data:`~tests.strategies.hf_vlm.FAMILIES`): :func:`~tests.strategies.hf_vlm.lit_vlm`'s
     model."""
@@ -520,7 +521,8 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
     if adapted:
         module.model = with_lora(module.model, family, saved="-saved" in variant,
                                  dropout=0.5 if "-drop" in variant else 0.0, experts="-experts" in variant,
-                                 tokens="-tokens" in variant, head="-head" in variant, dora="-dora" in variant)
+                                 tokens="-tokens" in variant, head="-head" in variant, dora="-dora" in variant,
+                                 zero_dropout="-p0" in variant)
     return in_float64(module) if fp64 else module
 
 
@@ -528,11 +530,18 @@ def lit_causal_lm(name: str, data_shards: int = 1, microbatches: int = 1) -> Lit
 #: PEFT's default target for it, Phi-3's q|k|v and gate|up)
 LORA_TARGETS = {"gpt2": ["c_attn", "c_fc", "c_proj"], "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
                 **dict.fromkeys(("falcon", "bloom", "gpt_neox"),
-                                ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"])}
+                                ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
+                # the Linears tensor parallelism keeps whole beside the split ones: Qwen2-MoE's shared expert's gate
+                # (on the MoE block's flattened tokens), Gemma 4's router's projection (on the block's input)
+                "qwen2_moe": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                              "shared_expert_gate"],
+                "gemma4_moe": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                               "router.proj"]}
 
 
 def with_lora(model: torch.nn.Module, family: str, saved: bool = False, dropout: float = 0.0,
-              experts: bool = False, tokens: bool = False, head: bool = False, dora: bool = False) -> torch.nn.Module:
+              experts: bool = False, tokens: bool = False, head: bool = False, dora: bool = False,
+              zero_dropout: bool = False) -> torch.nn.Module:
     """``model`` fine-tuned with PEFT's LoRA (rank 4, on :data:`LORA_TARGETS`, initialized as PEFT does: ``lora_B``
     zeros, the adapters starting as no change), its own weights frozen; ``saved``: its token embedding and LM head
     trained whole too (PEFT's ``modules_to_save``: a trainable copy of each beside the frozen original, as a
@@ -540,7 +549,9 @@ def with_lora(model: torch.nn.Module, family: str, saved: bool = False, dropout:
     projections and the stacked experts' ``gate_up_proj`` and ``down_proj`` (``target_parameters``); ``tokens``: rows
     of the token embedding trained beside (PEFT's ``trainable_token_indices``, as a fine-tune adding a few tokens
     trains them; the same rows of an LM head tied to it too), :func:`tokens_to_train`; ``head``: on the LM head too;
-    ``dora``: DoRA (a magnitude per output beside the low-rank update of its direction)."""
+    ``dora``: DoRA (a magnitude per output beside the low-rank update of its direction); ``zero_dropout``: each
+    adapter's dropout a ``Dropout`` of probability 0 where PEFT puts an ``Identity`` (the same values, but PEFT's DoRA
+    then runs its dropout branch: the input, dropped, multiplied by the Linear's weight again)."""
     import peft
 
     targets = LORA_TARGETS.get(family, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -550,7 +561,11 @@ def with_lora(model: torch.nn.Module, family: str, saved: bool = False, dropout:
                              else None, fan_in_fan_out=family == "gpt2",
                              modules_to_save=["embed_tokens", "lm_head"] if saved else None, lora_dropout=dropout,
                              trainable_token_indices=tokens_to_train(model) if tokens else None, use_dora=dora)
-    return peft.get_peft_model(model, config)
+    model = peft.get_peft_model(model, config)
+    for layer in model.modules() if zero_dropout else ():
+        for adapter in list(getattr(layer, "lora_dropout", {})):
+            layer.lora_dropout[adapter] = torch.nn.Dropout(0.0)
+    return model
 
 
 def with_trained_tokens(model: torch.nn.Module, family: str) -> torch.nn.Module:

@@ -1,44 +1,44 @@
 """Models users bring, unchanged, under meshlight's strategies: each dense family — Hugging Face's Llama, Mistral, Qwen2
-(q/k/v biases), Qwen3 (QK-norm, an explicit head_dim) and GPT-2 (Conv1D, a fused q|k|v, learned positions, its head
-tied to the token embedding), and litgpt's GPT (a fused q|k|v for grouped queries, its blocks in a ModuleDict
-namespace the root's forward runs) — matches one process's training within 1e-4 over 20 steps, under tensor (+
-sequence) parallelism, data parallelism, pipeline parallelism (1F1B and interleaved, the LM head beside the module
-holding the layers) and (GPT-2 and litgpt; Llama's structure as Qwen2.5-VL's decoder; Qwen3 under pipelining ×
-tensor parallelism) all three; and Mixtral,
-Qwen3-MoE and GPT-OSS (attention sinks, sliding-window layers, experts stored transposed with biases) under expert
-parallelism, with and without pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also with
-dp and pp; Phi-3 (a fused q|k|v sliced by the config's head counts, a fused gate|up), Qwen2-MoE (a shared expert
+(q/k/v biases), Qwen3 (QK-norm, an explicit head_dim) and GPT-2 (Conv1D, a fused q|k|v, learned positions, its head tied
+to the token embedding), and litgpt's GPT (a fused q|k|v for grouped queries, its blocks in a ModuleDict namespace the
+root's forward runs) — matches one process's training within 1e-4 over 20 steps, under tensor (+ sequence) parallelism,
+data parallelism, pipeline parallelism (1F1B and interleaved, the LM head beside the module holding the layers) and
+(GPT-2 and litgpt; Llama's structure as Qwen2.5-VL's decoder; Qwen3 under pipelining × tensor parallelism) all three;
+and Mixtral, Qwen3-MoE and GPT-OSS (attention sinks, sliding-window layers, experts stored transposed with biases) under
+expert parallelism, with and without pipelining, and under tensor parallelism (their attention split), Qwen3-MoE also
+with dp and pp; Phi-3 (a fused q|k|v sliced by the config's head counts, a fused gate|up), Qwen2-MoE (a shared expert
 beside the routed ones), OLMo 2 and OLMoE (q and k normalized over all heads at once; OLMo 2 at the tolerance
-:data:`~tests.strategies.hf_models.PARITY_RTOL` says, and in float64, OLMoE in float64) under tensor parallelism;
-BLOOM, MPT and Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its heads') under tensor
-parallelism, BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, Falcon-RW under pipelining × tensor
-parallelism; OPT (its final norm registered before its layers) under pipelining; litgpt's MoE (experts held as a
-list) under expert parallelism, alone, folded over tp and in all four; Mixtral and Qwen3-MoE with their
-load-balancing loss under pipelining (every layer's router logits carried down the stages), with expert parallelism
-and all three; Qwen3.5 (in float64: its Gated DeltaNet layers kept whole on every rank) under tensor parallelism; the
-hybrids Jamba, Bamba, Falcon-H1, Granite 4 (their Mamba mixers kept whole on every rank), LFM2 (its short
-convolutions), LFM2-MoE, MiniMax (its lightning attention) and Kimi Linear (its KDA layers; in float64) under tensor
-parallelism, Falcon-H1 and Granite 4 under pipelining, Granite 4 also under expert parallelism and pipelining ×
-tensor parallelism; Apertus (a learned activation between its MLP's projections; with and without sequence
-parallelism) and AFMoE (an output gate registered after its output projection, an MoE block holding its routing's
-bias itself; in float64) under tensor parallelism; DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention: its key
-selector kept whole on every rank) under tensor parallelism; Gemma 2 (soft-capped logits), Gemma 3 and Gemma 4 (keys
-that are also the values on its global layers) under tensor parallelism, Gemma 3 and Gemma 4's MoE under pipelining,
-the MoE also under expert parallelism (and in float64 under tensor parallelism); DeepSeek-V4 (in float64) and HY-V4
-under pipelining and expert parallelism (hyper-connections' streams between blocks, collapsed by a head run before
-the final norm; DeepSeek-V4's hash-routed experts reading the token ids); the vision-language models Qwen2.5-VL,
-Qwen3-VL (in float64), Qwen3-VL-MoE, LLaVA and Gemma 3 under tensor parallelism (their vision encoder whole on every
-rank), Qwen2.5-VL, LLaVA, LLaVA-NeXT (in float64: its image_newline the first stage's), Idefics3 (in float64), ERNIE
-4.5-VL and Qwen3-VL-MoE (its first stage holding the layer its encoder feeds and the next) under pipelining (the
-encoder on the first stage), ERNIE 4.5-VL under tensor parallelism without sequence parallelism (its MoE layer takes
-each token's type), Qwen2.5-VL under all three and Qwen3-VL (in float64) under pipelining × tensor parallelism,
-Qwen3-VL under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3, and Qwen3-VL-MoE under expert parallelism, alone and
-folded over tp; Llama, GPT-2, Phi-3 and GPT-NeoX fine-tuned with PEFT's LoRA under tensor parallelism (each adapted
-Linear split with its adapters, fused ones part by part), Llama also under dp=2 × tp=2 with ZeRO-3, pipelining ×
-tensor parallelism and the planned layout (there with its embedding and head trained whole beside, modules_to_save), its frozen weights
-unchanged, its checkpoint resumed and resharded, its dropout one mask over the tp ranks; Mixtral with LoRA on its
-attention under dp=2 × tp=2 × ep=2; Qwen3-MoE with LoRA on its experts under tp=2 (each expert split) and dp=2 ×
-tp=2 × ep=2 (split), and planned, GPT-OSS's (target_parameters) under tp=2 and ep=2. One launch per process count."""
+:data:`~tests.strategies.hf_models.PARITY_RTOL` says, and in float64, OLMoE in float64) under tensor parallelism; BLOOM,
+MPT and Falcon-RW (ALiBi biases built for all heads by the model, each rank handed its heads') under tensor parallelism,
+BLOOM, MPT and Falcon (blocks returning tuples) under pipelining, Falcon-RW under pipelining × tensor parallelism; OPT
+(its final norm registered before its layers) under pipelining; litgpt's MoE (experts held as a list) under expert
+parallelism, alone, folded over tp and in all four; Mixtral and Qwen3-MoE with their load-balancing loss under
+pipelining (every layer's router logits carried down the stages), with expert parallelism and all three; Qwen3.5 (in
+float64: its Gated DeltaNet layers kept whole on every rank) under tensor parallelism; the hybrids Jamba, Bamba,
+Falcon-H1, Granite 4 (their Mamba mixers kept whole on every rank), LFM2 (its short convolutions), LFM2-MoE, MiniMax
+(its lightning attention) and Kimi Linear (its KDA layers; in float64) under tensor parallelism, Falcon-H1 and Granite 4
+under pipelining, Granite 4 also under expert parallelism and pipelining × tensor parallelism; Apertus (a learned
+activation between its MLP's projections; with and without sequence parallelism) and AFMoE (an output gate registered
+after its output projection, an MoE block holding its routing's bias itself; in float64) under tensor parallelism;
+DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention: its key selector kept whole on every rank) under tensor parallelism;
+Gemma 2 (soft-capped logits), Gemma 3 and Gemma 4 (keys that are also the values on its global layers) under tensor
+parallelism, Gemma 3 and Gemma 4's MoE under pipelining, the MoE also under expert parallelism (and in float64 under
+tensor parallelism); DeepSeek-V4 (in float64) and HY-V4 under pipelining and expert parallelism (hyper-connections'
+streams between blocks, collapsed by a head run before the final norm; DeepSeek-V4's hash-routed experts reading the
+token ids); the vision-language models Qwen2.5-VL, Qwen3-VL (in float64), Qwen3-VL-MoE, LLaVA and Gemma 3 under tensor
+parallelism (their vision encoder whole on every rank), Qwen2.5-VL, LLaVA, LLaVA-NeXT (in float64: its image_newline the
+first stage's), Idefics3 (in float64), ERNIE 4.5-VL and Qwen3-VL-MoE (its first stage holding the layer its encoder
+feeds and the next) under pipelining (the encoder on the first stage), ERNIE 4.5-VL under tensor parallelism without
+sequence parallelism (its MoE layer takes each token's type), Qwen2.5-VL under all three and Qwen3-VL (in float64) under
+pipelining × tensor parallelism, Qwen3-VL under ZeRO-3, LLaVA under dp=2 × tp=2 with ZeRO-3, and Qwen3-VL-MoE under
+expert parallelism, alone and folded over tp; Llama, GPT-2, Phi-3 and GPT-NeoX fine-tuned with PEFT's LoRA under tensor
+parallelism (each adapted Linear split with its adapters, fused ones part by part; GPT-2 and Phi-3 as DoRA, its
+magnitudes split with their rows; DoRA on Qwen2-MoE's shared expert's gate and Gemma 4's router, kept whole with the
+Linear), Llama also under dp=2 × tp=2 with ZeRO-3, pipelining × tensor parallelism and the planned layout (there with
+its embedding and head trained whole beside, modules_to_save), its frozen weights unchanged, its checkpoint resumed and
+resharded, its dropout one mask over the tp ranks; Mixtral with LoRA on its attention under dp=2 × tp=2 × ep=2;
+Qwen3-MoE with LoRA on its experts under tp=2 (each expert split) and dp=2 × tp=2 × ep=2 (split), and planned, GPT-OSS's
+(target_parameters) under tp=2 and ep=2. One launch per process count."""
 
 from concurrent.futures import Future
 from pathlib import Path
@@ -296,13 +296,13 @@ def test_rows_peft_trains_are_planned_as_the_module_holding_them(method):
 
 
 def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_out():
-    """PEFT's LoRA on a Linear whose role is not colwise, rowwise, fused_colwise or head (a shared expert's gate,
-    whole on every rank), DoRA on a fused projection (its magnitude vector is split with separate ones), or rows trained
-    (``trainable_token_indices``) of an embedding other than the token embedding (a position table): refused before
-    anything is split (the check :func:`~meshlight.parallel.parallelize.parallelize` runs beside the plan's
-    validation), naming the layer and the ways out; so is LoRA on an MoE layer's stacked experts (PEFT adapts them in
-    place) stored in a layout meshlight does not split over tp, under tp (they would be kept whole on every tp rank),
-    and LoRA on any other parameter under tp or ep."""
+    """PEFT's LoRA on a Linear whose role is not colwise, rowwise, fused_colwise, head or replicate (a latent
+    attention's down-projection, run on plain tensors), or rows trained (``trainable_token_indices``) of an embedding
+    other than the token embedding (a position table): refused before anything is split (the check
+    :func:`~meshlight.parallel.parallelize.parallelize` runs beside the plan's validation), naming the layer and the
+    ways out; so is LoRA on an MoE layer's stacked experts (PEFT adapts them in place) stored in a layout meshlight
+    does not split over tp, under tp (they would be kept whole on every tp rank), and LoRA on any other parameter
+    under tp or ep."""
     import peft
 
     from meshlight.parallel.adapters import check_splittable_adapters
@@ -310,13 +310,15 @@ def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_
     from meshlight.parallel.parallelize import parallelize
     from meshlight.parallel.tensor_plan import model_plan
 
-    gate = lit_causal_lm("qwen2_moe")
-    gate.model = peft.get_peft_model(gate.model, peft.LoraConfig(r=4, target_modules=["shared_expert_gate"]))
-    with pytest.raises(NotImplementedError, match=r"layers.0.mlp.shared_expert_gate is a LoRA layer \(Linear\), but"
-                                                  r" tensor parallelism gives its Linear the role 'replicate', .* Leave"
-                                                  r" that module out of the adapter's target_modules .* or train it"
-                                                  r" with tp=1"):
-        check_splittable_adapters(gate, model_plan(gate))
+    latent = lit_causal_lm("deepseek_v3")
+    latent.model = peft.get_peft_model(latent.model, peft.LoraConfig(r=4, target_modules=["q_a_proj"], use_dora=True))
+    with pytest.raises(NotImplementedError, match=r"layers.0.self_attn.q_a_proj is a LoRA layer \(Linear\), but"
+                                                  r" tensor parallelism gives its Linear the role 'latent', and splits"
+                                                  r" the adapters of 'colwise', 'rowwise', 'fused_colwise' and 'head'"
+                                                  r" Linears, or keeps them whole beside a 'replicate' one, only\."
+                                                  r" Leave that module out of the adapter's target_modules .* or train"
+                                                  r" it with tp=1"):
+        check_splittable_adapters(latent, model_plan(latent))
     with pytest.raises(NotImplementedError, match=r"layers.0.mlp.experts is PEFT's LoRA on the parameters 'down_proj',"
                                                   r" 'gate_up_proj' of Qwen3MoeExperts, stacked experts in a layout"
                                                   r" meshlight does not split over the tp ranks .* fold expert"
@@ -331,15 +333,6 @@ def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_
                                                   r" adapters: leave them out of the adapter .* or train with tp=1 and"
                                                   r" ep=1"):
         parallelize(on_weight, ParallelLayout(tp=2), mesh=None)
-    dora = lit_causal_lm("gpt2")
-    dora.model = peft.get_peft_model(dora.model, peft.LoraConfig(r=4, target_modules=["c_attn"], use_dora=True,
-                                                                 fan_in_fan_out=True))
-    with pytest.raises(NotImplementedError, match=r"c_attn is a LoRA layer \(Linear\), but it is DoRA, whose"
-                                                  r" magnitude vector \(lora_magnitude_vector\) tensor parallelism"
-                                                  r" splits with the output of a 'colwise', 'rowwise' or 'head'"
-                                                  r" Linear, and its Linear has the role 'fused_colwise'.* use plain"
-                                                  r" LoRA"):
-        check_splittable_adapters(dora, model_plan(dora))
     positions = lit_causal_lm("gpt2")
     positions.model = peft.get_peft_model(positions.model, peft.LoraConfig(
         r=4, target_modules=["c_attn"], trainable_token_indices={"wpe": [0, 1]}))

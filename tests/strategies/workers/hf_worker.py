@@ -78,16 +78,20 @@ LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 #: adapters (a column-parallel one's lora_B by rows, its lora_A whole; a row-parallel one's lora_A by columns, its
 #: lora_B whole, run on lora_A's partial sums; a fused one's lora_B by rows, computing this rank's rows of each part
 #: as its Linear does), the frozen norms run on the sequence's shares staying frozen: GPT-2's Conv1D projections (its
-#: fused q|k|v too), Phi-3's fused q|k|v with one key/value head (each rank computing it) and fused gate|up,
-#: GPT-NeoX's q|k|v held head by head (as the plan it publishes says, read through PEFT's wrapper); Llama's with its
-#: embedding and head trained whole beside (modules_to_save: resume-lora trains it, checkpointed); GPT-2 with rows of
-#: its embedding trained beside (trainable_token_indices: on either side of where tp splits a vocabulary of 61, 31 +
-#: 30, and in its head tied to it), each rank putting those it holds into its rows of the weight; Gemma 3 as DoRA, on
-#: its head too (tied to its embedding, the vocabulary of 61 split 31 + 30: lora_B's rows split with the head's; each
-#: magnitude vector split with its Linear's output: by rows under a column-parallel Linear and the head, whole under a
-#: row-parallel one, whose weight's norms DTensor sums over tp)
-LORA = ("llama-lora-saved", "gpt2-lora", "phi3-kv1-lora", "gpt_neox-lora", "gpt2-vocab61-lora-tokens",
-        "gemma3-vocab61-lora-head-dora")
+#: fused q|k|v too) as DoRA, its dropouts of probability 0 (DoRA's branch for dropout: the input multiplied by this
+#: rank's rows of the weight again), Phi-3's fused q|k|v with one key/value head (each rank computing it) and fused
+#: gate|up as DoRA (the magnitudes by rows, scaling this rank's rows of each part), GPT-NeoX's q|k|v held head by head
+#: (as the plan it publishes says, read through PEFT's wrapper); Llama's with its embedding and head trained whole
+#: beside (modules_to_save: resume-lora trains it, checkpointed); GPT-2 with rows of its embedding trained beside
+#: (trainable_token_indices: on either side of where tp splits a vocabulary of 61, 31 + 30, and in its head tied to
+#: it), each rank putting those it holds into its rows of the weight; Gemma 3 as DoRA, on its head too (tied to its
+#: embedding, the vocabulary of 61 split 31 + 30: lora_B's rows split with the head's; each magnitude vector split
+#: with its Linear's output: by rows under a column-parallel Linear and the head, whole under a row-parallel one,
+#: whose weight's norms DTensor sums over tp); DoRA on Linears kept whole on every rank, their adapters and magnitudes
+#: whole beside them, their gradients summed over tp: Qwen2-MoE's shared expert's gate (on the MoE block's flattened
+#: tokens, run on plain values) and Gemma 4's router's projection (on the sequence's share, as DTensors)
+LORA = ("llama-lora-saved", "gpt2-lora-dora-p0", "phi3-kv1-lora-dora", "gpt_neox-lora", "gpt2-vocab61-lora-tokens",
+        "gemma3-vocab61-lora-head-dora", "qwen2_moe-lora-dora", "gemma4_moe-lora-dora")
 #: the families data parallelism trains (FAMILIES but Mistral, Llama's structure under its own classes)
 DATA_FAMILIES = tuple(family for family in FAMILIES if family != "mistral")
 
