@@ -268,8 +268,8 @@ def read_without_adapters(function: F) -> F:
 
 
 #: the tensor-parallel roles of a Linear whose LoRA (or DoRA) adapters split with it, or stay whole beside it
-#: (``replicate``: a Linear every rank holds whole, its adapters too, their gradients summed over tp alike)
-ADAPTED_ROLES = ("colwise", "rowwise", "fused_colwise", "head", "replicate")
+#: (``replicate``, ``latent``: a Linear every rank holds whole, its adapters too, their gradients summed over tp alike)
+ADAPTED_ROLES = ("colwise", "rowwise", "fused_colwise", "head", "replicate", "latent")
 
 
 def check_splittable_adapters(model: nn.Module, plan: Mapping[str, Any]) -> None:
@@ -306,7 +306,7 @@ def check_splittable_adapter(name: str, module: nn.Module, role: str) -> None:
            f"its adapter {variants[0]!r} is a LoRA variant ({type(module.lora_variant[variants[0]]).__name__}), which"
            " tensor parallelism does not split" if variants and not dora else
            f"tensor parallelism gives its Linear the role {role!r}, and splits the adapters of 'colwise', 'rowwise',"
-           " 'fused_colwise' and 'head' Linears, or keeps them whole beside a 'replicate' one, only")
+           " 'fused_colwise' and 'head' Linears, or keeps them whole beside a 'replicate' or 'latent' one, only")
     raise NotImplementedError(
         f"{name} is a LoRA layer ({type(module).__name__}), but {why}. Leave that module out of the adapter's"
         " target_modules (the attention's and MLP's separate projections split), use plain LoRA or DoRA, or train it"

@@ -124,6 +124,7 @@ from meshlight.parallel.tensor_styles import (
     LowRankColwise,
     LowRankFused,
     LowRankHead,
+    LowRankOnLocalWeights,
     LowRankReplicated,
     LowRankRowwise,
     OnLocalWeights,
@@ -296,11 +297,13 @@ def _with_adapters(model: nn.Module, plan: Mapping[str, Union[str, ParallelStyle
             continue
         role = plan[name] if isinstance(plan[name], str) else type(plan[name]).__name__
         plain = type(style) in (ColwiseParallel, TransposedColwise, Rowwise, TransposedRowwise, FusedColwise, LMHead,
-                                Replicated, OnLocalWeights) and not getattr(style, "sharded", False)
+                                Replicated, OnLocalWeights)
         check_splittable_adapter(_shown(name), module, role if plain else f"{role} ({type(style).__name__})")
-        if isinstance(style, OnLocalWeights):  # (whole, on this rank's plain values: the adapters' forward as it is)
+        if isinstance(style, OnLocalWeights) and role == "replicate":  # (an MoE block's: on this rank's tokens)
             continue
-        if isinstance(style, Replicated):
+        if isinstance(style, OnLocalWeights):  # a latent attention's projection: on the input every rank holds whole
+            styles[name] = LowRankOnLocalWeights(sharded=style.sharded, agreed_dropout=streams_of_own)
+        elif isinstance(style, Replicated):
             styles[name] = LowRankReplicated(style.name)
         elif isinstance(style, LMHead):
             styles[name] = LowRankHead(sequence_parallel=style.sequence_parallel, loss_parallel=style.loss_parallel,

@@ -29,9 +29,9 @@ from meshlight.parallel.tensor_plan import TensorParallelError, _shown
 
 __all__ = [
     "AgreedDropout", "ColwiseFromShare", "ColwiseNorm", "FusedColwise", "Interior", "LMHead", "LowRankColwise",
-    "LowRankFused", "LowRankHead", "LowRankReplicated", "LowRankRowwise", "OnLocalWeights", "Replicated", "Rowwise",
-    "SequenceNorm", "TrainedTokens", "TransposedColwise", "TransposedRowwise", "VocabEmbedding", "WholeMixer",
-    "rows_of_rank", "split_by_head",
+    "LowRankFused", "LowRankHead", "LowRankOnLocalWeights", "LowRankReplicated", "LowRankRowwise", "OnLocalWeights",
+    "Replicated", "Rowwise", "SequenceNorm", "TrainedTokens", "TransposedColwise", "TransposedRowwise",
+    "VocabEmbedding", "WholeMixer", "rows_of_rank", "split_by_head",
 ]
 
 
@@ -637,18 +637,51 @@ class OnLocalWeights(ParallelStyle):
             _distribute_parameters(mod, mesh, {n: Shard(0) for n, _ in mod.named_parameters(recurse=False)},
                                    self.src_data_rank)
 
-        def plain_inputs(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-            return tuple(t.to_local(grad_placements=[Partial()]) if isinstance(t, DTensor)
-                         and all(p.is_replicate() for p in t.placements) else t for t in inputs)
-
         if self.own:  # (``distribute_module`` would replicate every submodule's parameters)
             _replicate_parameters("", module, device_mesh)
-            module.register_forward_pre_hook(lambda mod, inputs: plain_inputs(mod, inputs, device_mesh))
+            module.register_forward_pre_hook(lambda mod, inputs: _plain_inputs(mod, inputs, device_mesh))
         else:
-            distribute_module(module, device_mesh, partition, plain_inputs)
+            distribute_module(module, device_mesh, partition, _plain_inputs)
         # (replicated, its submodules' weights too: a key selector's own projections)
         forward = _forward_on_local_weights if self.sharded or self.own else _forward_on_local_tree
         module.forward = functools.partial(forward, module, type(module).forward)
+        return module
+
+
+def _plain_inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    """:class:`OnLocalWeights`' input hook: each replicated DTensor input as this rank's plain tensor, its gradient this
+    rank's part of a sum."""
+    return tuple(t.to_local(grad_placements=[Partial()]) if isinstance(t, DTensor)
+                 and all(p.is_replicate() for p in t.placements) else t for t in inputs)
+
+
+class LowRankOnLocalWeights(OnLocalWeights):
+    """:class:`OnLocalWeights` for a LoRA layer on a latent attention's projection, run as PEFT runs it on this rank's
+    plain values of its whole tree: a down-projection (``latent``) whole, its adapters and DoRA's magnitudes whole
+    beside it; an up-projection (``sharded``: this rank's heads) with its Linear's and each ``lora_B``'s rows and the
+    magnitudes by rows, each ``lora_A`` whole (its gradient summed over tp). Both read the input every tp rank holds
+    whole, so where the ranks draw from streams of their own (``agreed_dropout``: sequence parallelism) the adapters'
+    dropout is an :class:`AgreedDropout`."""
+
+    def __init__(self, *, sharded: bool = False, agreed_dropout: bool = False) -> None:
+        super().__init__(sharded=sharded)
+        self.agreed_dropout = agreed_dropout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.agreed_dropout:
+            _agreeing_dropouts(module, device_mesh)
+        by_rows = {"weight": Shard(0), "bias": Shard(0)}
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            if not self.sharded:
+                return _replicate_parameters(name, mod, mesh)
+            placements = {"base_layer": by_rows, "lora_A": {"weight": Replicate(), "bias": Replicate()},
+                          "lora_B": by_rows, "lora_magnitude_vector": by_rows}.get(name.split(".")[0])
+            if placements is not None:
+                _distribute_parameters(mod, mesh, placements, self.src_data_rank)
+
+        distribute_module(module, device_mesh, partition, _plain_inputs)
+        module.forward = functools.partial(_forward_on_local_tree, module, type(module).forward)
         return module
 
 
@@ -738,17 +771,19 @@ def _forward_on_local_weights(module: nn.Module, forward: Any, *args: Any, **kwa
 
 def _forward_on_local_tree(module: nn.Module, forward: Any, *args: Any, gradient_scale: float = 1.0,
                            **kwargs: Any) -> Any:
-    """``forward`` on a copy of ``module`` and of each of its submodules holding their replicated DTensor parameters
-    as this rank's plain values (each gradient, times ``gradient_scale``, this rank's part of a sum), however the
-    forward reaches them."""
+    """``forward`` on a copy of ``module`` and of each of its submodules holding their DTensor parameters as this
+    rank's plain values (each gradient, times ``gradient_scale``, this rank's part of a sum where the parameter is
+    replicated, its shard's where it is sharded), however the forward reaches them."""
+
+    def plain(param: DTensor) -> Tensor:
+        replicated = all(p.is_replicate() for p in param.placements)
+        return scale_gradient(param.to_local(grad_placements=[Partial()] if replicated else None), gradient_scale)
 
     def local(mod: nn.Module) -> nn.Module:
         copied = shallow_copy(mod)
         copied._parameters = {}
         for name, param in mod._parameters.items():  # (None where a Linear has no bias)
-            object.__setattr__(copied, name, scale_gradient(param.to_local(grad_placements=[Partial()]),
-                                                            gradient_scale)
-                               if isinstance(param, DTensor) else param)
+            object.__setattr__(copied, name, plain(param) if isinstance(param, DTensor) else param)
         for name, buffer in mod.named_buffers(recurse=False):
             if isinstance(buffer, DTensor):
                 object.__setattr__(copied, name, buffer.to_local())

@@ -532,11 +532,13 @@ LORA_TARGETS = {"gpt2": ["c_attn", "c_fc", "c_proj"], "phi3": ["qkv_proj", "o_pr
                 **dict.fromkeys(("falcon", "bloom", "gpt_neox"),
                                 ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
                 # the Linears tensor parallelism keeps whole beside the split ones: Qwen2-MoE's shared expert's gate
-                # (on the MoE block's flattened tokens), Gemma 4's router's projection (on the block's input)
+                # (on the MoE block's flattened tokens), Gemma 4's router's projection (on the sequence's share)
                 "qwen2_moe": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                               "shared_expert_gate"],
                 "gemma4_moe": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                               "router.proj"]}
+                               "router.proj"],
+                # a latent attention's down-projections (whole on every rank) and up-projections (split by heads)
+                "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]}
 
 
 def with_lora(model: torch.nn.Module, family: str, saved: bool = False, dropout: float = 0.0,

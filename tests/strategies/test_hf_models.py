@@ -262,12 +262,13 @@ def test_experts_that_take_every_token_are_refused_by_expert_parallelism_naming_
 
 def test_lora_dropout_is_one_mask_over_the_tensor_parallel_ranks_and_recomputation_replays_it(runs):
     """Under sequence parallelism the tp ranks draw from streams of their own, while a column-parallel LoRA layer's
-    input is whole on each: its dropout mask is drawn a part per rank and gathered, so every rank drops the same
-    values (with separate masks each rank's columns of the adapter saw another input). A row-parallel layer's input
-    is split by columns, each rank dropping its own. Recomputing every block ends on the same weights."""
+    input is whole on each (and a latent attention's projections', down and up): its dropout mask is drawn a part per
+    rank and gathered, so every rank drops the same values (with separate masks each rank's columns of the adapter
+    saw another input). A row-parallel layer's input is split by columns, each rank dropping its own. Recomputing
+    every block ends on the same weights."""
     results = torch.load(runs / "lora-dropout.pt", weights_only=False)
     first, second = results["masks"]
-    assert torch.equal(first["q_proj"], second["q_proj"])
+    assert all(torch.equal(first[name], second[name]) for name in ("q_proj", "q_a_proj", "kv_b_proj"))
     assert not torch.equal(first["o_proj"], second["o_proj"])
     assert all(0.45 < mask.float().mean() < 0.55 for masks in (first, second) for mask in masks.values())
     assert results["recompute_replays"]
@@ -296,9 +297,8 @@ def test_rows_peft_trains_are_planned_as_the_module_holding_them(method):
 
 
 def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_out():
-    """PEFT's LoRA on a Linear whose role is not colwise, rowwise, fused_colwise, head or replicate (a latent
-    attention's down-projection, run on plain tensors), or rows trained (``trainable_token_indices``) of an embedding
-    other than the token embedding (a position table): refused before anything is split (the check
+    """A LoRA variant other than DoRA (aLoRA), or rows trained (``trainable_token_indices``) of an embedding other
+    than the token embedding (a position table): refused before anything is split (the check
     :func:`~meshlight.parallel.parallelize.parallelize` runs beside the plan's validation), naming the layer and the
     ways out; so is LoRA on an MoE layer's stacked experts (PEFT adapts them in place) stored in a layout meshlight
     does not split over tp, under tp (they would be kept whole on every tp rank), and LoRA on any other parameter
@@ -310,15 +310,15 @@ def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_
     from meshlight.parallel.parallelize import parallelize
     from meshlight.parallel.tensor_plan import model_plan
 
-    latent = lit_causal_lm("deepseek_v3")
-    latent.model = peft.get_peft_model(latent.model, peft.LoraConfig(r=4, target_modules=["q_a_proj"], use_dora=True))
-    with pytest.raises(NotImplementedError, match=r"layers.0.self_attn.q_a_proj is a LoRA layer \(Linear\), but"
-                                                  r" tensor parallelism gives its Linear the role 'latent', and splits"
-                                                  r" the adapters of 'colwise', 'rowwise', 'fused_colwise' and 'head'"
-                                                  r" Linears, or keeps them whole beside a 'replicate' one, only\."
-                                                  r" Leave that module out of the adapter's target_modules .* or train"
-                                                  r" it with tp=1"):
-        check_splittable_adapters(latent, model_plan(latent))
+    activated = lit_causal_lm("llama")  # aLoRA: the adapter acts from its invocation tokens on
+    activated.model = peft.get_peft_model(activated.model, peft.LoraConfig(
+        r=4, target_modules=["q_proj"], alora_invocation_tokens=[1, 2], task_type="CAUSAL_LM"))
+    with pytest.raises(NotImplementedError, match=r"layers.0.self_attn.q_proj is a LoRA layer \(Linear\), but its"
+                                                  r" adapter 'default' is a LoRA variant \(ALoraLinearVariant\), which"
+                                                  r" tensor parallelism does not split\. Leave that module out of the"
+                                                  r" adapter's target_modules .* use plain LoRA or DoRA, or train it"
+                                                  r" with tp=1"):
+        check_splittable_adapters(activated, model_plan(activated))
     with pytest.raises(NotImplementedError, match=r"layers.0.mlp.experts is PEFT's LoRA on the parameters 'down_proj',"
                                                   r" 'gate_up_proj' of Qwen3MoeExperts, stacked experts in a layout"
                                                   r" meshlight does not split over the tp ranks .* fold expert"

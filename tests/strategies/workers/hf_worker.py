@@ -89,9 +89,11 @@ LISTED = ("litgpt_moe", "litgpt_moe-clip", "litgpt_moe_grouped")
 #: with its Linear's output: by rows under a column-parallel Linear and the head, whole under a row-parallel one,
 #: whose weight's norms DTensor sums over tp); DoRA on Linears kept whole on every rank, their adapters and magnitudes
 #: whole beside them, their gradients summed over tp: Qwen2-MoE's shared expert's gate (on the MoE block's flattened
-#: tokens, run on plain values) and Gemma 4's router's projection (on the sequence's share, as DTensors)
+#: tokens, run on plain values) and Gemma 4's router's projection (on the sequence's share, as DTensors); DeepSeek-V3's
+#: latent attention as DoRA (its down-projections whole, its up-projections' lora_B and magnitudes by heads, run on
+#: plain values; dropouts of probability 0, as GPT-2's)
 LORA = ("llama-lora-saved", "gpt2-lora-dora-p0", "phi3-kv1-lora-dora", "gpt_neox-lora", "gpt2-vocab61-lora-tokens",
-        "gemma3-vocab61-lora-head-dora", "qwen2_moe-lora-dora", "gemma4_moe-lora-dora")
+        "gemma3-vocab61-lora-head-dora", "qwen2_moe-lora-dora", "gemma4_moe-lora-dora", "deepseek_v3-lora-dora-p0")
 #: the families data parallelism trains (FAMILIES but Mistral, Llama's structure under its own classes)
 DATA_FAMILIES = tuple(family for family in FAMILIES if family != "mistral")
 
@@ -306,9 +308,10 @@ def resume_across(out: Path, family: str, layout: str) -> None:
 
 def lora_dropout(out: Path) -> None:
     """Llama with LoRA dropout (0.5) trained under tp2 with sequence parallelism, whose tp ranks draw from streams
-    of their own, 3 steps, and again with every block recomputed. Saved to ``lora-dropout.pt``: each column-parallel
-    (q_proj) and row-parallel (o_proj) adapter's first dropped-values mask on each rank, and whether the two runs end
-    on the same weights (recomputation replays the masks)."""
+    of their own, 3 steps, and again with every block recomputed; DeepSeek-V3 so, 3 steps. Saved to
+    ``lora-dropout.pt``: each rank's first dropped-values mask of Llama's column-parallel (q_proj) and row-parallel
+    (o_proj) adapters and of DeepSeek-V3's latent attention's down-projection (q_a_proj) and up-projection
+    (kv_b_proj), and whether Llama's two runs end on the same weights (recomputation replays the masks)."""
     from lightning.pytorch.callbacks import Callback
 
     from meshlight.callbacks import ActivationCheckpointing
@@ -322,17 +325,21 @@ def lora_dropout(out: Path) -> None:
         return hook
 
     class Masks(Callback):
+        def __init__(self, projections: tuple[str, ...]) -> None:
+            self.projections = projections
+
         def on_train_start(self, trainer: object, module: torch.nn.Module) -> None:
             layer = next(m for name, m in module.named_modules() if name.endswith("layers.0.self_attn"))
-            for projection in ("q_proj", "o_proj"):
+            for projection in self.projections:
                 getattr(layer, projection).lora_dropout["default"].register_forward_hook(keep(projection))
 
-    def train(*callbacks: object) -> dict:
+    def train(family: str, *callbacks: object) -> dict:
         return parity.train("adamw", strategy=ml.TensorParallelStrategy(tp=2), devices=2, data_parallel=1,
-                            model=lambda: lit_causal_lm("llama-lora-drop"), callbacks=callbacks, max_steps=3)
+                            model=lambda: lit_causal_lm(f"{family}-lora-drop"), callbacks=callbacks, max_steps=3)
 
-    plain = train(Masks())
-    recomputed = train(ActivationCheckpointing())
+    plain = train("llama", Masks(("q_proj", "o_proj")))
+    recomputed = train("llama", ActivationCheckpointing())
+    train("deepseek_v3", Masks(("q_a_proj", "kv_b_proj")))
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, masks)
     if torch.distributed.get_rank() == 0:
