@@ -274,13 +274,23 @@ ADAPTED_ROLES = ("colwise", "rowwise", "fused_colwise", "head", "replicate", "la
 
 def check_splittable_adapters(model: nn.Module, plan: Mapping[str, Any]) -> None:
     """Refuse, before anything is split, each LoRA layer of ``model`` that tensor parallelism's ``plan`` (name → role
-    or style) cannot split (:func:`check_splittable_adapter`), and rows trained (PEFT's ``trainable_token_indices``)
+    or style) cannot split (:func:`check_splittable_adapter`), DoRA on an embedding, and rows trained (PEFT's
+    ``trainable_token_indices``)
     of a module other than the token embedding and the LM head (roles ``embedding`` and ``head``)."""
     for name, module in model.named_modules():
         role = plan.get(name)
         role = role if role is None or isinstance(role, str) else type(role).__name__
         if role is not None and adapted_linear(module) is not None:
             check_splittable_adapter(name, module, role)
+        embedded = plan.get(f"{name}.base_layer")  # (a LoRA embedding is planned as it is: its base_layer's role)
+        if embedded is not None and getattr(module, "lora_embedding_A", None) and getattr(
+                module, "lora_magnitude_vector", None):
+            embedded = embedded if isinstance(embedded, str) else type(embedded).__name__
+            raise NotImplementedError(
+                f"{name} is DoRA on an embedding (PEFT's {type(module).__name__} with use_dora=True), which tensor"
+                f" parallelism does not split (its role {embedded!r}): use plain LoRA on it (its adapters stay whole"
+                " on every rank beside the split embedding), leave it out of the adapter's target_modules, or train"
+                " with tp=1 (data, ZeRO or pipeline parallelism).")
         if role not in (None, "embedding", "head") and trained_tokens(module) is not None:
             raise NotImplementedError(
                 f"{name} trains some of its rows (PEFT's trainable_token_indices), but tensor parallelism gives it the"

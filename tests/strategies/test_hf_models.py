@@ -297,8 +297,9 @@ def test_rows_peft_trains_are_planned_as_the_module_holding_them(method):
 
 
 def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_out():
-    """A LoRA variant other than DoRA (aLoRA), or rows trained (``trainable_token_indices``) of an embedding other
-    than the token embedding (a position table): refused before anything is split (the check
+    """A LoRA variant other than DoRA (aLoRA), DoRA on the token embedding, or rows trained
+    (``trainable_token_indices``) of an embedding other than the token embedding (a position table): refused before
+    anything is split (the check
     :func:`~meshlight.parallel.parallelize.parallelize` runs beside the plan's validation), naming the layer and the
     ways out; so is LoRA on an MoE layer's stacked experts (PEFT adapts them in place) stored in a layout meshlight
     does not split over tp, under tp (they would be kept whole on every tp rank), and LoRA on any other parameter
@@ -319,6 +320,13 @@ def test_lora_layers_tensor_parallelism_cannot_split_are_refused_naming_the_way_
                                                   r" adapter's target_modules .* use plain LoRA or DoRA, or train it"
                                                   r" with tp=1"):
         check_splittable_adapters(activated, model_plan(activated))
+    embedding = lit_causal_lm("llama")
+    embedding.model = peft.get_peft_model(embedding.model, peft.LoraConfig(r=4, target_modules=["embed_tokens"],
+                                                                           use_dora=True))
+    with pytest.raises(NotImplementedError, match=r"embed_tokens is DoRA on an embedding \(PEFT's Embedding with"
+                                                  r" use_dora=True\), which tensor parallelism does not split \(its"
+                                                  r" role 'embedding'\): use plain LoRA on it"):
+        check_splittable_adapters(embedding, model_plan(embedding))
     with pytest.raises(NotImplementedError, match=r"layers.0.mlp.experts is PEFT's LoRA on the parameters 'down_proj',"
                                                   r" 'gate_up_proj' of Qwen3MoeExperts, stacked experts in a layout"
                                                   r" meshlight does not split over the tp ranks .* fold expert"
