@@ -275,8 +275,8 @@ ADAPTED_ROLES = ("colwise", "rowwise", "fused_colwise", "head", "replicate", "la
 def check_splittable_adapters(model: nn.Module, plan: Mapping[str, Any]) -> None:
     """Refuse, before anything is split, each LoRA layer of ``model`` that tensor parallelism's ``plan`` (name → role
     or style) cannot split (:func:`check_splittable_adapter`), DoRA on an embedding, and rows trained (PEFT's
-    ``trainable_token_indices``)
-    of a module other than the token embedding and the LM head (roles ``embedding`` and ``head``)."""
+    ``trainable_token_indices``) of a module other than the token embedding and the LM head (roles ``embedding`` and
+    ``head``)."""
     for name, module in model.named_modules():
         role = plan.get(name)
         role = role if role is None or isinstance(role, str) else type(role).__name__

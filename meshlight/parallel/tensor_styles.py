@@ -178,8 +178,7 @@ class _LowRank:
             if placements is not None:
                 _distribute_parameters(mod, mesh, placements, self.src_data_rank)
 
-        for dora in getattr(module, "lora_magnitude_vector", {}).values():  # DoRA's B·A: of the split factors
-            dora.get_lora_weight = low_rank_update
+        _dora_update_of_factors(module)
         return distribute_module(
             module, device_mesh, partition,
             functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
@@ -261,6 +260,20 @@ def _gathered_parts(part: Tensor, mesh: DeviceMesh) -> Tensor:
     whole = part.new_empty(mesh.size() * part.numel())
     torch.distributed.all_gather_into_tensor(whole, part, group=mesh.get_group())
     return whole
+
+
+def _dora_update_of_factors(module: nn.Module) -> None:
+    """Have each DoRA adapter of a LoRA layer compute ``B·A`` as a product of the factors' weights, split or
+    replicated as they are: PEFT runs the factors on an identity matrix, a plain tensor that cannot meet DTensors."""
+    for dora in getattr(module, "lora_magnitude_vector", {}).values():
+        dora.get_lora_weight = low_rank_update
+
+
+#: a LoRA layer whose Linear's output rows are split (a fused projection's, a latent attention's up-projection's):
+#: its Linear's, each ``lora_B``'s and DoRA's magnitudes by rows, each ``lora_A`` whole (by the submodule's first name)
+_ROWS_WITH_ADAPTERS: dict[str, dict[str, Placement]] = {
+    "base_layer": {"weight": Shard(0), "bias": Shard(0)}, "lora_A": {"weight": Replicate(), "bias": Replicate()},
+    "lora_B": {"weight": Shard(0), "bias": Shard(0)}, "lora_magnitude_vector": {"weight": Shard(0)}}
 
 
 def _agreeing_dropouts(module: nn.Module, mesh: DeviceMesh) -> None:
@@ -380,7 +393,8 @@ class LowRankFused(FusedColwise):
     sharded by rows, gathered for the forward and computing this rank's rows of every part; each ``lora_A`` stays
     whole on every rank (its gradient, a partial sum over the ranks' rows, summed over tp). The layer's own forward
     adds the two on this rank's rows; ``lora_B``'s gather (rank × width values) is the one collective added. DoRA's
-    magnitudes are stored by rows as the Linear's output is, and scale this rank's rows (:func:`_fused_dora_forward`).
+    magnitudes are stored by rows as the Linear's output is, and scale this rank's rows (:func:`_fused_dora_forward`,
+    which gathers the Linear's weight, ``lora_B`` and the magnitudes again for its norms: three gathers more).
     ``agreed_dropout``: as :class:`LowRankColwise`'s."""
 
     def __init__(self, parts: tuple[int, ...], kv: Optional[tuple[int, int]] = None, *,
@@ -392,12 +406,9 @@ class LowRankFused(FusedColwise):
         rows = rows_of_rank(self.parts, self.kv, device_mesh.size(), device_mesh.get_local_rank())
         if self.agreed_dropout:
             _agreeing_dropouts(module, device_mesh)
-        by_rows = {"weight": Shard(0), "bias": Shard(0)}
 
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            whole = {"weight": Replicate(), "bias": Replicate()}
-            placements = {"base_layer": by_rows, "lora_A": whole, "lora_B": by_rows,
-                          "lora_magnitude_vector": by_rows}.get(name.split(".")[0])
+            placements = _ROWS_WITH_ADAPTERS.get(name.split(".")[0])
             if placements is not None:
                 _distribute_parameters(mod, mesh, placements, self.src_data_rank)
 
@@ -542,8 +553,7 @@ class LowRankReplicated(Replicated):
         super().__init__(name, over="sequence")
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for dora in getattr(module, "lora_magnitude_vector", {}).values():
-            dora.get_lora_weight = low_rank_update
+        _dora_update_of_factors(module)
         return super()._apply(module, device_mesh)
 
 
@@ -670,13 +680,11 @@ class LowRankOnLocalWeights(OnLocalWeights):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.agreed_dropout:
             _agreeing_dropouts(module, device_mesh)
-        by_rows = {"weight": Shard(0), "bias": Shard(0)}
 
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             if not self.sharded:
                 return _replicate_parameters(name, mod, mesh)
-            placements = {"base_layer": by_rows, "lora_A": {"weight": Replicate(), "bias": Replicate()},
-                          "lora_B": by_rows, "lora_magnitude_vector": by_rows}.get(name.split(".")[0])
+            placements = _ROWS_WITH_ADAPTERS.get(name.split(".")[0])
             if placements is not None:
                 _distribute_parameters(mod, mesh, placements, self.src_data_rank)
 
